@@ -1,0 +1,228 @@
+"""checkpoint.py: save and load a run, in Megatron Bridge's layout.
+
+    SAVE/
+      iter_0000100/
+        run_config.yaml                the resolved config (readable; `--config-file` takes it back)
+        train_state.pt                 step, consumed/skipped samples, FLOPs so far
+        rng/rank_00000.pt ...          each rank's python/numpy/torch(/cuda) RNG states
+        torch_dist format (GPU):       megatron-core dist_checkpointing shards (reshardable TP/PP/DP)
+        torch format (CPU):            mp_rank_00/model_optim_rng.pt, one per tensor/pipeline rank
+      latest_train_state.pt            copy of the newest train_state.pt
+      latest_checkpointed_iteration.txt
+
+A checkpoint is complete or invisible: every rank writes its files, all ranks meet at a barrier, and
+only then does rank 0 write the two `latest_*` files (each written aside and renamed into place).
+A process killed mid-save leaves the tracker pointing at the previous complete checkpoint.
+"""
+
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+from megatron.core import parallel_state
+
+import config as config_lib
+from model import unwrap
+
+TRACKER = "latest_checkpointed_iteration.txt"
+LATEST_TRAIN_STATE = "latest_train_state.pt"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the path and the problem."""
+
+
+def iter_dir(save: str, iteration: int) -> str:
+    return os.path.join(save, f"iter_{iteration:07d}")
+
+
+def _mp_file(directory: str) -> str:
+    """Megatron's legacy torch layout: mp_rank_TT (plus _PPP with pipeline parallelism)."""
+    tp, pp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    name = f"mp_rank_{tp:02d}" if parallel_state.get_pipeline_model_parallel_world_size() == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
+    return os.path.join(directory, name, "model_optim_rng.pt")
+
+
+def _atomic_save(obj, path: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _atomic_write_text(text: str, path: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+def _load(path: str, what: str):
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: missing ({what}); the checkpoint is incomplete — load an older iteration with --ckpt-step")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, corrupt, or not a torch file
+        raise CheckpointError(f"{path}: cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+                              f"the file is corrupt — load an older iteration with --ckpt-step") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# RNG states
+# --------------------------------------------------------------------------------------------------
+
+
+def get_rng_state(use_gpu: bool) -> dict:
+    """This rank's generator states, as tensors and plain values (so weights_only loading reads them)."""
+    np_state = np.random.get_state()
+    state = {"random": random.getstate(), "np_keys": torch.from_numpy(np_state[1].astype(np.int64)),
+             "np_pos": int(np_state[2]), "np_gauss": (int(np_state[3]), float(np_state[4])),
+             "torch": torch.get_rng_state()}
+    if use_gpu:
+        from megatron.core import tensor_parallel
+
+        state["cuda"] = torch.cuda.get_rng_state()
+        state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return state
+
+
+def set_rng_state(state: dict, use_gpu: bool) -> None:
+    random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["random"]))
+    np.random.set_state(("MT19937", state["np_keys"].numpy().astype(np.uint32), state["np_pos"], *state["np_gauss"]))
+    torch.set_rng_state(state["torch"])
+    if use_gpu and "cuda" in state:
+        from megatron.core import tensor_parallel
+
+        torch.cuda.set_rng_state(state["cuda"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Save
+# --------------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
+    """Write iter_{step}/ for the current step on every rank, then publish it. Returns its directory."""
+    cfg, ts = state.cfg, state.train_state
+    ck = cfg.checkpoint
+    rank = torch.distributed.get_rank()
+    directory = iter_dir(ck.save, ts.step)
+    if rank == 0:
+        if os.path.isdir(directory):  # left by an earlier, unpublished attempt at this step
+            shutil.rmtree(directory)
+        os.makedirs(os.path.join(directory, "rng"))
+    torch.distributed.barrier()
+
+    if ck.ckpt_format == "torch_dist":
+        from megatron.core import dist_checkpointing
+
+        sharded = {"model": unwrap(model[0]).sharded_state_dict()}
+        if ck.save_optim:
+            sharded["optimizer"] = optimizer.sharded_state_dict(sharded["model"])
+        sharded["opt_param_scheduler"] = scheduler.state_dict()
+        dist_checkpointing.save(sharded, directory)
+    elif parallel_state.get_data_parallel_rank() == 0:
+        # Data-parallel replicas hold identical weights and optimizer state: one copy per TP/PP rank.
+        payload = {"model": unwrap(model[0]).state_dict(), "opt_param_scheduler": scheduler.state_dict(),
+                   "iteration": ts.step}
+        if ck.save_optim:
+            payload["optimizer"] = optimizer.state_dict()
+        os.makedirs(os.path.dirname(_mp_file(directory)), exist_ok=True)
+        _atomic_save(payload, _mp_file(directory))
+    if ck.save_rng:
+        _atomic_save(get_rng_state(cfg.use_gpu), os.path.join(directory, "rng", f"rank_{rank:05d}.pt"))
+
+    torch.distributed.barrier()  # every rank's files are on disk
+    if rank == 0:
+        _atomic_write_text(config_lib.to_yaml(cfg), os.path.join(directory, "run_config.yaml"))
+        _atomic_save(ts.state_dict(), os.path.join(directory, "train_state.pt"))
+        _atomic_save(ts.state_dict(), os.path.join(ck.save, LATEST_TRAIN_STATE))
+        _atomic_write_text(str(ts.step), os.path.join(ck.save, TRACKER))  # published: last write of all
+    torch.distributed.barrier()
+    return directory
+
+
+# --------------------------------------------------------------------------------------------------
+# Load
+# --------------------------------------------------------------------------------------------------
+
+
+def resolve_load_dir(load: str, ckpt_step=None):
+    """The iter_* directory that `--load` (and `--ckpt-step`) name, or None when there is none yet.
+
+    `load` may be a save directory (its tracker names the newest iteration) or one iter_* directory.
+    A save directory that does not exist or holds no tracker means "nothing to resume": the first
+    run of `--save X --load X`.
+    """
+    if os.path.basename(os.path.normpath(load)).startswith("iter_") and ckpt_step is None:
+        if not os.path.isdir(load):
+            raise CheckpointError(f"--load {load}: no such directory")
+        return load
+    if ckpt_step is not None:
+        directory = iter_dir(load, ckpt_step)
+        if not os.path.isdir(directory):
+            raise CheckpointError(f"--ckpt-step {ckpt_step}: {directory} does not exist")
+        return directory
+    tracker = os.path.join(load, TRACKER)
+    if not os.path.isfile(tracker):
+        return None
+    text = open(tracker).read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{tracker}: expected an iteration number, found {text[:40]!r}; "
+                              f"fix the file or pass --ckpt-step")
+    directory = iter_dir(load, int(text))
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{tracker} names iteration {text} but {directory} does not exist; "
+                              f"pass --ckpt-step with an iteration that exists")
+    return directory
+
+
+def load_checkpoint(state, model: list, optimizer, scheduler, path: str, finetune: bool = False) -> bool:
+    """Restore a run from `path` (--load, or --pretrained-checkpoint with finetune=True).
+    Returns False, changing nothing, when a --load directory holds no checkpoint yet.
+
+    With finetune only the weights are read and the run starts at iteration 0.
+    """
+    from metrics import print_rank_0
+
+    cfg, ts = state.cfg, state.train_state
+    ck = cfg.checkpoint
+    directory = resolve_load_dir(path, None if finetune else ck.ckpt_step)
+    if directory is None:
+        if finetune:
+            raise CheckpointError(f"--pretrained-checkpoint {path}: no {TRACKER} and not an iter_* directory")
+        print_rank_0(f" no checkpoint to resume in {path} (no {TRACKER}): training from scratch")
+        return False
+    load_optim = ck.load_optim and not finetune
+    if ck.ckpt_format == "torch_dist" or not os.path.exists(os.path.join(directory, "mp_rank_00")) and \
+            os.path.exists(os.path.join(directory, "metadata.json")):
+        from megatron.core import dist_checkpointing
+
+        sharded = {"model": unwrap(model[0]).sharded_state_dict()}
+        if load_optim:
+            sharded["optimizer"] = optimizer.sharded_state_dict(sharded["model"], is_loading=True)
+        sharded["opt_param_scheduler"] = scheduler.state_dict()
+        payload = dist_checkpointing.load(sharded, directory)
+    else:
+        payload = _load(_mp_file(directory), "model and optimizer of this tensor/pipeline rank")
+    try:
+        unwrap(model[0]).load_state_dict(payload["model"], strict=True)
+    except RuntimeError as e:
+        first = [line.strip() for line in str(e).splitlines() if line.strip()][1:2]
+        raise CheckpointError(f"{directory}: weights do not fit this model ({first[0] if first else e}); "
+                              f"check --num-layers/--hidden-size/... against {directory}/run_config.yaml") from None
+    if load_optim:
+        if "optimizer" not in payload:
+            raise CheckpointError(f"{directory}: saved without optimizer state (--no-save-optim); add --no-load-optim")
+        optimizer.load_state_dict(payload["optimizer"])
+    if not finetune:
+        if "opt_param_scheduler" in payload:
+            scheduler.load_state_dict(payload["opt_param_scheduler"])
+        ts.load_state_dict(_load(os.path.join(directory, "train_state.pt"), "training progress"))
+        rng_file = os.path.join(directory, "rng", f"rank_{torch.distributed.get_rank():05d}.pt")
+        if ck.load_rng and os.path.isfile(rng_file):
+            set_rng_state(_load(rng_file, "random number generator state"), cfg.use_gpu)
+    print_rank_0(f" loaded checkpoint {directory} at iteration {ts.step}" + (" (weights only)" if finetune else ""))
+    return True

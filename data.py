@@ -1,0 +1,252 @@
+"""data.py: tokenizers, the built-in corpus, megatron-core datasets, samplers and data iterators.
+
+Datasets are megatron-core's own: `GPTDataset` over indexed `.bin/.idx` files, or `MockGPTDataset`,
+built by `BlendedMegatronDatasetBuilder` for the train/validation/test splits. A sampler turns the
+number of samples already consumed into the next microbatch of this data-parallel rank, so a resumed
+run reads exactly what an uninterrupted one would have.
+"""
+
+import os
+
+import numpy as np
+import torch
+from megatron.core import parallel_state
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+from config import ConfigError, parse_data_path
+
+# --------------------------------------------------------------------------------------------------
+# Tokenizers: what megatron-core's datasets need of one is vocab_size, eod, pad and unique_identifiers
+# --------------------------------------------------------------------------------------------------
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: ids 0-255, then end-of-document. Nothing to download, any text encodes."""
+
+    def __init__(self):
+        self.eod = 256
+        self.pad = 257  # never produced by tokenize(); GPTDataset masks the loss where labels == pad
+        self.vocab_size = 258
+        self.unique_identifiers = {"class": "ByteTokenizer"}
+
+    def tokenize(self, text: str) -> list:
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, ids) -> str:
+        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
+
+class NullTokenizer:
+    """Token ids given as-is, as Megatron-LM's NullTokenizer: ids 0..vocab_size-1, then end-of-document."""
+
+    def __init__(self, vocab_size: int):
+        self.eod = vocab_size
+        self.pad = vocab_size + 1
+        self.vocab_size = vocab_size + 2
+        self.unique_identifiers = {"class": "NullTokenizer", "vocab_size": vocab_size}
+
+    def tokenize(self, text: str) -> list:
+        return [int(x) for x in text.split()]
+
+    def detokenize(self, ids) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+def build_tokenizer(cfg):
+    tk = cfg.tokenizer
+    return NullTokenizer(tk.vocab_size) if tk.tokenizer_type == "NullTokenizer" else ByteTokenizer()
+
+
+# --------------------------------------------------------------------------------------------------
+# The built-in corpus: CPython's own documentation, present offline on every machine
+# --------------------------------------------------------------------------------------------------
+
+
+def write_indexed_dataset(documents, tokenizer, prefix: str) -> str:
+    """Tokenize documents (strings) into PREFIX.bin/.idx, megatron-core's indexed format, one
+    end-of-document token after each. Files appear atomically (written aside, then renamed)."""
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    tmp = f"{prefix}.tmp{os.getpid()}"
+    builder = IndexedDatasetBuilder(tmp + ".bin", dtype=np.int32 if tokenizer.vocab_size > 65500 else np.uint16)
+    for text in documents:
+        builder.add_item(torch.tensor(tokenizer.tokenize(text) + [tokenizer.eod]))
+        builder.end_document()
+    builder.finalize(tmp + ".idx")
+    os.replace(tmp + ".bin", prefix + ".bin")
+    os.replace(tmp + ".idx", prefix + ".idx")
+    return prefix
+
+
+def builtin_corpus_prefix(cfg) -> str:
+    """The default training text: the topic pages of CPython's bundled documentation (`pydoc_data`,
+    ~465 kB of English prose and code), byte-tokenized into an indexed dataset on first use."""
+    import pydoc_data.topics
+
+    cache = cfg.dataset.data_cache_path or os.path.join(os.path.expanduser("~"), ".cache", "train-py")
+    prefix = os.path.join(cache, "pydoc_topics_text_document")
+    if torch.distributed.get_rank() == 0 and not os.path.exists(prefix + ".idx"):
+        # One document per paragraph: ~2,600 of them, enough that a 969,30,1 split leaves every set non-empty.
+        topics = pydoc_data.topics.topics
+        paragraphs = [p for k in sorted(topics) for p in topics[k].split("\n\n") if p.strip()]
+        write_indexed_dataset(paragraphs, ByteTokenizer(), prefix)
+    torch.distributed.barrier()
+    return prefix
+
+
+# --------------------------------------------------------------------------------------------------
+# Datasets
+# --------------------------------------------------------------------------------------------------
+
+
+def train_valid_test_num_samples(cfg) -> list:
+    """Samples each split must supply: every training step, every evaluation, one final test."""
+    t = cfg.train
+    evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters
+    return [t.train_iters * t.global_batch_size, evals * t.global_batch_size, t.eval_iters * t.global_batch_size]
+
+
+def build_datasets(cfg, tokenizer) -> list:
+    """Train, validation and test datasets through megatron-core's BlendedMegatronDatasetBuilder."""
+    d = cfg.dataset
+    blend, blend_per_split = None, None
+    if d.train_data_path or d.valid_data_path or d.test_data_path:
+        blend_per_split = [parse_data_path(p) if p else None for p in (d.train_data_path, d.valid_data_path, d.test_data_path)]
+    elif d.data_path:
+        blend = parse_data_path(d.data_path)
+    elif not d.mock_data:
+        blend = ([builtin_corpus_prefix(cfg)], None)
+    config = GPTDatasetConfig(
+        random_seed=cfg.rng.seed,
+        sequence_length=cfg.model.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=d.split if blend is not None else None,
+        path_to_cache=d.data_cache_path,
+        tokenizer=tokenizer,
+        reset_position_ids=d.reset_position_ids,
+        reset_attention_mask=d.reset_attention_mask,
+        eod_mask_loss=d.eod_mask_loss,
+        # A causal mask need not be materialised: attention applies it; only document resets need one.
+        create_attention_mask=d.reset_attention_mask,
+    )
+    if blend is not None:
+        check_split_not_empty(blend[0], d.split, needed=[True, bool(cfg.train.eval_iters), bool(cfg.train.eval_iters)])
+    cls = MockGPTDataset if d.mock_data else GPTDataset
+    # Tensor-parallel ranks of one data-parallel rank read the same samples; megatron-core builds the
+    # index caches on global rank 0 first, then everywhere else.
+    return BlendedMegatronDatasetBuilder(cls, train_valid_test_num_samples(cfg), lambda: True, config).build()
+
+
+def split_document_ranges(num_documents: int, split: str) -> list:
+    """Document index ranges of the train/validation/test splits, as megatron-core's builder computes
+    them (`_get_split_indices`: cumulative rounding, the rounding error taken off the last bounds)."""
+    weights = [float(x) for x in split.replace("/", ",").split(",")]
+    weights = (weights + [0.0] * 3)[:3]
+    weights = [w / sum(weights) for w in weights]
+    bounds = [0]
+    for w in weights:
+        bounds.append(bounds[-1] + int(round(w * num_documents)))
+    excess = bounds[-1] - num_documents
+    bounds = [bounds[0]] + [b - excess for b in bounds[1:]]
+    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+
+
+def check_split_not_empty(prefixes: list, split: str, needed=(True, True, True)) -> None:
+    """A split that gets no documents would make megatron-core's GPTDataset loop forever looking for
+    tokens; refuse it with a clear message instead."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    for prefix in prefixes:
+        n = len(IndexedDataset(prefix).document_indices) - 1
+        for name, (lo, hi), need in zip(("train", "validation", "test"), split_document_ranges(n, split), needed):
+            if need and hi <= lo:
+                raise ConfigError(f"--split {split} leaves the {name} set of {prefix} empty ({n} documents); "
+                                 f"give it a larger share, or use --eval-iters 0 to skip evaluation")
+
+
+# --------------------------------------------------------------------------------------------------
+# Samplers and iterators
+# --------------------------------------------------------------------------------------------------
+
+
+class MegatronPretrainingSampler:
+    """Megatron-LM's pretraining sampler: walks the dataset in order from `consumed_samples`, each
+    global batch of micro_batch_size x data_parallel_size samples split evenly over DP ranks."""
+
+    def __init__(self, total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size):
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.rank, self.size = data_parallel_rank, data_parallel_size
+
+    def __len__(self):
+        return self.total_samples
+
+    def __iter__(self):
+        step = self.micro_batch_size * self.size
+        start = self.rank * self.micro_batch_size
+        for first in range(self.consumed_samples, self.total_samples - step + 1, step):
+            yield list(range(first + start, first + start + self.micro_batch_size))
+
+
+class MegatronPretrainingRandomSampler:
+    """Megatron-LM's cyclic sampler: each epoch a fresh permutation (seeded by seed + epoch), each DP rank
+    drawing from its own contiguous bucket; resumes mid-epoch from `consumed_samples`."""
+
+    def __init__(self, total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size, seed):
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.rank, self.size, self.seed = data_parallel_rank, data_parallel_size, seed
+        self.step = micro_batch_size * data_parallel_size
+        self.last_batch_size = total_samples % self.step
+
+    def __len__(self):
+        return self.total_samples
+
+    def __iter__(self):
+        active_total = self.total_samples - self.last_batch_size
+        while True:
+            epoch = self.consumed_samples // active_total
+            offset = self.consumed_samples % active_total
+            bucket_size = (self.total_samples // self.step) * self.micro_batch_size
+            bucket_offset = offset // self.size
+            g = torch.Generator()
+            g.manual_seed(self.seed + epoch)  # its own generator: the global RNG state is never touched
+            order = (torch.randperm(bucket_size, generator=g) + self.rank * bucket_size).tolist()
+            batch = []
+            for idx in order[bucket_offset:]:
+                batch.append(idx)
+                if len(batch) == self.micro_batch_size:
+                    self.consumed_samples += self.step
+                    yield batch
+                    batch = []
+            self.consumed_samples = (epoch + 1) * active_total
+
+
+def build_data_loader(dataset, consumed_samples: int, cfg, seed_offset: int = 0):
+    if dataset is None:
+        return None
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    mbs = cfg.train.micro_batch_size
+    if cfg.dataset.dataloader_type == "cyclic":
+        sampler = MegatronPretrainingRandomSampler(len(dataset), consumed_samples, mbs, dp_rank, dp_size,
+                                                   cfg.rng.seed + seed_offset)
+    else:
+        sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, mbs, dp_rank, dp_size)
+    workers = cfg.dataset.num_workers
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
+                                       pin_memory=cfg.use_gpu, persistent_workers=workers > 0)
+
+
+def build_data_iterators(cfg, tokenizer, train_state):
+    """(train, validation, test) iterators, resuming at the consumed sample counts of train_state."""
+    train_ds, valid_ds, test_ds = build_datasets(cfg, tokenizer)
+    loaders = [
+        build_data_loader(train_ds, train_state.consumed_train_samples, cfg),
+        build_data_loader(valid_ds, train_state.consumed_valid_samples, cfg, seed_offset=1),
+        build_data_loader(test_ds, 0, cfg, seed_offset=2),
+    ]
+    return [iter(dl) if dl is not None else None for dl in loaders]

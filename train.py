@@ -1,0 +1,560 @@
+"""train.py: pretrain a megatron-core GPT: `torchrun --nproc-per-node 2 train.py [Megatron-LM flags]`.
+
+The training loop of Megatron Bridge (`bridge.training.train`, `.pretrain`, `.utils.train_utils`),
+in one file that reads top to bottom in the order things happen:
+
+    1. parse and validate the flags            (config.py; before any heavy import)
+    2. state: TrainState and GlobalState
+    3. the forward-step API                     (prepare_forward_step_func and its detection rules)
+    4. setup: distributed init, model-parallel groups, seeds, model, optimizer, scheduler,
+              checkpoint, data iterators
+    5. the default forward step and its loss   (GPT language modelling, token-weighted)
+    6. train_step: one optimizer step over the microbatches of a global batch
+    7. evaluation
+    8. checkpoint-and-exit decisions
+    9. train: the loop
+   10. pretrain / finetune: the entry points
+
+The same code runs on a GPU (megatron-core DDP, optimizer, pipeline schedules, dist_checkpointing)
+and on a CPU (torch stand-ins over gloo); model.py is the one place that tells them apart.
+"""
+
+import sys
+
+import config as config_lib
+
+if __name__ == "__main__":
+    # Parse and validate before the imports below: `--help` and a bad flag answer in a fraction of a
+    # second instead of after megatron-core's ~8 s import, and no process starts work it cannot finish.
+    CLI_CONFIG = config_lib.parse_args(sys.argv[1:])
+
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+import inspect  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import time  # noqa: E402
+from datetime import timedelta  # noqa: E402
+from typing import Any, Callable, Optional  # noqa: E402
+
+import torch  # noqa: E402
+
+from model import (build_model, build_optimizer, get_forward_backward_func, padded_vocab_size,  # noqa: E402
+                   set_random_seed, wrap_model, zero_grad)  # first: it quiets megatron-core's import warnings
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
+
+import checkpoint  # noqa: E402
+import data  # noqa: E402
+import metrics  # noqa: E402
+from config import ConfigContainer  # noqa: E402
+from metrics import print_rank_0, print_rank_last  # noqa: E402
+
+# ==================================================================================================
+# 2. State
+# ==================================================================================================
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Progress of the run: what a checkpoint must carry to resume exactly."""
+
+    step: int = 0
+    consumed_train_samples: int = 0
+    skipped_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    floating_point_operations_so_far: float = 0.0
+
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for f in dataclasses.fields(self):
+            if f.name in state:
+                setattr(self, f.name, type(f.default)(state[f.name]))
+
+
+class GlobalState:
+    """Everything a run carries, passed explicitly (no process-global state): the config, the progress,
+    the timers, the TensorBoard writer (created on first use, on the last rank only), the signal handler."""
+
+    def __init__(self, cfg: ConfigContainer):
+        self.cfg = cfg
+        self.train_state = TrainState()
+        self.timers = metrics.Timers(cfg.logger.timing_log_level, cfg.use_gpu)
+        self.start_time = time.time()
+        self.signal_handler: Optional[DistributedSignalHandler] = None
+        self.padded_vocab_size: int = 0
+        self.exit_code: Optional[int] = None  # set when the loop stops early (signal, interval, NaN)
+        self._tensorboard_logger = None
+
+    @property
+    def tensorboard_logger(self):
+        if self._tensorboard_logger is None and self.cfg.logger.tensorboard_dir:
+            self._tensorboard_logger = metrics.tensorboard_writer(self.cfg)
+        return self._tensorboard_logger
+
+
+# ==================================================================================================
+# 3. The forward-step API (Megatron Bridge `train_utils`)
+# ==================================================================================================
+
+
+def needs_global_state_injection(forward_step_func: Callable) -> bool:
+    """Whether forward_step_func wants the GlobalState as its first argument.
+
+    1. Any parameter annotated `GlobalState` (the class, or the string under postponed annotations).
+    2. Otherwise, a first parameter named `state` or `global_state`.
+    Functors are inspected through their `__call__` (inspect.signature does that and drops `self`).
+    """
+    params = list(inspect.signature(forward_step_func).parameters.values())
+    for p in params:
+        annotation = p.annotation
+        name = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+        if annotation is GlobalState or name.split(".")[-1] == "GlobalState":
+            return True
+    return bool(params) and params[0].name in ("state", "global_state")
+
+
+def maybe_inject_state(forward_step_func: Callable, state: GlobalState, needs_injection: Optional[bool] = None) -> Callable:
+    """`functools.partial(forward_step_func, state)` if it wants the state, else forward_step_func itself.
+
+    The partial keeps a reference to the state, not a copy: later changes (the step count) are seen.
+    """
+    if needs_injection is None:
+        needs_injection = needs_global_state_injection(forward_step_func)
+    return functools.partial(forward_step_func, state) if needs_injection else forward_step_func
+
+
+def prepare_forward_step_func(forward_step_func: Callable, state: GlobalState) -> Callable:
+    """Inspect once and inject if needed: call at the start of train() or evaluate(), not per step."""
+    return maybe_inject_state(forward_step_func, state, needs_global_state_injection(forward_step_func))
+
+
+# ==================================================================================================
+# 4. Setup
+# ==================================================================================================
+
+
+def initialize_distributed(cfg: ConfigContainer) -> None:
+    """One process per device. torchrun sets RANK/WORLD_SIZE/MASTER_*; a plain `python train.py` is a
+    world of one. Then megatron-core's tensor/pipeline/context/data-parallel groups."""
+    if cfg.use_gpu and not torch.cuda.is_available():
+        raise config_lib.ConfigError("a GPU is visible but this torch cannot use it (a CPU-only build?); install a "
+                                     "CUDA build of torch, or train on CPU with CUDA_VISIBLE_DEVICES=''")
+    if cfg.use_gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    backend = cfg.dist.distributed_backend or ("nccl" if cfg.use_gpu else "gloo")
+    timeout = timedelta(minutes=cfg.dist.distributed_timeout_minutes)
+    if "RANK" in os.environ:
+        torch.distributed.init_process_group(backend, timeout=timeout)
+    else:
+        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1,
+                                             timeout=timeout)
+    m = cfg.model
+    parallel_state.initialize_model_parallel(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
+                                             context_parallel_size=m.context_parallel_size)
+
+
+def any_rank(flag: bool, cfg: ConfigContainer) -> bool:
+    """True on every rank if flag is True on any rank (one small all-reduce)."""
+    t = torch.tensor([int(flag)], device="cuda" if cfg.use_gpu else "cpu")
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
+
+
+class DistributedSignalHandler:
+    """Records that `sig` arrived (instead of dying), so the loop can save and exit cleanly on all ranks."""
+
+    def __init__(self, sig: signal.Signals):
+        self.sig, self.received = sig, False
+        self._previous = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+    def signals_received(self, cfg: ConfigContainer) -> bool:
+        return any_rank(self.received, cfg)
+
+    def release(self):
+        signal.signal(self.sig, self._previous)
+
+
+def build_scheduler(cfg: ConfigContainer, optimizer) -> OptimizerParamScheduler:
+    """megatron-core's scheduler; lengths are in samples (validate() converted them), stepped by the global batch."""
+    s, o = cfg.scheduler, cfg.optimizer
+    return OptimizerParamScheduler(
+        optimizer, init_lr=s.lr_warmup_init, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=s.lr_warmup_steps,
+        lr_decay_steps=s.lr_decay_steps, lr_decay_style=s.lr_decay_style, start_wd=s.start_weight_decay,
+        end_wd=s.end_weight_decay, wd_incr_steps=s.wd_incr_steps, wd_incr_style=s.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=s.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=s.override_opt_param_scheduler, wsd_decay_steps=s.wsd_decay_steps,
+        lr_wsd_decay_style=s.lr_wsd_decay_style,
+    )
+
+
+def setup(cfg: ConfigContainer):
+    """Everything before the first step. Returns (state, model, optimizer, scheduler, iterators)."""
+    initialize_distributed(cfg)
+    set_random_seed(cfg.rng.seed, cfg.use_gpu)
+    state = GlobalState(cfg)
+    if metrics.is_rank_0():
+        config_lib.print_config(cfg)
+    if cfg.train.exit_signal_handler:
+        state.signal_handler = DistributedSignalHandler(signal.Signals[cfg.train.exit_signal])
+
+    tokenizer = data.build_tokenizer(cfg)
+    m = cfg.model
+    state.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, m.make_vocab_size_divisible_by,
+                                                m.tensor_model_parallel_size)
+    model = build_model(cfg, tokenizer.vocab_size)
+    if parallel_state.get_data_parallel_rank() == 0:
+        print(f" > number of parameters on (tensor, pipeline) model parallel rank "
+              f"({parallel_state.get_tensor_model_parallel_rank()}, {parallel_state.get_pipeline_model_parallel_rank()}):"
+              f" {sum(p.numel() for chunk in model for p in chunk.parameters())}", flush=True)
+    model = wrap_model(cfg, model)
+    optimizer = build_optimizer(cfg, model)
+    scheduler = build_scheduler(cfg, optimizer)
+
+    # Resume this run's own checkpoint if --load holds one; otherwise start from pretrained weights if given.
+    ck = cfg.checkpoint
+    resumed = bool(ck.load) and checkpoint.load_checkpoint(state, model, optimizer, scheduler, ck.load, ck.finetune)
+    if not resumed and ck.pretrained_checkpoint:
+        checkpoint.load_checkpoint(state, model, optimizer, scheduler, ck.pretrained_checkpoint, finetune=True)
+    iterators = data.build_data_iterators(cfg, tokenizer, state.train_state)
+    return state, model, optimizer, scheduler, iterators
+
+
+# ==================================================================================================
+# 5. The default forward step: GPT language modelling
+# ==================================================================================================
+
+
+def get_batch(data_iterator, use_gpu: bool):
+    """Next microbatch: tokens, labels, loss mask, attention mask (None: causal), position ids."""
+    batch = next(data_iterator)
+    if use_gpu:
+        batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
+    return batch["tokens"], batch["labels"], batch["loss_mask"], batch.get("attention_mask"), batch["position_ids"]
+
+
+def masked_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Bridge's `losses.masked_token_loss`: the token-aware pattern (loss_sum, num_tokens, report).
+
+    The report is a `[sum, count]` pair, so train_step can average over every token of every
+    microbatch and data-parallel rank, weighting each by its number of tokens.
+    """
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.cat([loss.detach().view(1), num_tokens.detach().float().view(1)])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(state: GlobalState, data_iterator, model, return_schedule_plan: bool = False):
+    """Bridge's `gpt_step.forward_step`: a batch in, per-token losses out, and the loss function."""
+    timers = state.timers
+    timers("batch-generator", log_level=2).start()
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, state.cfg.use_gpu)
+    timers("batch-generator").stop()
+    output = model(tokens, position_ids, attention_mask, labels=labels)  # GPTModel returns losses given labels
+    return output, functools.partial(masked_token_loss, loss_mask)
+
+
+# ==================================================================================================
+# 6. One training step
+# ==================================================================================================
+
+
+def reduce_losses(losses_per_microbatch: list, cfg: ConfigContainer) -> dict:
+    """Reduce the loss functions' reports over microbatches and data-parallel ranks (Bridge train_step).
+
+    `[sum, count]` pairs: summed over microbatches and ranks, then sum / count (token-weighted mean).
+    Scalars (the legacy pattern): averaged over microbatches and ranks.
+    """
+    if not losses_per_microbatch:
+        return {}
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    device = "cuda" if cfg.use_gpu else "cpu"
+    reduced = {}
+    for key in losses_per_microbatch[0]:
+        values = [torch.as_tensor(x[key], device=device).detach().float().view(-1) for x in losses_per_microbatch]
+        if values[0].numel() == 2:
+            total = torch.stack(values).sum(dim=0)
+            torch.distributed.all_reduce(total, group=group)
+            reduced[key] = total[0] / total[1]
+        else:
+            mean = torch.cat(values).mean()
+            torch.distributed.all_reduce(mean, group=group)
+            reduced[key] = mean / torch.distributed.get_world_size(group)
+    return reduced
+
+
+def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, global_state: GlobalState):
+    """One optimizer step over the microbatches of a global batch.
+
+    Returns (loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm, num_zeros_in_grad).
+    """
+    cfg, timers = global_state.cfg, global_state.timers
+    zero_grad(model, optimizer)
+    forward_backward_func = get_forward_backward_func(cfg, model, optimizer)
+    losses = forward_backward_func(
+        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+        num_microbatches=cfg.num_microbatches, seq_length=cfg.model.seq_length,
+        micro_batch_size=cfg.train.micro_batch_size, decoder_seq_length=cfg.model.seq_length, forward_only=False,
+    )
+    timers("optimizer", log_level=1).start(barrier=False)
+    update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
+    timers("optimizer").stop()
+    # The scheduler counts samples: an overflowed (skipped) step does not advance it.
+    skipped_iter = 0 if update_successful else 1
+    if update_successful:
+        scheduler.step(increment=cfg.train.global_batch_size)
+
+    loss_dict = reduce_losses(losses, cfg) if parallel_state.is_pipeline_last_stage() else {}
+    should_exit, exit_code = False, 0
+    if cfg.train.check_for_nan_in_loss_and_grad:
+        bad = [k for k, v in loss_dict.items() if not math.isfinite(float(v))]
+        if cfg.model.pipeline_model_parallel_size > 1:  # only the last stage knows the loss
+            bad = ["loss"] if any_rank(bool(bad), cfg) else []
+        if bad:
+            print_rank_last(f"error: {', '.join(bad)} is NaN or Inf at iteration {global_state.train_state.step + 1}; "
+                            f"stopping without saving a checkpoint (lower --lr, raise --clip-grad or check the data)")
+            should_exit, exit_code = True, 1
+    return loss_dict, skipped_iter, False, should_exit, exit_code, grad_norm, num_zeros_in_grad
+
+
+# ==================================================================================================
+# 7. Evaluation
+# ==================================================================================================
+
+
+def evaluate(state: GlobalState, forward_step_func, data_iterator, model, process_non_loss_data_func,
+             config: ConfigContainer, verbose: bool = False, non_loss_data_func=None):
+    """Forward-only over --eval-iters global batches. Returns (losses, collected non-loss data, timelimit_hit)."""
+    forward_step_func = prepare_forward_step_func(forward_step_func, state)
+    for m in model:
+        m.eval()
+    reports = []
+    forward_backward_func = get_forward_backward_func(config, model, None)
+    with torch.no_grad():
+        for i in range(config.train.eval_iters):
+            if verbose:
+                print_rank_0(f" evaluating iteration {i + 1}/{config.train.eval_iters}")
+            reports += forward_backward_func(
+                forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                num_microbatches=config.num_microbatches, seq_length=config.model.seq_length,
+                micro_batch_size=config.train.micro_batch_size, decoder_seq_length=config.model.seq_length,
+                forward_only=True,
+            )
+            state.train_state.consumed_valid_samples += config.train.global_batch_size
+        collected = None
+        if non_loss_data_func is not None:
+            collected = non_loss_data_func(model)
+        elif process_non_loss_data_func is not None:
+            collected = forward_backward_func(
+                forward_step_func=forward_step_func, data_iterator=data_iterator, model=model, num_microbatches=1,
+                seq_length=config.model.seq_length, micro_batch_size=config.train.micro_batch_size,
+                decoder_seq_length=config.model.seq_length, forward_only=True, collect_non_loss_data=True,
+            )
+    for m in model:
+        m.train()
+    losses = reduce_losses(reports, config) if parallel_state.is_pipeline_last_stage() else {}
+    return {k: float(v) for k, v in losses.items()}, collected, False
+
+
+def evaluate_and_print_results(state: GlobalState, prefix: str, forward_step_func, data_iterator, model,
+                               config: ConfigContainer, verbose: bool = False, write_to_tensorboard: bool = True,
+                               process_non_loss_data_func=None, non_loss_data_func=None) -> dict:
+    """Evaluate, then print Megatron's validation block (loss and PPL) and write it to TensorBoard."""
+    timers = state.timers
+    timers("interval-time").stop()  # evaluation time is not training time
+    losses, collected, _ = evaluate(state, forward_step_func, data_iterator, model, process_non_loss_data_func,
+                                    config, verbose, non_loss_data_func)
+    writer = state.tensorboard_logger if write_to_tensorboard else None
+    ts = state.train_state
+    metrics.log_evaluation(prefix, losses, ts.step, ts.consumed_train_samples, writer,
+                           config.logger.log_validation_ppl_to_tensorboard)
+    if process_non_loss_data_func is not None and collected is not None and metrics.is_last_rank():
+        process_non_loss_data_func(collected, ts.step, writer)
+    timers("interval-time").start()
+    return losses
+
+
+# ==================================================================================================
+# 8. Checkpoint and exit decisions
+# ==================================================================================================
+
+
+def save_checkpoint_and_time(state: GlobalState, model, optimizer, opt_param_scheduler,
+                             num_floating_point_operations_so_far: float, checkpointing_context: dict,
+                             non_persistent_ckpt: bool = False, train_data_iterator=None) -> None:
+    """Save, timing the save and keeping it out of the iteration time (and so out of throughput)."""
+    timers = state.timers
+    timers("interval-time").stop(barrier=True)
+    timers("save-checkpoint").start(barrier=True)
+    directory = checkpoint.save_checkpoint(state, model, optimizer, opt_param_scheduler)
+    timers("save-checkpoint").stop(barrier=True)
+    checkpointing_context["last_saved_step"] = state.train_state.step
+    seconds = timers("save-checkpoint").elapsed()
+    print_rank_0(f" successfully saved checkpoint from iteration {state.train_state.step:7d} to {directory} "
+                 f"[ {seconds * 1000:.1f} ms ]")
+    timers("interval-time").start(barrier=True)
+
+
+def checkpoint_and_decide_exit(state: GlobalState, model, optimizer, opt_param_scheduler,
+                               num_floating_point_operations_so_far: float, checkpointing_context: dict,
+                               train_data_iterator) -> bool:
+    """After each step: save and/or stop, in Megatron's order.
+
+    1. a signal (--exit-signal-handler) on any rank: save, stop with exit code 0;
+    2. --save-interval: save;
+    3. --exit-duration-in-mins elapsed on any rank: save unless just saved, stop;
+    4. --exit-interval reached: save unless just saved, stop.
+    """
+    cfg, ts = state.cfg, state.train_state
+    save = cfg.checkpoint.save
+    args = (state, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far, checkpointing_context)
+
+    def save_unless_saved():
+        if save and checkpointing_context.get("last_saved_step") != ts.step:
+            save_checkpoint_and_time(*args, train_data_iterator=train_data_iterator)
+
+    if state.signal_handler is not None and state.signal_handler.signals_received(cfg):
+        save_unless_saved()
+        print_rank_0(f"exiting program after receiving {cfg.train.exit_signal} at iteration {ts.step}.")
+        state.exit_code = 0
+        return True
+    if save and cfg.checkpoint.save_interval and ts.step % cfg.checkpoint.save_interval == 0:
+        save_unless_saved()
+    if cfg.train.exit_duration_in_mins:
+        elapsed_minutes = (time.time() - state.start_time) / 60.0
+        if any_rank(elapsed_minutes > cfg.train.exit_duration_in_mins, cfg):
+            save_unless_saved()
+            print_rank_0(f"exiting program after {elapsed_minutes:.2f} minutes at iteration {ts.step}.")
+            state.exit_code = 0
+            return True
+    if cfg.train.exit_interval and ts.step % cfg.train.exit_interval == 0:
+        save_unless_saved()
+        torch.distributed.barrier()
+        print_rank_0(f"exiting program at iteration {ts.step}.")
+        state.exit_code = 0
+        return True
+    return False
+
+
+# ==================================================================================================
+# 9. The loop
+# ==================================================================================================
+
+
+def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, valid_data_iterator,
+          global_state: GlobalState, checkpointing_context: dict, process_non_loss_data_func=None,
+          non_loss_data_func=None) -> None:
+    """Train until --train-iters, evaluating every --eval-interval, logging every --log-interval,
+    saving and exiting as checkpoint_and_decide_exit says."""
+    cfg, ts, timers = global_state.cfg, global_state.train_state, global_state.timers
+    forward_step_func = prepare_forward_step_func(forward_step_func, global_state)
+    for m in model:
+        m.train()
+    total_loss_dict, history_wct, report_memory_flag = {}, [], True
+    flops_per_step = metrics.num_floating_point_operations(cfg, cfg.train.global_batch_size,
+                                                           global_state.padded_vocab_size)
+    print_rank_0(f" training from iteration {ts.step} to {cfg.train.train_iters} ...")
+    timers("interval-time", log_level=0).start(barrier=True)
+
+    while ts.step < cfg.train.train_iters:
+        loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm, num_zeros_in_grad = \
+            train_step(forward_step_func, train_data_iterator, model, optimizer, scheduler, global_state)
+        if should_exit:  # a NaN: stop before counting the step, so nothing poisoned is saved
+            global_state.exit_code = exit_code
+            break
+        ts.step += 1
+        ts.consumed_train_samples += cfg.train.global_batch_size
+        ts.skipped_train_samples += cfg.train.global_batch_size * skipped_iter
+        ts.floating_point_operations_so_far += flops_per_step
+
+        params_norm = metrics.calc_params_l2_norm(model) if cfg.logger.log_params_norm else None
+        report_memory_flag = metrics.training_log(
+            loss_dict, total_loss_dict, optimizer.param_groups[0]["lr"], None, float(optimizer.get_loss_scale()),
+            report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros_in_grad, cfg, global_state,
+            history_wct, model,
+        )
+        if cfg.train.eval_iters and valid_data_iterator is not None and ts.step % cfg.train.eval_interval == 0:
+            evaluate_and_print_results(global_state, f"iteration {ts.step}", forward_step_func, valid_data_iterator,
+                                       model, cfg, process_non_loss_data_func=process_non_loss_data_func,
+                                       non_loss_data_func=non_loss_data_func)
+        if checkpoint_and_decide_exit(global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
+                                      checkpointing_context, train_data_iterator):
+            break
+    timers("interval-time").stop()
+
+
+def _finish_train(global_state: GlobalState) -> None:
+    """Flush and close what the run opened; leave the process able to start another run."""
+    if global_state._tensorboard_logger is not None:
+        global_state._tensorboard_logger.close()
+    if global_state.signal_handler is not None:
+        global_state.signal_handler.release()
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+# ==================================================================================================
+# 10. Entry points
+# ==================================================================================================
+
+
+def pretrain(config: ConfigContainer, forward_step_func: Callable = forward_step,
+             process_non_loss_data_func=None, non_loss_data_func=None) -> GlobalState:
+    """Set up, train, save the final checkpoint, and evaluate on the validation and test sets.
+
+    `forward_step_func(data_iterator, model)` returns (output, loss_func); it may take the GlobalState
+    first (see needs_global_state_injection). Returns the GlobalState; `.exit_code` is non-zero if the
+    run stopped on a NaN.
+    """
+    state, model, optimizer, scheduler, (train_it, valid_it, test_it) = setup(config)
+    cfg, ts = state.cfg, state.train_state
+    checkpointing_context: dict = {"last_saved_step": ts.step if ts.step else None}
+    try:
+        if not cfg.train.skip_train and ts.step < cfg.train.train_iters:
+            train(forward_step_func, model, optimizer, scheduler, train_it, valid_it, state, checkpointing_context,
+                  process_non_loss_data_func, non_loss_data_func)
+        if state.exit_code is None:  # ran to the end: final save (unless just saved) and final evaluation
+            if cfg.checkpoint.save and ts.step > 0 and checkpointing_context.get("last_saved_step") != ts.step:
+                save_checkpoint_and_time(state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
+                                         checkpointing_context)
+            if cfg.train.eval_iters:
+                for name, iterator in (("validation", valid_it), ("test", test_it)):
+                    if iterator is not None:
+                        evaluate_and_print_results(state, f"iteration {ts.step} on {name} set", forward_step_func,
+                                                   iterator, model, cfg, process_non_loss_data_func=process_non_loss_data_func,
+                                                   non_loss_data_func=non_loss_data_func)
+    finally:
+        _finish_train(state)
+    return state
+
+
+def finetune(config: ConfigContainer, forward_step_func: Callable = forward_step,
+             process_non_loss_data_func=None, non_loss_data_func=None) -> GlobalState:
+    """pretrain() from a pretrained checkpoint: weights only, iteration 0 (as --finetune), unless
+    --load already holds this finetuning run's own checkpoint, which is then resumed."""
+    ck = config.checkpoint
+    if not ck.load and not ck.pretrained_checkpoint:
+        raise config_lib.ConfigError("finetune() needs --pretrained-checkpoint (weights to start from) or --load")
+    return pretrain(config, forward_step_func, process_non_loss_data_func, non_loss_data_func)
+
+
+def main(cfg: ConfigContainer) -> int:
+    try:
+        state = pretrain(cfg)
+    except (config_lib.ConfigError, checkpoint.CheckpointError) as e:
+        print(f"train.py: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return state.exit_code or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(CLI_CONFIG))

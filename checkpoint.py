@@ -219,7 +219,11 @@ def load_checkpoint(state, model: list, optimizer, scheduler, path: str, finetun
         optimizer.load_state_dict(payload["optimizer"])
     if not finetune:
         if "opt_param_scheduler" in payload:
-            scheduler.load_state_dict(payload["opt_param_scheduler"])
+            try:
+                scheduler.load_state_dict(payload["opt_param_scheduler"])
+            except AssertionError as e:  # megatron-core asserts that the flags' schedule matches the saved one
+                raise CheckpointError(f"{directory}: {e}; pass --override-opt-param-scheduler to follow the flags, or "
+                                      f"--use-checkpoint-opt-param-scheduler to keep the saved schedule") from None
         ts.load_state_dict(_load(os.path.join(directory, "train_state.pt"), "training progress"))
         rng_file = os.path.join(directory, "rng", f"rank_{torch.distributed.get_rank():05d}.pt")
         if ck.load_rng and os.path.isfile(rng_file):

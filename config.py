@@ -565,11 +565,11 @@ def _calculate_scheduler_steps(cfg: ConfigContainer) -> None:
         s.wd_incr_steps = t.train_iters * gbs
         s.wsd_decay_steps = s.lr_wsd_decay_iters * gbs if s.lr_wsd_decay_iters else None
         warmup = s.lr_warmup_iters * gbs
-    else:
-        s.lr_decay_steps = s.lr_decay_samples or t.train_samples
+    else:  # sample-based: the *-samples flags, or the *-iters ones converted at the global batch size
+        s.lr_decay_steps = s.lr_decay_samples or (s.lr_decay_iters * gbs if s.lr_decay_iters else t.train_samples)
         s.wd_incr_steps = t.train_samples
         s.wsd_decay_steps = s.lr_wsd_decay_iters * gbs if s.lr_wsd_decay_iters else None
-        warmup = s.lr_warmup_samples
+        warmup = s.lr_warmup_samples or s.lr_warmup_iters * gbs
     s.lr_warmup_steps = int(s.lr_warmup_fraction * s.lr_decay_steps) if s.lr_warmup_fraction is not None else warmup
     # A run shorter than its warmup would never decay; clamp so megatron-core's asserts hold.
     s.lr_decay_steps = max(s.lr_decay_steps, 1)

@@ -237,7 +237,10 @@ def build_data_loader(dataset, consumed_samples: int, cfg, seed_offset: int = 0)
     else:
         sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, mbs, dp_rank, dp_size)
     workers = cfg.dataset.num_workers
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
+    # Its own generator: a DataLoader otherwise draws its worker seed from the global torch RNG when
+    # iterated, which would shift the dropout stream of a resumed run by one draw (Megatron Bridge #5257).
+    generator = torch.Generator().manual_seed(cfg.rng.seed + seed_offset)
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers, generator=generator,
                                        pin_memory=cfg.use_gpu, persistent_workers=workers > 0)
 
 

@@ -1,0 +1,52 @@
+"""Shared helpers: launching real `torchrun` jobs of train.py, and one expensive run shared by many tests."""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--micro-batch-size", "2", "--lr", "3e-3", "--lr-warmup-iters", "2"]
+
+LOG_LINE = re.compile(
+    r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| "
+    r"elapsed time per iteration \(ms\): [\d.]+ \| learning rate: [\d.E+-]+ \| global batch size: +(\d+) \| "
+    r"lm loss: ([\d.E+-]+) \| loss scale: [\d.]+ \| grad norm: [\d.]+ \| "
+    r"number of skipped iterations: +(\d+) \| number of nan iterations: +(\d+) \|$", re.M)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(args, nproc=2, script="train.py", timeout=300):
+    """Run `torchrun --nproc-per-node nproc script args` from the repository root; return the CompletedProcess."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
+           script, *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def log_lines(stdout: str) -> list:
+    """(iteration, consumed samples, global batch, lm loss, skipped, nan) of each Megatron log line."""
+    return [(int(m[0]), int(m[2]), int(m[3]), float(m[4]), int(m[5]), int(m[6])) for m in LOG_LINE.findall(stdout)]
+
+
+@pytest.fixture(scope="session")
+def mock_run(tmp_path_factory):
+    """One 2-rank CPU run on megatron-core's mock data, inspected by several tests."""
+    out = tmp_path_factory.mktemp("mock_run")
+    args = [*TINY, "--mock-data", "--train-iters", "30", "--global-batch-size", "8", "--log-interval", "5",
+            "--eval-interval", "10", "--eval-iters", "2", "--tensorboard-dir", str(out / "tb"),
+            "--save", str(out / "ckpt"), "--save-interval", "15", "--data-cache-path", str(out / "cache")]
+    proc = torchrun(args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return dict(dir=out, stdout=proc.stdout, stderr=proc.stderr, args=args)

@@ -351,7 +351,10 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator, model, n
                 loss = loss / num_microbatches
             store.append(reported)
             if not forward_only:
-                loss.backward()
+                # Backward under autocast too: megatron-core's linear layers are custom autograd functions
+                # whose backward matmuls mix the bf16 output gradient with the fp32 weight otherwise.
+                with autocast():
+                    loss.backward()
     return store
 
 

@@ -1,0 +1,92 @@
+"""model.py on CPU: the SDPA core attention, RoPE kept on the CPU, and the GPT variants the flags select."""
+
+import math
+
+import pytest
+import torch
+
+import config
+
+
+@pytest.fixture
+def groups():
+    from megatron.core import parallel_state
+
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+def reference_attention(q, k, v):
+    """softmax(q k^T / sqrt(d) + causal mask) v, written out, key/value heads repeated for GQA. [s, b, h, d] in."""
+    s, b, h, d = q.shape
+    k = k.repeat_interleave(h // k.shape[2], dim=2)
+    v = v.repeat_interleave(h // v.shape[2], dim=2)
+    scores = torch.einsum("sbhd,tbhd->bhst", q, k) / math.sqrt(d)
+    scores = scores.masked_fill(torch.triu(torch.ones(s, s, dtype=torch.bool), 1), float("-inf"))
+    return torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), v).reshape(s, b, h * d)
+
+
+def test_sdpa_attention_is_causal_attention_with_gqa(groups):
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from model import SDPAttention, transformer_config
+
+    cfg = config.parse_args(["--attention-dropout", "0", "--num-query-groups", "2"], world_size=1, gpu=False)
+    attention = SDPAttention(transformer_config(cfg), 1, AttnMaskType.causal)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(16, 2, 4, 64), torch.randn(16, 2, 2, 64), torch.randn(16, 2, 2, 64)
+    torch.testing.assert_close(attention(q, k, v, None), reference_attention(q, k, v), rtol=1e-5, atol=1e-5)
+    # An explicit megatron mask (True = masked out) gives the same result as the implicit causal one.
+    mask = torch.triu(torch.ones(16, 16, dtype=torch.bool), 1)[None, None]
+    torch.testing.assert_close(attention(q, k, v, mask), reference_attention(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("flags", [
+    ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear"],
+    ["--num-query-groups", "2", "--untie-embeddings-and-output-weights"],
+    ["--bf16"],
+])
+def test_gpt_variants_train_on_cpu(groups, flags):
+    from model import TorchOptimizer, build_model, get_forward_backward_func
+
+    cfg = config.parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                             "--seq-length", "32", "--hidden-dropout", "0", "--attention-dropout", "0", *flags],
+                            world_size=1, gpu=False)
+    torch.manual_seed(0)
+    model = build_model(cfg, vocab_size=100)
+    gpt = model[0]
+    assert (gpt.output_layer.weight is None) == (not cfg.model.untie_embeddings_and_output_weights)
+    optimizer = TorchOptimizer(cfg, model)
+    tokens = torch.arange(32).repeat(2, 1) % 50
+    batch = dict(tokens=tokens, labels=(tokens + 1) % 50, position_ids=torch.arange(32).repeat(2, 1))
+
+    def forward_step(data_iterator, m):
+        out = m(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        return out, lambda o: (o.float().mean(), {"lm loss": o.float().mean().detach()})
+
+    fbf = get_forward_backward_func(cfg, model, optimizer)
+    losses = []
+    for _ in range(8):
+        optimizer.zero_grad()
+        losses.append(fbf(forward_step_func=forward_step, data_iterator=iter([]), model=model,
+                          num_microbatches=1)[0]["lm loss"].item())
+        ok, grad_norm, _ = optimizer.step()
+        assert ok and grad_norm > 0
+    assert losses[-1] < losses[0]
+    if "--position-embedding-type" in flags:
+        assert gpt.rotary_pos_emb.inv_freq.device.type == "cpu"
+
+
+def test_no_weight_decay_on_biases_and_norms(groups):
+    from model import TorchOptimizer, build_model
+
+    cfg = config.parse_args(["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4"],
+                            world_size=1, gpu=False)
+    model = build_model(cfg, vocab_size=100)
+    decay, no_decay = TorchOptimizer(cfg, model).param_groups
+    assert decay["wd_mult"] == 1.0 and no_decay["wd_mult"] == 0.0
+    assert all(p.ndim >= 2 for p in decay["params"]) and all(p.ndim == 1 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model[0].parameters()))

@@ -24,7 +24,7 @@ import torch
 from megatron.core import parallel_state
 
 import config as config_lib
-from model import unwrap
+from model import any_rank, unwrap
 
 TRACKER = "latest_checkpointed_iteration.txt"
 LATEST_TRAIN_STATE = "latest_train_state.pt"
@@ -140,8 +140,21 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
         _atomic_save(ts.state_dict(), os.path.join(directory, "train_state.pt"))
         _atomic_save(ts.state_dict(), os.path.join(ck.save, LATEST_TRAIN_STATE))
         _atomic_write_text(str(ts.step), os.path.join(ck.save, TRACKER))  # published: last write of all
+        if ck.most_recent_k > 0:
+            prune_old_checkpoints(ck.save, ts.step, ck.most_recent_k)
     torch.distributed.barrier()
     return directory
+
+
+def prune_old_checkpoints(save: str, latest: int, keep: int) -> None:
+    """Delete all but the newest `keep` iter_* directories, only after `latest` is published. Each is
+    first renamed out of the iter_* namespace, so a kill mid-delete never leaves a half checkpoint that
+    --ckpt-step could name."""
+    steps = sorted(int(n[5:]) for n in os.listdir(save) if n.startswith("iter_") and n[5:].isdigit())
+    for step in [s for s in steps if s <= latest][:-keep]:
+        doomed = os.path.join(save, f"deleting_iter_{step:07d}")
+        os.replace(iter_dir(save, step), doomed)
+        shutil.rmtree(doomed)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -183,8 +196,20 @@ def load_checkpoint(state, model: list, optimizer, scheduler, path: str, finetun
     """Restore a run from `path` (--load, or --pretrained-checkpoint with finetune=True).
     Returns False, changing nothing, when a --load directory holds no checkpoint yet.
 
-    With finetune only the weights are read and the run starts at iteration 0.
+    With finetune only the weights are read and the run starts at iteration 0. If any rank cannot
+    load its part, every rank raises CheckpointError: no rank goes on to wait for the others forever.
     """
+    error = None
+    try:
+        loaded = _load_checkpoint(state, model, optimizer, scheduler, path, finetune)
+    except CheckpointError as e:
+        error, loaded = e, False
+    if any_rank(error is not None, state.cfg.use_gpu):
+        raise error or CheckpointError(f"{path}: another rank could not load its part of the checkpoint (see its error)")
+    return loaded
+
+
+def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
     from metrics import print_rank_0
 
     cfg, ts = state.cfg, state.train_state
@@ -196,8 +221,11 @@ def load_checkpoint(state, model: list, optimizer, scheduler, path: str, finetun
         print_rank_0(f" no checkpoint to resume in {path} (no {TRACKER}): training from scratch")
         return False
     load_optim = ck.load_optim and not finetune
-    if ck.ckpt_format == "torch_dist" or not os.path.exists(os.path.join(directory, "mp_rank_00")) and \
-            os.path.exists(os.path.join(directory, "metadata.json")):
+    saved_format = "torch_dist" if os.path.isfile(os.path.join(directory, "metadata.json")) else "torch"
+    if saved_format != ck.ckpt_format:
+        raise CheckpointError(f"{directory}: saved in {saved_format} format but this run uses --ckpt-format "
+                              f"{ck.ckpt_format}" + ("; torch_dist checkpoints load on a GPU" if not cfg.use_gpu else ""))
+    if saved_format == "torch_dist":
         from megatron.core import dist_checkpointing
 
         sharded = {"model": unwrap(model[0]).sharded_state_dict()}
@@ -225,8 +253,13 @@ def load_checkpoint(state, model: list, optimizer, scheduler, path: str, finetun
                 raise CheckpointError(f"{directory}: {e}; pass --override-opt-param-scheduler to follow the flags, or "
                                       f"--use-checkpoint-opt-param-scheduler to keep the saved schedule") from None
         ts.load_state_dict(_load(os.path.join(directory, "train_state.pt"), "training progress"))
-        rng_file = os.path.join(directory, "rng", f"rank_{torch.distributed.get_rank():05d}.pt")
-        if ck.load_rng and os.path.isfile(rng_file):
+        rng_dir = os.path.join(directory, "rng")
+        saved_ranks = len(os.listdir(rng_dir)) if os.path.isdir(rng_dir) else 0
+        if ck.load_rng and saved_ranks == torch.distributed.get_world_size():
+            rng_file = os.path.join(rng_dir, f"rank_{torch.distributed.get_rank():05d}.pt")
             set_rng_state(_load(rng_file, "random number generator state"), cfg.use_gpu)
+        elif ck.load_rng and saved_ranks:
+            print_rank_0(f" {directory} was saved by {saved_ranks} ranks, this run has "
+                         f"{torch.distributed.get_world_size()}: random states start afresh from --seed")
     print_rank_0(f" loaded checkpoint {directory} at iteration {ts.step}" + (" (weights only)" if finetune else ""))
     return True

@@ -113,6 +113,8 @@ class TrainingConfig:
     exit_duration_in_mins: Optional[float] = arg(None, "Exit (saving a checkpoint) after this many minutes of training.")
     exit_signal_handler: bool = arg(False, "On --exit-signal (SIGTERM by default) on any rank: save a checkpoint and exit 0.")
     exit_signal: str = arg("SIGTERM", "Signal that --exit-signal-handler catches.")
+    iterations_to_skip: Optional[list[int]] = arg(
+        None, "Iterations (numbered as in the log line) to skip: their data is consumed, no step is taken.")
     check_for_nan_in_loss_and_grad: bool = arg(
         True, "Stop the run when the loss is NaN or Inf.", flag="--no-check-for-nan-in-loss-and-grad"
     )
@@ -170,13 +172,13 @@ class SchedulerConfig:
 class DatasetConfig:
     """Where the tokens come from (Megatron's GPTDatasetConfig and DataloaderConfig)."""
 
-    data_path: Optional[list] = arg(
+    data_path: Optional[list[str]] = arg(
         None, "Indexed dataset prefixes (PREFIX.bin/.idx), optionally weighted: '0.7 A 0.3 B'. Default: a built-in corpus."
     )
     split: str = arg("969,30,1", "Train/validation/test proportions of --data-path.")
-    train_data_path: Optional[list] = arg(None, "Indexed dataset prefixes for training only (instead of --split).")
-    valid_data_path: Optional[list] = arg(None, "Indexed dataset prefixes for validation only.")
-    test_data_path: Optional[list] = arg(None, "Indexed dataset prefixes for testing only.")
+    train_data_path: Optional[list[str]] = arg(None, "Indexed dataset prefixes for training only (instead of --split).")
+    valid_data_path: Optional[list[str]] = arg(None, "Indexed dataset prefixes for validation only.")
+    test_data_path: Optional[list[str]] = arg(None, "Indexed dataset prefixes for testing only.")
     mock_data: bool = arg(False, "Train on megatron-core's synthetic MockGPTDataset.")
     data_cache_path: Optional[str] = arg(None, "Directory for the dataset index caches (and the built-in corpus).")
     dataloader_type: str = arg("single", "'single': one pass in order; 'cyclic': reshuffled passes.", choices=["single", "cyclic"])
@@ -226,6 +228,7 @@ class CheckpointConfig:
     pretrained_checkpoint: Optional[str] = arg(
         None, "Weights to start from when --load holds no checkpoint of this run: a save directory or an iter_* directory.")
     ckpt_step: Optional[int] = arg(None, "Load this iteration instead of the newest.")
+    most_recent_k: int = arg(-1, "Keep only the newest K checkpoints, deleting older ones after each save. -1 keeps all.")
     ckpt_format: Optional[str] = arg(
         None, "On-disk format. Default: torch_dist (megatron-core dist_checkpointing) on GPU, torch on CPU.",
         choices=["torch", "torch_dist"],
@@ -295,9 +298,11 @@ SECTIONS = ["model", "train", "optimizer", "scheduler", "dataset", "tokenizer", 
 
 
 def _base_type(tp):
-    """int for Optional[int]; list for Optional[list]."""
+    """int for Optional[int]; (list, str) for Optional[list[str]]."""
     if typing.get_origin(tp) is typing.Union:
         tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    if typing.get_origin(tp) is list:
+        return (list, typing.get_args(tp)[0])
     return tp
 
 
@@ -334,8 +339,9 @@ def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
         if tp is bool:
             action = "store_false" if f.default else "store_true"
             group.add_argument(flag, dest=dest, action=action, help=help_text)
-        elif tp is list:
-            group.add_argument(flag, dest=dest, nargs="+", metavar="PATH", help=help_text + " (default: %s)" % f.default)
+        elif isinstance(tp, tuple):  # a list of values
+            group.add_argument(flag, dest=dest, nargs="+", type=tp[1], metavar=f.name.upper().split("_")[-1],
+                               help=help_text + " (default: %s)" % f.default)
         else:
             group.add_argument(
                 flag, dest=dest, type=tp, choices=f.metadata["choices"],
@@ -522,6 +528,7 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
 
     # --- checkpointing ---------------------------------------------------------------------------
     need(c.save_interval is None or c.save_interval > 0, f"--save-interval must be positive, got {c.save_interval}")
+    need(c.most_recent_k == -1 or c.most_recent_k > 0, f"--most-recent-k must be positive or -1, got {c.most_recent_k}")
     if c.ckpt_format is None:
         c.ckpt_format = "torch_dist" if cfg.use_gpu else "torch"
 

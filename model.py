@@ -358,6 +358,13 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator, model, n
     return store
 
 
+def any_rank(flag: bool, use_gpu: bool) -> bool:
+    """True on every rank if flag is True on any rank: one small all-reduce, on the device the backend wants."""
+    t = torch.tensor([int(flag)], device="cuda" if use_gpu else "cpu")
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def zero_grad(model: list, optimizer) -> None:
     """Clear gradients before a step: megatron DDP keeps them in its own buffers, torch in `.grad`."""
     for m in model:

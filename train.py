@@ -40,8 +40,8 @@ from typing import Any, Callable, Optional  # noqa: E402
 
 import torch  # noqa: E402
 
-from model import (build_model, build_optimizer, get_forward_backward_func, padded_vocab_size,  # noqa: E402
-                   set_random_seed, wrap_model, zero_grad)  # first: it quiets megatron-core's import warnings
+from model import (any_rank, build_model, build_optimizer, get_forward_backward_func,  # noqa: E402
+                   padded_vocab_size, set_random_seed, wrap_model, zero_grad)  # first: quiets megatron-core's import warnings
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 
@@ -157,13 +157,6 @@ def initialize_distributed(cfg: ConfigContainer) -> None:
                                              context_parallel_size=m.context_parallel_size)
 
 
-def any_rank(flag: bool, cfg: ConfigContainer) -> bool:
-    """True on every rank if flag is True on any rank (one small all-reduce)."""
-    t = torch.tensor([int(flag)], device="cuda" if cfg.use_gpu else "cpu")
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return bool(t.item())
-
-
 class DistributedSignalHandler:
     """Records that `sig` arrived (instead of dying), so the loop can save and exit cleanly on all ranks."""
 
@@ -175,7 +168,7 @@ class DistributedSignalHandler:
         self.received = True
 
     def signals_received(self, cfg: ConfigContainer) -> bool:
-        return any_rank(self.received, cfg)
+        return any_rank(self.received, cfg.use_gpu)
 
     def release(self):
         signal.signal(self.sig, self._previous)
@@ -318,7 +311,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
     if cfg.train.check_for_nan_in_loss_and_grad:
         bad = [k for k, v in loss_dict.items() if not math.isfinite(float(v))]
         if cfg.model.pipeline_model_parallel_size > 1:  # only the last stage knows the loss
-            bad = ["loss"] if any_rank(bool(bad), cfg) else []
+            bad = ["loss"] if any_rank(bool(bad), cfg.use_gpu) else []
         if bad:
             print_rank_last(f"error: {', '.join(bad)} is NaN or Inf at iteration {global_state.train_state.step + 1}; "
                             f"stopping without saving a checkpoint (lower --lr, raise --clip-grad or check the data)")
@@ -431,7 +424,7 @@ def checkpoint_and_decide_exit(state: GlobalState, model, optimizer, opt_param_s
         save_unless_saved()
     if cfg.train.exit_duration_in_mins:
         elapsed_minutes = (time.time() - state.start_time) / 60.0
-        if any_rank(elapsed_minutes > cfg.train.exit_duration_in_mins, cfg):
+        if any_rank(elapsed_minutes > cfg.train.exit_duration_in_mins, cfg.use_gpu):
             save_unless_saved()
             print_rank_0(f"exiting program after {elapsed_minutes:.2f} minutes at iteration {ts.step}.")
             state.exit_code = 0
@@ -466,6 +459,8 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
     timers("interval-time", log_level=0).start(barrier=True)
 
     while ts.step < cfg.train.train_iters:
+        if _should_skip_and_handle_iteration(global_state, train_data_iterator):
+            continue
         loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm, num_zeros_in_grad = \
             train_step(forward_step_func, train_data_iterator, model, optimizer, scheduler, global_state)
         if should_exit:  # a NaN: stop before counting the step, so nothing poisoned is saved
@@ -492,14 +487,39 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
     timers("interval-time").stop()
 
 
+def _should_skip_and_handle_iteration(global_state: GlobalState, train_data_iterator) -> bool:
+    """If the next iteration is in --iterations-to-skip (numbered as in the log line), consume its data
+    without a step and count it as skipped, so the samples after it stay where they would have been."""
+    cfg, ts = global_state.cfg, global_state.train_state
+    if ts.step + 1 not in (cfg.train.iterations_to_skip or ()):
+        return False
+    _dummy_train_step(global_state, train_data_iterator)
+    ts.step += 1
+    ts.consumed_train_samples += cfg.train.global_batch_size
+    ts.skipped_train_samples += cfg.train.global_batch_size
+    print_rank_0(f" skipped iteration {ts.step} as asked (--iterations-to-skip): its data consumed, no step taken")
+    return True
+
+
+def _dummy_train_step(global_state: GlobalState, train_data_iterator) -> None:
+    """Draw (and drop) this rank's microbatches of one global batch."""
+    for _ in range(global_state.cfg.num_microbatches):
+        next(train_data_iterator)
+
+
 def _finish_train(global_state: GlobalState) -> None:
     """Flush and close what the run opened; leave the process able to start another run."""
     if global_state._tensorboard_logger is not None:
         global_state._tensorboard_logger.close()
     if global_state.signal_handler is not None:
         global_state.signal_handler.release()
+    _destroy_distributed()
+
+
+def _destroy_distributed() -> None:
     parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 # ==================================================================================================
@@ -515,7 +535,11 @@ def pretrain(config: ConfigContainer, forward_step_func: Callable = forward_step
     first (see needs_global_state_injection). Returns the GlobalState; `.exit_code` is non-zero if the
     run stopped on a NaN.
     """
-    state, model, optimizer, scheduler, (train_it, valid_it, test_it) = setup(config)
+    try:
+        state, model, optimizer, scheduler, (train_it, valid_it, test_it) = setup(config)
+    except BaseException:  # a bad checkpoint or data path: leave no process group behind
+        _destroy_distributed()
+        raise
     cfg, ts = state.cfg, state.train_state
     checkpointing_context: dict = {"last_saved_step": ts.step if ts.step else None}
     try:

@@ -1,0 +1,252 @@
+"""checkpoint.py and the exit decisions: resume, resharding, pruning, signals, kill -9 mid-save, bad checkpoints."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+import checkpoint
+import config
+from conftest import ROOT, TINY, free_port, log_lines, torchrun
+
+
+def _cfg(tmp_path, *extra, world_size=1):
+    return config.parse_args([*TINY, "--mock-data", "--num-workers", "0", "--eval-iters", "0",
+                              "--data-cache-path", str(tmp_path / "cache"), *extra], world_size=world_size, gpu=False)
+
+
+def _copy_ckpt(mock_run, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(mock_run["dir"] / "ckpt", dst)
+    return dst
+
+
+# --- data-parallel resharding ------------------------------------------------------------------------------
+
+
+def test_sampler_splits_each_global_batch_over_data_parallel_ranks():
+    from data import MegatronPretrainingSampler
+
+    def step_samples(dp, consumed, gbs=8, mbs=2):
+        per_rank = [iter(MegatronPretrainingSampler(1000, consumed, mbs, r, dp)) for r in range(dp)]
+        return sorted(i for it in per_rank for _ in range(gbs // (mbs * dp)) for i in next(it))
+
+    # The next global batch after 240 consumed samples is 240..247, however many DP ranks read it.
+    assert step_samples(dp=2, consumed=240) == step_samples(dp=1, consumed=240) == list(range(240, 248))
+
+
+def test_resume_on_fewer_data_parallel_ranks_reads_the_next_samples(mock_run, tmp_path):
+    """Saved by 2 ranks at iteration 30 (240 samples); resumed by 1 rank: the same next samples, in order."""
+    import data
+    import train
+
+    ckpt = _copy_ckpt(mock_run, tmp_path)
+    seen = []
+
+    def recording_forward_step(state, data_iterator, model):
+        batch = next(data_iterator)
+        seen.append(batch["tokens"].clone())
+        return train.forward_step(state, iter([batch]), model)
+
+    cfg = _cfg(tmp_path, "--train-iters", "32", "--global-batch-size", "8", "--load", str(ckpt), "--log-interval", "1",
+               "--override-opt-param-scheduler")
+    state = train.pretrain(cfg, recording_forward_step)
+    assert state.train_state.step == 32 and state.train_state.consumed_train_samples == 256
+    assert len(seen) == 8  # 2 steps x 4 microbatches of 2 on one rank
+
+    # The samples megatron-core's dataset holds at indices 240..255 are exactly what was read.
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        train_ds = data.build_datasets(_cfg(tmp_path, "--train-iters", "32", "--global-batch-size", "8"),
+                                       data.build_tokenizer(cfg))[0]
+    finally:
+        torch.distributed.destroy_process_group()
+    expected = torch.stack([torch.as_tensor(train_ds[i]["tokens"]) for i in range(240, 256)])
+    assert torch.equal(torch.cat(seen), expected)
+
+
+# --- pruning, skipping, finetuning --------------------------------------------------------------------------
+
+
+def test_most_recent_k_keeps_the_newest(tmp_path, capsys):
+    import train
+
+    train.pretrain(_cfg(tmp_path, "--train-iters", "5", "--save", str(tmp_path / "ck"), "--save-interval", "1",
+                        "--most-recent-k", "2"))
+    assert sorted(os.listdir(tmp_path / "ck")) == ["iter_0000004", "iter_0000005", "latest_checkpointed_iteration.txt",
+                                                   "latest_train_state.pt"]
+
+
+def test_iterations_to_skip_consume_their_data(tmp_path, capsys):
+    import train
+
+    firsts = []
+
+    def forward_step(state, data_iterator, model):
+        batch = next(data_iterator)
+        firsts.append((state.train_state.step, batch["tokens"][0, 0].item()))
+        return train.forward_step(state, iter([batch]), model)
+
+    state = train.pretrain(_cfg(tmp_path, "--train-iters", "4", "--iterations-to-skip", "2", "--log-interval", "1"),
+                           forward_step)
+    out = capsys.readouterr().out
+    assert "skipped iteration 2 as asked" in out
+    assert [s for s, _ in firsts] == [0, 2, 3]  # no forward pass at the step that makes iteration 2
+    assert state.train_state.consumed_train_samples == 8 and state.train_state.skipped_train_samples == 2
+    assert [l[0] for l in log_lines(out)] == [1, 3, 4]
+
+
+def test_finetune_loads_weights_only_and_starts_at_zero(mock_run, tmp_path, capsys):
+    import train
+
+    ckpt = _copy_ckpt(mock_run, tmp_path)
+    state = train.finetune(_cfg(tmp_path, "--train-iters", "2", "--global-batch-size", "8", "--log-interval", "1",
+                                "--pretrained-checkpoint", str(ckpt)))
+    out = capsys.readouterr().out
+    assert "iter_0000030 at iteration 0 (weights only)" in out and state.train_state.step == 2
+    lines = log_lines(out)
+    assert [l[1] for l in lines] == [8, 16]
+    assert lines[0][3] < log_lines(mock_run["stdout"])[0][3]  # starts from trained weights
+
+
+def test_finetune_without_weights_is_refused(tmp_path):
+    import train
+
+    with pytest.raises(config.ConfigError, match="needs --pretrained-checkpoint"):
+        train.finetune(_cfg(tmp_path))
+
+
+# --- bad checkpoints: a clear error naming the path, on every rank, no hang ------------------------------------
+
+
+@pytest.mark.parametrize("damage, flags, message", [
+    ("tracker", [], "names iteration 30 but"),
+    ("tracker_text", [], "expected an iteration number"),
+    ("missing_train_state", [], "train_state.pt: missing"),
+    ("none", ["--hidden-size", "128"], "weights do not fit this model"),
+    ("none", ["--ckpt-step", "20"], "--ckpt-step 20:"),
+    ("none", ["--train-iters", "40"], "pass --override-opt-param-scheduler"),
+])
+def test_bad_checkpoints_give_clear_errors(mock_run, tmp_path, damage, flags, message):
+    import train
+
+    ckpt = _copy_ckpt(mock_run, tmp_path)
+    if damage == "tracker":
+        shutil.rmtree(ckpt / "iter_0000030")
+    elif damage == "tracker_text":
+        (ckpt / "latest_checkpointed_iteration.txt").write_text("thirty")
+    elif damage == "missing_train_state":
+        os.remove(ckpt / "iter_0000030" / "train_state.pt")
+    cfg = _cfg(tmp_path, "--train-iters", "30", "--global-batch-size", "8", "--load", str(ckpt), *flags)
+    with pytest.raises(checkpoint.CheckpointError, match=message) as e:
+        train.pretrain(cfg)
+    assert str(ckpt) in str(e.value) or "--ckpt-step" in str(e.value)
+    assert not torch.distributed.is_initialized()
+
+
+def test_truncated_file_stops_every_rank_with_one_line(mock_run, tmp_path):
+    ckpt = _copy_ckpt(mock_run, tmp_path)
+    target = ckpt / "iter_0000030" / "mp_rank_00" / "model_optim_rng.pt"
+    target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+    args = [a for a in mock_run["args"]]
+    args[args.index("--save") + 1] = str(tmp_path / "new")
+    proc = torchrun(args + ["--load", str(ckpt)], timeout=120)
+    assert proc.returncode != 0
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("train.py: error:")]
+    assert len(errors) == 2 and "model_optim_rng.pt: cannot be read" in errors[0]  # both ranks, same message
+    assert not (tmp_path / "new").exists()
+
+
+# --- signals and kill -9 --------------------------------------------------------------------------------------
+
+
+def _launch(args, log):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+           "train.py", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _kill_9(proc):
+    """SIGKILL torchrun and its workers at once (torchrun starts them in sessions of their own)."""
+    try:
+        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return proc.wait()
+    for p in reversed(family):
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(family, timeout=30)
+    proc.wait()
+
+
+def _wait_for(predicate, timeout=120):
+    end = time.time() + timeout
+    while time.time() < end:
+        if predicate():
+            return True
+        time.sleep(0.001)
+    return False
+
+
+def test_sigterm_on_one_rank_saves_and_stops_all_ranks(tmp_path):
+    log = tmp_path / "log"
+    args = [*TINY, "--mock-data", "--train-iters", "3000", "--log-interval", "1", "--eval-iters", "0",
+            "--num-workers", "0", "--save", str(tmp_path / "ck"), "--exit-signal-handler"]
+    proc = _launch(args, log)
+    try:
+        assert _wait_for(lambda: "iteration        3/" in log.read_text())
+        workers = psutil.Process(proc.pid).children()
+        assert len(workers) == 2
+        workers[1].send_signal(signal.SIGTERM)  # one rank only
+        assert proc.wait(timeout=120) == 0
+    finally:
+        _kill_9(proc)  # never leave workers behind, whatever failed
+    out = log.read_text()
+    assert "exiting program after receiving SIGTERM" in out
+    step = int((tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text())
+    assert step >= 3 and f"iteration {step:8d}/" in out
+    assert sorted(os.listdir(tmp_path / "ck" / f"iter_{step:07d}" / "rng")) == ["rank_00000.pt", "rank_00001.pt"]
+
+
+def test_kill_9_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    ck = tmp_path / "ck"
+    args = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "64",
+            "--micro-batch-size", "1", "--mock-data", "--train-iters", "3000", "--eval-iters", "0",
+            "--num-workers", "0", "--save", str(ck), "--save-interval", "1", "--log-interval", "1",
+            "--most-recent-k", "2"]  # a save every step, and bounded disk use
+    proc = _launch(args, tmp_path / "log")
+
+    def saving_past_the_tracker():  # an iter_* directory newer than the published one: a save in flight
+        tracker = ck / "latest_checkpointed_iteration.txt"
+        if not tracker.exists():
+            return False
+        dirs = [int(n[5:]) for n in os.listdir(ck) if n.startswith("iter_")]
+        try:
+            return max(dirs) > int(tracker.read_text() or 0) >= 2
+        except ValueError:
+            return False
+
+    try:
+        caught = _wait_for(saving_past_the_tracker)
+    finally:
+        _kill_9(proc)
+    assert caught, (tmp_path / "log").read_text()[-2000:]
+    published = int((ck / "latest_checkpointed_iteration.txt").read_text())
+    assert max(int(n[5:]) for n in os.listdir(ck) if n.startswith("iter_")) == published + 1  # the half-written one
+
+    args[args.index("--train-iters") + 1] = str(published + 2)
+    resumed = torchrun(args + ["--load", str(ck), "--override-opt-param-scheduler"], timeout=180)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"at iteration {published}" in resumed.stdout
+    assert [l[0] for l in log_lines(resumed.stdout)] == [published + 1, published + 2]
+    assert (ck / "latest_checkpointed_iteration.txt").read_text() == str(published + 2)

@@ -18,7 +18,8 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from config import ConfigError, parse_data_path
 
 # --------------------------------------------------------------------------------------------------
-# Tokenizers: what megatron-core's datasets need of one is vocab_size, eod, pad and unique_identifiers
+# Tokenizers: what megatron-core's datasets need of one is vocab_size, eod, pad and unique_identifiers.
+# The model's embedding table has a row for every id up to and including pad (see embedding_rows).
 # --------------------------------------------------------------------------------------------------
 
 
@@ -27,8 +28,12 @@ class ByteTokenizer:
 
     def __init__(self):
         self.eod = 256
-        self.pad = 257  # never produced by tokenize(); GPTDataset masks the loss where labels == pad
-        self.vocab_size = 258
+        self.vocab_size = 257
+        # The pad id sits just past the vocabulary, so no text (and no MockGPTDataset token, drawn from
+        # 0..vocab_size-1) ever equals it: GPTDataset zeroes the loss where labels == pad, and megatron-core
+        # 0.16.1 does that in place on its cached loss mask the first time, which would otherwise make the
+        # mask depend on which sample a run happened to read first (and break exact resume).
+        self.pad = self.vocab_size
         self.unique_identifiers = {"class": "ByteTokenizer"}
 
     def tokenize(self, text: str) -> list:
@@ -43,8 +48,8 @@ class NullTokenizer:
 
     def __init__(self, vocab_size: int):
         self.eod = vocab_size
-        self.pad = vocab_size + 1
-        self.vocab_size = vocab_size + 2
+        self.vocab_size = vocab_size + 1
+        self.pad = self.vocab_size  # past the vocabulary, as ByteTokenizer's
         self.unique_identifiers = {"class": "NullTokenizer", "vocab_size": vocab_size}
 
     def tokenize(self, text: str) -> list:
@@ -52,6 +57,11 @@ class NullTokenizer:
 
     def detokenize(self, ids) -> str:
         return " ".join(str(int(i)) for i in ids)
+
+
+def embedding_rows(tokenizer) -> int:
+    """Ids the embedding table must hold: the vocabulary and the pad id just past it."""
+    return max(tokenizer.vocab_size, tokenizer.pad + 1)
 
 
 def build_tokenizer(cfg):

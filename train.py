@@ -199,9 +199,9 @@ def setup(cfg: ConfigContainer):
 
     tokenizer = data.build_tokenizer(cfg)
     m = cfg.model
-    state.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, m.make_vocab_size_divisible_by,
-                                                m.tensor_model_parallel_size)
-    model = build_model(cfg, tokenizer.vocab_size)
+    vocab_size = data.embedding_rows(tokenizer)
+    state.padded_vocab_size = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, m.tensor_model_parallel_size)
+    model = build_model(cfg, vocab_size)
     if parallel_state.get_data_parallel_rank() == 0:
         print(f" > number of parameters on (tensor, pipeline) model parallel rank "
               f"({parallel_state.get_tensor_model_parallel_rank()}, {parallel_state.get_pipeline_model_parallel_rank()}):"

@@ -171,3 +171,20 @@ def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(tmp_path, caps
     second = losses_of("--train-iters", "8", "--save", str(tmp_path / "ck"), "--load", str(tmp_path / "ck"))
     assert sorted(first) == [1, 2, 3, 4] and sorted(second) == [5, 6, 7, 8]
     assert {**first, **second} == straight
+
+
+def test_two_rank_resume_from_the_middle_is_bitwise_identical(mock_run, tmp_path):
+    """Resume the shared run's iteration-15 checkpoint on 2 ranks: iterations 16-30 give the same logged
+    losses (dropout on) and the same validation losses, as the uninterrupted run printed."""
+    args = list(mock_run["args"])
+    args[args.index("--save") + 1] = str(tmp_path / "ckpt")
+    args[args.index("--tensorboard-dir") + 1] = str(tmp_path / "tb")
+    proc = torchrun(args + ["--load", str(mock_run["dir"] / "ckpt"), "--ckpt-step", "15"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    straight = {l[0]: l for l in log_lines(mock_run["stdout"])}
+    resumed = {l[0]: l for l in log_lines(proc.stdout)}
+    assert sorted(resumed) == [20, 25, 30]
+    for it in (25, 30):  # whole log intervals after the resume point: averages of identical losses
+        assert resumed[it] == straight[it]
+    validation = re.compile(r"validation loss at iteration (?:20|30) \| lm loss value: (\S+)")
+    assert validation.findall(proc.stdout) == validation.findall(mock_run["stdout"])

@@ -1,0 +1,105 @@
+"""bench.py: what the machinery costs, measured side by side in one run. Prints one table.
+
+    python bench.py checkpoint [--num-layers 16 --hidden-size 768 ...]   # save/load vs torch.save/torch.load
+
+Benchmarks report; the tests never assert on timings.
+"""
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import config as config_lib
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def bench_checkpoint(argv) -> list:
+    """checkpoint.save_checkpoint / load_checkpoint beside a plain torch.save / torch.load of the same
+    model and optimizer state, and beside raw file writes and reads of as many bytes, on one process."""
+    defaults = ["--num-layers", "16", "--hidden-size", "768", "--num-attention-heads", "12", "--seq-length", "1024",
+                "--mock-data"]
+    cfg = config_lib.parse_args(defaults + argv, world_size=1)
+    import torch
+
+    import checkpoint
+    import train
+    from model import build_model, build_optimizer
+
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    train.parallel_state.initialize_model_parallel(1, 1)
+    model = build_model(cfg, 258)
+    optimizer = build_optimizer(cfg, model)
+    for p in model[0].parameters():  # one step, so the optimizer holds its full state (Adam moments)
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    scheduler = train.build_scheduler(cfg, optimizer)
+    n_params = sum(p.numel() for p in model[0].parameters())
+
+    work = tempfile.mkdtemp(prefix="bench_ckpt_", dir=os.environ.get("BENCH_DIR"))
+    cfg.checkpoint.save = work
+    state = train.GlobalState(cfg)
+    state.train_state.step = 1
+    rows = []
+    try:
+        t = time.perf_counter()
+        directory = checkpoint.save_checkpoint(state, model, optimizer, scheduler)
+        save_s = time.perf_counter() - t
+        size = _dir_bytes(directory)
+        t = time.perf_counter()
+        checkpoint.load_checkpoint(state, model, optimizer, scheduler, work)
+        load_s = time.perf_counter() - t
+
+        plain = os.path.join(work, "plain.pt")
+        t = time.perf_counter()
+        torch.save({"model": model[0].state_dict(), "optimizer": optimizer.state_dict()}, plain)
+        plain_save_s = time.perf_counter() - t
+        t = time.perf_counter()
+        torch.load(plain, map_location="cpu", weights_only=True)
+        plain_load_s = time.perf_counter() - t
+
+        raw = os.path.join(work, "raw.bin")
+        blob = os.urandom(1 << 24)
+        t = time.perf_counter()
+        with open(raw, "wb") as fh:
+            for _ in range(size // len(blob) + 1):
+                fh.write(blob)
+        raw_write_s = time.perf_counter() - t
+        t = time.perf_counter()
+        with open(raw, "rb") as fh:
+            while fh.read(1 << 24):
+                pass
+        raw_read_s = time.perf_counter() - t
+        raw_size = os.path.getsize(raw)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        train._destroy_distributed()
+
+    gb = size / 1e9
+    rows.append(("checkpoint", f"{n_params / 1e6:.1f}M params, {gb:.2f} GB", "save_checkpoint", f"{save_s:.2f} s",
+                 f"{gb / save_s:.2f} GB/s"))
+    rows.append(("", "", "load_checkpoint", f"{load_s:.2f} s", f"{gb / load_s:.2f} GB/s"))
+    rows.append(("", "", "torch.save (same state)", f"{plain_save_s:.2f} s", f"{gb / plain_save_s:.2f} GB/s"))
+    rows.append(("", "", "torch.load (same state)", f"{plain_load_s:.2f} s", f"{gb / plain_load_s:.2f} GB/s"))
+    rows.append(("", "", "raw write (same bytes)", f"{raw_write_s:.2f} s", f"{raw_size / 1e9 / raw_write_s:.2f} GB/s"))
+    rows.append(("", "", "raw read (same bytes)", f"{raw_read_s:.2f} s", f"{raw_size / 1e9 / raw_read_s:.2f} GB/s"))
+    return rows
+
+
+def print_table(rows) -> None:
+    header = ("benchmark", "setup", "what", "time", "rate")
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, tuple("-" * w for w in widths), *rows]:
+        print(" | ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+
+
+if __name__ == "__main__":
+    benches = {"checkpoint": bench_checkpoint}
+    name = sys.argv[1] if len(sys.argv) > 1 else "checkpoint"
+    if name not in benches:
+        sys.exit(f"bench.py: error: unknown benchmark {name}; choose from {', '.join(benches)}")
+    print_table(benches[name](sys.argv[2:]))

@@ -437,7 +437,7 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
     Raises ConfigError with a one-line message. Mirrors the checks of Megatron-LM's `validate_args`
     and Megatron Bridge's `ConfigContainer.validate`.
     """
-    m, t, o, s, d, c, lg = cfg.model, cfg.train, cfg.optimizer, cfg.scheduler, cfg.dataset, cfg.checkpoint, cfg.logger
+    m, t, o, s, c, lg = cfg.model, cfg.train, cfg.optimizer, cfg.scheduler, cfg.checkpoint, cfg.logger
     cfg.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     cfg.use_gpu = gpu_visible() if gpu is None else gpu
 
@@ -448,8 +448,7 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
     # --- sizes -----------------------------------------------------------------------------------
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by"):
         need(getattr(m, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(m, name)}")
-    for name in ("micro_batch_size",):
-        need(getattr(t, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(t, name)}")
+    need(t.micro_batch_size > 0, f"--micro-batch-size must be positive, got {t.micro_batch_size}")
     need(m.hidden_size % m.num_attention_heads == 0 or m.kv_channels is not None,
          f"--num-attention-heads {m.num_attention_heads} does not divide --hidden-size {m.hidden_size}; "
          f"pick heads that divide it (or set --kv-channels)")
@@ -506,9 +505,7 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
     need(t.eval_iters >= 0, f"--eval-iters must be non-negative, got {t.eval_iters}")
     need(lg.log_interval > 0, f"--log-interval must be positive, got {lg.log_interval}")
     need(lg.tensorboard_log_interval > 0, f"--tensorboard-log-interval must be positive, got {lg.tensorboard_log_interval}")
-    for name in ("exit_interval",):
-        v = getattr(t, name)
-        need(v is None or v > 0, f"--{name.replace('_', '-')} must be positive, got {v}")
+    need(t.exit_interval is None or t.exit_interval > 0, f"--exit-interval must be positive, got {t.exit_interval}")
     need(t.exit_signal in signal.Signals.__members__,
          f"--exit-signal {t.exit_signal} is not a signal name; use e.g. SIGTERM, SIGINT or SIGUSR1")
 

@@ -36,7 +36,7 @@ import os  # noqa: E402
 import signal  # noqa: E402
 import time  # noqa: E402
 from datetime import timedelta  # noqa: E402
-from typing import Any, Callable, Optional  # noqa: E402
+from typing import Callable, Optional  # noqa: E402
 
 import torch  # noqa: E402
 

@@ -50,3 +50,16 @@ def mock_run(tmp_path_factory):
     proc = torchrun(args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return dict(dir=out, stdout=proc.stdout, stderr=proc.stderr, args=args)
+
+
+@pytest.fixture
+def single_rank_groups():
+    """A one-process gloo world with megatron-core's parallel groups, in this process; torn down afterwards."""
+    import torch
+    from megatron.core import parallel_state
+
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()

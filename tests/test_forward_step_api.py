@@ -90,18 +90,6 @@ def test_functor_keeps_its_own_state():
 # --- the loss-function return patterns, through the CPU schedule and the train_step reduction ------------
 
 
-@pytest.fixture
-def single_rank_groups():
-    """A one-process gloo world with megatron-core's parallel groups, torn down afterwards."""
-    from megatron.core import parallel_state
-
-    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
-
-
 def _microbatches():
     # Two microbatches with different numbers of counted tokens: 4 and 1.
     x = [torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([10.0, 0.0, 0.0, 0.0])]

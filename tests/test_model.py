@@ -8,17 +8,6 @@ import torch
 import config
 
 
-@pytest.fixture
-def groups():
-    from megatron.core import parallel_state
-
-    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
-
-
 def reference_attention(q, k, v):
     """softmax(q k^T / sqrt(d) + causal mask) v, written out, key/value heads repeated for GQA. [s, b, h, d] in."""
     s, b, h, d = q.shape
@@ -29,7 +18,7 @@ def reference_attention(q, k, v):
     return torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), v).reshape(s, b, h * d)
 
 
-def test_sdpa_attention_is_causal_attention_with_gqa(groups):
+def test_sdpa_attention_is_causal_attention_with_gqa(single_rank_groups):
     from megatron.core.transformer.enums import AttnMaskType
 
     from model import SDPAttention, transformer_config
@@ -49,7 +38,7 @@ def test_sdpa_attention_is_causal_attention_with_gqa(groups):
     ["--num-query-groups", "2", "--untie-embeddings-and-output-weights"],
     ["--bf16"],
 ])
-def test_gpt_variants_train_on_cpu(groups, flags):
+def test_gpt_variants_train_on_cpu(single_rank_groups, flags):
     from model import TorchOptimizer, build_model, get_forward_backward_func
 
     cfg = config.parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -80,7 +69,7 @@ def test_gpt_variants_train_on_cpu(groups, flags):
         assert gpt.rotary_pos_emb.inv_freq.device.type == "cpu"
 
 
-def test_no_weight_decay_on_biases_and_norms(groups):
+def test_no_weight_decay_on_biases_and_norms(single_rank_groups):
     from model import TorchOptimizer, build_model
 
     cfg = config.parse_args(["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4"],

@@ -207,8 +207,14 @@ class LoggerConfig:
     log_interval: int = arg(10, "Print the log line every this many iterations.")
     tensorboard_dir: Optional[str] = arg(None, "Write TensorBoard event files here.")
     tensorboard_log_interval: int = arg(1, "Write TensorBoard scalars every this many iterations.")
-    log_throughput: bool = arg(False, "Add TFLOP/s per GPU to the log line.")
+    log_throughput: bool = arg(False, "Add TFLOP/s per GPU and MFU to the log line, throughput/* to TensorBoard.")
     log_params_norm: bool = arg(False, "Compute and log the parameters' L2 norm (walks all parameters).")
+    log_num_zeros_in_grad: bool = arg(False, "Count and log the zeros in the gradient (walks all gradients).")
+    log_l2_norm_grad: bool = arg(False, "Write each parameter's gradient L2 norm to TensorBoard (walks all gradients).")
+    log_memory_to_tensorboard: bool = arg(False, "Write memory statistics (memory/*) to TensorBoard.")
+    log_timers_to_tensorboard: bool = arg(False, "Write the timers of --timing-log-level to TensorBoard.")
+    log_runtime_to_tensorboard: bool = arg(False, "Write elapsed and estimated remaining time (time/*) to TensorBoard.")
+    throughput_window_size: int = arg(100, "Iterations in the rolling window of the throughput/* scalars.")
     log_validation_ppl_to_tensorboard: bool = arg(False, "Also write validation perplexity to TensorBoard.")
     timing_log_level: int = arg(0, "Timer detail: 0 iteration time only, 1 once-per-step phases, 2 everything.", choices=[0, 1, 2])
 
@@ -268,6 +274,7 @@ class ConfigContainer:
     world_size: int = 1
     data_parallel_size: int = 1
     use_gpu: bool = False
+    padded_vocab_size: int = 0  # set at setup, from the tokenizer
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -505,6 +512,7 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
     need(t.eval_iters >= 0, f"--eval-iters must be non-negative, got {t.eval_iters}")
     need(lg.log_interval > 0, f"--log-interval must be positive, got {lg.log_interval}")
     need(lg.tensorboard_log_interval > 0, f"--tensorboard-log-interval must be positive, got {lg.tensorboard_log_interval}")
+    need(lg.throughput_window_size >= 2, f"--throughput-window-size must be at least 2, got {lg.throughput_window_size}")
     need(t.exit_interval is None or t.exit_interval > 0, f"--exit-interval must be positive, got {t.exit_interval}")
     need(t.exit_signal in signal.Signals.__members__,
          f"--exit-signal {t.exit_signal} is not a signal name; use e.g. SIGTERM, SIGINT or SIGUSR1")
@@ -648,6 +656,6 @@ def print_config(cfg: ConfigContainer, file=sys.stdout) -> None:
         for f in dataclasses.fields(getattr(cfg, section)):
             name = f"{section}.{f.name}"
             print(f"  {name} {'.' * max(3, 48 - len(name))} {getattr(getattr(cfg, section), f.name)}", file=file)
-    for name in ("world_size", "data_parallel_size", "use_gpu"):
+    for name in ("world_size", "data_parallel_size", "use_gpu", "padded_vocab_size"):
         print(f"  {name} {'.' * max(3, 48 - len(name))} {getattr(cfg, name)}", file=file)
     print("-------------------- end of arguments ---------------------", file=file, flush=True)

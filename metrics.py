@@ -5,6 +5,7 @@ pure function whose docstring says where it comes from.
 """
 
 import math
+import sys
 import time
 from datetime import datetime
 
@@ -25,14 +26,21 @@ def is_last_rank() -> bool:
         torch.distributed.get_rank() == torch.distributed.get_world_size() - 1)
 
 
-def print_rank_0(*args, **kwargs) -> None:
+def _print_whole(message: str) -> None:
+    # One write per message: print() writes the text and the newline separately, and ranks sharing a
+    # pipe (torchrun) could otherwise interleave their lines.
+    sys.stdout.write(f"{message}\n")
+    sys.stdout.flush()
+
+
+def print_rank_0(message: str) -> None:
     if is_rank_0():
-        print(*args, **kwargs, flush=True)
+        _print_whole(message)
 
 
-def print_rank_last(*args, **kwargs) -> None:
+def print_rank_last(message: str) -> None:
     if is_last_rank():
-        print(*args, **kwargs, flush=True)
+        _print_whole(message)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -102,9 +110,24 @@ class Timers:
             self._timers[name] = _Timer(self._sync)
         return self._timers[name]
 
+    def elapsed_per_rank(self, names, normalizer: float = 1.0) -> dict:
+        """{name: (min, max) over ranks of ms per iteration since the last call}, resetting the timers.
+        A collective: every rank calls it with the same names."""
+        names = [n for n in names if n in self._timers]
+        if not names:
+            return {}
+        device = "cuda" if self.use_gpu else "cpu"
+        ms = torch.tensor([self._timers[n].elapsed(reset=True) * 1000.0 / normalizer for n in names],
+                          dtype=torch.float64, device=device)
+        lo, hi = ms.clone(), ms.clone()
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(lo, op=torch.distributed.ReduceOp.MIN)
+            torch.distributed.all_reduce(hi, op=torch.distributed.ReduceOp.MAX)
+        return {n: (a, b) for n, a, b in zip(names, lo.tolist(), hi.tolist())}
+
 
 # --------------------------------------------------------------------------------------------------
-# FLOPs
+# FLOPs, throughput and MFU
 # --------------------------------------------------------------------------------------------------
 
 
@@ -113,7 +136,8 @@ def num_floating_point_operations(cfg, batch_size: int, padded_vocab_size: int) 
 
     Megatron-LM `training.py::num_floating_point_operations` (Narayanan et al. 2021, appendix, extended
     for grouped-query attention and gated MLPs): 12 = 3 (forward + 2x backward) x 2 (multiply-add)
-    x 2 (the two GEMMs of each block), times the attention, MLP and logit terms.
+    x 2 (the two GEMMs of each block), times the attention, MLP and logit terms. The MLP term uses the
+    real ffn size times 3/2 for SwiGLU (three matrices, not two), not an assumed 4h.
     """
     m = cfg.model
     s, h, L = m.seq_length, m.hidden_size, m.num_layers
@@ -124,6 +148,143 @@ def num_floating_point_operations(cfg, batch_size: int, padded_vocab_size: int) 
         + (m.ffn_hidden_size / h) * gated_multiplier  # MLP
         + padded_vocab_size / (2 * L * h)  # logits
     )
+
+
+def throughput_tflops_per_device(flops_per_iteration: float, seconds_per_iteration: float, world_size: int) -> float:
+    """Model TFLOP/s per device: what Megatron prints as `throughput per GPU (TFLOP/s/GPU)`."""
+    return flops_per_iteration / (seconds_per_iteration * 10**12 * world_size)
+
+
+# Dense (no 2:4 sparsity) peak TFLOP/s by accelerator and dtype, from the vendors' datasheets. Keys are
+# lower-case substrings of torch.cuda.get_device_name(); the first match wins (more specific names first).
+PEAK_TFLOPS = {
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM5: 989 BF16/FP16, 494 TF32, 67 FP32; the 1979 figure is sparse).
+    "h100 80gb hbm3": {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9, "tf32": 494.7},
+    "h100 sxm": {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9, "tf32": 494.7},
+    # Same datasheet, PCIe card: 756 BF16/FP16, 378 TF32, 51 FP32.
+    "h100 pcie": {"bf16": 756.0, "fp16": 756.0, "fp32": 51.2, "tf32": 378.0},
+    # NVIDIA H200 datasheet (SXM): 989 BF16/FP16 dense, 67 FP32.
+    "h200": {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9, "tf32": 494.7},
+    # NVIDIA A100 Tensor Core GPU datasheet: 312 BF16/FP16, 156 TF32, 19.5 FP32 (SXM and PCIe).
+    "a100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5, "tf32": 156.0},
+    # NVIDIA L40S datasheet: 362 BF16/FP16 dense, 91.6 FP32.
+    "l40s": {"bf16": 362.05, "fp16": 362.05, "fp32": 91.6, "tf32": 183.0},
+    # NVIDIA V100 datasheet (SXM2): 125 FP16 tensor, 15.7 FP32; no BF16.
+    "v100": {"fp16": 125.0, "fp32": 15.7},
+}
+
+
+def peak_tflops(device_name, dtype: str):
+    """The datasheet peak for this device and dtype, or None when the device is not in the table
+    (a CPU, or an accelerator nobody has looked up): MFU is then `n/a`, never a guess."""
+    if not device_name:
+        return None
+    name = device_name.lower()
+    for key, peaks in PEAK_TFLOPS.items():
+        if key in name:
+            return peaks.get(dtype)
+    return None
+
+
+def mfu(tflops_per_device: float, peak) -> str:
+    """Model FLOPs utilisation (PaLM, Chowdhery et al. 2022, appendix B): achieved / peak, as text."""
+    return "n/a" if not peak else f"{100.0 * tflops_per_device / peak:.1f}%"
+
+
+def device_name(use_gpu: bool):
+    return torch.cuda.get_device_name() if use_gpu else None
+
+
+def report_throughput(train_config, iteration: int, seq_length: int, history_wct: list, window_size: int) -> dict:
+    """Rolling throughput over the last `window_size` iterations (the seed's `throughput/*` keys).
+
+    `history_wct` holds, per iteration of this job, the wall-clock seconds since the job started, at
+    the end of that iteration. Only this job's iterations are in it, so a resumed run never divides the
+    iterations of earlier jobs by this job's time (no spike after a resume). Logged once the window is full.
+    """
+    if len(history_wct) < window_size or window_size < 2:
+        return {}
+    window = history_wct[-window_size:]
+    elapsed = window[-1] - window[0]
+    if elapsed <= 0:
+        import warnings
+
+        warnings.warn(f"report_throughput: non-positive elapsed time ({elapsed}) at iteration {iteration}; skipped")
+        return {}
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    batches = (len(window) - 1) / elapsed
+    samples = batches * train_config.global_batch_size
+    tokens = samples * seq_length
+    return {"throughput/batches_per_sec": batches, "throughput/samples_per_sec": samples,
+            "throughput/tokens_per_sec": tokens, "throughput/device/batches_per_sec": batches / world,
+            "throughput/device/samples_per_sec": samples / world, "throughput/device/tokens_per_sec": tokens / world}
+
+
+_TIME_UNITS = {"seconds": 1, "minutes": 60, "hours": 3600, "days": 86400}
+
+
+def report_runtime(train_state, start_time: float, seq_length: int, train_iters: int, time_unit: str = "seconds",
+                   start_step: int = 0) -> dict:
+    """Elapsed time and an estimate of the time left, from this job's rate (iterations since
+    `start_step`, the step this job resumed at) (the seed's `time/*` keys)."""
+    if time_unit not in _TIME_UNITS:
+        raise ValueError(f"time_unit must be one of {', '.join(_TIME_UNITS)}, got {time_unit}")
+    divisor = _TIME_UNITS[time_unit]
+    elapsed = time.time() - start_time
+    done = train_state.step - start_step
+    remaining = elapsed / done * (train_iters - train_state.step) if done > 0 else float("nan")
+    return {"time/remaining_estimate": remaining / divisor, "time/tokens": train_state.consumed_train_samples * seq_length,
+            "time/samples": train_state.consumed_train_samples, "time/batches": train_state.step,
+            "time/total": elapsed / divisor}
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory
+# --------------------------------------------------------------------------------------------------
+
+# torch.cuda.memory_stats() key -> reported name (the seed's ten statistics).
+MEMORY_KEYS = {
+    "allocated_bytes.all.current": "current_allocated_mem",
+    "active_bytes.all.current": "current_active_mem",
+    "inactive_split_bytes.all.current": "current_inactive_mem",
+    "reserved_bytes.all.current": "current_reserved_mem",
+    "allocated_bytes.all.peak": "peak_allocated_mem",
+    "active_bytes.all.peak": "peak_active_mem",
+    "inactive_split_bytes.all.peak": "peak_inactive_mem",
+    "reserved_bytes.all.peak": "peak_reserved_mem",
+    "num_alloc_retries": "alloc_retries",
+}
+GB = 1024**3
+
+
+def report_memory(memory_keys=None) -> dict:
+    """Memory statistics under `memory/NAME`, in GB (2^30 bytes), max-reduced over pipeline ranks.
+
+    On a GPU: torch.cuda.memory_stats(), the keys above (alloc_retries is a count). On a CPU there are
+    no device statistics, so the process's resident memory is reported instead, under different names
+    (`memory/cpu_rss_mem`, `memory/cpu_peak_rss_mem`), never as zeros that look like GPU figures.
+    """
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        stats = torch.cuda.memory_stats()
+        report = {f"memory/{name}": stats.get(key, 0) / (1 if key == "num_alloc_retries" else GB)
+                  for key, name in (memory_keys or MEMORY_KEYS).items()}
+    else:
+        import resource
+
+        import psutil
+
+        peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux
+        rss = psutil.Process().memory_info().rss
+        report = {"memory/cpu_rss_mem": rss / GB, "memory/cpu_peak_rss_mem": max(peak_kb * 1024, rss) / GB}
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized() and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        values = torch.tensor(list(report.values()), dtype=torch.float64,
+                              device="cuda" if torch.cuda.is_available() else "cpu")
+        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX,
+                                     group=parallel_state.get_pipeline_model_parallel_group())
+        report = dict(zip(report, values.tolist()))
+    return report
 
 
 # --------------------------------------------------------------------------------------------------
@@ -145,16 +306,19 @@ def tensorboard_writer(cfg):
 # --------------------------------------------------------------------------------------------------
 
 ADVANCED, SKIPPED, NAN = "advanced iterations", "skipped iterations", "nan iterations"
+TIMERS_TO_LOG = ["forward-backward", "optimizer", "batch-generator", "save-checkpoint"]
 
 
 def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_rate, loss_scale,
                  report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros_in_grad,
                  config, global_state, history_wct, model) -> bool:
-    """Accumulate this iteration's losses; every --log-interval print Megatron's log line on the last
-    rank; every --tensorboard-log-interval write Megatron's TensorBoard scalars. Returns report_memory_flag.
+    """Accumulate this iteration's losses; every --tensorboard-log-interval write Megatron's TensorBoard
+    scalars; every --log-interval print Megatron's log line on the last rank. Returns report_memory_flag
+    (True until the first memory report has been printed).
 
-    Losses are averaged over the iterations of the interval that were not skipped; NaN/Inf losses
-    are counted as nan iterations, not averaged in.
+    Losses are averaged over the iterations of the interval that were not skipped; NaN/Inf losses are
+    counted as nan iterations, not averaged in. What walks all parameters (norms, per-layer gradient
+    norms) runs only when its flag asks.
     """
     ts, lg = global_state.train_state, config.logger
     iteration = ts.step
@@ -173,32 +337,46 @@ def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_r
     total_loss_dict[NAN] = total_loss_dict.get(NAN, 0) + int(got_nan)
 
     writer = global_state.tensorboard_logger
-    if writer is not None and iteration % lg.tensorboard_log_interval == 0:
-        samples = ts.consumed_train_samples
-        scalars = {"learning-rate": learning_rate, "batch-size": batch_size, "loss-scale": loss_scale,
-                   "grad-norm": grad_norm, "num-zeros": num_zeros_in_grad, "params-norm": params_norm}
+    flops = num_floating_point_operations(config, batch_size, config.padded_vocab_size)
+    if lg.tensorboard_dir and iteration % lg.tensorboard_log_interval == 0:
+        scalars = {"learning-rate": learning_rate, "decoupled-learning-rate": decoupled_learning_rate,
+                   "batch-size": batch_size, "loss-scale": loss_scale, "grad-norm": grad_norm,
+                   "num-zeros": num_zeros_in_grad, "params-norm": params_norm}
         scalars.update({k: float(v) for k, v in loss_dict.items()})
-        for name, value in scalars.items():
-            if value is not None:
+        extra = {}  # written without a "vs samples" twin
+        # Collectives first, on every rank; only the last rank holds a writer.
+        if lg.log_memory_to_tensorboard:
+            extra.update(report_memory())
+        if lg.log_l2_norm_grad:
+            extra.update(report_l2_norm_grad(model))
+        if lg.log_runtime_to_tensorboard:
+            extra.update(report_runtime(ts, global_state.start_time, config.model.seq_length,
+                                        config.train.train_iters, start_step=global_state.start_step))
+        if lg.log_throughput:
+            extra.update(report_throughput(config.train, iteration, config.model.seq_length, history_wct,
+                                           lg.throughput_window_size))
+        if writer is not None:
+            for name, value in scalars.items():
+                if value is not None:
+                    writer.add_scalar(name, value, iteration)
+                    writer.add_scalar(name + " vs samples", value, ts.consumed_train_samples)
+            for name, value in extra.items():
                 writer.add_scalar(name, value, iteration)
-                writer.add_scalar(name + " vs samples", value, samples)
 
     if iteration % lg.log_interval == 0:
         elapsed = global_state.timers("interval-time").elapsed(barrier=True)
         per_iteration = elapsed / lg.log_interval
-        history_wct.append(per_iteration)
-        if writer is not None:
-            writer.add_scalar("iteration-time", per_iteration, iteration)
+        timers = global_state.timers.elapsed_per_rank(TIMERS_TO_LOG, normalizer=lg.log_interval) \
+            if lg.timing_log_level > 0 else {}
         line = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
         line += f" iteration {iteration:8d}/{config.train.train_iters:8d} |"
         line += f" consumed samples: {ts.consumed_train_samples:12d} |"
         line += f" elapsed time per iteration (ms): {per_iteration * 1000.0:.1f} |"
         if lg.log_throughput:
-            flops = num_floating_point_operations(config, batch_size, global_state.padded_vocab_size)
-            tflops = flops / (per_iteration * 10**12 * config.world_size)
+            tflops = throughput_tflops_per_device(flops, per_iteration, config.world_size)
+            dtype = "bf16" if config.model.bf16 else "fp16" if config.model.fp16 else "fp32"
             line += f" throughput per GPU (TFLOP/s/GPU): {tflops:.1f} |"
-            if writer is not None:
-                writer.add_scalar("throughput", tflops, iteration)
+            line += f" MFU: {mfu(tflops, peak_tflops(device_name(config.use_gpu), dtype))} |"
         line += f" learning rate: {learning_rate:.6E} |"
         line += f" global batch size: {batch_size:5d} |"
         advanced = max(1, total_loss_dict[ADVANCED])
@@ -216,7 +394,27 @@ def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_r
         line += f" number of nan iterations: {total_loss_dict[NAN]:3d} |"
         total_loss_dict.clear()
         print_rank_last(line)
+        if timers:
+            print_rank_last("(min, max) time across ranks (ms):" + "".join(
+                f"\n    {name} {'.' * max(3, 40 - len(name))}: ({lo:.2f}, {hi:.2f})" for name, (lo, hi) in timers.items()))
+        if report_memory_flag:
+            memory = report_memory()
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            print_rank_last(f"[Rank {rank}] (after {iteration} iterations) memory (GB) | " +
+                            " | ".join(f"{k.removeprefix('memory/')}: {v:.3f}" for k, v in memory.items()))
+            if config.use_gpu:
+                estimate = compute_weight_and_optimizer_memory(config) / GB
+                print_rank_last(f"[Rank {rank}] measured peak allocated {memory['memory/peak_allocated_mem']:.3f} GB "
+                                f"beside the theoretical weight-and-optimizer estimate {estimate:.3f} GB")
+            report_memory_flag = False
         if writer is not None:
+            writer.add_scalar("iteration-time", per_iteration, iteration)
+            if lg.log_throughput:
+                writer.add_scalar("throughput", throughput_tflops_per_device(flops, per_iteration, config.world_size),
+                                  iteration)
+            if lg.log_timers_to_tensorboard:
+                for name, (_, hi) in timers.items():
+                    writer.add_scalar(f"{name}-time", hi, iteration)
             writer.flush()
     return report_memory_flag
 
@@ -240,25 +438,254 @@ def log_evaluation(prefix: str, losses: dict, iteration: int, samples: int, writ
 
 
 # --------------------------------------------------------------------------------------------------
-# Norms
+# Norms and model-parallel reductions
 # --------------------------------------------------------------------------------------------------
 
 
 def param_is_not_shared(param) -> bool:
-    """True unless the parameter is marked `shared` (a tied weight counted on another stage)."""
+    """True unless the parameter is marked `shared` (a tied weight whose copy is counted on another stage)."""
     return not getattr(param, "shared", False)
 
 
-def calc_params_l2_norm(model) -> float:
-    """L2 norm of all parameters, each counted once: tensor-parallel duplicates (norms, row-parallel
-    biases) only on tensor-parallel rank 0, shared weights once; squares summed over model-parallel ranks."""
-    from megatron.core import parallel_state, tensor_parallel
+def _counted_params(model):
+    """(name, param) of every parameter counted once across the model-parallel group: not shared, and
+    for tensor-parallel duplicates (norms, row-parallel biases) only on tensor-parallel rank 0."""
+    from megatron.core import tensor_parallel
 
     model = model if isinstance(model, list) else [model]
-    params = [p for chunk in model for p in chunk.parameters()
-              if param_is_not_shared(p) and tensor_parallel.param_is_not_tensor_parallel_duplicate(p)]
-    total = torch.stack([p.detach().float().pow(2).sum() for p in params]).sum()
-    group = parallel_state.get_model_parallel_group()
-    if group.size() > 1:
-        torch.distributed.all_reduce(total, group=group)
+    for chunk in model:
+        for name, p in chunk.named_parameters():
+            if param_is_not_shared(p) and tensor_parallel.param_is_not_tensor_parallel_duplicate(p):
+                yield name, p
+
+
+def _sum_over(value: torch.Tensor, group) -> torch.Tensor:
+    if group is not None and torch.distributed.get_world_size(group) > 1:
+        torch.distributed.all_reduce(value, group=group)
+    return value
+
+
+def calc_params_l2_norm(model, model_config=None, use_megatron_fsdp: bool = False,
+                        force_create_fp32_copy: bool = False) -> float:
+    """L2 norm of all parameters of the model, over every rank's shard.
+
+    Like Bridge's: each parameter counted once (see _counted_params); the fp32 main copy where the
+    megatron optimizer keeps one (`param.main_param`) unless force_create_fp32_copy; main copies sharded
+    by the distributed optimizer (`main_param_sharded`) summed over the data-parallel group too; the
+    squares summed over the model-parallel group (tensor and pipeline).
+    """
+    from megatron.core import parallel_state
+
+    dense, sharded = [], []
+    for _, p in _counted_params(model):
+        main = getattr(p, "main_param", None)
+        if main is not None and not force_create_fp32_copy:
+            (sharded if getattr(p, "main_param_sharded", False) else dense).append(main)
+        else:
+            dense.append(p.detach().float())
+    device = dense[0].device if dense else (sharded[0].device if sharded else "cpu")
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    if sharded:
+        total += _sum_over(torch.stack([t.float().pow(2).sum() for t in sharded]).sum(),
+                           parallel_state.get_data_parallel_group(with_context_parallel=True))
+    if dense:
+        total += torch.stack([t.float().pow(2).sum() for t in dense]).sum()
+    return _sum_over(total, parallel_state.get_model_parallel_group()).sqrt().item()
+
+
+def calc_dtensor_params_l2_norm(params) -> float:
+    """L2 norm of DTensor parameters (FSDP2-style shards): local squares summed over each mesh."""
+    from torch.distributed.tensor import DTensor
+
+    total = torch.zeros((), dtype=torch.float32)
+    for p in params:
+        if isinstance(p, DTensor):
+            local = p.to_local().detach().float().pow(2).sum()
+            for dim in range(p.device_mesh.ndim):
+                if p.placements[dim].is_shard():
+                    local = _sum_over(local, p.device_mesh.get_group(dim))
+            total = total.to(local.device) + local
+        else:
+            total = total.to(p.device) + p.detach().float().pow(2).sum()
     return total.sqrt().item()
+
+
+def reduce_max_stat_across_model_parallel_group(stat):
+    """Max of a statistic over the model-parallel group; None-aware: ranks without it pass None, and
+    the result is None only if every rank had None (statistics reported here are never negative)."""
+    from megatron.core import parallel_state
+
+    value = torch.tensor([-1.0 if stat is None else float(stat)],
+                         device="cuda" if torch.cuda.is_available() and torch.cuda.is_initialized() else "cpu")
+    group = parallel_state.get_model_parallel_group()
+    if torch.distributed.get_world_size(group) > 1:
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=group)
+    return None if value.item() == -1.0 else value.item()
+
+
+def logical_and_across_model_parallel_group(input: bool) -> bool:
+    """True if `input` is True on every rank of the model-parallel group."""
+    from megatron.core import parallel_state
+
+    value = torch.tensor([int(bool(input))],
+                         device="cuda" if torch.cuda.is_available() and torch.cuda.is_initialized() else "cpu")
+    group = parallel_state.get_model_parallel_group()
+    if torch.distributed.get_world_size(group) > 1:
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=group)
+    return bool(value.item())
+
+
+def report_l2_norm_grad(model) -> dict:
+    """`l2_norm/grad/global` and `l2_norm/grad/NAME` per parameter, after the data-parallel reduction
+    (and after unscaling): tensor-parallel shards summed, duplicates counted once. Walks every parameter:
+    only with --log-l2-norm-grad."""
+    from megatron.core import parallel_state
+
+    from megatron.core import tensor_parallel
+
+    # Every tensor-parallel rank lists the same names in the same order (so the per-name sums line up);
+    # a duplicate counts as zero except on tensor-parallel rank 0.
+    model = model if isinstance(model, list) else [model]
+    named = [(n, p) for chunk in model for n, p in chunk.named_parameters() if param_is_not_shared(p)]
+    squares = torch.stack([
+        _grad_of(p).float().pow(2).sum()
+        if _grad_of(p) is not None and tensor_parallel.param_is_not_tensor_parallel_duplicate(p)
+        else torch.zeros((), device=p.device) for _, p in named])
+    squares = _sum_over(squares, parallel_state.get_tensor_model_parallel_group())
+    report = {f"l2_norm/grad/{n.removeprefix('module.')}": v.sqrt().item() for (n, _), v in zip(named, squares)}
+    total = _sum_over(squares.sum(), parallel_state.get_pipeline_model_parallel_group())
+    report["l2_norm/grad/global"] = total.sqrt().item()
+    return report
+
+
+def _grad_of(p):
+    """A parameter's gradient: megatron DDP keeps it in `main_grad`, torch in `.grad`."""
+    return getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
+
+
+# --------------------------------------------------------------------------------------------------
+# Theoretical memory (Megatron-LM theoretical_memory_usage.py; Korthikanti et al. 2022)
+# --------------------------------------------------------------------------------------------------
+
+NUM_BYTES_IN_MEGABYTE = 1024 * 1024
+
+
+def compute_weight_and_optimizer_memory(config, verbose: bool = False) -> float:
+    """Bytes of weights, gradients and optimizer state on the most loaded shard.
+
+    Parameters: per layer 2h^2 x (attention (1 + groups/heads) x q-projection/h + MLP ffn/h x 3/2 for
+    SwiGLU + 2/h for the norms) + the final norm, plus the h x vocab embedding (twice if untied). The most
+    loaded shard is the first pipeline stage (its layers and the embedding; also the output layer when
+    untied and there is one stage), split over tensor parallelism. Bytes per parameter: 18 with mixed
+    precision (2 weight + 4 grad + 4 fp32 copy + 8 Adam moments), or 6 + 12/DP with the distributed optimizer.
+    """
+    m = config.model
+    h, L = m.hidden_size, m.num_layers
+    q_ratio = m.kv_channels * m.num_attention_heads / h
+    gated = 3 / 2 if m.swiglu else 1
+    layers = 2 * L * h * h * ((1 + m.num_query_groups / m.num_attention_heads) * q_ratio
+                              + (m.ffn_hidden_size / h) * gated + 2 / h + 1 / (L * h))
+    embedding = h * config.padded_vocab_size
+    total = layers + (2 if m.untie_embeddings_and_output_weights else 1) * embedding
+    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    most_loaded = (layers / pp + embedding) / tp
+    if m.untie_embeddings_and_output_weights and pp == 1:
+        most_loaded += embedding / tp
+    bytes_per_param = 6 + 12 / config.data_parallel_size if config.optimizer.use_distributed_optimizer else 18
+    if verbose:
+        print_rank_0(f" > number of parameters in transformer layers: {layers / 1e9:.4f} B, in embeddings: "
+                     f"{(total - layers) / 1e9:.4f} B, total: {total / 1e9:.4f} B; most loaded shard: "
+                     f"{most_loaded / 1e9:.4f} B")
+    return most_loaded * bytes_per_param
+
+
+def compute_activation_memory(config, num_microbatches, verbose: bool = False) -> float:
+    """Bytes of activations on the first pipeline stage (the most loaded), per Korthikanti et al. 2022,
+    Table 2, assuming selective recomputation and sequence parallelism: 34sbh -> (18 + 4 ffn/h) sbh per
+    layer, L layers in flight on the first stage (pp microbatches of L/pp layers each, fewer when there
+    are fewer microbatches), plus the embedding's input and dropout, plus the output layer and loss
+    when there is one stage; all divided by the tensor-parallel size."""
+    m, t = config.model, config.train
+    s, b, h, L = m.seq_length, t.micro_batch_size, m.hidden_size, m.num_layers
+    pp, tp = m.pipeline_model_parallel_size, m.tensor_model_parallel_size
+    per_layer = s * b * h * (18 + 4 * (m.ffn_hidden_size / h))
+    activation = per_layer * L
+    activation += 8 * s * b * pp  # embedding input ids, pp microbatches in flight
+    activation += s * b * h * pp  # embedding dropout mask
+    if pp > 1 and num_microbatches is not None:
+        activation *= min(1, num_microbatches / pp)  # fewer microbatches than stages: fewer in flight
+    if pp == 1:
+        activation += s * b * h * 4 * (1 + config.padded_vocab_size / h)  # output layer input, logits, loss
+    if verbose:
+        print_rank_0(f" > activation memory per transformer layer: {per_layer / NUM_BYTES_IN_MEGABYTE / tp:.1f} MB")
+    return activation / tp
+
+
+def report_theoretical_memory(config, num_microbatches=None, verbose: bool = False) -> None:
+    """Print the estimates in MB, once at start. The activation estimate is printed only under its
+    assumptions (sequence parallelism and selective recomputation), as Megatron-LM does."""
+    weights = compute_weight_and_optimizer_memory(config, verbose) / NUM_BYTES_IN_MEGABYTE
+    m = config.model
+    if not (m.sequence_parallel and getattr(m, "recompute_granularity", None) == "selective"):
+        print_rank_0(f"Theoretical memory footprints: weight and optimizer={weights:.2f} MB")
+        return
+    activation = compute_activation_memory(config, num_microbatches, verbose) / NUM_BYTES_IN_MEGABYTE
+    print_rank_0(f"Theoretical memory footprints: weight and optimizer={weights:.2f} MB, "
+                 f"activation={activation:.2f} MB, total={weights + activation:.2f} MB")
+
+
+# --------------------------------------------------------------------------------------------------
+# Progress log: SAVE/progress.txt, one line per job start and per saved checkpoint
+# --------------------------------------------------------------------------------------------------
+
+
+def append_to_progress_log(save: str, line: str, world_size: int) -> None:
+    """Megatron-LM's progress.txt line: time, job id, number of devices, then the message."""
+    import os
+
+    if not is_rank_0():
+        return
+    job_id = os.environ.get("SLURM_JOB_ID", "local")
+    os.makedirs(save, exist_ok=True)
+    with open(os.path.join(save, "progress.txt"), "a") as fh:
+        fh.write(f"{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}\tJob ID: {job_id}\t# GPUs: {world_size}\t{line}\n")
+
+
+def get_start_time_from_progress_log(cfg):
+    """(start time of the earliest job of this world size still running on, FLOPs done before it):
+    Megatron-LM's rule: a line with another world size restarts the search."""
+    import os
+
+    start_time, start_flops, latest_flops = None, None, 0.0
+    with open(os.path.join(cfg.checkpoint.save, "progress.txt")) as fh:
+        for line in fh:
+            tokens = line.rstrip("\n").split("\t")
+            world = int(tokens[2].split(": ")[1])
+            if tokens[3] == "Saved checkpoint":
+                latest_flops = float(tokens[7].split(": ")[1])
+            if world != cfg.world_size:
+                start_time, start_flops = None, None
+                continue
+            if tokens[3] == "Starting job" and start_time is None:
+                start_time, start_flops = tokens[0], latest_flops
+    if start_time is None:
+        raise ValueError(f"{cfg.checkpoint.save}/progress.txt has no 'Starting job' line for world size {cfg.world_size}")
+    return datetime.strptime(start_time, "%Y-%m-%d %H:%M:%S"), start_flops
+
+
+def compute_throughputs_and_append_to_progress_log(state, num_floating_point_operations_so_far: float) -> None:
+    """Append a `Saved checkpoint` line: job throughput (FLOPs since this job started / its time),
+    cumulative throughput (since the first job of this world size), total FLOPs and tokens."""
+    cfg, ts = state.cfg, state.train_state
+    job_seconds = time.time() - state.start_time
+    job = (num_floating_point_operations_so_far - state.start_floating_point_operations) / (
+        max(job_seconds, 1e-9) * 10**12 * cfg.world_size)
+    start_time, start_flops = get_start_time_from_progress_log(cfg)
+    elapsed = max((datetime.now() - start_time).total_seconds(), 1e-9)
+    cumulative = (num_floating_point_operations_so_far - start_flops) / (elapsed * 10**12 * cfg.world_size)
+    tokens = ts.consumed_train_samples * cfg.model.seq_length
+    append_to_progress_log(cfg.checkpoint.save,
+                           f"Saved checkpoint\tIteration: {ts.step}\tJob throughput: {job:.1f} TFLOP/s/GPU\t"
+                           f"Cumulative throughput: {cumulative:.1f} TFLOP/s/GPU\t"
+                           f"Floating-point operations: {num_floating_point_operations_so_far:.2e}\t"
+                           f"Tokens (in billions): {tokens / 10**9:.2f}", cfg.world_size)

@@ -221,6 +221,7 @@ def build_optimizer(cfg, model: list):
             loss_scale=o.loss_scale, initial_loss_scale=o.initial_loss_scale, min_loss_scale=o.min_loss_scale,
             loss_scale_window=o.loss_scale_window, hysteresis=o.hysteresis,
             use_distributed_optimizer=o.use_distributed_optimizer,
+            log_num_zeros_in_grad=cfg.logger.log_num_zeros_in_grad,
         )
         return get_megatron_optimizer(config, model)
     return TorchOptimizer(cfg, model)
@@ -236,6 +237,7 @@ class TorchOptimizer:
     def __init__(self, cfg, model: list):
         o = cfg.optimizer
         self.clip_grad = o.clip_grad
+        self.log_num_zeros_in_grad = cfg.logger.log_num_zeros_in_grad
         self.params = [p for chunk in model for p in chunk.parameters() if p.requires_grad]
         decay, no_decay = [], []
         for chunk in model:
@@ -263,12 +265,14 @@ class TorchOptimizer:
     def step(self):
         grads = [p.grad for p in self.params if p.grad is not None]
         grad_norm = global_grad_norm(self.params)
+        # Zeros are counted only when asked: it walks every gradient.
+        num_zeros = float(sum((g == 0).sum().item() for g in grads)) if self.log_num_zeros_in_grad else None
         if not math.isfinite(grad_norm):
-            return False, grad_norm, None  # a NaN/Inf gradient: skip the update, as an fp16 overflow would
+            return False, grad_norm, num_zeros  # a NaN/Inf gradient: skip the update, as an fp16 overflow would
         if self.clip_grad > 0 and grad_norm > self.clip_grad:
             torch._foreach_mul_(grads, self.clip_grad / (grad_norm + 1e-6))
         self.optimizer.step()
-        return True, grad_norm, None
+        return True, grad_norm, num_zeros
 
     def state_dict(self):
         return self.optimizer.state_dict()

@@ -85,7 +85,8 @@ class GlobalState:
         self.timers = metrics.Timers(cfg.logger.timing_log_level, cfg.use_gpu)
         self.start_time = time.time()
         self.signal_handler: Optional[DistributedSignalHandler] = None
-        self.padded_vocab_size: int = 0
+        self.start_step = 0  # where this job began (after a resume): throughput counts from here
+        self.start_floating_point_operations = 0.0
         self.exit_code: Optional[int] = None  # set when the loop stops early (signal, interval, NaN)
         self._tensorboard_logger = None
 
@@ -200,7 +201,7 @@ def setup(cfg: ConfigContainer):
     tokenizer = data.build_tokenizer(cfg)
     m = cfg.model
     vocab_size = data.embedding_rows(tokenizer)
-    state.padded_vocab_size = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, m.tensor_model_parallel_size)
+    cfg.padded_vocab_size = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, m.tensor_model_parallel_size)
     model = build_model(cfg, vocab_size)
     if parallel_state.get_data_parallel_rank() == 0:
         print(f" > number of parameters on (tensor, pipeline) model parallel rank "
@@ -215,6 +216,11 @@ def setup(cfg: ConfigContainer):
     resumed = bool(ck.load) and checkpoint.load_checkpoint(state, model, optimizer, scheduler, ck.load, ck.finetune)
     if not resumed and ck.pretrained_checkpoint:
         checkpoint.load_checkpoint(state, model, optimizer, scheduler, ck.pretrained_checkpoint, finetune=True)
+    state.start_step = state.train_state.step
+    state.start_floating_point_operations = state.train_state.floating_point_operations_so_far
+    metrics.report_theoretical_memory(cfg, cfg.num_microbatches)
+    if ck.save:
+        metrics.append_to_progress_log(ck.save, "Starting job", cfg.world_size)
     iterators = data.build_data_iterators(cfg, tokenizer, state.train_state)
     return state, model, optimizer, scheduler, iterators
 
@@ -293,11 +299,13 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
     cfg, timers = global_state.cfg, global_state.timers
     zero_grad(model, optimizer)
     forward_backward_func = get_forward_backward_func(cfg, model, optimizer)
+    timers("forward-backward", log_level=1).start(barrier=False)
     losses = forward_backward_func(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=cfg.num_microbatches, seq_length=cfg.model.seq_length,
         micro_batch_size=cfg.train.micro_batch_size, decoder_seq_length=cfg.model.seq_length, forward_only=False,
     )
+    timers("forward-backward").stop()
     timers("optimizer", log_level=1).start(barrier=False)
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
     timers("optimizer").stop()
@@ -391,6 +399,7 @@ def save_checkpoint_and_time(state: GlobalState, model, optimizer, opt_param_sch
     directory = checkpoint.save_checkpoint(state, model, optimizer, opt_param_scheduler)
     timers("save-checkpoint").stop(barrier=True)
     checkpointing_context["last_saved_step"] = state.train_state.step
+    metrics.compute_throughputs_and_append_to_progress_log(state, num_floating_point_operations_so_far)
     seconds = timers("save-checkpoint").elapsed()
     print_rank_0(f" successfully saved checkpoint from iteration {state.train_state.step:7d} to {directory} "
                  f"[ {seconds * 1000:.1f} ms ]")
@@ -454,7 +463,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
         m.train()
     total_loss_dict, history_wct, report_memory_flag = {}, [], True
     flops_per_step = metrics.num_floating_point_operations(cfg, cfg.train.global_batch_size,
-                                                           global_state.padded_vocab_size)
+                                                           cfg.padded_vocab_size)
     print_rank_0(f" training from iteration {ts.step} to {cfg.train.train_iters} ...")
     timers("interval-time", log_level=0).start(barrier=True)
 
@@ -470,6 +479,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
         ts.consumed_train_samples += cfg.train.global_batch_size
         ts.skipped_train_samples += cfg.train.global_batch_size * skipped_iter
         ts.floating_point_operations_so_far += flops_per_step
+        history_wct.append(time.time() - global_state.start_time)  # this job's wall clock, per iteration
 
         params_norm = metrics.calc_params_l2_norm(model) if cfg.logger.log_params_norm else None
         report_memory_flag = metrics.training_log(

@@ -16,8 +16,10 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 
 LOG_LINE = re.compile(
     r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| "
-    r"elapsed time per iteration \(ms\): [\d.]+ \| learning rate: [\d.E+-]+ \| global batch size: +(\d+) \| "
-    r"lm loss: ([\d.E+-]+) \| loss scale: [\d.]+ \| grad norm: [\d.]+ \| "
+    r"elapsed time per iteration \(ms\): [\d.]+ \|"
+    r"(?: throughput per GPU \(TFLOP/s/GPU\): [\d.]+ \| MFU: [^|]+ \|)? learning rate: [\d.E+-]+ \| "
+    r"global batch size: +(\d+) \| lm loss: ([\d.E+-]+) \|(?: [a-z ]+: [\d.E+-]+ \|)* loss scale: [\d.]+ \| "
+    r"grad norm: [\d.]+ \|(?: (?:num zeros|params norm): [\d.]+ \|)* "
     r"number of skipped iterations: +(\d+) \| number of nan iterations: +(\d+) \|$", re.M)
 
 
@@ -46,6 +48,9 @@ def mock_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("mock_run")
     args = [*TINY, "--mock-data", "--train-iters", "30", "--global-batch-size", "8", "--log-interval", "5",
             "--eval-interval", "10", "--eval-iters", "2", "--tensorboard-dir", str(out / "tb"),
+            "--log-throughput", "--throughput-window-size", "5", "--log-memory-to-tensorboard",
+            "--log-runtime-to-tensorboard", "--log-l2-norm-grad", "--timing-log-level", "1", "--log-timers-to-tensorboard",
+            "--log-params-norm",
             "--save", str(out / "ckpt"), "--save-interval", "15", "--data-cache-path", str(out / "cache")]
     proc = torchrun(args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

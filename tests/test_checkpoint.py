@@ -80,7 +80,7 @@ def test_most_recent_k_keeps_the_newest(tmp_path, capsys):
     train.pretrain(_cfg(tmp_path, "--train-iters", "5", "--save", str(tmp_path / "ck"), "--save-interval", "1",
                         "--most-recent-k", "2"))
     assert sorted(os.listdir(tmp_path / "ck")) == ["iter_0000004", "iter_0000005", "latest_checkpointed_iteration.txt",
-                                                   "latest_train_state.pt"]
+                                                   "latest_train_state.pt", "progress.txt"]
 
 
 def test_iterations_to_skip_consume_their_data(tmp_path, capsys):

@@ -155,7 +155,7 @@ def test_nan_loss_stops_the_run_without_a_checkpoint(tmp_path, capsys):
     assert state.exit_code == 1 and state.train_state.step == 2
     assert "lm loss is NaN or Inf at iteration 3" in out
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["iter_0000002", "latest_checkpointed_iteration.txt",
-                                                     "latest_train_state.pt"]
+                                                     "latest_train_state.pt", "progress.txt"]
 
 
 def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(tmp_path, capsys):

@@ -1,0 +1,34 @@
+"""Run under torchrun with 2 processes: model-parallel reductions of metrics.py over a tensor-parallel pair."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+import config  # noqa: E402
+import metrics  # noqa: E402
+from model import build_model  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+
+torch.distributed.init_process_group("gloo")
+rank = torch.distributed.get_rank()
+flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+# Tensor-parallel pair: each rank holds half of each split matrix.
+parallel_state.initialize_model_parallel(2, 1)
+cfg = config.parse_args(flags + ["--tensor-model-parallel-size", "2"], world_size=2, gpu=False)
+torch.manual_seed(0)
+tp2_norm = metrics.calc_params_l2_norm(build_model(cfg, 256))
+largest = metrics.reduce_max_stat_across_model_parallel_group(None if rank == 0 else 3.0)
+none = metrics.reduce_max_stat_across_model_parallel_group(None)
+both = metrics.logical_and_across_model_parallel_group(rank == 0)
+parallel_state.destroy_model_parallel()
+# The same model unsplit (use_cpu_initialization draws the full matrices, then splits them).
+parallel_state.initialize_model_parallel(1, 1)
+torch.manual_seed(0)
+tp1_norm = metrics.calc_params_l2_norm(build_model(config.parse_args(flags, world_size=2, gpu=False), 256))
+print(f"rank {rank}: max={largest} none={none} and={both} norm_tp2_equals_tp1={abs(tp2_norm - tp1_norm) < 1e-4 * tp1_norm}",
+      flush=True)
+parallel_state.destroy_model_parallel()
+torch.distributed.destroy_process_group()

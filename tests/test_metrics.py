@@ -1,0 +1,177 @@
+"""metrics.py: each formula against an independent count, each report's keys and arithmetic."""
+
+import math
+import os
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import config
+import metrics
+from conftest import log_lines, torchrun
+
+
+def _cfg(*flags, world_size=1):
+    cfg = config.parse_args(list(flags), world_size=world_size, gpu=False)
+    cfg.padded_vocab_size = 384
+    return cfg
+
+
+def _matmul_flops(cfg, batch):
+    """Forward matmul FLOPs counted layer by layer (2 per multiply-add), times 3 for forward + backward."""
+    m = cfg.model
+    s, h, f, V = m.seq_length, m.hidden_size, m.ffn_hidden_size, cfg.padded_vocab_size
+    kv = 2 * h * m.num_query_groups // m.num_attention_heads
+    per_layer = (2 * s * h * (h + kv)  # query, key, value projections
+                 + 2 * s * s * h * 2  # scores and the weighted sum of values
+                 + 2 * s * h * h  # output projection
+                 + 2 * s * h * f * (3 if m.swiglu else 2))  # MLP: gate, up, down (SwiGLU) or up, down
+    return 3 * batch * (m.num_layers * per_layer + 2 * s * h * V)
+
+
+@pytest.mark.parametrize("flags", [[], ["--swiglu", "--num-query-groups", "2"], ["--ffn-hidden-size", "300"]])
+def test_flops_match_a_layer_by_layer_count(flags):
+    cfg = _cfg("--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "64", *flags)
+    assert metrics.num_floating_point_operations(cfg, 8, 384) == pytest.approx(_matmul_flops(cfg, 8), rel=1e-12)
+
+
+def test_mfu_uses_the_datasheet_peak_and_says_n_a_otherwise():
+    assert metrics.peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.4  # dense, not the 1979 sparse figure
+    assert metrics.peak_tflops("NVIDIA A100-SXM4-80GB", "bf16") == 312.0
+    assert metrics.peak_tflops(None, "bf16") is None  # a CPU
+    assert metrics.peak_tflops("Some Future Accelerator", "bf16") is None
+    assert metrics.mfu(494.7, 989.4) == "50.0%" and metrics.mfu(1.0, None) == "n/a"
+
+
+def test_report_throughput_rolling_window():
+    train_cfg = SimpleNamespace(global_batch_size=8)
+    history = [0.5 * i for i in range(1, 11)]  # one iteration every 0.5 s
+    assert metrics.report_throughput(train_cfg, 3, 64, history[:3], window_size=5) == {}  # window not full
+    r = metrics.report_throughput(train_cfg, 10, 64, history, window_size=5)
+    assert r["throughput/batches_per_sec"] == pytest.approx(2.0)
+    assert r["throughput/samples_per_sec"] == pytest.approx(16.0)
+    assert r["throughput/tokens_per_sec"] == pytest.approx(16.0 * 64)
+    assert r["throughput/device/samples_per_sec"] == pytest.approx(16.0)  # world of one
+    with pytest.warns(UserWarning, match="at iteration 7"):
+        assert metrics.report_throughput(train_cfg, 7, 64, [1.0] * 5, window_size=5) == {}
+
+
+def test_report_runtime_estimates_from_this_jobs_rate(monkeypatch):
+    ts = SimpleNamespace(step=30, consumed_train_samples=240)
+    monkeypatch.setattr(metrics.time, "time", lambda: 1000.0 + 60.0)
+    r = metrics.report_runtime(ts, 1000.0, 64, 100, time_unit="minutes", start_step=20)
+    # 10 iterations in this job took 1 minute: 70 left take 7 minutes.
+    assert r == {"time/remaining_estimate": 7.0, "time/tokens": 240 * 64, "time/samples": 240, "time/batches": 30,
+                 "time/total": 1.0}
+
+
+def test_report_memory_on_cpu_is_process_memory_under_its_own_names(single_rank_groups):
+    r = metrics.report_memory()
+    assert set(r) == {"memory/cpu_rss_mem", "memory/cpu_peak_rss_mem"}
+    assert 0 < r["memory/cpu_rss_mem"] <= r["memory/cpu_peak_rss_mem"] < 64
+
+
+def test_norms_on_one_rank(single_rank_groups):
+    from model import build_model, global_grad_norm
+
+    cfg = _cfg("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4")
+    model = build_model(cfg, 100)
+    params = list(model[0].parameters())
+    expected = torch.cat([p.detach().flatten() for p in params]).norm().item()
+    assert metrics.calc_params_l2_norm(model) == pytest.approx(expected, rel=1e-5)
+    model[0](torch.zeros(1, 8, dtype=torch.long), torch.arange(8)[None], None,
+             labels=torch.ones(1, 8, dtype=torch.long)).sum().backward()
+    r = metrics.report_l2_norm_grad(model)
+    layer_keys = [k for k in r if k != "l2_norm/grad/global"]
+    assert len(layer_keys) == len(params) and "l2_norm/grad/decoder.layers.0.mlp.linear_fc1.weight" in r
+    assert r["l2_norm/grad/global"] == pytest.approx(math.sqrt(sum(r[k] ** 2 for k in layer_keys)), rel=1e-5)
+    assert r["l2_norm/grad/global"] == pytest.approx(global_grad_norm(params), rel=1e-5)
+    assert metrics.param_is_not_shared(params[0])
+    params[0].shared = True
+    assert not metrics.param_is_not_shared(params[0])
+
+
+def test_dtensor_norm(single_rank_groups):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    full = torch.arange(12.0).reshape(3, 4)
+    dt = distribute_tensor(full, mesh, [Shard(0)])
+    assert metrics.calc_dtensor_params_l2_norm([dt, torch.ones(4)]) == pytest.approx(
+        math.sqrt(full.pow(2).sum().item() + 4))
+
+
+def test_parameter_count_of_the_memory_estimate_matches_the_built_model(single_rank_groups):
+    """With no biases and no position table (the formula counts neither), the estimate's parameter count
+    is exactly megatron-core's GPTModel's."""
+    from model import build_model
+
+    for flags in (["--swiglu", "--num-query-groups", "2"], ["--untie-embeddings-and-output-weights"]):
+        cfg = _cfg("--num-layers", "3", "--hidden-size", "128", "--num-attention-heads", "4", "--disable-bias-linear",
+                   "--position-embedding-type", "rope", *flags)
+        model = build_model(cfg, 384)
+        n = sum(p.numel() for p in model[0].parameters())
+        assert metrics.compute_weight_and_optimizer_memory(cfg) == pytest.approx(18 * n)  # 18 bytes/parameter
+        cfg.optimizer.use_distributed_optimizer, cfg.data_parallel_size = True, 4
+        assert metrics.compute_weight_and_optimizer_memory(cfg) == pytest.approx((6 + 12 / 4) * n)
+
+
+def test_activation_memory_is_table_2_of_korthikanti_et_al():
+    cfg = _cfg("--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "64",
+               "--micro-batch-size", "2")
+    s, b, h, L, V = 64, 2, 128, 4, 384
+    expected = s * b * h * (18 + 4 * 4) * L + 8 * s * b + s * b * h + s * b * h * 4 * (1 + V / h)
+    assert metrics.compute_activation_memory(cfg, 1) == pytest.approx(expected)
+
+
+def test_progress_log_restarts_on_another_world_size(tmp_path):
+    lines = ["2026-01-01 00:00:00\tJob ID: 1\t# GPUs: 8\tStarting job",
+             "2026-01-01 01:00:00\tJob ID: 1\t# GPUs: 8\tSaved checkpoint\tIteration: 10\tJob throughput: 1.0 TFLOP/s/GPU\t"
+             "Cumulative throughput: 1.0 TFLOP/s/GPU\tFloating-point operations: 1.00e+15\tTokens (in billions): 0.01",
+             "2026-01-02 00:00:00\tJob ID: 2\t# GPUs: 4\tStarting job",
+             "2026-01-03 00:00:00\tJob ID: 3\t# GPUs: 8\tStarting job",
+             "2026-01-03 02:00:00\tJob ID: 4\t# GPUs: 8\tStarting job"]
+    (tmp_path / "progress.txt").write_text("\n".join(lines) + "\n")
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(save=str(tmp_path)), world_size=8)
+    start, flops = metrics.get_start_time_from_progress_log(cfg)
+    assert str(start) == "2026-01-03 00:00:00" and flops == 1e15  # the 4-GPU job broke the run of 8-GPU jobs
+    cfg.world_size = 2
+    with pytest.raises(ValueError, match="no 'Starting job' line for world size 2"):
+        metrics.get_start_time_from_progress_log(cfg)
+
+
+def test_progress_log_of_a_run(mock_run):
+    lines = (mock_run["dir"] / "ckpt" / "progress.txt").read_text().splitlines()
+    assert lines[0].endswith("# GPUs: 2\tStarting job")
+    saved = [l.split("\t") for l in lines[1:]]
+    assert [t[4] for t in saved] == ["Iteration: 15", "Iteration: 30"]
+    flops = [float(t[7].split(": ")[1]) for t in saved]
+    assert flops[1] == pytest.approx(2 * flops[0], rel=1e-2)
+    assert all("TFLOP/s/GPU" in t[5] and "TFLOP/s/GPU" in t[6] for t in saved)
+
+
+def test_tensorboard_reports_of_a_run(mock_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(mock_run["dir"] / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for key in ["throughput/tokens_per_sec", "throughput/device/samples_per_sec", "memory/cpu_rss_mem",
+                "time/remaining_estimate", "time/tokens", "l2_norm/grad/global", "params-norm", "params-norm vs samples",
+                "forward-backward-time", "optimizer-time", "throughput"]:
+        assert key in tags, key
+    assert not any(t.startswith("memory/current_allocated") for t in tags)  # no GPU keys on a CPU
+    assert [e.value for e in acc.Scalars("time/tokens")][-1] == 30 * 8 * 64
+    # The log line carries TFLOP/s and, on a CPU, MFU n/a.
+    assert " MFU: n/a |" in mock_run["stdout"] and "(min, max) time across ranks (ms):" in mock_run["stdout"]
+
+
+def test_model_parallel_reductions_over_two_ranks():
+    proc = torchrun([], nproc=2, script="tests/scripts/mp_reductions.py")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(l for l in proc.stdout.splitlines() if l.startswith("rank")) == [
+        "rank 0: max=3.0 none=None and=False norm_tp2_equals_tp1=True",
+        "rank 1: max=3.0 none=None and=False norm_tp2_equals_tp1=True"]

@@ -1,6 +1,7 @@
 """bench.py: what the machinery costs, measured side by side in one run. Prints one table.
 
     python bench.py checkpoint [--num-layers 16 --hidden-size 768 ...]   # save/load vs torch.save/torch.load
+    python bench.py logging [train.py flags]                             # training_log's share of a step
 
 Benchmarks report; the tests never assert on timings.
 """
@@ -90,6 +91,40 @@ def bench_checkpoint(argv) -> list:
     return rows
 
 
+def bench_logging(argv) -> list:
+    """Time spent in metrics.training_log (accumulating, TensorBoard, the log line) beside the whole
+    iteration, over a real single-process run of the default model at the default --log-interval."""
+    cfg = config_lib.parse_args(["--mock-data", "--train-iters", "60", "--eval-iters", "0", "--num-workers", "0"] + argv,
+                                world_size=1)
+    import contextlib
+    import io
+
+    import metrics
+    import train
+
+    spent = []
+    original = metrics.training_log
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        result = original(*args, **kwargs)
+        spent.append(time.perf_counter() - t)
+        return result
+
+    metrics.training_log = timed  # measured from the outside; train.py is unchanged
+    t = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()):
+        state = train.pretrain(cfg)
+    total = time.perf_counter() - t
+    metrics.training_log = original
+    iters = state.train_state.step
+    log_s = sum(spent)
+    per_iter_ms = 1000 * total / iters
+    return [("logging", f"default model, --log-interval {cfg.logger.log_interval}, {iters} iterations",
+             "training_log per iteration", f"{1000 * log_s / iters:.3f} ms", f"{100 * log_s / total:.2f}% of the run"),
+            ("", "", "whole run per iteration (setup included)", f"{per_iter_ms:.1f} ms", "")]
+
+
 def print_table(rows) -> None:
     header = ("benchmark", "setup", "what", "time", "rate")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
@@ -98,7 +133,7 @@ def print_table(rows) -> None:
 
 
 if __name__ == "__main__":
-    benches = {"checkpoint": bench_checkpoint}
+    benches = {"checkpoint": bench_checkpoint, "logging": bench_logging}
     name = sys.argv[1] if len(sys.argv) > 1 else "checkpoint"
     if name not in benches:
         sys.exit(f"bench.py: error: unknown benchmark {name}; choose from {', '.join(benches)}")

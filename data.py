@@ -7,6 +7,9 @@ run reads exactly what an uninterrupted one would have.
 """
 
 import os
+import warnings
+
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed.*")  # as in model.py
 
 import numpy as np
 import torch
@@ -16,6 +19,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 from config import ConfigError, parse_data_path
+from model import any_rank
 
 # --------------------------------------------------------------------------------------------------
 # Tokenizers: what megatron-core's datasets need of one is vocab_size, eod, pad and unique_identifiers.
@@ -143,6 +147,15 @@ def build_datasets(cfg, tokenizer) -> list:
     )
     if blend is not None:
         check_split_not_empty(blend[0], d.split, needed=[True, bool(cfg.train.eval_iters), bool(cfg.train.eval_iters)])
+    prefixes = (blend[0] if blend else []) + [p for b in (blend_per_split or []) if b for p in b[0]]
+    error = None
+    if torch.distributed.get_rank() == 0:  # one pass over the data, before the first step; others wait for the verdict
+        try:
+            check_token_ids(prefixes, tokenizer.vocab_size)
+        except ConfigError as e:
+            error = e
+    if any_rank(error is not None, cfg.use_gpu):
+        raise error or ConfigError("the data holds token ids outside the vocabulary (see rank 0's error)")
     cls = MockGPTDataset if d.mock_data else GPTDataset
     # Tensor-parallel ranks of one data-parallel rank read the same samples; megatron-core builds the
     # index caches on global rank 0 first, then everywhere else.
@@ -263,3 +276,171 @@ def build_data_iterators(cfg, tokenizer, train_state):
         build_data_loader(test_ds, 0, cfg, seed_offset=2),
     ]
     return [iter(dl) if dl is not None else None for dl in loaders]
+
+
+# --------------------------------------------------------------------------------------------------
+# Preprocessing: `python data.py preprocess` (Megatron-LM's tools/preprocess_data.py, for this project)
+# --------------------------------------------------------------------------------------------------
+
+
+def iter_documents(path: str, json_keys: list):
+    """(key, text) of every document under path: a JSONL file (one document per line, one text per
+    --json-keys key), a plain text file (one document per blank-line-separated block), or a directory
+    of them (files in sorted order, recursively)."""
+    import json
+
+    files = [path] if os.path.isfile(path) else sorted(
+        os.path.join(d, f) for d, _, names in os.walk(path) for f in names
+        if f.endswith((".jsonl", ".json", ".txt", ".md", ".rst")))
+    for file in files:
+        with open(file, encoding="utf-8", errors="replace") as fh:
+            if file.endswith((".jsonl", ".json")):
+                for n, line in enumerate(fh, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ConfigError(f"{file}:{n}: not a JSON line ({e.msg}); JSONL holds one JSON object per line")
+                    for key in json_keys:
+                        if key not in record:
+                            raise ConfigError(f"{file}:{n}: no key '{key}' (keys: {', '.join(record)}); set --json-keys")
+                        yield key, str(record[key])
+            else:
+                for block in fh.read().split("\n\n"):
+                    if block.strip():
+                        yield json_keys[0], block
+
+
+def _tokenize_batch(args):
+    """(key, bytes, token ids) of each (key, text) of a batch: the work a preprocessing worker does."""
+    tokenizer, batch = args
+    return [(key, len(text.encode("utf-8")), tokenizer.tokenize(text)) for key, text in batch]
+
+
+def preprocess(input_path: str, output_prefix: str, json_keys=("text",), tokenizer=None, append_eod=False,
+               workers: int = 1, log_interval: float = 5.0) -> dict:
+    """Tokenize a corpus into megatron-core indexed datasets, one per key: OUTPUT_PREFIX_KEY_document.bin/.idx.
+
+    Reports documents, MB/s and an ETA on stderr every `log_interval` seconds. Returns per-key statistics.
+    """
+    import multiprocessing
+    import time
+
+    if not os.path.exists(input_path):
+        raise ConfigError(f"--input {input_path}: no such file or directory")
+    tokenizer = tokenizer or ByteTokenizer()
+    total_bytes = os.path.getsize(input_path) if os.path.isfile(input_path) else sum(
+        os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(input_path) for f in names)
+    dtype = np.int32 if tokenizer.vocab_size > 65500 else np.uint16
+    prefixes = {k: f"{output_prefix}_{k}_document" for k in json_keys}
+    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+    builders = {k: IndexedDatasetBuilder(p + f".bin.tmp{os.getpid()}", dtype=dtype) for k, p in prefixes.items()}
+    stats = {k: {"documents": 0, "tokens": 0} for k in json_keys}
+    start = time.time()
+
+    def batches(size=256):
+        batch = []
+        for item in iter_documents(input_path, list(json_keys)):
+            batch.append(item)
+            if len(batch) == size:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+    pool = multiprocessing.get_context("fork").Pool(workers) if workers > 1 else None
+    try:
+        _fill(builders, stats, batches(), tokenizer, append_eod, pool, total_bytes, start, log_interval)
+    except BaseException:  # bad input mid-way: leave nothing half-written behind
+        for prefix in prefixes.values():
+            if os.path.exists(prefix + f".bin.tmp{os.getpid()}"):
+                os.remove(prefix + f".bin.tmp{os.getpid()}")
+        raise
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+    for key, prefix in prefixes.items():
+        tmp = prefix + f".bin.tmp{os.getpid()}"
+        if stats[key]["documents"] == 0:
+            os.remove(tmp)
+            raise ConfigError(f"--input {input_path}: no documents with text under key '{key}'; the corpus is empty")
+        builders[key].finalize(prefix + f".idx.tmp{os.getpid()}")
+        os.replace(tmp, prefix + ".bin")
+        os.replace(prefix + f".idx.tmp{os.getpid()}", prefix + ".idx")
+        stats[key].update(prefix=prefix, seconds=time.time() - start, mb=total_bytes / 1e6)
+    return stats
+
+
+def _fill(builders, stats, batches, tokenizer, append_eod, pool, total_bytes, start, log_interval):
+    """Tokenize batches of (key, text) (in worker processes when there is a pool) into the builders."""
+    import sys
+    import time
+
+    last_report, done_bytes = time.time(), 0
+    jobs = ((tokenizer, batch) for batch in batches)
+    for items in (pool.imap(_tokenize_batch, jobs, chunksize=4) if pool else map(_tokenize_batch, jobs)):
+        for key, num_bytes, ids in items:
+            if append_eod:
+                ids = ids + [tokenizer.eod]
+            if not ids:
+                continue
+            builders[key].add_item(torch.tensor(ids, dtype=torch.int64))
+            builders[key].end_document()
+            stats[key]["documents"] += 1
+            stats[key]["tokens"] += len(ids)
+            done_bytes += num_bytes
+        if time.time() - last_report > log_interval:
+            last_report = time.time()
+            rate = done_bytes / max(last_report - start, 1e-9)
+            eta = max(total_bytes - done_bytes, 0) / max(rate, 1e-9)
+            print(f"processed {sum(s['documents'] for s in stats.values())} documents "
+                  f"({done_bytes / 1e6:.1f} MB, {rate / 1e6:.2f} MB/s, ETA {eta:.0f} s)", file=sys.stderr, flush=True)
+
+
+def check_token_ids(prefixes: list, vocab_size: int) -> None:
+    """Every token id of the indexed datasets must have an embedding row: one pass over the .bin files
+    (memory-mapped, ~GB/s), before the model is built."""
+    for prefix in prefixes:
+        data = np.memmap(prefix + ".bin", mode="r", dtype=_index_dtype(prefix))
+        if data.size and int(data.max()) >= vocab_size:
+            raise ConfigError(f"{prefix}.bin holds token id {int(data.max())} but the vocabulary has {vocab_size} ids; "
+                              f"preprocess it with this run's tokenizer (or set --tokenizer-type/--vocab-size to match)")
+
+
+def _index_dtype(prefix: str):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    return IndexedDataset(prefix).index.dtype
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="data.py", description="Data tools. `preprocess`: text -> indexed dataset.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("preprocess", help="tokenize JSONL / text files into PREFIX_KEY_document.bin/.idx")
+    p.add_argument("--input", required=True, help="a JSONL file, a text file, or a directory of them")
+    p.add_argument("--output-prefix", required=True, help="output path prefix; writes PREFIX_KEY_document.bin/.idx")
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="JSONL keys to take text from (default: text)")
+    p.add_argument("--tokenizer-type", default="ByteTokenizer", choices=["ByteTokenizer"], help="tokenizer")
+    p.add_argument("--append-eod", action="store_true", help="end each document with the end-of-document token")
+    p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    p.add_argument("--log-interval", type=float, default=5.0, help="seconds between progress lines")
+    args = parser.parse_args(argv)
+    try:
+        stats = preprocess(args.input, args.output_prefix, args.json_keys, ByteTokenizer(), args.append_eod,
+                           args.workers, args.log_interval)
+    except ConfigError as e:
+        print(f"data.py: error: {e}", file=sys.stderr)
+        return 2
+    for key, s in stats.items():
+        print(f"{s['prefix']}: {s['documents']} documents, {s['tokens']} tokens, {s['mb']:.1f} MB in "
+              f"{s['seconds']:.1f} s ({s['mb'] / max(s['seconds'], 1e-9):.2f} MB/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,8 +1,6 @@
 """metrics.py: each formula against an independent count, each report's keys and arithmetic."""
 
 import math
-import os
-import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +8,7 @@ import torch
 
 import config
 import metrics
-from conftest import log_lines, torchrun
+from conftest import torchrun
 
 
 def _cfg(*flags, world_size=1):

@@ -1,0 +1,127 @@
+"""data.py: preprocessing real text into megatron-core indexed datasets, training on a blend, bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import config
+from conftest import ROOT, TINY, log_lines, torchrun
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory):
+    """Two real corpora present on every machine: CPython's documentation topics (JSONL, a paragraph per
+    line) and the docstrings of standard-library modules (a directory of text files)."""
+    import importlib
+
+    import pydoc_data.topics
+
+    root = tmp_path_factory.mktemp("corpora")
+    with open(root / "topics.jsonl", "w") as fh:
+        for key in sorted(pydoc_data.topics.topics):
+            for paragraph in pydoc_data.topics.topics[key].split("\n\n"):
+                if paragraph.strip():
+                    fh.write(json.dumps({"text": paragraph, "topic": key}) + "\n")
+    docs = root / "docstrings"
+    docs.mkdir()
+    for name in ["argparse", "collections", "dataclasses", "email", "functools", "inspect", "json", "logging",
+                 "pathlib", "re", "subprocess", "typing", "unittest", "urllib.parse", "zipfile", "asyncio"]:
+        (docs / f"{name}.txt").write_text(importlib.import_module(name).__doc__ or "")
+    return root
+
+
+def _preprocess(*args):
+    return subprocess.run([sys.executable, "data.py", "preprocess", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_preprocess_jsonl_and_read_back_with_megatron_core(corpora, tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from data import ByteTokenizer
+
+    proc = _preprocess("--input", str(corpora / "topics.jsonl"), "--output-prefix", str(tmp_path / "topics"),
+                       "--json-keys", "text", "topic", "--append-eod", "--workers", "2", "--log-interval", "0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "MB/s" in proc.stdout and "ETA" in proc.stderr  # the summary, and progress lines while running
+    lines = [json.loads(l) for l in (corpora / "topics.jsonl").read_text().splitlines()]
+    texts = IndexedDataset(str(tmp_path / "topics_text_document"))
+    topics = IndexedDataset(str(tmp_path / "topics_topic_document"))
+    assert len(texts) == len(topics) == len(lines) > 2000
+    tokenizer = ByteTokenizer()
+    for i in (0, 1, len(lines) - 1):
+        ids = texts[i].tolist()
+        assert ids[-1] == tokenizer.eod and tokenizer.detokenize(ids[:-1]) == lines[i]["text"]
+        assert tokenizer.detokenize(topics[i].tolist()[:-1]) == lines[i]["topic"]
+
+
+def test_preprocess_a_directory_of_text_files(corpora, tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    proc = _preprocess("--input", str(corpora / "docstrings"), "--output-prefix", str(tmp_path / "doc"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    blocks = [b for f in sorted(os.listdir(corpora / "docstrings"))
+              for b in (corpora / "docstrings" / f).read_text().split("\n\n") if b.strip()]
+    assert len(IndexedDataset(str(tmp_path / "doc_text_document"))) == len(blocks)
+
+
+@pytest.mark.parametrize("content, args, message", [
+    (None, [], "no such file or directory"),
+    ("", [], "the corpus is empty"),
+    ('{"text": "a"}\nnot json\n', [], ":2: not a JSON line"),
+    ('{"body": "a"}\n', [], "no key 'text' (keys: body); set --json-keys"),
+])
+def test_preprocess_bad_input_is_one_line(tmp_path, content, args, message):
+    path = tmp_path / "in.jsonl"
+    if content is not None:
+        path.write_text(content)
+    proc = _preprocess("--input", str(path), "--output-prefix", str(tmp_path / "out"), *args)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+    assert not list(tmp_path.glob("out*"))  # nothing half-written left behind
+
+
+@pytest.fixture(scope="module")
+def prefixes(corpora, tmp_path_factory):
+    out = tmp_path_factory.mktemp("indexed")
+    for name, src in (("a", "topics.jsonl"), ("b", "docstrings")):
+        assert _preprocess("--input", str(corpora / src), "--output-prefix", str(out / name), "--append-eod").returncode == 0
+    return str(out / "a_text_document"), str(out / "b_text_document")
+
+
+def test_two_rank_training_on_a_weighted_blend(prefixes, tmp_path):
+    a, b = prefixes
+    proc = torchrun([*TINY, "--data-path", "0.7", a, "0.3", b, "--split", "90,8,2", "--train-iters", "20",
+                     "--global-batch-size", "8", "--log-interval", "5", "--eval-interval", "10", "--eval-iters", "2",
+                     "--data-cache-path", str(tmp_path / "cache"), "--num-workers", "1"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [l[3] for l in log_lines(proc.stdout)]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    assert "validation loss at iteration 20 on test set" in proc.stdout
+    # megatron-core's blended dataset indices were cached where --data-cache-path says.
+    assert any(f.endswith("dataset_index.npy") for _, _, fs in os.walk(tmp_path / "cache") for f in fs)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_before_training(tmp_path):
+    import train
+    from data import NullTokenizer, write_indexed_dataset
+
+    prefix = str(tmp_path / "big_ids")
+    write_indexed_dataset([" ".join(str(i) for i in range(500, 900))] * 50, NullTokenizer(1000), prefix)
+    cfg = config.parse_args([*TINY, "--data-path", prefix, "--split", "1,0,0", "--eval-iters", "0", "--num-workers", "0",
+                             "--data-cache-path", str(tmp_path / "c")], world_size=1, gpu=False)
+    with pytest.raises(config.ConfigError, match=r"big_ids.bin holds token id 1000 but the vocabulary has 257 ids"):
+        train.pretrain(cfg)
+    assert not torch.distributed.is_initialized()
+
+
+def test_bin_without_idx_is_refused_at_parse_time(prefixes, tmp_path, capsys):
+    a, _ = prefixes
+    lone = tmp_path / "lone"
+    (tmp_path / "lone.bin").write_bytes(open(a + ".bin", "rb").read()[:64])
+    with pytest.raises(SystemExit):
+        config.parse_args(["--data-path", str(lone)], world_size=1, gpu=False)
+    assert f"{lone}.idx not found" in capsys.readouterr().err

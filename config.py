@@ -13,6 +13,7 @@ in about a second, before any expensive import or work.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import dataclasses
 import glob
@@ -186,6 +187,32 @@ class DatasetConfig:
     reset_position_ids: bool = arg(False, "Restart position ids after each end-of-document token.")
     reset_attention_mask: bool = arg(False, "Do not attend across end-of-document tokens.")
     eod_mask_loss: bool = arg(False, "Exclude end-of-document tokens from the loss.")
+
+
+@dataclass
+class DatasetBuildContext:
+    """What a DatasetProvider gets to build its datasets: how many samples each split must supply,
+    and the tokenizer (Megatron Bridge's DatasetBuildContext)."""
+
+    train_samples: int
+    valid_samples: int
+    test_samples: int
+    tokenizer: Any = None
+
+
+@dataclass
+class DatasetProvider(abc.ABC):
+    """Your own datasets (Megatron Bridge's DatasetProvider): subclass it, implement build_datasets, and
+    put an instance in `cfg.dataset`. Each dataset yields dicts of tokens, labels, loss_mask and
+    position_ids tensors (attention_mask optional), as megatron-core's GPTDataset does."""
+
+    dataloader_type: str = arg("single", "'single': one pass in order; 'cyclic': reshuffled passes.",
+                               choices=["single", "cyclic"])
+    num_workers: int = arg(0, "DataLoader worker processes per rank.")
+
+    @abc.abstractmethod
+    def build_datasets(self, context: DatasetBuildContext) -> tuple:
+        """Return (train, validation, test) datasets; any may be None."""
 
 
 @dataclass

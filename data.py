@@ -18,7 +18,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-from config import ConfigError, parse_data_path
+from config import ConfigError, DatasetBuildContext, DatasetProvider, parse_data_path
 from model import any_rank
 
 # --------------------------------------------------------------------------------------------------
@@ -268,8 +268,13 @@ def build_data_loader(dataset, consumed_samples: int, cfg, seed_offset: int = 0)
 
 
 def build_data_iterators(cfg, tokenizer, train_state):
-    """(train, validation, test) iterators, resuming at the consumed sample counts of train_state."""
-    train_ds, valid_ds, test_ds = build_datasets(cfg, tokenizer)
+    """(train, validation, test) iterators, resuming at the consumed sample counts of train_state.
+    The datasets are megatron-core's, or a DatasetProvider's in `cfg.dataset`."""
+    if isinstance(cfg.dataset, DatasetProvider):
+        train_ds, valid_ds, test_ds = cfg.dataset.build_datasets(
+            DatasetBuildContext(*train_valid_test_num_samples(cfg), tokenizer=tokenizer))
+    else:
+        train_ds, valid_ds, test_ds = build_datasets(cfg, tokenizer)
     loaders = [
         build_data_loader(train_ds, train_state.consumed_train_samples, cfg),
         build_data_loader(valid_ds, train_state.consumed_valid_samples, cfg, seed_offset=1),

@@ -193,15 +193,14 @@ def setup(cfg: ConfigContainer):
     initialize_distributed(cfg)
     set_random_seed(cfg.rng.seed, cfg.use_gpu)
     state = GlobalState(cfg)
-    if metrics.is_rank_0():
-        config_lib.print_config(cfg)
-    if cfg.train.exit_signal_handler:
-        state.signal_handler = DistributedSignalHandler(signal.Signals[cfg.train.exit_signal])
-
     tokenizer = data.build_tokenizer(cfg)
     m = cfg.model
     vocab_size = data.embedding_rows(tokenizer)
     cfg.padded_vocab_size = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, m.tensor_model_parallel_size)
+    if metrics.is_rank_0():
+        config_lib.print_config(cfg)
+    if cfg.train.exit_signal_handler:
+        state.signal_handler = DistributedSignalHandler(signal.Signals[cfg.train.exit_signal])
     model = build_model(cfg, vocab_size)
     if parallel_state.get_data_parallel_rank() == 0:
         print(f" > number of parameters on (tensor, pipeline) model parallel rank "

@@ -125,3 +125,80 @@ def test_bin_without_idx_is_refused_at_parse_time(prefixes, tmp_path, capsys):
     with pytest.raises(SystemExit):
         config.parse_args(["--data-path", str(lone)], world_size=1, gpu=False)
     assert f"{lone}.idx not found" in capsys.readouterr().err
+
+
+def test_a_custom_dataset_provider_feeds_pretrain(tmp_path, capsys):
+    """A user's DatasetProvider, as in the seed: build_datasets(context) -> (train, valid, test)."""
+    import dataclasses
+
+    import train
+
+    @dataclasses.dataclass
+    class CountingDataset(config.DatasetProvider):
+        seq_length: int = 64
+        seen: list = dataclasses.field(default_factory=list)
+
+        def build_datasets(self, context):
+            self.seen.append(context)
+
+            class Counting(torch.utils.data.Dataset):  # next token = previous + 1, mod 50
+                def __init__(self, n, seq):
+                    self.n, self.seq = n, seq
+
+                def __len__(self):
+                    return self.n
+
+                def __getitem__(self, i):
+                    tokens = (torch.arange(self.seq + 1) + i) % 50
+                    return {"tokens": tokens[:-1], "labels": tokens[1:], "loss_mask": torch.ones(self.seq),
+                            "position_ids": torch.arange(self.seq)}
+            return (Counting(context.train_samples, self.seq_length), Counting(context.valid_samples, self.seq_length),
+                    None)
+
+    cfg = config.parse_args([*TINY, "--train-iters", "30", "--log-interval", "10", "--eval-interval", "30",
+                             "--eval-iters", "1"], world_size=1, gpu=False)
+    cfg.dataset = CountingDataset()
+    state = train.pretrain(cfg)
+    out = capsys.readouterr().out
+    context = cfg.dataset.seen[0]
+    assert (context.train_samples, context.valid_samples, context.test_samples) == (60, 4, 2)
+    assert context.tokenizer is not None and state.train_state.step == 30
+    losses = [l[3] for l in log_lines(out)]
+    assert losses[-1] < 0.7 * losses[0]
+    assert "validation loss at iteration 30 on validation set" in out and "on test set" not in out
+
+
+def test_cyclic_sampler_reshuffles_each_epoch_and_resumes_mid_epoch():
+    from data import MegatronPretrainingRandomSampler
+
+    def draw(consumed, n_batches, rank=0, size=1):
+        it = iter(MegatronPretrainingRandomSampler(20, consumed, 2, rank, size, seed=7))
+        return [i for _ in range(n_batches) for i in next(it)]
+
+    first_epoch, second_epoch = draw(0, 10), draw(20, 10)
+    assert sorted(first_epoch) == sorted(second_epoch) == list(range(20)) and first_epoch != second_epoch
+    assert draw(8, 6) == draw(0, 10)[8:]  # resuming after 8 samples continues the same permutation
+    two_ranks = draw(0, 5, rank=0, size=2) + draw(0, 5, rank=1, size=2)
+    assert sorted(two_ranks) == list(range(20))  # ranks split the epoch without overlap
+
+
+def test_document_resets_reach_megatron_core(prefixes, tmp_path):
+    """--reset-position-ids / --reset-attention-mask / --eod-mask-loss shape the samples at each end-of-document."""
+    import data
+
+    a, _ = prefixes
+    flags = [*TINY, "--data-path", a, "--data-cache-path", str(tmp_path / "c"), "--train-iters", "2",
+             "--seq-length", "1024"]  # paragraphs average ~180 bytes: a 1024-token sample spans several
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        cfg = config.parse_args(flags + ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"],
+                                world_size=1, gpu=False)
+        sample = data.build_datasets(cfg, data.ByteTokenizer())[0][0]
+    finally:
+        torch.distributed.destroy_process_group()
+    eod = (sample["tokens"] == data.ByteTokenizer().eod).nonzero().flatten().tolist()
+    assert eod, "a 1024-token sample of paragraph-sized documents holds an end-of-document token"
+    e = next(i for i in eod if i + 1 < 1024)
+    assert sample["loss_mask"][e] == 0  # no loss on predicting from the end-of-document token
+    assert sample["position_ids"][e + 1] == 0  # positions restart in the next document
+    assert bool(sample["attention_mask"][0, e + 1, e])  # and it cannot attend back across the boundary

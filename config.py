@@ -182,8 +182,14 @@ class DatasetConfig:
     test_data_path: Optional[list[str]] = arg(None, "Indexed dataset prefixes for testing only.")
     mock_data: bool = arg(False, "Train on megatron-core's synthetic MockGPTDataset.")
     data_cache_path: Optional[str] = arg(None, "Directory for the dataset index caches (and the built-in corpus).")
-    dataloader_type: str = arg("single", "'single': one pass in order; 'cyclic': reshuffled passes.", choices=["single", "cyclic"])
+    dataloader_type: Optional[str] = arg(
+        None, "'single': one pass in order; 'cyclic': reshuffled passes; 'batch': in order, each global batch padded "
+              "to its longest sequence. Default: batch with --sft, else single.", choices=["single", "cyclic", "batch"])
     num_workers: int = arg(2, "DataLoader worker processes per rank.")
+    sft: bool = arg(False, "Finetuning data: the data paths are JSONL files of prompt/response pairs (or a 'messages' "
+                           "list); the loss covers the responses only.")
+    sft_pack_sequences: bool = arg(False, "With --sft: pack several examples into each sequence (positions and "
+                                          "attention restart at each example).")
     reset_position_ids: bool = arg(False, "Restart position ids after each end-of-document token.")
     reset_attention_mask: bool = arg(False, "Do not attend across end-of-document tokens.")
     eod_mask_loss: bool = arg(False, "Exclude end-of-document tokens from the loss.")
@@ -655,6 +661,16 @@ def _validate_data(cfg: ConfigContainer) -> None:
         raise ConfigError(f"--split {d.split}: expected comma-separated numbers like 969,30,1")
     if len(parts) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
         raise ConfigError(f"--split {d.split}: expected up to three non-negative proportions like 969,30,1")
+    if d.dataloader_type is None:
+        d.dataloader_type = "batch" if d.sft else "single"
+    if d.dataloader_type == "batch" and not d.sft:
+        raise ConfigError("--dataloader-type batch pads variable-length examples: it needs --sft")
+    if d.sft_pack_sequences and not d.sft:
+        raise ConfigError("--sft-pack-sequences needs --sft")
+    if d.sft and not (d.data_path or d.train_data_path):
+        raise ConfigError("--sft needs --data-path (or --train-data-path): JSONL files of prompt/response pairs")
+    if d.sft and d.mock_data:
+        raise ConfigError("--sft reads JSONL files: give --data-path (or --train-data-path), not --mock-data")
     if d.num_workers < 0:
         raise ConfigError(f"--num-workers must be non-negative, got {d.num_workers}")
     for flag, paths in (("--data-path", d.data_path), ("--train-data-path", d.train_data_path),
@@ -663,6 +679,10 @@ def _validate_data(cfg: ConfigContainer) -> None:
             continue
         prefixes, _ = parse_data_path(paths)
         for prefix in prefixes:
+            if d.sft:
+                if not os.path.isfile(prefix):
+                    raise ConfigError(f"{flag}: {prefix} not found; with --sft give JSONL files of prompt/response pairs")
+                continue
             for ext in (".bin", ".idx"):
                 if not os.path.isfile(prefix + ext):
                     raise ConfigError(f"{flag}: {prefix}{ext} not found; give the prefix of an indexed dataset "

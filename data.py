@@ -162,12 +162,15 @@ def build_datasets(cfg, tokenizer) -> list:
     return BlendedMegatronDatasetBuilder(cls, train_valid_test_num_samples(cfg), lambda: True, config).build()
 
 
+def _split_weights(split: str) -> list:
+    weights = ([float(x) for x in split.replace("/", ",").split(",")] + [0.0] * 3)[:3]
+    return [w / sum(weights) for w in weights]
+
+
 def split_document_ranges(num_documents: int, split: str) -> list:
     """Document index ranges of the train/validation/test splits, as megatron-core's builder computes
     them (`_get_split_indices`: cumulative rounding, the rounding error taken off the last bounds)."""
-    weights = [float(x) for x in split.replace("/", ",").split(",")]
-    weights = (weights + [0.0] * 3)[:3]
-    weights = [w / sum(weights) for w in weights]
+    weights = _split_weights(split)
     bounds = [0]
     for w in weights:
         bounds.append(bounds[-1] + int(round(w * num_documents)))
@@ -183,10 +186,120 @@ def check_split_not_empty(prefixes: list, split: str, needed=(True, True, True))
 
     for prefix in prefixes:
         n = len(IndexedDataset(prefix).document_indices) - 1
-        for name, (lo, hi), need in zip(("train", "validation", "test"), split_document_ranges(n, split), needed):
-            if need and hi <= lo:
+        weights = _split_weights(split)
+        for name, (lo, hi), need, w in zip(("train", "validation", "test"), split_document_ranges(n, split), needed,
+                                           weights):
+            if need and w > 0 and hi <= lo:  # a zero share means "no such set", not an empty one
                 raise ConfigError(f"--split {split} leaves the {name} set of {prefix} empty ({n} documents); "
                                  f"give it a larger share, or use --eval-iters 0 to skip evaluation")
+
+
+# --------------------------------------------------------------------------------------------------
+# Finetuning data (--sft): prompt/response pairs, loss on the responses only
+# --------------------------------------------------------------------------------------------------
+
+
+def sft_example(record: dict, tokenizer, where: str):
+    """(token ids, loss mask) of one JSONL record, the response and its end-of-document token in the loss.
+
+    {"prompt": ..., "response": ...} (or "input"/"output"), or {"messages": [{"role", "content"}, ...]}
+    where the assistant's messages are learnt and everything else is context."""
+    if "messages" in record:
+        ids, mask = [], []
+        for message in record["messages"]:
+            text = f"<|{message['role']}|>\n{message['content']}\n"
+            learn = message["role"] == "assistant"
+            piece = tokenizer.tokenize(text)
+            ids += piece
+            mask += [int(learn)] * len(piece)
+        return ids + [tokenizer.eod], mask + [1]
+    prompt = record.get("prompt", record.get("input"))
+    response = record.get("response", record.get("output"))
+    if prompt is None or response is None:
+        raise ConfigError(f"{where}: expected 'prompt'/'response' (or 'input'/'output', or 'messages'); "
+                          f"found keys {', '.join(record)}")
+    p, r = tokenizer.tokenize(prompt), tokenizer.tokenize(response) + [tokenizer.eod]
+    return p + r, [0] * len(p) + [1] * len(r)
+
+
+class SFTDataset(torch.utils.data.Dataset):
+    """Finetuning examples as GPT samples: tokens, labels (shifted by one), a loss mask that is zero on
+    prompts and padding, position ids; with `pack`, several examples per sequence, positions and
+    attention restarting at each. Items are indices, or (index, pad_to) from the `batch` sampler,
+    which pads a whole global batch to its longest example."""
+
+    def __init__(self, examples: list, tokenizer, seq_length: int, pack: bool = False):
+        self.seq_length, self.pad, self.pack = seq_length, tokenizer.pad, pack
+        examples = [(ids[: seq_length + 1], mask[: seq_length + 1]) for ids, mask in examples]
+        if pack:  # greedy first fit, in order: each bin holds whole examples up to seq_length + 1 tokens
+            bins = []
+            for ids, mask in examples:
+                if bins and len(bins[-1][0]) + len(ids) <= seq_length + 1:
+                    bins[-1][0].extend(ids), bins[-1][1].extend(mask), bins[-1][2].append(len(ids))
+                else:
+                    bins.append((list(ids), list(mask), [len(ids)]))
+            self.items = bins
+        else:
+            self.items = [(ids, mask, [len(ids)]) for ids, mask in examples]
+        self.lengths = [len(ids) - 1 for ids, _, _ in self.items]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, item):
+        index, pad_to = item if isinstance(item, tuple) else (item, self.seq_length)
+        ids, mask, pieces = self.items[index % len(self.items)]
+        n = len(ids) - 1
+        tokens = torch.full((pad_to,), self.pad, dtype=torch.long)
+        labels = torch.full((pad_to,), self.pad, dtype=torch.long)
+        loss_mask = torch.zeros(pad_to)
+        tokens[:n], labels[:n] = torch.tensor(ids[:-1]), torch.tensor(ids[1:])
+        loss_mask[:n] = torch.tensor(mask[1:], dtype=torch.float)
+        position_ids = torch.arange(pad_to)
+        sample = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+        if self.pack:
+            # Megatron masks: True = may not attend. Block-diagonal causal over the packed examples.
+            doc = torch.full((pad_to,), len(pieces), dtype=torch.long)
+            start = 0
+            for d, length in enumerate(pieces):
+                doc[start:start + length] = d
+                position_ids[start:start + length] = torch.arange(length)[: max(0, min(length, pad_to - start))]
+                start += length
+            causal = torch.ones(pad_to, pad_to, dtype=torch.bool).tril()
+            sample["attention_mask"] = ~(causal & (doc[:, None] == doc[None, :]))[None]
+            sample["position_ids"] = position_ids
+        return sample
+
+
+def build_sft_datasets(cfg, tokenizer) -> list:
+    """Train/validation/test SFTDatasets from JSONL: per-split paths, or one set of paths cut by --split."""
+    import json
+
+    def load(paths):
+        examples = []
+        for path in parse_data_path(paths)[0]:
+            with open(path) as fh:
+                for n, line in enumerate(fh, 1):
+                    if line.strip():
+                        try:
+                            examples.append(sft_example(json.loads(line), tokenizer, f"{path}:{n}"))
+                        except json.JSONDecodeError as e:
+                            raise ConfigError(f"{path}:{n}: not a JSON line ({e.msg})")
+        return examples
+
+    d, m = cfg.dataset, cfg.model
+    if d.train_data_path:
+        splits = [load(p) if p else None for p in (d.train_data_path, d.valid_data_path, d.test_data_path)]
+    else:
+        examples = load(d.data_path)
+        splits = [examples[lo:hi] if w > 0 else None
+                  for (lo, hi), w in zip(split_document_ranges(len(examples), d.split), _split_weights(d.split))]
+    needed = [True, bool(cfg.train.eval_iters), bool(cfg.train.eval_iters)]
+    for name, split, need in zip(("train", "validation", "test"), splits, needed):
+        if need and split is not None and not split:
+            raise ConfigError(f"--split {d.split} leaves the {name} set of the finetuning data empty; "
+                              f"give it a larger share, or --eval-iters 0")
+    return [SFTDataset(s, tokenizer, m.seq_length, d.sft_pack_sequences) if s else None for s in splits]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -212,6 +325,24 @@ class MegatronPretrainingSampler:
         start = self.rank * self.micro_batch_size
         for first in range(self.consumed_samples, self.total_samples - step + 1, step):
             yield list(range(first + start, first + start + self.micro_batch_size))
+
+
+class MegatronPaddedBatchSampler(MegatronPretrainingSampler):
+    """The `batch` dataloader: samples in order, as the pretraining sampler, each item tagged with the
+    length of the longest example of its whole global batch (over all data-parallel ranks), so every
+    microbatch of a step is padded to the same, shortest possible length. Cycles through epochs."""
+
+    def __init__(self, lengths, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size,
+                 global_batch_size, total_samples):
+        super().__init__(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
+        self.lengths, self.global_batch_size = lengths, global_batch_size
+
+    def __iter__(self):
+        n = len(self.lengths)
+        for micro in super().__iter__():
+            first = micro[0] - (micro[0] - self.consumed_samples) % self.global_batch_size  # its global batch
+            longest = max(self.lengths[i % n] for i in range(first, first + self.global_batch_size))
+            yield [(i % n, longest) for i in micro]
 
 
 class MegatronPretrainingRandomSampler:
@@ -257,6 +388,10 @@ def build_data_loader(dataset, consumed_samples: int, cfg, seed_offset: int = 0)
     if cfg.dataset.dataloader_type == "cyclic":
         sampler = MegatronPretrainingRandomSampler(len(dataset), consumed_samples, mbs, dp_rank, dp_size,
                                                    cfg.rng.seed + seed_offset)
+    elif cfg.dataset.dataloader_type == "batch":
+        total = max(train_valid_test_num_samples(cfg)) + consumed_samples  # examples repeat as epochs
+        sampler = MegatronPaddedBatchSampler(dataset.lengths, consumed_samples, mbs, dp_rank, dp_size,
+                                             cfg.train.global_batch_size, total)
     else:
         sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, mbs, dp_rank, dp_size)
     workers = cfg.dataset.num_workers
@@ -273,6 +408,8 @@ def build_data_iterators(cfg, tokenizer, train_state):
     if isinstance(cfg.dataset, DatasetProvider):
         train_ds, valid_ds, test_ds = cfg.dataset.build_datasets(
             DatasetBuildContext(*train_valid_test_num_samples(cfg), tokenizer=tokenizer))
+    elif cfg.dataset.sft:
+        train_ds, valid_ds, test_ds = build_sft_datasets(cfg, tokenizer)
     else:
         train_ds, valid_ds, test_ds = build_datasets(cfg, tokenizer)
     loaders = [

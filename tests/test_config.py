@@ -90,6 +90,9 @@ def test_run_config_yaml_round_trips(tmp_path):
     (["--exit-signal", "SIGFOO"], 1, False, "not a signal name"),
     (["--seq-length", "512", "--max-position-embeddings", "256"], 1, False, "shorter than --seq-length"),
     (["--tokenizer-type", "NullTokenizer", "--mock-data"], 1, False, "needs --vocab-size"),
+    (["--dataloader-type", "batch"], 1, False, "--dataloader-type batch pads variable-length examples: it needs --sft"),
+    (["--sft"], 1, False, "--sft needs --data-path"),
+    (["--sft", "--data-path", "/nonexistent.jsonl"], 1, False, "/nonexistent.jsonl not found; with --sft"),
     (["--num-layers", "four"], 1, False, "invalid int value"),
     (["--no-such-flag"], 1, False, "unrecognized arguments: --no-such-flag"),
 ])

@@ -2,6 +2,7 @@
 
     python bench.py checkpoint [--num-layers 16 --hidden-size 768 ...]   # save/load vs torch.save/torch.load
     python bench.py logging [train.py flags]                             # training_log's share of a step
+    python bench.py data                                                 # preprocessing and sample fetch speed
 
 Benchmarks report; the tests never assert on timings.
 """
@@ -125,6 +126,67 @@ def bench_logging(argv) -> list:
             ("", "", "whole run per iteration (setup included)", f"{per_iter_ms:.1f} ms", "")]
 
 
+def bench_data(argv) -> list:
+    """Preprocessing throughput (1 and 2 workers) beside a raw read of the same JSONL, and the time to
+    fetch a microbatch from megatron-core's GPTDataset beside the default model's step time."""
+    import json
+
+    import pydoc_data.topics
+
+    import data
+
+    work = tempfile.mkdtemp(prefix="bench_data_", dir=os.environ.get("BENCH_DIR"))
+    rows = []
+    try:
+        src = os.path.join(work, "corpus.jsonl")
+        topics = pydoc_data.topics.topics
+        with open(src, "w") as fh:
+            for copy in range(40):  # ~19 MB of real text, every paragraph a document
+                for key in sorted(topics):
+                    for paragraph in topics[key].split("\n\n"):
+                        if paragraph.strip():
+                            fh.write(json.dumps({"text": f"{copy} {paragraph}"}) + "\n")
+        mb = os.path.getsize(src) / 1e6
+        t = time.perf_counter()
+        with open(src, "rb") as fh:
+            while fh.read(1 << 24):
+                pass
+        raw = time.perf_counter() - t
+        rows.append(("data", f"{mb:.1f} MB JSONL", "raw read", f"{raw:.2f} s", f"{mb / raw:.0f} MB/s"))
+        for workers in (1, 2):
+            t = time.perf_counter()
+            stats = data.preprocess(src, os.path.join(work, f"out{workers}"), ["text"], data.ByteTokenizer(), True,
+                                    workers, log_interval=1e9)
+            seconds = time.perf_counter() - t
+            rows.append(("", "", f"preprocess, {workers} worker(s)", f"{seconds:.2f} s", f"{mb / seconds:.2f} MB/s"))
+
+        import torch
+
+        import train
+
+        cfg = config_lib.parse_args(["--data-path", stats["text"]["prefix"], "--num-workers", "0", "--eval-iters", "0",
+                                     "--data-cache-path", os.path.join(work, "cache"), "--train-iters", "50"] + argv,
+                                    world_size=1)
+        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+        train.parallel_state.initialize_model_parallel(1, 1)
+        try:
+            train_ds = data.build_datasets(cfg, data.ByteTokenizer())[0]
+            loader = data.build_data_loader(train_ds, 0, cfg)
+            it = iter(loader)
+            next(it)
+            t = time.perf_counter()
+            for _ in range(50):
+                next(it)
+            fetch_ms = 1000 * (time.perf_counter() - t) / 50
+        finally:
+            train._destroy_distributed()
+        rows.append(("", f"GPTDataset, micro batch {cfg.train.micro_batch_size} x {cfg.model.seq_length}",
+                     "fetch one microbatch (no workers)", f"{fetch_ms:.2f} ms", ""))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
 def print_table(rows) -> None:
     header = ("benchmark", "setup", "what", "time", "rate")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
@@ -133,7 +195,7 @@ def print_table(rows) -> None:
 
 
 if __name__ == "__main__":
-    benches = {"checkpoint": bench_checkpoint, "logging": bench_logging}
+    benches = {"checkpoint": bench_checkpoint, "logging": bench_logging, "data": bench_data}
     name = sys.argv[1] if len(sys.argv) > 1 else "checkpoint"
     if name not in benches:
         sys.exit(f"bench.py: error: unknown benchmark {name}; choose from {', '.join(benches)}")

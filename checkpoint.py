@@ -15,6 +15,7 @@ only then does rank 0 write the two `latest_*` files (each written aside and ren
 A process killed mid-save leaves the tracker pointing at the previous complete checkpoint.
 """
 
+import json
 import os
 import random
 import shutil
@@ -137,6 +138,7 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
     torch.distributed.barrier()  # every rank's files are on disk
     if rank == 0:
         _atomic_write_text(config_lib.to_yaml(cfg), os.path.join(directory, "run_config.yaml"))
+        save_tokenizer(state.tokenizer, directory)
         _atomic_save(ts.state_dict(), os.path.join(directory, "train_state.pt"))
         _atomic_save(ts.state_dict(), os.path.join(ck.save, LATEST_TRAIN_STATE))
         _atomic_write_text(str(ts.step), os.path.join(ck.save, TRACKER))  # published: last write of all
@@ -155,6 +157,26 @@ def prune_old_checkpoints(save: str, latest: int, keep: int) -> None:
         doomed = os.path.join(save, f"deleting_iter_{step:07d}")
         os.replace(iter_dir(save, step), doomed)
         shutil.rmtree(doomed)
+
+
+def save_tokenizer(tokenizer, directory: str) -> None:
+    """The tokenizer travels with the weights: its identity (tokenizer_config.json) and, for a HuggingFace
+    tokenizer, its tokenizer.json, so a checkpoint can be used without the original files."""
+    if tokenizer is None:
+        return
+    _atomic_write_text(json.dumps(tokenizer.unique_identifiers, sort_keys=True), os.path.join(directory, "tokenizer_config.json"))
+    if getattr(tokenizer, "file", None):
+        shutil.copyfile(tokenizer.file, os.path.join(directory, "tokenizer.json"))
+
+
+def check_tokenizer(tokenizer, directory: str) -> None:
+    path = os.path.join(directory, "tokenizer_config.json")
+    if tokenizer is None or not os.path.isfile(path):
+        return
+    saved = json.load(open(path))
+    if saved != json.loads(json.dumps(tokenizer.unique_identifiers)):
+        raise CheckpointError(f"{directory} was trained with tokenizer {saved} but this run uses "
+                              f"{tokenizer.unique_identifiers}; use the checkpoint's tokenizer (see its tokenizer_config.json)")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -220,6 +242,7 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
             raise CheckpointError(f"--pretrained-checkpoint {path}: no {TRACKER} and not an iter_* directory")
         print_rank_0(f" no checkpoint to resume in {path} (no {TRACKER}): training from scratch")
         return False
+    check_tokenizer(getattr(state, "tokenizer", None), directory)
     load_optim = ck.load_optim and not finetune
     saved_format = "torch_dist" if os.path.isfile(os.path.join(directory, "metadata.json")) else "torch"
     if saved_format != ck.ckpt_format:

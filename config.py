@@ -228,9 +228,11 @@ class TokenizerConfig:
     tokenizer_type: str = arg(
         "ByteTokenizer",
         "ByteTokenizer: UTF-8 bytes, 256 ids + end-of-document. NullTokenizer: ids given as-is, --vocab-size ids + end-of-document.",
-        choices=["ByteTokenizer", "NullTokenizer"],
+        choices=["ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer"],
     )
     vocab_size: Optional[int] = arg(None, "Vocabulary size of the NullTokenizer.")
+    tokenizer_model: Optional[str] = arg(
+        None, "HuggingFaceTokenizer: a local tokenizer.json, or a directory holding one (needs `pip install tokenizers`).")
 
 
 @dataclass
@@ -692,6 +694,18 @@ def _validate_data(cfg: ConfigContainer) -> None:
         raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size")
     if tk.tokenizer_type != "NullTokenizer" and tk.vocab_size is not None:
         raise ConfigError(f"--vocab-size is only for --tokenizer-type NullTokenizer; {tk.tokenizer_type} has its own vocabulary")
+    if tk.tokenizer_type == "HuggingFaceTokenizer":
+        if not tk.tokenizer_model:
+            raise ConfigError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a tokenizer.json or its directory)")
+        model_file = os.path.join(tk.tokenizer_model, "tokenizer.json") if os.path.isdir(tk.tokenizer_model) else tk.tokenizer_model
+        if not os.path.isfile(model_file):
+            raise ConfigError(f"--tokenizer-model {tk.tokenizer_model}: no tokenizer.json there")
+        import importlib.util
+
+        if importlib.util.find_spec("tokenizers") is None:
+            raise ConfigError("--tokenizer-type HuggingFaceTokenizer needs the tokenizers package: pip install tokenizers")
+    elif tk.tokenizer_model:
+        raise ConfigError("--tokenizer-model is only for --tokenizer-type HuggingFaceTokenizer")
     if not (d.mock_data or d.data_path or any(split_paths)) and tk.tokenizer_type != "ByteTokenizer":
         raise ConfigError("the built-in corpus is byte-level text; use --tokenizer-type ByteTokenizer or give --data-path/--mock-data")
 

@@ -38,7 +38,7 @@ class ByteTokenizer:
         # 0.16.1 does that in place on its cached loss mask the first time, which would otherwise make the
         # mask depend on which sample a run happened to read first (and break exact resume).
         self.pad = self.vocab_size
-        self.unique_identifiers = {"class": "ByteTokenizer"}
+        self.unique_identifiers = {"class": "ByteTokenizer", "vocab_size": self.vocab_size}
 
     def tokenize(self, text: str) -> list:
         return list(text.encode("utf-8"))
@@ -63,6 +63,38 @@ class NullTokenizer:
         return " ".join(str(int(i)) for i in ids)
 
 
+class HuggingFaceTokenizer:
+    """A HuggingFace `tokenizers` tokenizer from a local tokenizer.json (nothing is downloaded). Its
+    end-of-document token is the first of the usual names it knows, or a new id past its vocabulary."""
+
+    EOD_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
+
+    def __init__(self, path: str):
+        import hashlib
+
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ConfigError("--tokenizer-type HuggingFaceTokenizer needs the tokenizers package: pip install tokenizers")
+        self.file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(self.file):
+            raise ConfigError(f"--tokenizer-model {path}: no tokenizer.json there")
+        self._tokenizer = Tokenizer.from_file(self.file)
+        size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        known = [self._tokenizer.token_to_id(n) for n in self.EOD_NAMES if self._tokenizer.token_to_id(n) is not None]
+        self.eod = known[0] if known else size
+        self.vocab_size = max(size, self.eod + 1)
+        self.pad = self.vocab_size
+        digest = hashlib.sha256(open(self.file, "rb").read()).hexdigest()[:16]
+        self.unique_identifiers = {"class": "HuggingFaceTokenizer", "sha256": digest, "vocab_size": self.vocab_size}
+
+    def tokenize(self, text: str) -> list:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids) -> str:
+        return self._tokenizer.decode([int(i) for i in ids if int(i) != self.eod and int(i) < self.vocab_size])
+
+
 def embedding_rows(tokenizer) -> int:
     """Ids the embedding table must hold: the vocabulary and the pad id just past it."""
     return max(tokenizer.vocab_size, tokenizer.pad + 1)
@@ -70,6 +102,8 @@ def embedding_rows(tokenizer) -> int:
 
 def build_tokenizer(cfg):
     tk = cfg.tokenizer
+    if tk.tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(tk.tokenizer_model)
     return NullTokenizer(tk.vocab_size) if tk.tokenizer_type == "NullTokenizer" else ByteTokenizer()
 
 
@@ -146,7 +180,8 @@ def build_datasets(cfg, tokenizer) -> list:
         create_attention_mask=d.reset_attention_mask,
     )
     if blend is not None:
-        check_split_not_empty(blend[0], d.split, needed=[True, bool(cfg.train.eval_iters), bool(cfg.train.eval_iters)])
+        # megatron-core builds every split with a non-zero share, evaluated or not: check them all.
+        check_split_not_empty(blend[0], d.split)
     prefixes = (blend[0] if blend else []) + [p for b in (blend_per_split or []) if b for p in b[0]]
     error = None
     if torch.distributed.get_rank() == 0:  # one pass over the data, before the first step; others wait for the verdict
@@ -191,7 +226,7 @@ def check_split_not_empty(prefixes: list, split: str, needed=(True, True, True))
                                            weights):
             if need and w > 0 and hi <= lo:  # a zero share means "no such set", not an empty one
                 raise ConfigError(f"--split {split} leaves the {name} set of {prefix} empty ({n} documents); "
-                                 f"give it a larger share, or use --eval-iters 0 to skip evaluation")
+                                 f"give it a larger share, or a share of 0 to build no {name} set")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -457,7 +492,8 @@ def iter_documents(path: str, json_keys: list):
 def _tokenize_batch(args):
     """(key, bytes, token ids) of each (key, text) of a batch: the work a preprocessing worker does."""
     tokenizer, batch = args
-    return [(key, len(text.encode("utf-8")), tokenizer.tokenize(text)) for key, text in batch]
+    # Arrays, not lists: cheaper to send back from a worker and to hand to the builder.
+    return [(key, len(text.encode("utf-8")), np.asarray(tokenizer.tokenize(text), dtype=np.int64)) for key, text in batch]
 
 
 def preprocess(input_path: str, output_prefix: str, json_keys=("text",), tokenizer=None, append_eod=False,
@@ -525,10 +561,10 @@ def _fill(builders, stats, batches, tokenizer, append_eod, pool, total_bytes, st
     for items in (pool.imap(_tokenize_batch, jobs, chunksize=4) if pool else map(_tokenize_batch, jobs)):
         for key, num_bytes, ids in items:
             if append_eod:
-                ids = ids + [tokenizer.eod]
-            if not ids:
+                ids = np.append(ids, tokenizer.eod)
+            if not len(ids):
                 continue
-            builders[key].add_item(torch.tensor(ids, dtype=torch.int64))
+            builders[key].add_item(torch.from_numpy(ids))
             builders[key].end_document()
             stats[key]["documents"] += 1
             stats[key]["tokens"] += len(ids)
@@ -567,13 +603,17 @@ def main(argv=None) -> int:
     p.add_argument("--input", required=True, help="a JSONL file, a text file, or a directory of them")
     p.add_argument("--output-prefix", required=True, help="output path prefix; writes PREFIX_KEY_document.bin/.idx")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="JSONL keys to take text from (default: text)")
-    p.add_argument("--tokenizer-type", default="ByteTokenizer", choices=["ByteTokenizer"], help="tokenizer")
+    p.add_argument("--tokenizer-type", default="ByteTokenizer", choices=["ByteTokenizer", "HuggingFaceTokenizer"],
+                   help="tokenizer (default: ByteTokenizer)")
+    p.add_argument("--tokenizer-model", help="HuggingFaceTokenizer: a local tokenizer.json or its directory")
     p.add_argument("--append-eod", action="store_true", help="end each document with the end-of-document token")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     p.add_argument("--log-interval", type=float, default=5.0, help="seconds between progress lines")
     args = parser.parse_args(argv)
     try:
-        stats = preprocess(args.input, args.output_prefix, args.json_keys, ByteTokenizer(), args.append_eod,
+        tokenizer = HuggingFaceTokenizer(args.tokenizer_model or "") if args.tokenizer_type == "HuggingFaceTokenizer" \
+            else ByteTokenizer()
+        stats = preprocess(args.input, args.output_prefix, args.json_keys, tokenizer, args.append_eod,
                            args.workers, args.log_interval)
     except ConfigError as e:
         print(f"data.py: error: {e}", file=sys.stderr)

@@ -85,6 +85,7 @@ class GlobalState:
         self.timers = metrics.Timers(cfg.logger.timing_log_level, cfg.use_gpu)
         self.start_time = time.time()
         self.signal_handler: Optional[DistributedSignalHandler] = None
+        self.tokenizer = None  # set at setup; saved with every checkpoint
         self.start_step = 0  # where this job began (after a resume): throughput counts from here
         self.start_floating_point_operations = 0.0
         self.exit_code: Optional[int] = None  # set when the loop stops early (signal, interval, NaN)
@@ -193,7 +194,7 @@ def setup(cfg: ConfigContainer):
     initialize_distributed(cfg)
     set_random_seed(cfg.rng.seed, cfg.use_gpu)
     state = GlobalState(cfg)
-    tokenizer = data.build_tokenizer(cfg)
+    tokenizer = state.tokenizer = data.build_tokenizer(cfg)
     m = cfg.model
     vocab_size = data.embedding_rows(tokenizer)
     cfg.padded_vocab_size = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, m.tensor_model_parallel_size)

@@ -202,3 +202,96 @@ def test_document_resets_reach_megatron_core(prefixes, tmp_path):
     assert sample["loss_mask"][e] == 0  # no loss on predicting from the end-of-document token
     assert sample["position_ids"][e + 1] == 0  # positions restart in the next document
     assert bool(sample["attention_mask"][0, e + 1, e])  # and it cannot attend back across the boundary
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(corpora, tmp_path_factory):
+    """A small byte-level BPE trained here, offline, on the topics corpus, saved as tokenizer.json."""
+    tokenizers = pytest.importorskip("tokenizers", reason="HuggingFace tokenizers is optional; requirements.txt installs it")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    texts = [json.loads(l)["text"] for l in (corpora / "topics.jsonl").read_text().splitlines()]
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    path = tmp_path_factory.mktemp("hf") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def test_huggingface_tokenizer_preprocess_train_and_checkpoint(corpora, hf_tokenizer, tmp_path, capsys):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    import checkpoint
+    import train
+    from data import HuggingFaceTokenizer
+
+    proc = _preprocess("--input", str(corpora / "topics.jsonl"), "--output-prefix", str(tmp_path / "hf"), "--append-eod",
+                       "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(hf_tokenizer.parent),
+                       "--workers", "2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    tok = HuggingFaceTokenizer(str(hf_tokenizer))
+    assert tok.eod == tok._tokenizer.token_to_id("<|endoftext|>") and tok.vocab_size == 600
+    first = json.loads((corpora / "topics.jsonl").read_text().splitlines()[0])["text"]
+    dataset = IndexedDataset(str(tmp_path / "hf_text_document"))  # keep it: its samples are views of its mmap
+    ids = dataset[0].tolist()
+    assert ids[-1] == tok.eod and tok.detokenize(ids) == first and len(ids) < 0.6 * len(first.encode())
+
+    flags = [*TINY, "--data-path", str(tmp_path / "hf_text_document"), "--train-iters", "4", "--eval-iters", "0",
+             "--num-workers", "0", "--data-cache-path", str(tmp_path / "c"), "--save", str(tmp_path / "ck")]
+    state = train.pretrain(config.parse_args(flags + ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                                                      str(hf_tokenizer)], world_size=1, gpu=False))
+    assert state.train_state.step == 4
+    saved = tmp_path / "ck" / "iter_0000004"
+    assert (saved / "tokenizer.json").read_bytes() == hf_tokenizer.read_bytes()
+    assert json.loads((saved / "tokenizer_config.json").read_text())["class"] == "HuggingFaceTokenizer"
+    # Resuming with another tokenizer is refused, naming both.
+    with pytest.raises(checkpoint.CheckpointError, match="was trained with tokenizer .*HuggingFaceTokenizer.* but this run uses"):
+        train.pretrain(config.parse_args(flags + ["--load", str(tmp_path / "ck"), "--train-iters", "4",
+                                                  "--data-path", str(tmp_path / "hf_text_document")],
+                                         world_size=1, gpu=False))
+
+
+def test_resume_mid_epoch_on_a_real_blend_reads_what_a_straight_run_reads(prefixes, tmp_path, capsys):
+    """A weighted blend of the two preprocessed corpora: 8 iterations straight, or 4 + resume to 8, read the
+    same samples and print the same losses, bitwise (dropout on)."""
+    import train
+
+    a, b = prefixes
+    seen = {}
+
+    def recording(tag):
+        def forward_step(state, data_iterator, model):
+            batch = next(data_iterator)
+            seen.setdefault(tag, []).append((state.train_state.step, batch["tokens"].clone()))
+            return train.forward_step(state, iter([batch]), model)
+        return forward_step
+
+    def run(tag, *extra):
+        cfg = config.parse_args([*TINY, "--data-path", "0.6", a, "0.4", b, "--split", "99,1,0", "--train-iters", "8",
+                                 "--log-interval", "1",
+                                 "--eval-iters", "0", "--num-workers", "0", "--data-cache-path", str(tmp_path / "c"),
+                                 *extra], world_size=1, gpu=False)
+        train.pretrain(cfg, recording(tag))
+        return {l[0]: l[3] for l in log_lines(capsys.readouterr().out)}
+
+    straight = run("straight")
+    first = run("first", "--exit-interval", "4", "--save", str(tmp_path / "ck"))
+    second = run("second", "--load", str(tmp_path / "ck"))
+    assert {**first, **second} == straight
+    resumed = [t for s, t in seen["second"]]
+    assert all(torch.equal(x, y) for x, y in zip(resumed, [t for s, t in seen["straight"] if s >= 4]))
+
+
+def test_separate_train_and_validation_paths(prefixes, tmp_path, capsys):
+    import train
+
+    a, b = prefixes
+    cfg = config.parse_args([*TINY, "--train-data-path", a, "--valid-data-path", b, "--train-iters", "4",
+                             "--eval-interval", "2", "--eval-iters", "1", "--num-workers", "0",
+                             "--data-cache-path", str(tmp_path / "c")], world_size=1, gpu=False)
+    train.pretrain(cfg)
+    out = capsys.readouterr().out
+    assert "validation loss at iteration 4 on validation set" in out and "on test set" not in out  # no test path

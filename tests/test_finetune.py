@@ -4,7 +4,6 @@ and finetune() from a pretrained checkpoint."""
 import json
 
 import pytest
-import torch
 
 import config
 from conftest import TINY, log_lines

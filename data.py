@@ -180,7 +180,6 @@ def build_datasets(cfg, tokenizer) -> list:
         create_attention_mask=d.reset_attention_mask,
     )
     if blend is not None:
-        # megatron-core builds every split with a non-zero share, evaluated or not: check them all.
         check_split_not_empty(blend[0], d.split)
     prefixes = (blend[0] if blend else []) + [p for b in (blend_per_split or []) if b for p in b[0]]
     error = None
@@ -214,19 +213,18 @@ def split_document_ranges(num_documents: int, split: str) -> list:
     return [(bounds[i], bounds[i + 1]) for i in range(3)]
 
 
-def check_split_not_empty(prefixes: list, split: str, needed=(True, True, True)) -> None:
-    """A split that gets no documents would make megatron-core's GPTDataset loop forever looking for
-    tokens; refuse it with a clear message instead."""
+def check_split_not_empty(prefixes: list, split: str) -> None:
+    """megatron-core builds every split with a non-zero share, and a split that gets no documents makes
+    its GPTDataset loop forever looking for tokens: refuse it with a clear message instead."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+    weights = _split_weights(split)
     for prefix in prefixes:
         n = len(IndexedDataset(prefix).document_indices) - 1
-        weights = _split_weights(split)
-        for name, (lo, hi), need, w in zip(("train", "validation", "test"), split_document_ranges(n, split), needed,
-                                           weights):
-            if need and w > 0 and hi <= lo:  # a zero share means "no such set", not an empty one
+        for name, (lo, hi), w in zip(("train", "validation", "test"), split_document_ranges(n, split), weights):
+            if w > 0 and hi <= lo:  # a zero share means "no such set", not an empty one
                 raise ConfigError(f"--split {split} leaves the {name} set of {prefix} empty ({n} documents); "
-                                 f"give it a larger share, or a share of 0 to build no {name} set")
+                                  f"give it a larger share, or a share of 0 to build no {name} set")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -15,10 +15,13 @@ only then does rank 0 write the two `latest_*` files (each written aside and ren
 A process killed mid-save leaves the tracker pointing at the previous complete checkpoint.
 """
 
+import copy
+import functools
 import json
 import os
 import random
 import shutil
+import threading
 
 import numpy as np
 import torch
@@ -105,16 +108,26 @@ def set_rng_state(state: dict, use_gpu: bool) -> None:
 
 
 def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
-    """Write iter_{step}/ for the current step on every rank, then publish it. Returns its directory."""
+    """Write iter_{step}/ for the current step on every rank, then publish it. Returns its directory.
+
+    With --async-save the tensors are handed to a background writer and this returns at once; the
+    checkpoint is published later, by maybe_finalize_async_save, once every rank has finished writing.
+    """
     cfg, ts = state.cfg, state.train_state
     ck = cfg.checkpoint
     rank = torch.distributed.get_rank()
     directory = iter_dir(ck.save, ts.step)
+    if ck.async_save:  # one checkpoint in flight at a time: bounded memory, ordered trackers
+        maybe_finalize_async_save(state, blocking=True)
     if rank == 0:
         if os.path.isdir(directory):  # left by an earlier, unpublished attempt at this step
             shutil.rmtree(directory)
         os.makedirs(os.path.join(directory, "rng"))
     torch.distributed.barrier()
+    # What the tracker files will say is fixed now: training moves on while an async save is written.
+    publish = functools.partial(_publish, cfg, state.tokenizer, dict(ts.state_dict()), directory, announce=ck.async_save)
+    rng_file = os.path.join(directory, "rng", f"rank_{rank:05d}.pt")
+    rng_state = get_rng_state(cfg.use_gpu) if ck.save_rng else None
 
     if ck.ckpt_format == "torch_dist":
         from megatron.core import dist_checkpointing
@@ -123,29 +136,143 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
         if ck.save_optim:
             sharded["optimizer"] = optimizer.sharded_state_dict(sharded["model"])
         sharded["opt_param_scheduler"] = scheduler.state_dict()
+        if rng_state is not None:
+            _atomic_save(rng_state, rng_file)
+        if ck.async_save:
+            # megatron-core copies the shards to host memory now and writes them in a background
+            # process; its own finalize step (metadata) runs first, then our publish, on every rank.
+            request = dist_checkpointing.save(sharded, directory, async_sharded_save=True)
+            request.add_finalize_fn(publish)
+            _async_queue(state).schedule_async_request(request)
+            return directory
         dist_checkpointing.save(sharded, directory)
-    elif parallel_state.get_data_parallel_rank() == 0:
-        # Data-parallel replicas hold identical weights and optimizer state: one copy per TP/PP rank.
-        payload = {"model": unwrap(model[0]).state_dict(), "opt_param_scheduler": scheduler.state_dict(),
-                   "iteration": ts.step}
-        if ck.save_optim:
-            payload["optimizer"] = optimizer.state_dict()
-        os.makedirs(os.path.dirname(_mp_file(directory)), exist_ok=True)
-        _atomic_save(payload, _mp_file(directory))
-    if ck.save_rng:
-        _atomic_save(get_rng_state(cfg.use_gpu), os.path.join(directory, "rng", f"rank_{rank:05d}.pt"))
-
+        files = []
+    else:
+        files = [(rng_state, rng_file)] if rng_state is not None else []
+        if parallel_state.get_data_parallel_rank() == 0:
+            # Data-parallel replicas hold identical weights and optimizer state: one copy per TP/PP rank.
+            payload = {"model": unwrap(model[0]).state_dict(), "opt_param_scheduler": scheduler.state_dict(),
+                       "iteration": ts.step}
+            if ck.save_optim:
+                payload["optimizer"] = optimizer.state_dict()
+            os.makedirs(os.path.dirname(_mp_file(directory)), exist_ok=True)
+            files.append((payload, _mp_file(directory)))
+        if ck.async_save:
+            # Training will change the weights in place: the writer gets a copy taken now.
+            _async_queue(state).schedule([(_snapshot(obj), path) for obj, path in files], publish)
+            return directory
+    for obj, path in files:
+        _atomic_save(obj, path)
     torch.distributed.barrier()  # every rank's files are on disk
-    if rank == 0:
-        _atomic_write_text(config_lib.to_yaml(cfg), os.path.join(directory, "run_config.yaml"))
-        save_tokenizer(state.tokenizer, directory)
-        _atomic_save(ts.state_dict(), os.path.join(directory, "train_state.pt"))
-        _atomic_save(ts.state_dict(), os.path.join(ck.save, LATEST_TRAIN_STATE))
-        _atomic_write_text(str(ts.step), os.path.join(ck.save, TRACKER))  # published: last write of all
-        if ck.most_recent_k > 0:
-            prune_old_checkpoints(ck.save, ts.step, ck.most_recent_k)
-    torch.distributed.barrier()
+    publish()
     return directory
+
+
+def _publish(cfg, tokenizer, train_state: dict, directory: str, announce: bool = False) -> None:
+    """Called on every rank once every rank's files are written: rank 0 adds the run's description and
+    then the two tracker files (the checkpoint becomes visible), prunes, and all ranks meet again."""
+    ck = cfg.checkpoint
+    if torch.distributed.get_rank() == 0:
+        _atomic_write_text(config_lib.to_yaml(cfg), os.path.join(directory, "run_config.yaml"))
+        save_tokenizer(tokenizer, directory)
+        _atomic_save(train_state, os.path.join(directory, "train_state.pt"))
+        _atomic_save(train_state, os.path.join(ck.save, LATEST_TRAIN_STATE))
+        _atomic_write_text(str(train_state["step"]), os.path.join(ck.save, TRACKER))  # published: last write
+        if ck.most_recent_k > 0:
+            prune_old_checkpoints(ck.save, train_state["step"], ck.most_recent_k)
+        if announce:  # an async save: its completion is news (a sync save is reported by the caller)
+            print(f" successfully saved checkpoint from iteration {train_state['step']:7d} to {directory} (async)",
+                  flush=True)
+    torch.distributed.barrier()
+
+
+# --------------------------------------------------------------------------------------------------
+# Async save (--async-save)
+# --------------------------------------------------------------------------------------------------
+
+
+def _snapshot(obj):
+    """A copy of a state dict whose tensors no longer share memory with the live model/optimizer."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_snapshot(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+class ThreadAsyncQueue:
+    """--async-save for the torch format: each save's files are written by a background thread, and
+    `maybe_finalize_async_calls` (called on every rank at the same points, like megatron-core's
+    AsyncCallsQueue whose method names it keeps) publishes the checkpoint once all ranks are done.
+    A rank killed before that leaves the tracker on the previous checkpoint."""
+
+    def __init__(self, use_gpu: bool):
+        self.use_gpu = use_gpu
+        self.active = None  # (thread, errors, publish) of the save in flight
+
+    def schedule(self, files: list, publish) -> None:
+        errors: list = []
+
+        def write():
+            try:
+                for obj, path in files:
+                    _atomic_save(obj, path)
+            except BaseException as e:  # reported on every rank at finalize
+                errors.append(f"{type(e).__name__}: {e}")
+
+        thread = threading.Thread(target=write, name="async-checkpoint-writer", daemon=True)
+        thread.start()
+        self.active = (thread, errors, publish)
+
+    def get_num_unfinalized_calls(self) -> int:
+        return int(self.active is not None)
+
+    def maybe_finalize_async_calls(self, blocking: bool = False) -> list:
+        if self.active is None:
+            return []
+        thread, errors, publish = self.active
+        if blocking:
+            thread.join()
+        if any_rank(thread.is_alive(), self.use_gpu):  # some rank still writing: try again later
+            return []
+        self.active = None
+        if any_rank(bool(errors), self.use_gpu):
+            raise CheckpointError(f"async checkpoint save failed ({errors[0] if errors else 'on another rank'}); "
+                                  f"the previous checkpoint stays the newest — check free disk space under --save")
+        publish()
+        return [0]
+
+
+def _async_queue(state):
+    """The run's async save queue, made on first use: megatron-core's for torch_dist, a thread otherwise."""
+    if state.async_calls_queue is None:
+        ck = state.cfg.checkpoint
+        if ck.ckpt_format == "torch_dist":
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            state.async_calls_queue = AsyncCallsQueue(persistent=ck.use_persistent_ckpt_worker)
+        else:
+            state.async_calls_queue = ThreadAsyncQueue(state.cfg.use_gpu)
+    return state.async_calls_queue
+
+
+def maybe_finalize_async_save(state, blocking: bool = False) -> bool:
+    """Publish the async save in flight if every rank has written it (wait for it when `blocking`).
+    Must be called on all ranks at the same points. Returns True when a checkpoint was published."""
+    queue = state.async_calls_queue
+    if queue is None or not queue.get_num_unfinalized_calls():
+        return False
+    return bool(queue.maybe_finalize_async_calls(blocking=blocking))
+
+
+def close_async_save(state) -> None:
+    """At the end of a run: wait for and publish the save in flight, then stop megatron-core's writer."""
+    maybe_finalize_async_save(state, blocking=True)
+    if hasattr(state.async_calls_queue, "close"):
+        state.async_calls_queue.close()
+    state.async_calls_queue = None
 
 
 def prune_old_checkpoints(save: str, latest: int, keep: int) -> None:

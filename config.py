@@ -274,6 +274,13 @@ class CheckpointConfig:
         None, "On-disk format. Default: torch_dist (megatron-core dist_checkpointing) on GPU, torch on CPU.",
         choices=["torch", "torch_dist"],
     )
+    async_save: bool = arg(
+        False, "Write checkpoints in the background while training goes on; a checkpoint is published (the tracker "
+        "written) only once every rank has finished writing it. GPU: megatron-core's async dist_checkpointing; "
+        "CPU: a writer thread over a snapshot of the state.")
+    use_persistent_ckpt_worker: bool = arg(
+        True, "GPU --async-save: one long-lived writer process instead of a fork per save.",
+        flag="--no-use-persistent-ckpt-worker")
 
 
 @dataclass
@@ -571,6 +578,8 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
     need(c.most_recent_k == -1 or c.most_recent_k > 0, f"--most-recent-k must be positive or -1, got {c.most_recent_k}")
     if c.ckpt_format is None:
         c.ckpt_format = "torch_dist" if cfg.use_gpu else "torch"
+    need(not c.async_save or c.save, "--async-save writes checkpoints in the background but nothing is saved; "
+                                     "add --save DIR or drop --async-save")
 
     # --- the machine -----------------------------------------------------------------------------
     if m.transformer_impl is None:

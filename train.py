@@ -89,6 +89,7 @@ class GlobalState:
         self.start_step = 0  # where this job began (after a resume): throughput counts from here
         self.start_floating_point_operations = 0.0
         self.exit_code: Optional[int] = None  # set when the loop stops early (signal, interval, NaN)
+        self.async_calls_queue = None  # --async-save: the checkpoint writes in flight (checkpoint.py)
         self._tensorboard_logger = None
 
     @property
@@ -401,8 +402,12 @@ def save_checkpoint_and_time(state: GlobalState, model, optimizer, opt_param_sch
     checkpointing_context["last_saved_step"] = state.train_state.step
     metrics.compute_throughputs_and_append_to_progress_log(state, num_floating_point_operations_so_far)
     seconds = timers("save-checkpoint").elapsed()
-    print_rank_0(f" successfully saved checkpoint from iteration {state.train_state.step:7d} to {directory} "
-                 f"[ {seconds * 1000:.1f} ms ]")
+    if state.cfg.checkpoint.async_save:  # published later, when every rank has written it
+        print_rank_0(f" scheduled async save of iteration {state.train_state.step:7d} to {directory} "
+                     f"[ {seconds * 1000:.1f} ms blocking ]")
+    else:
+        print_rank_0(f" successfully saved checkpoint from iteration {state.train_state.step:7d} to {directory} "
+                     f"[ {seconds * 1000:.1f} ms ]")
     timers("interval-time").start(barrier=True)
 
 
@@ -468,6 +473,8 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
     timers("interval-time", log_level=0).start(barrier=True)
 
     while ts.step < cfg.train.train_iters:
+        if cfg.checkpoint.async_save:  # publish a background save once every rank has written it
+            checkpoint.maybe_finalize_async_save(global_state, blocking=False)
         if _should_skip_and_handle_iteration(global_state, train_data_iterator):
             continue
         loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm, num_zeros_in_grad = \
@@ -566,6 +573,7 @@ def pretrain(config: ConfigContainer, forward_step_func: Callable = forward_step
                         evaluate_and_print_results(state, f"iteration {ts.step} on {name} set", forward_step_func,
                                                    iterator, model, cfg, process_non_loss_data_func=process_non_loss_data_func,
                                                    non_loss_data_func=non_loss_data_func)
+        checkpoint.close_async_save(state)  # an async save in flight is published before the run ends
     finally:
         _finish_train(state)
     return state

@@ -219,12 +219,13 @@ def test_sigterm_on_one_rank_saves_and_stops_all_ranks(tmp_path):
     assert sorted(os.listdir(tmp_path / "ck" / f"iter_{step:07d}" / "rng")) == ["rank_00000.pt", "rank_00001.pt"]
 
 
-def test_kill_9_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+@pytest.mark.parametrize("mode", [[], ["--async-save"]], ids=["sync", "async"])
+def test_kill_9_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, mode):
     ck = tmp_path / "ck"
     args = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "64",
             "--micro-batch-size", "1", "--mock-data", "--train-iters", "3000", "--eval-iters", "0",
             "--num-workers", "0", "--save", str(ck), "--save-interval", "1", "--log-interval", "1",
-            "--most-recent-k", "2"]  # a save every step, and bounded disk use
+            "--most-recent-k", "2", *mode]  # a save every step, and bounded disk use
     proc = _launch(args, tmp_path / "log")
 
     def saving_past_the_tracker():  # an iter_* directory newer than the published one: a save in flight
@@ -251,3 +252,60 @@ def test_kill_9_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     assert f"at iteration {published}" in resumed.stdout
     assert [l[0] for l in log_lines(resumed.stdout)] == [published + 1, published + 2]
     assert (ck / "latest_checkpointed_iteration.txt").read_text() == str(published + 2)
+
+
+# --- --async-save ------------------------------------------------------------------------------------------
+
+
+def test_async_save_publishes_the_state_of_its_step(tmp_path):
+    """Training goes on while the writer thread writes: resuming from the async checkpoint of iteration 6
+    must still give the straight run's losses for 7-12, bitwise (with dropout on)."""
+    ck = tmp_path / "ck"
+    args = [*TINY, "--mock-data", "--train-iters", "12", "--global-batch-size", "8", "--eval-iters", "0",
+            "--log-interval", "1", "--num-workers", "0", "--data-cache-path", str(tmp_path / "cache"),
+            "--save", str(ck), "--save-interval", "6", "--async-save"]
+    straight = torchrun(args)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    assert "scheduled async save of iteration       6" in straight.stdout
+    assert "successfully saved checkpoint from iteration       6" in straight.stdout
+    assert "successfully saved checkpoint from iteration      12" in straight.stdout  # the final one, published
+    assert (ck / "latest_checkpointed_iteration.txt").read_text() == "12"
+    assert torch.load(ck / "iter_0000006" / "train_state.pt")["consumed_train_samples"] == 48
+
+    resumed = torchrun([a for a in args if a != "--async-save"] + ["--load", str(ck), "--ckpt-step", "6",
+                                                                   "--save", str(tmp_path / "ck2")])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    first, second = log_lines(straight.stdout), log_lines(resumed.stdout)
+    assert [l[0] for l in second] == list(range(7, 13))
+    assert [l[3] for l in second] == [l[3] for l in first[6:]]
+
+
+def test_async_save_failure_is_reported_and_publishes_nothing(tmp_path, single_rank_groups):
+    """A writer that fails (here: its directory vanished) is a one-line error at finalize; no tracker."""
+    queue = checkpoint.ThreadAsyncQueue(use_gpu=False)
+    published = []
+    queue.schedule([({"x": torch.ones(3)}, str(tmp_path / "gone" / "x.pt"))], lambda: published.append(True))
+    with pytest.raises(checkpoint.CheckpointError, match="async checkpoint save failed .*previous checkpoint stays"):
+        queue.maybe_finalize_async_calls(blocking=True)
+    assert not published and queue.get_num_unfinalized_calls() == 0
+
+    queue.schedule([({"x": torch.ones(3)}, str(tmp_path / "x.pt"))], lambda: published.append(True))
+    assert queue.maybe_finalize_async_calls(blocking=True) == [0] and published == [True]
+    assert torch.equal(torch.load(tmp_path / "x.pt")["x"], torch.ones(3))
+
+
+def test_snapshot_does_not_share_memory_with_the_live_state():
+    live = {"model": {"w": torch.zeros(4)}, "optimizer": {"state": {0: {"exp_avg": torch.zeros(2)}}, "groups": [{"lr": 1.0}]}}
+    snap = checkpoint._snapshot(live)
+    live["model"]["w"].add_(1)
+    live["optimizer"]["state"][0]["exp_avg"].add_(1)
+    live["optimizer"]["groups"][0]["lr"] = 2.0
+    assert snap["model"]["w"].sum() == 0 and snap["optimizer"]["state"][0]["exp_avg"].sum() == 0
+    assert snap["optimizer"]["groups"][0]["lr"] == 1.0
+
+
+def test_async_save_without_save_dir_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        config.parse_args(["--async-save"], world_size=1, gpu=False)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "--async-save" in err and "add --save DIR" in err

@@ -3,6 +3,9 @@
     python bench.py checkpoint [--num-layers 16 --hidden-size 768 ...]   # save/load vs torch.save/torch.load
     python bench.py logging [train.py flags]                             # training_log's share of a step
     python bench.py data                                                 # preprocessing and sample fetch speed
+    python bench.py overhead [train.py flags]                            # train.py's loop vs a bare loop
+    python bench.py ladder                                               # tokens/s, TFLOP/s, MFU, memory by size
+    python bench.py hotpath                                              # each hot-path choice, off vs on
 
 Benchmarks report; the tests never assert on timings.
 """
@@ -187,6 +190,238 @@ def bench_data(argv) -> list:
     return rows
 
 
+# --------------------------------------------------------------------------------------------------
+# The training loop: train.py against a bare loop, a ladder of model sizes, the hot-path choices
+# --------------------------------------------------------------------------------------------------
+
+
+def _quiet(fn, *args):
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        return fn(*args)
+
+
+def _seconds_per_iteration(stamps: list, warmup: int) -> float:
+    """Mean iteration time from per-iteration timestamps, the first `warmup` iterations left out."""
+    stamps = stamps[warmup:]
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+
+
+def train_py_run(cfg, warmup: int = 3) -> dict:
+    """train.pretrain as a user runs it. An iteration is timed from one training_log call to the next
+    (training_log runs once per iteration, after the step), so everything the loop does is counted.
+    Also returns the parameter count and the memory in use right after the first step (weights,
+    gradients and optimizer state live; activations freed): CPU resident set, or CUDA allocated."""
+    import psutil
+    import torch
+
+    import metrics
+    import train
+
+    stamps, seen, original_log, original_opt = [], {}, metrics.training_log, train.build_optimizer
+
+    def stamped(*args, **kwargs):
+        stamps.append(time.perf_counter())
+        if len(stamps) == 1:
+            seen["memory"] = torch.cuda.memory_allocated() if cfg.use_gpu else psutil.Process().memory_info().rss
+        return original_log(*args, **kwargs)
+
+    def counted(cfg_, model):
+        seen["params"] = sum(p.numel() for chunk in model for p in chunk.parameters())
+        seen["model"] = model
+        seen["optimizer"] = original_opt(cfg_, model)
+        return seen["optimizer"]
+
+    metrics.training_log, train.build_optimizer = stamped, counted
+    try:
+        _quiet(train.pretrain, cfg)
+    finally:
+        metrics.training_log, train.build_optimizer = original_log, original_opt
+    return dict(seconds=_seconds_per_iteration(stamps, warmup), **seen)
+
+
+def bare_seconds_per_iteration(cfg, warmup: int = 3) -> float:
+    """The same model, optimizer, scheduler and batches (train.setup builds them) in the plainest loop:
+    forward, masked mean loss, backward per microbatch, then the optimizer and scheduler step. No
+    timers, loss reduction, NaN check, logging or checkpoint decisions."""
+    import contextlib
+
+    import torch
+
+    import train
+
+    state, model, optimizer, scheduler, (train_it, _, _) = _quiet(train.setup, cfg)
+    n_micro, gbs = cfg.num_microbatches, cfg.train.global_batch_size
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if cfg.model.bf16 and not cfg.use_gpu \
+        else contextlib.nullcontext
+    stamps = []
+    try:
+        for _ in range(cfg.train.train_iters):
+            if cfg.use_gpu:  # megatron DDP: gradients go to its buffers, reduced once after the last microbatch
+                for chunk in model:
+                    chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            for i in range(n_micro):
+                batch = next(train_it)
+                if cfg.use_gpu:
+                    batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
+                sync = contextlib.nullcontext() if not cfg.use_gpu or i == n_micro - 1 else model[0].no_sync()
+                with sync, autocast():
+                    losses = model[0](batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                                      labels=batch["labels"])
+                    mask = batch["loss_mask"].float()
+                    loss = (losses.float() * mask).sum() / mask.sum() / n_micro
+                loss.backward()
+            if cfg.use_gpu:
+                from megatron.core.distributed import finalize_model_grads
+
+                finalize_model_grads(model)
+            optimizer.step()
+            scheduler.step(increment=gbs)
+            stamps.append(time.perf_counter())
+    finally:
+        train._finish_train(state)
+    return _seconds_per_iteration(stamps, warmup)
+
+
+def _run_cfg(argv: list, iters: int):
+    return config_lib.parse_args(["--mock-data", "--eval-iters", "0", "--train-iters", str(iters)] + argv, world_size=1)
+
+
+def bench_overhead(argv) -> list:
+    """train.py's time per iteration against the bare loop, alternating, three rounds each, median."""
+    import statistics
+
+    import torch
+
+    iters = 30
+    ours, bare = [], []
+    for _ in range(3):
+        ours.append(train_py_run(_run_cfg(argv, iters))["seconds"])
+        bare.append(bare_seconds_per_iteration(_run_cfg(argv, iters)))
+    cfg = _run_cfg(argv, iters)
+    o, b = statistics.median(ours), statistics.median(bare)
+    setup = (f"{cfg.model.num_layers}x{cfg.model.hidden_size}, gbs {cfg.train.global_batch_size}, seq "
+             f"{cfg.model.seq_length}, log every {cfg.logger.log_interval}, {torch.get_num_threads()} threads")
+    return [("overhead", setup, "bare loop per iteration", f"{1000 * b:.1f} ms", ""),
+            ("", "", "train.py per iteration", f"{1000 * o:.1f} ms", f"{100 * (o - b) / b:+.2f}% vs bare"),
+            ("", "", "rounds (train.py / bare, ms)",
+             " ".join(f"{1000 * x:.0f}/{1000 * y:.0f}" for x, y in zip(ours, bare)), "")]
+
+
+CPU_LADDER = [(6, 256, 4), (8, 384, 6), (8, 512, 8), (12, 576, 9)]  # (layers, hidden, heads): ~5M to ~50M params
+GPU_LADDER = [(12, 768, 12), (24, 1024, 16), (24, 1536, 16), (24, 2048, 16)]  # ~125M to ~1.3B params
+
+
+def bench_ladder(argv) -> list:
+    """tokens/s, TFLOP/s per device and MFU of train.py for a ladder of GPT sizes; and each size's
+    measured memory beside metrics.py's theoretical estimate. One subprocess per size, so each peak
+    is that size's own."""
+    import json
+    import subprocess
+
+    import torch
+
+    gpu = torch.cuda.is_available()
+    ladder = GPU_LADDER if gpu else CPU_LADDER
+    extra = ["--bf16", "--use-distributed-optimizer", "--micro-batch-size", "8", "--global-batch-size", "64",
+             "--seq-length", "2048"] if gpu else ["--micro-batch-size", "4", "--global-batch-size", "8",
+                                                  "--seq-length", "256"]
+    rows = []
+    for layers, hidden, heads in ladder:
+        args = ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
+                *extra, *argv]
+        out = subprocess.run([sys.executable, __file__, "_one_size", *args], capture_output=True, text=True)
+        if out.returncode != 0:
+            raise RuntimeError(out.stderr[-2000:])
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        rows.append(("ladder" if not rows else "", f"{r['params'] / 1e6:.1f}M ({layers}x{hidden})",
+                     f"{r['tokens_per_s']:.0f} tok/s, {r['tflops']:.3f} TFLOP/s/device, MFU {r['mfu']}",
+                     f"{1000 * r['seconds']:.0f} ms/it",
+                     f"MB measured/estimated: weights+optimizer {r['weights_mb']:.0f}/{r['theory_weights_mb']:.0f}, "
+                     f"activations per microbatch {r['activations_mb']:.0f}/{r['theory_activations_mb']:.0f}, "
+                     f"peak {r['peak_mb']:.0f}"))
+    return rows
+
+
+def _tensor_bytes(tensors) -> int:
+    """Bytes of distinct storages among `tensors` (views of one storage count once)."""
+    seen = {}
+    for t in tensors:
+        if t is not None and t.device.type != "meta":
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def saved_activation_bytes(model, cfg) -> int:
+    """Bytes autograd keeps for the backward pass of one microbatch's forward (the activations),
+    counted by a saved-tensors hook; parameters it saves (weights of matmuls) are not activations."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved.append(t)
+        return t
+
+    b, s = cfg.train.micro_batch_size, cfg.model.seq_length
+    device = "cuda" if cfg.use_gpu else "cpu"
+    tokens = torch.randint(0, 256, (b, s), device=device)
+    positions = torch.arange(s, device=device).expand(b, s)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        losses = model(tokens, positions, None, labels=tokens)
+    bytes_ = _tensor_bytes(saved)
+    losses.sum().backward()
+    return bytes_
+
+
+def _one_size(argv) -> dict:
+    """One ladder size, in its own process: the throughput of train.py, then its memory measured beside
+    metrics.py's estimates. Weights+optimizer: the bytes of the parameters, gradients and optimizer
+    state tensors after training; activations: what autograd saves for one microbatch's backward."""
+    import resource
+
+    import psutil
+    import torch
+
+    import metrics
+    import train  # noqa: F401  (imported before the baseline: libraries are not the run's memory)
+
+    cfg = _run_cfg(argv, 12)
+    baseline = psutil.Process().memory_info().rss
+    run = train_py_run(cfg, warmup=3)
+    flops = metrics.num_floating_point_operations(cfg, cfg.train.global_batch_size, cfg.padded_vocab_size)
+    tflops = metrics.throughput_tflops_per_device(flops, run["seconds"], cfg.world_size)
+    mfu = metrics.mfu(tflops, metrics.peak_tflops(metrics.device_name(cfg.use_gpu), "bf16" if cfg.model.bf16 else "fp32"))
+    model, optimizer = run["model"], run["optimizer"]
+    if cfg.use_gpu:
+        weights = run["memory"]  # CUDA allocated after the first step: weights, grads, main params, moments
+    else:
+        params = [p for chunk in model for p in chunk.parameters()]
+        states = [t for st in optimizer.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
+        weights = _tensor_bytes(params) + _tensor_bytes([p.grad for p in params]) + _tensor_bytes(states)
+    from megatron.core import parallel_state
+
+    train.initialize_distributed(cfg)  # the run tore its groups down; the model's layers need them
+    try:
+        activations = saved_activation_bytes(model[0], cfg)
+    finally:
+        train._destroy_distributed()
+    rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline  # ru_maxrss: KiB on Linux
+    del parallel_state
+    mb = metrics.NUM_BYTES_IN_MEGABYTE
+    return dict(params=run["params"], seconds=run["seconds"],
+                tokens_per_s=cfg.train.global_batch_size * cfg.model.seq_length / run["seconds"], tflops=tflops, mfu=mfu,
+                weights_mb=weights / mb, theory_weights_mb=metrics.compute_weight_and_optimizer_memory(cfg) / mb,
+                activations_mb=activations / mb,
+                theory_activations_mb=metrics.compute_activation_memory(cfg, cfg.num_microbatches) / mb,
+                peak_mb=(torch.cuda.max_memory_allocated() if cfg.use_gpu else rss_peak) / mb)
+
+
 def print_table(rows) -> None:
     header = ("benchmark", "setup", "what", "time", "rate")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
@@ -195,8 +430,14 @@ def print_table(rows) -> None:
 
 
 if __name__ == "__main__":
-    benches = {"checkpoint": bench_checkpoint, "logging": bench_logging, "data": bench_data}
+    benches = {"checkpoint": bench_checkpoint, "logging": bench_logging, "data": bench_data,
+               "overhead": bench_overhead, "ladder": bench_ladder}
     name = sys.argv[1] if len(sys.argv) > 1 else "checkpoint"
+    if name == "_one_size":  # a ladder size in its own process (bench_ladder runs it)
+        import json
+
+        print(json.dumps(_one_size(sys.argv[2:])))
+        sys.exit(0)
     if name not in benches:
         sys.exit(f"bench.py: error: unknown benchmark {name}; choose from {', '.join(benches)}")
     print_table(benches[name](sys.argv[2:]))

@@ -17,6 +17,7 @@ import abc
 import argparse
 import dataclasses
 import glob
+import math
 import os
 import signal
 import sys
@@ -29,13 +30,14 @@ class ConfigError(ValueError):
     """An impossible or inconsistent setting. The message is one line saying what and how to fix it."""
 
 
-def arg(default: Any, help: str, *, flag: Optional[str] = None, choices=None, cli: bool = True):
+def arg(default: Any, help: str, *, flag: Optional[str] = None, choices=None, cli: bool = True, derived: bool = False):
     """A config field: its default, its documentation (= its `--help`), and how it appears on the CLI.
 
     For a bool that defaults to True, `flag` names the Megatron-LM switch that turns it off
-    (e.g. `--no-save-optim`); `cli=False` marks a value computed during validation.
+    (e.g. `--no-save-optim`); `cli=False` marks a setting that Megatron-LM has no flag for (YAML only);
+    `derived=True` a value computed during validation (not settable from the command line).
     """
-    meta = dict(help=help, flag=flag, choices=choices, cli=cli)
+    meta = dict(help=help, flag=flag, choices=choices, cli=cli and not derived, derived=derived)
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -93,6 +95,15 @@ class ModelConfig:
     sequence_parallel: bool = arg(False, "Sequence parallelism inside tensor-parallel regions. GPU only.")
     bf16: bool = arg(False, "bfloat16 mixed precision (fp32 main weights). On CPU: bf16 autocast.")
     fp16: bool = arg(False, "float16 mixed precision with dynamic loss scaling. GPU only.")
+    deterministic_mode: bool = arg(
+        False, "Bitwise-reproducible runs: deterministic torch algorithms and kernels, CUBLAS_WORKSPACE_CONFIG and "
+               "NCCL_ALGO set for it (slower; for debugging and testing).")
+    cross_entropy_loss_fusion: bool = arg(False, "megatron-core's fused vocab-parallel cross entropy (not deterministic).")
+    cp_comm_type: list[str] = arg(
+        ["p2p"], "Context-parallel communication: p2p, all_gather, a2a or a2a+p2p; one for all layers or one per layer.")
+    hierarchical_context_parallel_sizes: Optional[list[int]] = arg(
+        None, "Context-parallel group sizes from inner to outer level (their product is --context-parallel-size); "
+              "needed by a2a+p2p.")
 
 
 @dataclass
@@ -151,22 +162,27 @@ class SchedulerConfig:
     )
     lr_decay_iters: Optional[int] = arg(None, "Iterations to decay over. Default: --train-iters.")
     lr_decay_samples: Optional[int] = arg(None, "Samples to decay over (sample-based training). Default: --train-samples.")
-    lr_warmup_iters: int = arg(20, "Iterations of linear warmup.")
+    lr_warmup_iters: Optional[int] = arg(
+        None, "Iterations of linear warmup (iteration-based training). Default: 20, none with --lr-warmup-fraction.")
     lr_warmup_samples: int = arg(0, "Samples of linear warmup (sample-based training).")
-    lr_warmup_fraction: Optional[float] = arg(None, "Warmup as a fraction of the decay length, instead of --lr-warmup-iters.")
+    lr_warmup_fraction: Optional[float] = arg(
+        None, "Warmup as a fraction of the decay length, instead of --lr-warmup-iters/--lr-warmup-samples.")
     lr_warmup_init: float = arg(0.0, "Learning rate at the start of warmup.")
     lr_wsd_decay_style: str = arg("exponential", "Decay of the WSD schedule's last phase.", choices=["exponential", "linear", "cosine"])
-    lr_wsd_decay_iters: Optional[int] = arg(None, "Iterations of the WSD schedule's decay phase.")
+    lr_wsd_decay_iters: Optional[int] = arg(None, "Iterations of the WSD schedule's decay phase. Default: the whole decay.")
+    lr_wsd_decay_samples: Optional[int] = arg(
+        None, "Samples of the WSD schedule's decay phase (sample-based training). Default: the whole decay.")
     start_weight_decay: Optional[float] = arg(None, "Weight decay at the start. Default: --weight-decay.")
     end_weight_decay: Optional[float] = arg(None, "Weight decay at the end. Default: --weight-decay.")
     weight_decay_incr_style: str = arg("constant", "Weight-decay schedule.", choices=["constant", "linear", "cosine"])
     override_opt_param_scheduler: bool = arg(False, "Take schedule settings from the flags, not from the checkpoint.")
     use_checkpoint_opt_param_scheduler: bool = arg(False, "Take schedule settings from the checkpoint, not from the flags.")
     # Computed by validate(), all in samples, as megatron-core's scheduler counts steps.
-    lr_warmup_steps: int = arg(0, "Warmup length in samples.", cli=False)
-    lr_decay_steps: int = arg(0, "Decay length in samples.", cli=False)
-    wd_incr_steps: int = arg(0, "Weight-decay schedule length in samples.", cli=False)
-    wsd_decay_steps: Optional[int] = arg(None, "WSD decay length in samples.", cli=False)
+    lr_warmup_steps: float = arg(0, "Warmup length in samples (fractional with --lr-warmup-fraction, as in Megatron).",
+                                 derived=True)
+    lr_decay_steps: int = arg(0, "Decay length in samples.", derived=True)
+    wd_incr_steps: int = arg(0, "Weight-decay schedule length in samples.", derived=True)
+    wsd_decay_steps: Optional[int] = arg(None, "WSD decay length in samples.", derived=True)
 
 
 @dataclass
@@ -252,6 +268,12 @@ class LoggerConfig:
     throughput_window_size: int = arg(100, "Iterations in the rolling window of the throughput/* scalars.")
     log_validation_ppl_to_tensorboard: bool = arg(False, "Also write validation perplexity to TensorBoard.")
     timing_log_level: int = arg(0, "Timer detail: 0 iteration time only, 1 once-per-step phases, 2 everything.", choices=[0, 1, 2])
+    log_non_default_values: bool = arg(
+        False, "At start print only the settings that differ from their defaults, and the values derived from them, "
+               "instead of every setting.")
+    logging_level: Optional[int] = arg(
+        None, "Python logging level of this script's and megatron-core's loggers (10 DEBUG, 20 INFO, 30 WARNING). "
+              "Default: $MEGATRON_LOGGING_LEVEL, else Python's (warnings only).")
 
 
 @dataclass
@@ -298,6 +320,79 @@ class RNGConfig:
     seed: int = arg(1234, "Random seed for python, numpy and torch (offset per pipeline rank, as Megatron does).")
 
 
+# NVIDIA service configs (Bridge's FaultToleranceConfig, NVRxStragglerDetectionConfig, InProcessRestartConfig,
+# TensorInspectConfig). The services come from separate packages and this training loop does not run them:
+# the sections are here so Bridge configs load and validate, and enabling one says what is missing
+# (README, "NVIDIA service configs"). All are off by default. Flags only where Megatron-LM has them.
+
+
+@dataclass
+class FaultToleranceConfig:
+    """Fault tolerance through nvidia-resiliency-ext's rank monitors (NVIDIA internal use)."""
+
+    enable_ft_package: bool = arg(False, "Enable the fault-tolerance package (nvidia-resiliency-ext; run under ft_launcher).")
+    calc_ft_timeouts: bool = arg(False, "Let the fault-tolerance package compute its timeouts from observed intervals.")
+    simulate_fault: bool = arg(False, "Inject a simulated fault (to test fault tolerance).", cli=False)
+    simulated_fault_type: str = arg("random", "rank_hung, rank_killed or random.", cli=False)
+    simulated_fault_rank: Optional[int] = arg(None, "Rank of the simulated fault. Default: a random one.", cli=False)
+    simulated_fault_base_delay: int = arg(0, "Seconds before the simulated fault (plus a small random delay).", cli=False)
+
+
+@dataclass
+class NVRxStragglerDetectionConfig:
+    """Straggler detection through nvidia-resiliency-ext: per-GPU performance scores from kernel timings."""
+
+    enabled: bool = arg(False, "Enable NVRx straggler detection.", cli=False)
+    report_time_interval: float = arg(300.0, "Seconds between straggler checks.", cli=False)
+    calc_relative_gpu_perf: bool = arg(True, "Compute relative GPU performance scores.", cli=False)
+    calc_individual_gpu_perf: bool = arg(True, "Compute individual GPU performance scores.", cli=False)
+    num_gpu_perf_scores_to_print: int = arg(5, "Best and worst scores printed per check (0: only on stragglers).", cli=False)
+    gpu_relative_perf_threshold: float = arg(0.7, "Relative score under which a GPU is a straggler.", cli=False)
+    gpu_individual_perf_threshold: float = arg(0.7, "Individual score under which a GPU is a straggler.", cli=False)
+    stop_if_detected: bool = arg(False, "Stop the run when stragglers are detected.", cli=False)
+    enable_logging: bool = arg(True, "Log the GPU performance scores.", cli=False)
+    profiling_interval: int = arg(1, "Profiling interval of the straggler detector.", cli=False)
+    logger_name: str = arg("megatron.bridge.NVRxStragglerDetection", "Logger of the straggler reports.", cli=False)
+
+
+@dataclass
+class InProcessRestartConfig:
+    """In-process restart through nvidia-resiliency-ext: after a fault, training restarts inside the same processes.
+    Times in seconds; flags are Megatron-LM's --inprocess-*."""
+
+    enabled: bool = arg(False, "Enable in-process restart.", flag="--inprocess-restart")
+    max_iterations: Optional[int] = arg(None, "Maximum number of restarts.", flag="--inprocess-max-iterations")
+    monitor_thread_interval: float = arg(1.0, "Monitoring thread interval.", flag="--inprocess-monitor-thread-interval")
+    monitor_process_interval: float = arg(1.0, "Monitoring process interval.", flag="--inprocess-monitor-process-interval")
+    progress_watchdog_interval: float = arg(1.0, "Progress watchdog interval.", flag="--inprocess-progress-watchdog-interval")
+    heartbeat_interval: float = arg(30.0, "Heartbeat interval (unresponsive ranks).", flag="--inprocess-heartbeat-interval")
+    soft_timeout: float = arg(60.0, "Soft progress timeout.", flag="--inprocess-soft-timeout")
+    hard_timeout: float = arg(90.0, "Hard progress timeout.", flag="--inprocess-hard-timeout")
+    heartbeat_timeout: float = arg(60.0, "Missing-heartbeat timeout.", flag="--inprocess-heartbeat-timeout")
+    barrier_timeout: float = arg(120.0, "Internal distributed barrier timeout.", flag="--inprocess-barrier-timeout")
+    completion_timeout: float = arg(120.0, "Completion barrier timeout.", flag="--inprocess-completion-timeout")
+    last_call_wait: float = arg(1.0, "Time for other ranks to report concurrent failures.", flag="--inprocess-last-call-wait")
+    termination_grace_time: float = arg(1.0, "SIGTERM to SIGKILL on a hard timeout.",
+                                        flag="--inprocess-termination-grace-time")
+    granularity: str = arg("node", "Restart granularity.", choices=["node", "rank"], flag="--inprocess-granularity")
+    active_world_size: Optional[int] = arg(None, "Ranks that run the workload (the rest: warm reserve). Default: all.",
+                                           flag="--inprocess-active-world-size")
+    empty_cuda_cache: bool = arg(True, "Empty the CUDA cache after a restart.", cli=False)
+    max_rank_faults: Optional[int] = arg(None, "Rank faults allowed before the job stops.", cli=False)
+    monitor_process_logdir: Optional[str] = arg(None, "Directory of the monitor process's logs.", cli=False)
+
+
+@dataclass
+class TensorInspectConfig:
+    """Tensor statistics through NVIDIA DL Framework Inspect (nvdlfw-inspect) on transformer-engine layers."""
+
+    enabled: bool = arg(False, "Enable tensor inspection and statistics collection.", cli=False)
+    features: Any = arg(None, "Feature configuration: a mapping, or the path of its YAML file.", cli=False)
+    feature_dirs: Optional[list[str]] = arg(None, "Feature implementations. Default: transformer-engine's.", cli=False)
+    log_dir: Optional[str] = arg(None, "Directory of the statistics. Default: --save, else here.", cli=False)
+    init_training_step: int = arg(0, "Initial step of the inspector. Default: --ckpt-step.", cli=False)
+
+
 @dataclass
 class ConfigContainer:
     """Top-level container: one sub-config per concern, plus values derived at validation."""
@@ -312,6 +407,10 @@ class ConfigContainer:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistributedInitConfig = field(default_factory=DistributedInitConfig)
     rng: RNGConfig = field(default_factory=RNGConfig)
+    ft: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    nvrx_straggler: NVRxStragglerDetectionConfig = field(default_factory=NVRxStragglerDetectionConfig)
+    inprocess_restart: InProcessRestartConfig = field(default_factory=InProcessRestartConfig)
+    tensor_inspect: TensorInspectConfig = field(default_factory=TensorInspectConfig)
     # Derived by validate() from the world size and the machine; not settable from the command line.
     world_size: int = 1
     data_parallel_size: int = 1
@@ -337,8 +436,31 @@ class ConfigContainer:
         """Microbatches per rank per step: global batch / (micro batch x data-parallel size)."""
         return self.train.global_batch_size // (self.train.micro_batch_size * self.data_parallel_size)
 
+    def log_non_default_values(self, file=sys.stdout) -> None:
+        """Bridge's `ConfigContainer.log_non_default_values`: the settings that differ from their defaults
+        (the defaults `--help` shows), then the values validation derived for this run (sizes, the
+        scheduler's lengths in samples). What a reader needs to spot an unintended deviation, without
+        every setting of the full config."""
+        lines = ["", "=" * 70, "Configuration Summary (Non-Default Values)", "=" * 70]
+        derived = _get_key_config_values(self)
+        derived["num_microbatches"] = self.num_microbatches
+        for section in SECTIONS:
+            sub = getattr(self, section)
+            changed = _get_non_default_values(sub, type(sub))
+            if changed:
+                lines.append(f"\n[{section}] Non-default values:")
+                lines += [f"  {k}: {v!r}  (default: {d!r})" for k, (v, d) in sorted(changed.items())]
+            for f in dataclasses.fields(sub):
+                if f.metadata.get("derived") and getattr(sub, f.name) is not None:
+                    derived[f"{section}.{f.name}"] = getattr(sub, f.name)
+        lines += ["\n" + "-" * 70, "Other Configuration Values:", "-" * 70]
+        lines += [f"  {k}: {v!r}" for k, v in derived.items()]
+        lines.append("=" * 70)
+        print("\n".join(lines), file=file, flush=True)
 
-SECTIONS = ["model", "train", "optimizer", "scheduler", "dataset", "tokenizer", "logger", "checkpoint", "dist", "rng"]
+
+SECTIONS = ["model", "train", "optimizer", "scheduler", "dataset", "tokenizer", "logger", "checkpoint", "dist", "rng",
+            "ft", "nvrx_straggler", "inprocess_restart", "tensor_inspect"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -390,7 +512,8 @@ def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
             group.add_argument(flag, dest=dest, action=action, help=help_text)
         elif isinstance(tp, tuple):  # a list of values
             group.add_argument(flag, dest=dest, nargs="+", type=tp[1], metavar=f.name.upper().split("_")[-1],
-                               help=help_text + " (default: %s)" % f.default)
+                               help=help_text + " (default: %s)" % (
+                                   f.default if f.default is not dataclasses.MISSING else f.default_factory(),))
         else:
             group.add_argument(
                 flag, dest=dest, type=tp, choices=f.metadata["choices"],
@@ -490,10 +613,6 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
     cfg.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     cfg.use_gpu = gpu_visible() if gpu is None else gpu
 
-    def need(ok: bool, msg: str):
-        if not ok:
-            raise ConfigError(msg)
-
     # --- sizes -----------------------------------------------------------------------------------
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by"):
         need(getattr(m, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(m, name)}")
@@ -533,6 +652,7 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
          f"--pipeline-model-parallel-size {pp} must divide --num-layers {m.num_layers}")
     if tp == 1:
         m.sequence_parallel = False  # as Megatron-LM: nothing to parallelise without tensor parallelism
+    _validate_context_parallel(cfg)
 
     # --- batch sizes and length ------------------------------------------------------------------
     dp = cfg.data_parallel_size
@@ -541,8 +661,8 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
     need(t.global_batch_size > 0 and t.global_batch_size % (t.micro_batch_size * dp) == 0,
          f"--global-batch-size {t.global_batch_size} is not a multiple of --micro-batch-size {t.micro_batch_size} "
          f"x data-parallel size {dp} = {t.micro_batch_size * dp}; use a multiple of {t.micro_batch_size * dp}")
-    need(t.train_iters is None or t.train_samples is None,
-         "--train-iters and --train-samples are exclusive; give one")
+    need(t.train_iters is None or t.train_samples is None or t.train_iters == t.train_samples // t.global_batch_size,
+         "--train-iters and --train-samples are exclusive; give one")  # equal: a sample-based run_config.yaml
     if t.train_samples is not None:
         need(t.train_samples >= t.global_batch_size,
              f"--train-samples {t.train_samples} is less than one global batch ({t.global_batch_size})")
@@ -555,6 +675,8 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
     need(lg.log_interval > 0, f"--log-interval must be positive, got {lg.log_interval}")
     need(lg.tensorboard_log_interval > 0, f"--tensorboard-log-interval must be positive, got {lg.tensorboard_log_interval}")
     need(lg.throughput_window_size >= 2, f"--throughput-window-size must be at least 2, got {lg.throughput_window_size}")
+    need(lg.logging_level is None or lg.logging_level >= 0,
+         f"--logging-level must be a logging level like 10 (DEBUG), 20 (INFO) or 30 (WARNING), got {lg.logging_level}")
     need(t.exit_interval is None or t.exit_interval > 0, f"--exit-interval must be positive, got {t.exit_interval}")
     need(t.exit_signal in signal.Signals.__members__,
          f"--exit-signal {t.exit_signal} is not a signal name; use e.g. SIGTERM, SIGINT or SIGUSR1")
@@ -568,6 +690,7 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
     need(o.clip_grad >= 0, f"--clip-grad must be non-negative, got {o.clip_grad}")
     need(not (s.override_opt_param_scheduler and s.use_checkpoint_opt_param_scheduler),
          "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are exclusive")
+    _validate_training_scheduler_compatibility(cfg)
     _calculate_scheduler_steps(cfg)
 
     # --- data ------------------------------------------------------------------------------------
@@ -604,33 +727,45 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
              "pip install transformer-engine[pytorch] or use --transformer-impl local")
     need(cp == 1 or m.transformer_impl == "transformer_engine",
          f"--context-parallel-size {cp} needs --transformer-impl transformer_engine")
+    _validate_deterministic_mode(cfg)
+    _validate_services(cfg)
     return cfg
 
 
 def _calculate_scheduler_steps(cfg: ConfigContainer) -> None:
     """Scheduler lengths in samples, for iteration- and sample-based training (Bridge's
-    `ConfigContainer._calculate_scheduler_steps`): megatron-core's scheduler is stepped by the
-    global batch size each iteration, so every length is expressed in samples."""
+    `ConfigContainer._calculate_scheduler_steps`, Megatron-LM's `get_optimizer_param_scheduler`):
+    megatron-core's scheduler is stepped by the global batch size each iteration, so iteration counts
+    are multiplied by it and sample counts are taken as they are.
+
+    iteration-based: decay = (--lr-decay-iters or --train-iters) x batch, weight decay over --train-iters x batch,
+                     warmup = --lr-warmup-fraction x decay, else (--lr-warmup-iters, default 20) x batch
+    sample-based:    decay = --lr-decay-samples or --train-samples, weight decay over --train-samples,
+                     warmup = --lr-warmup-fraction x decay, else --lr-warmup-samples
+    WSD: the decay phase is --lr-wsd-decay-iters x batch / --lr-wsd-decay-samples, by default the whole decay
+    (as Bridge; megatron-core needs a length).
+    """
     t, s, o = cfg.train, cfg.scheduler, cfg.optimizer
     gbs = t.global_batch_size
-    if s.lr_warmup_fraction is not None and (s.lr_warmup_iters or s.lr_warmup_samples):
-        # An explicit fraction wins over the default iteration count only when the user set both.
-        s.lr_warmup_iters, s.lr_warmup_samples = 0, 0
     if t.train_samples is None:
         s.lr_decay_steps = (s.lr_decay_iters or t.train_iters) * gbs
         s.wd_incr_steps = t.train_iters * gbs
         s.wsd_decay_steps = s.lr_wsd_decay_iters * gbs if s.lr_wsd_decay_iters else None
-        warmup = s.lr_warmup_iters * gbs
-    else:  # sample-based: the *-samples flags, or the *-iters ones converted at the global batch size
-        s.lr_decay_steps = s.lr_decay_samples or (s.lr_decay_iters * gbs if s.lr_decay_iters else t.train_samples)
+        warmup = (20 if s.lr_warmup_iters is None else s.lr_warmup_iters) * gbs
+    else:
+        s.lr_decay_steps = s.lr_decay_samples or t.train_samples
         s.wd_incr_steps = t.train_samples
-        s.wsd_decay_steps = s.lr_wsd_decay_iters * gbs if s.lr_wsd_decay_iters else None
-        warmup = s.lr_warmup_samples or s.lr_warmup_iters * gbs
-    s.lr_warmup_steps = int(s.lr_warmup_fraction * s.lr_decay_steps) if s.lr_warmup_fraction is not None else warmup
-    # A run shorter than its warmup would never decay; clamp so megatron-core's asserts hold.
+        s.wsd_decay_steps = s.lr_wsd_decay_samples
+        warmup = s.lr_warmup_samples
+    s.lr_warmup_steps = s.lr_warmup_fraction * s.lr_decay_steps if s.lr_warmup_fraction is not None else warmup
+    if s.lr_decay_style == "WSD" and s.wsd_decay_steps is None:
+        s.wsd_decay_steps = s.lr_decay_steps
+    # A run of no iterations (--skip-train, --train-iters 0) has nothing to schedule, but megatron-core's
+    # scheduler still asserts a positive decay; and a run shorter than its warmup would never decay, so
+    # the warmup is capped below the decay, as Bridge does.
     s.lr_decay_steps = max(s.lr_decay_steps, 1)
     if s.lr_warmup_steps >= s.lr_decay_steps:
-        s.lr_warmup_steps = max(s.lr_decay_steps - 1, 0)
+        s.lr_warmup_steps = s.lr_decay_steps - 1
     if s.start_weight_decay is None:
         s.start_weight_decay = o.weight_decay
     if s.end_weight_decay is None:
@@ -638,8 +773,189 @@ def _calculate_scheduler_steps(cfg: ConfigContainer) -> None:
     if s.weight_decay_incr_style == "constant" and s.start_weight_decay != s.end_weight_decay:
         raise ConfigError("--start-weight-decay and --end-weight-decay differ but --weight-decay-incr-style is "
                           "constant; use linear or cosine")
-    if s.lr_decay_style == "WSD" and s.wsd_decay_steps is None:
-        raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters")
+    # megatron-core's OptimizerParamScheduler asserts these; say so before its import.
+    if not 0 <= s.start_weight_decay <= s.end_weight_decay:
+        raise ConfigError(f"--start-weight-decay {s.start_weight_decay} must be non-negative and at most "
+                          f"--end-weight-decay {s.end_weight_decay} (weight decay can only grow)")
+    if s.lr_warmup_init > o.lr:
+        raise ConfigError(f"--lr-warmup-init {s.lr_warmup_init} is above --lr {o.lr}; warmup rises to --lr")
+
+
+# --------------------------------------------------------------------------------------------------
+# Compatibility checks (Bridge's ConfigContainer._validate_* and Megatron-LM's validate_args),
+# the config summary, and the NVIDIA service configs
+# --------------------------------------------------------------------------------------------------
+
+
+def need(ok: bool, msg: str) -> None:
+    """validate()'s one-line error: raise ConfigError(msg) unless ok."""
+    if not ok:
+        raise ConfigError(msg)
+
+
+def _validate_training_scheduler_compatibility(cfg: ConfigContainer) -> None:
+    """Bridge's `_validate_training_scheduler_compatibility` and `SchedulerConfig.finalize` (Megatron-LM's
+    validate_args): iteration-based training takes the *-iters schedule flags, sample-based training the
+    *-samples ones; --lr-warmup-fraction replaces either warmup length."""
+    t, s = cfg.train, cfg.scheduler
+    iters = [(s.lr_decay_iters, "--lr-decay-iters"), (s.lr_warmup_iters, "--lr-warmup-iters"),
+             (s.lr_wsd_decay_iters, "--lr-wsd-decay-iters")]
+    samples = [(s.lr_decay_samples, "--lr-decay-samples"), (s.lr_warmup_samples or None, "--lr-warmup-samples"),
+               (s.lr_wsd_decay_samples, "--lr-wsd-decay-samples")]
+    for value, flag in iters + samples:  # a warmup may be 0 (none), a decay may not
+        need(value is None or value > 0 or (value == 0 and "warmup" in flag), f"{flag} must be positive, got {value}")
+    for value, flag in iters if t.train_samples is not None else ():
+        need(not value, f"{flag} is for iteration-based training; with --train-samples use "
+                        f"{flag.replace('-iters', '-samples')}")
+    for value, flag in samples if t.train_samples is None else ():
+        need(value is None, f"{flag} is for sample-based training (--train-samples); with --train-iters use "
+                            f"{flag.replace('-samples', '-iters')}")
+    if s.lr_warmup_fraction is not None:
+        need(0 <= s.lr_warmup_fraction <= 1, f"--lr-warmup-fraction must be between 0 and 1, got {s.lr_warmup_fraction}")
+        need(not (s.lr_warmup_iters or s.lr_warmup_samples),
+             "--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are exclusive; give one")
+
+
+def _validate_context_parallel(cfg: ConfigContainer) -> None:
+    """Bridge's `_validate_cp_comm_type` and the context-parallel checks of `validate` (Megatron-LM's
+    validate_args): each rank holds two chunks of the sequence (to balance causal attention), and
+    a2a+p2p needs the hierarchy of context-parallel groups it communicates over."""
+    m = cfg.model
+    cp, kinds, sizes = m.context_parallel_size, m.cp_comm_type, m.hierarchical_context_parallel_sizes
+    known = ("p2p", "all_gather", "a2a", "a2a+p2p")
+    bad = [k for k in kinds if k not in known]
+    need(kinds and not bad, f"--cp-comm-type {' '.join(bad or kinds)}: expected {', '.join(known)}")
+    need(len(kinds) in (1, m.num_layers), f"--cp-comm-type gives {len(kinds)} types; give one for all layers or one "
+                                          f"per layer (--num-layers {m.num_layers})")
+    need(cp == 1 or m.seq_length % (2 * cp) == 0, f"--seq-length {m.seq_length} must be a multiple of 2 x "
+                                                  f"--context-parallel-size = {2 * cp} (each rank holds two chunks)")
+    need(cp == 1 or "a2a+p2p" not in kinds or sizes,
+         "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes (e.g. 8 2 for 16 ranks over 2 nodes); "
+         "without it context parallelism would not communicate")
+    need(not sizes or math.prod(sizes) == cp, f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes or []))}"
+                                              f" multiply to {math.prod(sizes or [])}, not --context-parallel-size {cp}")
+
+
+# Megatron-LM `megatron/training/determinism.py`: the environment a bitwise-reproducible run needs.
+DETERMINISM_ENV_DEFAULTS = {"NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
+                            "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+DETERMINISM_ENV_ACCEPTED = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": ("0",), "CUBLAS_WORKSPACE_CONFIG": (":4096:8", ":16:8")}
+DETERMINISTIC_NCCL_ALGOS = ("Ring", "CollnetDirect", "CollnetChain", "^NVLS")  # Tree's reduction order can vary
+
+
+def _validate_deterministic_mode(cfg: ConfigContainer, env=None) -> None:
+    """Bridge's `_validate_and_apply_deterministic_mode`, Megatron-LM's `apply_determinism_to_args`: refuse
+    what cannot be deterministic rather than silently change it. Applying the mode (environment defaults,
+    `torch.use_deterministic_algorithms`) is `train.apply_deterministic_mode`."""
+    if not cfg.model.deterministic_mode:
+        return
+    env = os.environ if env is None else env
+    need(not cfg.model.cross_entropy_loss_fusion,
+         "--deterministic-mode: --cross-entropy-loss-fusion is not deterministic; drop it")
+    algo = env.get("NCCL_ALGO")
+    need(algo is None or all(a.strip() in DETERMINISTIC_NCCL_ALGOS for a in algo.split(",") if a.strip()),
+         f"--deterministic-mode: NCCL_ALGO={algo} may reduce in a varying order; unset it or use one of "
+         f"{', '.join(DETERMINISTIC_NCCL_ALGOS)}")
+    for name, accepted in DETERMINISM_ENV_ACCEPTED.items():
+        need(env.get(name) is None or env[name] in accepted,
+             f"--deterministic-mode: {name}={env.get(name)} is not deterministic; unset it or use {' or '.join(accepted)}")
+
+
+def _package_installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def _require_service(setting: str, service: str, package: str) -> None:
+    """An enabled NVIDIA service: name the package it needs; this training loop does not run it either way."""
+    need(_package_installed(package.replace("-", "_")),
+         f"{setting}: {service} needs the {package} package, which is not installed (pip install {package}); "
+         f"this training loop does not run it either, so drop the setting")
+    need(False, f"{setting}: {package} is installed, but this training loop does not run {service} "
+                f"(see README, 'NVIDIA service configs'); drop the setting")
+
+
+def _validate_services(cfg: ConfigContainer) -> None:
+    """The NVIDIA service configs: their documented constraints (Bridge's `finalize` methods, Megatron-LM's
+    --inprocess-* flags), then the service's package. Disabled sections are only checked for consistency."""
+    ft, nv, ipr, ti = cfg.ft, cfg.nvrx_straggler, cfg.inprocess_restart, cfg.tensor_inspect
+    need(ft.enable_ft_package or not (ft.calc_ft_timeouts or ft.simulate_fault),
+         "ft.calc_ft_timeouts and ft.simulate_fault need --enable-ft-package")  # they act inside the FT package
+    need(ft.simulated_fault_type in ("rank_hung", "rank_killed", "random"),
+         f"ft.simulated_fault_type {ft.simulated_fault_type}: expected rank_hung, rank_killed or random")
+    need(ft.simulated_fault_rank is None or 0 <= ft.simulated_fault_rank < cfg.world_size,
+         f"ft.simulated_fault_rank {ft.simulated_fault_rank} is not a rank of this world (size {cfg.world_size})")
+    need(ft.simulated_fault_base_delay >= 0, "ft.simulated_fault_base_delay must be non-negative")
+    if ft.enable_ft_package:
+        _require_service("--enable-ft-package", "fault tolerance", "nvidia-resiliency-ext")
+    if nv.enabled:
+        need(nv.calc_relative_gpu_perf or nv.calc_individual_gpu_perf,
+             "nvrx_straggler: set calc_relative_gpu_perf or calc_individual_gpu_perf (or both)")
+        need(nv.report_time_interval > 0, f"nvrx_straggler.report_time_interval must be positive, got "
+                                          f"{nv.report_time_interval}")
+        for name in ("gpu_relative_perf_threshold", "gpu_individual_perf_threshold"):
+            need(0 <= getattr(nv, name) <= 1, f"nvrx_straggler.{name} must be between 0 and 1, got {getattr(nv, name)}")
+        need(nv.profiling_interval >= 1 and nv.num_gpu_perf_scores_to_print >= 0,
+             "nvrx_straggler.profiling_interval must be at least 1 and num_gpu_perf_scores_to_print non-negative")
+        _require_service("nvrx_straggler.enabled", "NVRx straggler detection", "nvidia-resiliency-ext")
+    if ipr.enabled:
+        for f in dataclasses.fields(ipr):
+            if f.type == "float":  # the intervals and timeouts
+                need(getattr(ipr, f.name) > 0, f"{f.metadata['flag']} must be positive, got {getattr(ipr, f.name)}")
+        need(ipr.soft_timeout < ipr.hard_timeout, f"--inprocess-soft-timeout {ipr.soft_timeout} must be below "
+                                                  f"--inprocess-hard-timeout {ipr.hard_timeout}")
+        need(ipr.granularity in ("node", "rank"), f"--inprocess-granularity {ipr.granularity}: expected node or rank")
+        need(ipr.active_world_size is None or 1 <= ipr.active_world_size <= cfg.world_size,
+             f"--inprocess-active-world-size {ipr.active_world_size} must be between 1 and the world size "
+             f"{cfg.world_size}")
+        need(ipr.max_iterations is None or ipr.max_iterations >= 1, "--inprocess-max-iterations must be positive")
+        _require_service("--inprocess-restart", "in-process restart", "nvidia-resiliency-ext")
+    if ti.enabled:
+        need(not isinstance(ti.features, str) or os.path.isfile(ti.features),
+             f"tensor_inspect.features {ti.features}: no such file; give a YAML file or a mapping")
+        need(ti.init_training_step >= 0, "tensor_inspect.init_training_step must be non-negative")
+        if ti.log_dir is None:  # Bridge's defaults
+            ti.log_dir = cfg.checkpoint.save or "."
+        if ti.init_training_step == 0 and cfg.checkpoint.ckpt_step is not None:
+            ti.init_training_step = int(cfg.checkpoint.ckpt_step)
+        _require_service("tensor_inspect.enabled", "tensor inspection", "nvdlfw-inspect")
+
+
+def _get_non_default_values(config_obj: Any, default_class: type) -> dict:
+    """Bridge's `_get_non_default_values`: {field: (value, default)} for the fields of config_obj whose value
+    differs from default_class's default. Fields without a default, callables, private fields and values
+    derived during validation (they have no default to differ from) are left out."""
+    defaults = {}
+    for f in dataclasses.fields(default_class):
+        if f.default is not dataclasses.MISSING:
+            defaults[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            defaults[f.name] = f.default_factory()
+    changed = {}
+    for f in dataclasses.fields(config_obj):
+        if f.name.startswith("_") or f.name not in defaults or f.metadata.get("derived"):
+            continue
+        value, default = getattr(config_obj, f.name), defaults[f.name]
+        if callable(value) or callable(default):
+            continue
+        if value != default:
+            changed[f.name] = (value, default)
+    return changed
+
+
+def _get_key_config_values(config_obj: Any) -> dict:
+    """Bridge's `_get_key_config_values`: {field: value} of a config object, leaving out None values,
+    callables, private fields and nested configs (the container's sub-configs)."""
+    if not dataclasses.is_dataclass(config_obj):
+        return {}
+    values = {}
+    for f in dataclasses.fields(config_obj):
+        value = getattr(config_obj, f.name)
+        if f.name.startswith("_") or value is None or callable(value) or dataclasses.is_dataclass(value):
+            continue
+        values[f.name] = value
+    return values
 
 
 def parse_data_path(paths: list) -> tuple:
@@ -720,7 +1036,11 @@ def _validate_data(cfg: ConfigContainer) -> None:
 
 
 def print_config(cfg: ConfigContainer, file=sys.stdout) -> None:
-    """The resolved config, Megatron-style: one dotted line per setting, by section."""
+    """The resolved config, Megatron-style: one dotted line per setting, by section; with
+    --log-non-default-values, Bridge's summary of the settings that differ from their defaults."""
+    if cfg.logger.log_non_default_values:
+        cfg.log_non_default_values(file)
+        return
     print("------------------------ arguments ------------------------", file=file)
     for section in SECTIONS:
         for f in dataclasses.fields(getattr(cfg, section)):

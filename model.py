@@ -71,10 +71,18 @@ class SDPAttention(MegatronModule):
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # -> [b, heads, s, d]
         kwargs = dict(dropout_p=self.dropout_p if self.training else 0.0, scale=self.softmax_scale,
                       enable_gqa=k.shape[1] != q.shape[1])
-        if attention_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
-        else:  # megatron masks mark positions to drop with True; SDPA's boolean masks mark positions to keep
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, **kwargs)
+        # --deterministic-mode on a GPU: the flash and memory-efficient kernels may accumulate gradients
+        # in a varying order; the math kernel is plain matmuls and softmax.
+        kernels = contextlib.nullcontext()
+        if self.config.deterministic_mode and q.is_cuda:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            kernels = sdpa_kernel(SDPBackend.MATH)
+        with kernels:
+            if attention_mask is None:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
+            else:  # megatron masks mark positions to drop with True; SDPA's boolean masks mark positions to keep
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, **kwargs)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
@@ -109,6 +117,9 @@ def transformer_config(cfg) -> TransformerConfig:
         params_dtype=dtype if gpu_half else torch.float32,
         pipeline_dtype=dtype if gpu_half else torch.float32,
         use_cpu_initialization=not cfg.use_gpu,
+        deterministic_mode=m.deterministic_mode,  # e.g. an embedding backward without atomics
+        cross_entropy_loss_fusion=m.cross_entropy_loss_fusion,
+        cp_comm_type=m.cp_comm_type[0] if len(m.cp_comm_type) == 1 else m.cp_comm_type,
     )
 
 

@@ -31,6 +31,7 @@ if __name__ == "__main__":
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import inspect  # noqa: E402
+import logging  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
@@ -157,7 +158,41 @@ def initialize_distributed(cfg: ConfigContainer) -> None:
                                              timeout=timeout)
     m = cfg.model
     parallel_state.initialize_model_parallel(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
-                                             context_parallel_size=m.context_parallel_size)
+                                             context_parallel_size=m.context_parallel_size,
+                                             hierarchical_context_parallel_sizes=m.hierarchical_context_parallel_sizes)
+
+
+def setup_logging(logging_level: Optional[int]) -> None:
+    """Python logging for this script's and megatron-core's loggers (Megatron-LM's `initialize.setup_logging`,
+    Bridge's `utils.log_utils.setup_logging`): --logging-level, else $MEGATRON_LOGGING_LEVEL; with neither,
+    Python's default stays (warnings only), as in Megatron-LM."""
+    env_level = os.environ.get("MEGATRON_LOGGING_LEVEL")
+    level = logging_level if logging_level is not None else int(env_level) if env_level else None
+    if level is None:
+        return
+    # megatron-core's loggers have no handler of their own: give the root one, as logging.basicConfig
+    # does (a no-op when the application already configured logging), and let them inherit its level.
+    logging.basicConfig(format="%(levelname)s:%(name)s:%(message)s")
+    logging.getLogger().setLevel(level)
+    if os.environ.get("RANK", "0") == "0":
+        logging.getLogger(__name__).info(f"Setting logging level to {level}")
+
+
+def apply_deterministic_mode(cfg: ConfigContainer) -> None:
+    """--deterministic-mode (Megatron-LM's `determinism.apply_determinism_to_args`, Bridge's
+    `_validate_and_apply_deterministic_mode`; validate() already refused what cannot be deterministic).
+
+    The environment defaults must be in place before NCCL builds its communicators, cuBLAS its handle
+    and transformer-engine its first attention, so this runs first in setup(); values already set win.
+    """
+    if not cfg.model.deterministic_mode:
+        return
+    for name, value in config_lib.DETERMINISM_ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    torch.use_deterministic_algorithms(True)
+    if os.environ.get("RANK", "0") == "0":
+        print(" > deterministic mode: torch.use_deterministic_algorithms(True), "
+              + ", ".join(f"{k}={os.environ[k]}" for k in config_lib.DETERMINISM_ENV_DEFAULTS), flush=True)
 
 
 class DistributedSignalHandler:
@@ -192,6 +227,8 @@ def build_scheduler(cfg: ConfigContainer, optimizer) -> OptimizerParamScheduler:
 
 def setup(cfg: ConfigContainer):
     """Everything before the first step. Returns (state, model, optimizer, scheduler, iterators)."""
+    setup_logging(cfg.logger.logging_level)
+    apply_deterministic_mode(cfg)
     initialize_distributed(cfg)
     set_random_seed(cfg.rng.seed, cfg.use_gpu)
     state = GlobalState(cfg)

@@ -30,7 +30,7 @@ def test_megatron_flags_map_to_their_sections():
                  "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
                  "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--micro-batch-size", "2",
                  "--global-batch-size", "16", "--train-samples", "1600", "--lr", "2e-4", "--min-lr", "2e-5",
-                 "--lr-decay-style", "linear", "--lr-warmup-iters", "10", "--no-save-optim", "--bf16",
+                 "--lr-decay-style", "linear", "--lr-warmup-samples", "160", "--no-save-optim", "--bf16",
                  "--tensor-model-parallel-size", "2"], world_size=4)
     assert (cfg.model.num_layers, cfg.model.num_query_groups, cfg.model.swiglu) == (6, 2, True)
     assert cfg.model.add_bias_linear is False and cfg.model.untie_embeddings_and_output_weights
@@ -128,3 +128,146 @@ def test_help_and_errors_answer_before_importing_torch():
     assert "exit 2 torch imported: False" in bad.stdout
     assert bad.stderr.strip().startswith("train.py: error: --num-attention-heads 3 does not divide")
     assert "Traceback" not in bad.stderr
+
+
+# --- scheduler lengths, compatibility checks, determinism, the config summary, NVIDIA service configs -----------
+
+
+@pytest.mark.parametrize("argv, expected", [
+    # iteration-based: lengths are iterations x global batch (8); warmup defaults to 20 iterations
+    ([], dict(lr_decay_steps=800, lr_warmup_steps=160, wd_incr_steps=800, wsd_decay_steps=None)),
+    (["--lr-decay-iters", "50", "--lr-warmup-iters", "5"], dict(lr_decay_steps=400, lr_warmup_steps=40, wd_incr_steps=800)),
+    (["--lr-warmup-fraction", "0.15"], dict(lr_decay_steps=800, lr_warmup_steps=120.0, wd_incr_steps=800)),
+    (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "10"], dict(lr_decay_steps=800, wsd_decay_steps=80)),
+    (["--lr-decay-style", "WSD"], dict(wsd_decay_steps=800)),  # the whole decay, as Bridge
+    (["--train-iters", "2"], dict(lr_decay_steps=16, lr_warmup_steps=15, wd_incr_steps=16)),  # warmup capped
+    # sample-based: sample counts as given
+    (["--train-samples", "1000"], dict(lr_decay_steps=1000, lr_warmup_steps=0, wd_incr_steps=1000)),
+    (["--train-samples", "1000", "--lr-decay-samples", "600", "--lr-warmup-samples", "64"],
+     dict(lr_decay_steps=600, lr_warmup_steps=64, wd_incr_steps=1000)),
+    (["--train-samples", "1000", "--lr-warmup-fraction", "0.25"], dict(lr_decay_steps=1000, lr_warmup_steps=250.0)),
+    (["--train-samples", "1000", "--lr-decay-style", "WSD", "--lr-wsd-decay-samples", "200"],
+     dict(lr_decay_steps=1000, wsd_decay_steps=200)),
+])
+def test_scheduler_steps_for_iteration_and_sample_based_training(argv, expected):
+    """Megatron-LM's get_optimizer_param_scheduler / Bridge's _calculate_scheduler_steps, in samples."""
+    argv = argv if "--train-samples" in argv or "--train-iters" in argv else ["--train-iters", "100", *argv]
+    cfg = parse(["--micro-batch-size", "4", "--global-batch-size", "8", *argv])
+    assert {k: getattr(cfg.scheduler, k) for k in expected} == expected
+    if "--train-samples" in argv:
+        assert cfg.train.train_iters == 1000 // 8
+
+
+def test_sample_based_run_config_yaml_round_trips(tmp_path):
+    cfg = parse(["--train-samples", "1000", "--global-batch-size", "8", "--micro-batch-size", "4"])
+    path = tmp_path / "run_config.yaml"
+    path.write_text(config.to_yaml(cfg))  # holds train_samples and the train_iters derived from it
+    assert parse(["--config-file", str(path)]).to_dict() == cfg.to_dict()
+
+
+@pytest.mark.parametrize("argv, world_size, gpu, message", [
+    # training/scheduler compatibility (Bridge _validate_training_scheduler_compatibility, Megatron-LM validate_args)
+    (["--train-samples", "100", "--lr-decay-iters", "10"], 1, False,
+     "--lr-decay-iters is for iteration-based training; with --train-samples use --lr-decay-samples"),
+    (["--train-samples", "100", "--lr-warmup-iters", "5"], 1, False, "with --train-samples use --lr-warmup-samples"),
+    (["--train-iters", "10", "--lr-decay-samples", "100"], 1, False,
+     "--lr-decay-samples is for sample-based training (--train-samples); with --train-iters use --lr-decay-iters"),
+    (["--lr-warmup-samples", "16"], 1, False, "with --train-iters use --lr-warmup-iters"),
+    (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"], 1, False, "are exclusive"),
+    (["--train-samples", "100", "--lr-warmup-fraction", "0.1", "--lr-warmup-samples", "8"], 1, False, "are exclusive"),
+    (["--lr-decay-iters", "0"], 1, False, "--lr-decay-iters must be positive"),
+    (["--start-weight-decay", "0.1", "--end-weight-decay", "0.01", "--weight-decay-incr-style", "linear"], 1, False,
+     "weight decay can only grow"),
+    (["--lr-warmup-init", "0.1", "--lr", "0.01"], 1, False, "--lr-warmup-init 0.1 is above --lr 0.01"),
+    # context parallelism (Bridge _validate_cp_comm_type and validate)
+    (["--context-parallel-size", "2", "--seq-length", "250"], 2, True,
+     "--seq-length 250 must be a multiple of 2 x --context-parallel-size = 4"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"], 2, True, "needs --hierarchical-context-parallel-sizes"),
+    (["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "3"], 4, True,
+     "multiply to 6, not --context-parallel-size 4"),
+    (["--cp-comm-type", "p2p", "a2a"], 1, False, "give one for all layers or one per layer (--num-layers 4)"),
+    (["--cp-comm-type", "ring"], 1, False, "--cp-comm-type ring: expected p2p, all_gather, a2a, a2a+p2p"),
+    # determinism, logging
+    (["--deterministic-mode", "--cross-entropy-loss-fusion"], 1, False,
+     "--deterministic-mode: --cross-entropy-loss-fusion is not deterministic; drop it"),
+    (["--logging-level", "-1"], 1, False, "--logging-level must be a logging level"),
+    # NVIDIA service configs: their own constraints
+    (["--calc-ft-timeouts"], 1, False, "need --enable-ft-package"),
+    (["--inprocess-restart", "--inprocess-soft-timeout", "100"], 1, False,
+     "--inprocess-soft-timeout 100.0 must be below --inprocess-hard-timeout 90.0"),
+    (["--inprocess-restart", "--inprocess-active-world-size", "4"], 2, False, "must be between 1 and the world size 2"),
+])
+def test_compatibility_errors_are_one_line(argv, world_size, gpu, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse(argv, world_size=world_size, gpu=gpu)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("name, value", [("NCCL_ALGO", "Tree"), ("NCCL_ALGO", "Ring,Tree"),
+                                         ("CUBLAS_WORKSPACE_CONFIG", ":0:0"), ("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1")])
+def test_deterministic_mode_refuses_a_nondeterministic_environment(name, value, monkeypatch, capsys):
+    monkeypatch.setenv(name, value)
+    parse([])  # only --deterministic-mode cares
+    with pytest.raises(SystemExit) as e:
+        parse(["--deterministic-mode"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"--deterministic-mode: {name}={value}" in err and err.count("\n") == 1, err
+
+
+def test_deterministic_mode_accepts_the_deterministic_environment(monkeypatch):
+    for name, value in config.DETERMINISM_ENV_DEFAULTS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("NCCL_ALGO", "Ring,^NVLS")
+    assert parse(["--deterministic-mode"]).model.deterministic_mode
+
+
+SERVICES = [  # (how it is enabled, the package named)
+    (["--enable-ft-package"], None, "nvidia-resiliency-ext"),
+    (["--inprocess-restart"], None, "nvidia-resiliency-ext"),
+    ([], "nvrx_straggler:\n  enabled: true\n", "nvidia-resiliency-ext"),
+    ([], "tensor_inspect:\n  enabled: true\n", "nvdlfw-inspect"),
+]
+
+
+@pytest.mark.parametrize("argv, yaml_text, package", SERVICES)
+def test_enabling_an_nvidia_service_names_its_package(argv, yaml_text, package, tmp_path, capsys):
+    if config._package_installed(package.replace("-", "_")):
+        pytest.skip(f"{package} is installed here; the message then says this loop does not run the service")
+    if yaml_text:
+        (tmp_path / "services.yaml").write_text(yaml_text)
+        argv = argv + ["--config-file", str(tmp_path / "services.yaml")]
+    with pytest.raises(SystemExit) as e:
+        parse(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"pip install {package}" in err and err.count("\n") == 1, err
+
+
+def test_nvidia_services_are_off_by_default_and_load_from_yaml(tmp_path):
+    cfg = parse([])
+    assert not (cfg.ft.enable_ft_package or cfg.nvrx_straggler.enabled or cfg.inprocess_restart.enabled
+                or cfg.tensor_inspect.enabled)
+    path = tmp_path / "bridge.yaml"
+    path.write_text("nvrx_straggler:\n  enabled: false\n  report_time_interval: 60\n"
+                    "inprocess_restart:\n  soft_timeout: 30\ntensor_inspect:\n  features: {a: 1}\n")
+    cfg = parse(["--config-file", str(path), "--inprocess-hard-timeout", "45"])
+    assert cfg.nvrx_straggler.report_time_interval == 60 and cfg.tensor_inspect.features == {"a": 1}
+    assert (cfg.inprocess_restart.soft_timeout, cfg.inprocess_restart.hard_timeout) == (30, 45)
+    assert "nvrx_straggler:" in config.to_yaml(cfg)
+
+
+def test_log_non_default_values_switches_the_printed_config():
+    import io
+
+    argv = ["--num-layers", "2", "--train-samples", "64", "--global-batch-size", "8", "--micro-batch-size", "4"]
+    full, summary = io.StringIO(), io.StringIO()
+    config.print_config(parse(argv), file=full)
+    config.print_config(parse(argv + ["--log-non-default-values"], world_size=2), file=summary)
+    full, summary = full.getvalue(), summary.getvalue()
+    assert "  model.hidden_size ...." in full and "Non-Default" not in full
+    assert "[model] Non-default values:\n" in summary and "  num_layers: 2  (default: 4)\n" in summary
+    assert "  train_samples: 64  (default: None)\n" in summary  # and the values validation filled in:
+    assert "  train_iters: 8  (default: None)\n" in summary and "  data_parallel_size: 2\n" in summary
+    assert "  num_microbatches: 1\n" in summary and "  scheduler.lr_decay_steps: 64\n" in summary
+    assert "  hidden_size:" not in summary and "[ft]" not in summary  # left at their defaults
+    assert len(summary.splitlines()) < len(full.splitlines()) / 2

@@ -130,6 +130,16 @@ class TrainingConfig:
     check_for_nan_in_loss_and_grad: bool = arg(
         True, "Stop the run when the loss is NaN or Inf.", flag="--no-check-for-nan-in-loss-and-grad"
     )
+    rampup_batch_size: Optional[list[int]] = arg(
+        None, "Batch-size ramp-up: START INCR SAMPLES. The global batch starts at START and grows by INCR, evenly "
+              "over the first SAMPLES consumed samples, up to --global-batch-size (Megatron-LM). A checkpoint is saved "
+              "(with --save) each time it grows.")
+    check_optimizer_step_success: bool = arg(
+        True, "After each optimizer step, agree across model-parallel ranks whether it succeeded (a step that "
+              "failed on any rank is skipped on all).", flag="--no-check-optimizer-step-success")
+    skip_sync_grad_norm_across_mp: bool = arg(
+        False, "Do not take the max of the reported grad norm over model-parallel ranks (saves one small all-reduce "
+               "per step; ranks without trainable parameters then report none).")
 
 
 @dataclass
@@ -151,6 +161,51 @@ class OptimizerConfig:
     min_loss_scale: float = arg(1.0, "Minimum dynamic loss scale for --fp16.")
     loss_scale_window: float = arg(1000, "Iterations without overflow before the dynamic loss scale grows.")
     hysteresis: int = arg(2, "Overflows tolerated before the dynamic loss scale shrinks.")
+
+
+@dataclass
+class DistributedDataParallelConfig:
+    """Data-parallel gradient and parameter communication (megatron-core's DistributedDataParallelConfig).
+
+    model.py builds megatron-core's config from these fields and calls its deferred post-init, finalize()."""
+
+    overlap_grad_reduce: bool = arg(
+        False, "Overlap the gradient reduce-scatter/all-reduce with the backward pass (megatron-core DDP on GPU; "
+               "torch DDP on CPU always overlaps).")
+    overlap_param_gather: bool = arg(
+        False, "With --use-distributed-optimizer: overlap the parameter all-gather with the next forward pass "
+               "(forward pre-hooks). GPU only.")
+    use_distributed_optimizer: bool = arg(
+        False, "Kept in sync with --use-distributed-optimizer: either turns both on.", cli=False)
+
+
+@dataclass(frozen=True)
+class OptimizerConfigOverrideProviderContext:
+    """What an OptimizerConfigOverrideProvider sees (Megatron Bridge): the scheduler config, megatron-core's
+    optimizer config (model.OptimizerConfig) and the model chunks, as the optimizer will group them."""
+
+    scheduler_config: Any
+    optimizer_config: Any
+    model: Any
+
+
+@dataclass
+class OptimizerConfigOverrideProvider:
+    """Per-parameter optimizer settings (Megatron Bridge): `build_config_overrides` maps megatron-core
+    `ParamKey`s to `ParamGroupOverride`s (lr: `max_lr`/`min_lr`, weight decay: `wd_mult`/`start_wd`/`end_wd`).
+    Parameters with the same overrides share a parameter group, on CPU and GPU alike.
+
+    The default skips weight decay on biases and 1-D parameters (norms), as Megatron does. Subclass it
+    and put an instance in `cfg.optimizer_config_override_provider` to change that; return {} for no
+    overrides at all (weight decay on everything)."""
+
+    def build_config_overrides(self, context: OptimizerConfigOverrideProviderContext) -> Optional[dict]:
+        from megatron.core.optimizer import ParamGroupOverride, ParamKey
+
+        chunks = context.model if isinstance(context.model, list) else [context.model]
+        no_wd = [name for chunk in chunks for name, p in chunk.named_parameters()
+                 if name.endswith(".bias") or p.ndim == 1]
+        return {ParamKey(name=tuple(no_wd)): ParamGroupOverride(wd_mult=0.0)} if no_wd else None
 
 
 @dataclass
@@ -407,6 +462,9 @@ class ConfigContainer:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistributedInitConfig = field(default_factory=DistributedInitConfig)
     rng: RNGConfig = field(default_factory=RNGConfig)
+    ddp: DistributedDataParallelConfig = field(default_factory=DistributedDataParallelConfig)
+    optimizer_config_override_provider: OptimizerConfigOverrideProvider = field(
+        default_factory=OptimizerConfigOverrideProvider)
     ft: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     nvrx_straggler: NVRxStragglerDetectionConfig = field(default_factory=NVRxStragglerDetectionConfig)
     inprocess_restart: InProcessRestartConfig = field(default_factory=InProcessRestartConfig)
@@ -460,7 +518,7 @@ class ConfigContainer:
 
 
 SECTIONS = ["model", "train", "optimizer", "scheduler", "dataset", "tokenizer", "logger", "checkpoint", "dist", "rng",
-            "ft", "nvrx_straggler", "inprocess_restart", "tensor_inspect"]
+            "ddp", "ft", "nvrx_straggler", "inprocess_restart", "tensor_inspect"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -669,6 +727,7 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
         t.train_iters = t.train_samples // t.global_batch_size
     elif t.train_iters is None:
         t.train_iters = 300
+    _validate_rampup(cfg)
     need(t.train_iters >= 0, f"--train-iters must be non-negative, got {t.train_iters}")
     need(t.eval_interval > 0, f"--eval-interval must be positive, got {t.eval_interval}")
     need(t.eval_iters >= 0, f"--eval-iters must be non-negative, got {t.eval_iters}")
@@ -692,6 +751,8 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
          "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are exclusive")
     _validate_training_scheduler_compatibility(cfg)
     _calculate_scheduler_steps(cfg)
+    _validate_and_sync_distributed_optimizer_settings(cfg)
+    _validate_overlap(cfg)
 
     # --- data ------------------------------------------------------------------------------------
     _validate_data(cfg)
@@ -956,6 +1017,64 @@ def _get_key_config_values(config_obj: Any) -> dict:
             continue
         values[f.name] = value
     return values
+
+
+def _validate_rampup(cfg: ConfigContainer) -> None:
+    """--rampup-batch-size START INCR SAMPLES, checked so megatron-core's RampupBatchsizeNumMicroBatchesCalculator
+    never fails mid-run: every batch size on the way (START, START + INCR, ..., --global-batch-size) must split
+    into microbatches on each data-parallel rank. Iteration-based only, as Megatron Bridge's TrainingConfig."""
+    t, dp = cfg.train, cfg.data_parallel_size
+    if t.rampup_batch_size is None:
+        return
+    unit, gbs = t.micro_batch_size * dp, t.global_batch_size
+    if len(t.rampup_batch_size) != 3:
+        raise ConfigError("--rampup-batch-size takes three numbers, START INCR SAMPLES (e.g. --rampup-batch-size 8 8 10000)")
+    start, incr, samples = t.rampup_batch_size
+    if start <= 0 or incr <= 0 or samples < 0:
+        raise ConfigError(f"--rampup-batch-size {start} {incr} {samples}: START and INCR must be positive, SAMPLES non-negative")
+    if start >= gbs:
+        raise ConfigError(f"--rampup-batch-size START {start} must be less than --global-batch-size {gbs}, the batch it "
+                          f"ramps up to; drop --rampup-batch-size for a constant batch")
+    if (gbs - start) % incr:
+        raise ConfigError(f"--rampup-batch-size INCR {incr} does not divide --global-batch-size {gbs} - START {start} "
+                          f"= {gbs - start}; pick an INCR that does")
+    if start % unit or incr % unit:
+        raise ConfigError(f"--rampup-batch-size START {start} and INCR {incr} must be multiples of --micro-batch-size "
+                          f"{t.micro_batch_size} x data-parallel size {dp} = {unit}")
+    if t.train_samples is not None:
+        raise ConfigError("--rampup-batch-size counts --train-iters iterations (as Megatron Bridge); use --train-iters "
+                          "instead of --train-samples")
+    if getattr(cfg.dataset, "sft", False) or getattr(cfg.dataset, "dataloader_type", None) == "batch":
+        raise ConfigError("--rampup-batch-size does not work with the batch dataloader (--sft pads each fixed-size "
+                          "global batch); drop one")
+
+
+def _validate_and_sync_distributed_optimizer_settings(cfg: ConfigContainer) -> None:
+    """Megatron Bridge's: the distributed-optimizer setting lives in both the DDP and the optimizer config
+    (megatron-core reads it from each); if either asks for it, both get it. --use-distributed-optimizer sets
+    the optimizer's; the DDP's, settable from YAML or Python only, is noted when it alone asks."""
+    ddp_setting, optimizer_setting = cfg.ddp.use_distributed_optimizer, cfg.optimizer.use_distributed_optimizer
+    if ddp_setting or optimizer_setting:
+        if ddp_setting and not optimizer_setting and os.environ.get("RANK", "0") == "0":
+            print(f"train.py: note: ddp.use_distributed_optimizer={ddp_setting} and optimizer.use_distributed_optimizer="
+                  f"{optimizer_setting} disagreed; using the distributed optimizer for both", file=sys.stderr)
+        cfg.ddp.use_distributed_optimizer = cfg.optimizer.use_distributed_optimizer = True
+
+
+def _validate_overlap(cfg: ConfigContainer) -> None:
+    """--overlap-param-gather as Megatron-LM's validate_args: it gathers the distributed optimizer's
+    parameter shards in forward pre-hooks of megatron-core's DDP, behind an overlapped gradient reduce."""
+    ddp = cfg.ddp
+    if not ddp.overlap_param_gather:
+        return
+    if not cfg.use_gpu:
+        raise ConfigError("--overlap-param-gather needs a GPU (megatron-core DDP and distributed optimizer) and none is "
+                          "visible; drop it to train on CPU")
+    if not ddp.use_distributed_optimizer:
+        raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer (it overlaps gathering that "
+                          "optimizer's parameter shards with the forward pass)")
+    if not ddp.overlap_grad_reduce:
+        raise ConfigError("--overlap-param-gather needs --overlap-grad-reduce; add it")
 
 
 def parse_data_path(paths: list) -> tuple:

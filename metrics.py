@@ -322,7 +322,7 @@ def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_r
     """
     ts, lg = global_state.train_state, config.logger
     iteration = ts.step
-    batch_size = config.train.global_batch_size
+    batch_size = global_state.current_global_batch_size  # smaller while --rampup-batch-size ramps it up
 
     # Accumulate. One host sync per iteration for the NaN count, as Megatron-LM does.
     total_loss_dict[ADVANCED] = total_loss_dict.get(ADVANCED, 0) + (0 if skipped_iter else 1)

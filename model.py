@@ -35,6 +35,8 @@ import torch.nn.functional as F  # noqa: E402
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.distributed import DistributedDataParallelConfig as MegatronDDPConfig  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig  # noqa: E402
 from megatron.core.transformer import MegatronModule, TransformerConfig  # noqa: E402
 
 
@@ -187,16 +189,12 @@ def unwrap(module):
 def wrap_model(cfg, model: list) -> list:
     """Wrap each chunk for data parallelism (and half precision on a GPU)."""
     if cfg.use_gpu:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import DistributedDataParallel
         from megatron.core.transformer.module import Float16Module
 
         if cfg.model.bf16 or cfg.model.fp16:
             model = [Float16Module(m.config, m) for m in model]
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=cfg.model.bf16 or cfg.model.fp16,
-            use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
-            check_for_nan_in_grad=cfg.train.check_for_nan_in_loss_and_grad,
-        )
+        ddp_config = megatron_ddp_config(cfg)
         model = [DistributedDataParallel(config=unwrap(m).config, ddp_config=ddp_config, module=m,
                                          disable_bucketing=i > 0) for i, m in enumerate(model)]
         for m in model:
@@ -215,47 +213,97 @@ def wrap_model(cfg, model: list) -> list:
 # --------------------------------------------------------------------------------------------------
 
 
+class OptimizerConfig(MegatronOptimizerConfig):
+    """megatron-core's OptimizerConfig with its post-init deferred to finalize() (Megatron Bridge's): fields
+    can be set one by one after construction, and the checks and derived fields run once, when finalized."""
+
+    def __post_init__(self) -> None:
+        pass  # deferred: see finalize()
+
+    def finalize(self) -> None:
+        """Run megatron-core's post-init on the current field values (checks, derived fields)."""
+        super().__post_init__()
+
+
+class DistributedDataParallelConfig(MegatronDDPConfig):
+    """megatron-core's DistributedDataParallelConfig with its post-init deferred to finalize() (Megatron Bridge's)."""
+
+    def __post_init__(self) -> None:
+        pass  # deferred: see finalize()
+
+    def finalize(self) -> None:
+        """Run megatron-core's post-init on the current field values."""
+        super().__post_init__()
+
+
+def megatron_optimizer_config(cfg) -> OptimizerConfig:
+    """megatron-core's optimizer config from config.py's flags, finalized. Built on CPU too: the CPU optimizer
+    groups parameters with it exactly as get_megatron_optimizer does on a GPU."""
+    o, m = cfg.optimizer, cfg.model
+    config = OptimizerConfig(
+        optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, sgd_momentum=o.sgd_momentum,
+        clip_grad=o.clip_grad, bf16=m.bf16, fp16=m.fp16,
+        params_dtype=torch.bfloat16 if m.bf16 else torch.float16 if m.fp16 else torch.float32,
+        loss_scale=o.loss_scale, initial_loss_scale=o.initial_loss_scale, min_loss_scale=o.min_loss_scale,
+        loss_scale_window=o.loss_scale_window, hysteresis=o.hysteresis,
+        use_distributed_optimizer=o.use_distributed_optimizer, overlap_param_gather=cfg.ddp.overlap_param_gather,
+        log_num_zeros_in_grad=cfg.logger.log_num_zeros_in_grad,
+    )
+    config.finalize()
+    return config
+
+
+def megatron_ddp_config(cfg) -> DistributedDataParallelConfig:
+    """megatron-core's DDP config from config.py's flags, finalized (GPU only: megatron-core's DDP)."""
+    config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=cfg.model.bf16 or cfg.model.fp16,
+        overlap_grad_reduce=cfg.ddp.overlap_grad_reduce,
+        overlap_param_gather=cfg.ddp.overlap_param_gather,
+        use_distributed_optimizer=cfg.ddp.use_distributed_optimizer,
+        check_for_nan_in_grad=cfg.train.check_for_nan_in_loss_and_grad,
+    )
+    config.finalize()
+    return config
+
+
 def build_optimizer(cfg, model: list):
     """megatron-core's optimizer on a GPU; TorchOptimizer, with the same step() contract, on CPU.
 
-    Either way biases and 1-D parameters (norms) get no weight decay (`wd_mult` 0), as Megatron does.
+    Either way the parameter groups come from megatron-core's grouping of the overrides that
+    `cfg.optimizer_config_override_provider` returns (by default: no weight decay on biases and 1-D
+    parameters, `wd_mult` 0, as Megatron does), so CPU and GPU runs group and decay alike.
     """
-    o, m = cfg.optimizer, cfg.model
-    if cfg.use_gpu:
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from config import OptimizerConfigOverrideProviderContext
 
-        config = OptimizerConfig(
-            optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, sgd_momentum=o.sgd_momentum,
-            clip_grad=o.clip_grad, bf16=m.bf16, fp16=m.fp16,
-            params_dtype=torch.bfloat16 if m.bf16 else torch.float16 if m.fp16 else torch.float32,
-            loss_scale=o.loss_scale, initial_loss_scale=o.initial_loss_scale, min_loss_scale=o.min_loss_scale,
-            loss_scale_window=o.loss_scale_window, hysteresis=o.hysteresis,
-            use_distributed_optimizer=o.use_distributed_optimizer,
-            log_num_zeros_in_grad=cfg.logger.log_num_zeros_in_grad,
-        )
-        return get_megatron_optimizer(config, model)
-    return TorchOptimizer(cfg, model)
+    config = megatron_optimizer_config(cfg)
+    context = OptimizerConfigOverrideProviderContext(scheduler_config=cfg.scheduler, optimizer_config=config, model=model)
+    overrides = cfg.optimizer_config_override_provider.build_config_overrides(context)
+    if cfg.use_gpu:
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        return get_megatron_optimizer(config, model, config_overrides=overrides)
+    return TorchOptimizer(cfg, model, config, overrides)
 
 
 class TorchOptimizer:
     """CPU stand-in for megatron-core's MegatronOptimizer: torch AdamW/SGD plus global-norm clipping.
 
     Same contract as MegatronOptimizer: `step()` returns (update_successful, grad_norm, num_zeros_in_grad),
-    `param_groups` carry `wd_mult` for OptimizerParamScheduler, and the loss scale is 1.
+    `param_groups` are megatron-core's (`wd_mult`, `max_lr`, `min_lr`, ... for OptimizerParamScheduler),
+    and the loss scale is 1.
     """
 
-    def __init__(self, cfg, model: list):
+    def __init__(self, cfg, model: list, config=None, config_overrides=None):
+        # megatron-core's own grouping (what get_megatron_optimizer calls): parameters with the same merged
+        # overrides share a group; None overrides mean megatron-core's standard ones (no decay on biases/1-D).
+        from megatron.core.optimizer import _get_param_groups
+
         o = cfg.optimizer
         self.clip_grad = o.clip_grad
         self.log_num_zeros_in_grad = cfg.logger.log_num_zeros_in_grad
         self.params = [p for chunk in model for p in chunk.parameters() if p.requires_grad]
-        decay, no_decay = [], []
-        for chunk in model:
-            for name, p in chunk.named_parameters():
-                if p.requires_grad:
-                    (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
-        groups = [dict(params=decay, wd_mult=1.0), dict(params=no_decay, wd_mult=0.0)]
+        groups = _get_param_groups(model, config or megatron_optimizer_config(cfg), config_overrides)
         if o.optimizer == "adam":
             self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
                                                weight_decay=o.weight_decay, foreach=True)

@@ -12,6 +12,7 @@ in one file that reads top to bottom in the order things happen:
     6. train_step: one optimizer step over the microbatches of a global batch
     7. evaluation
     8. checkpoint-and-exit decisions
+   8b. batch-size ramp-up; megatron DDP's forward pre-hooks (--overlap-param-gather)
     9. train: the loop
    10. pretrain / finetune: the entry points
 
@@ -28,6 +29,7 @@ if __name__ == "__main__":
     # second instead of after megatron-core's ~8 s import, and no process starts work it cannot finish.
     CLI_CONFIG = config_lib.parse_args(sys.argv[1:])
 
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import inspect  # noqa: E402
@@ -92,6 +94,17 @@ class GlobalState:
         self.exit_code: Optional[int] = None  # set when the loop stops early (signal, interval, NaN)
         self.async_calls_queue = None  # --async-save: the checkpoint writes in flight (checkpoint.py)
         self._tensorboard_logger = None
+        self.num_microbatches_calculator = build_num_microbatches_calculator(cfg)  # follows --rampup-batch-size
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches per rank in this iteration (fewer while the batch size ramps up)."""
+        return self.num_microbatches_calculator.get()
+
+    @property
+    def current_global_batch_size(self) -> int:
+        """The global batch size of this iteration: --global-batch-size, or less while it ramps up."""
+        return self.num_microbatches_calculator.get_current_global_batch_size()
 
     @property
     def tensorboard_logger(self):
@@ -255,6 +268,7 @@ def setup(cfg: ConfigContainer):
     if not resumed and ck.pretrained_checkpoint:
         checkpoint.load_checkpoint(state, model, optimizer, scheduler, ck.pretrained_checkpoint, finetune=True)
     state.start_step = state.train_state.step
+    state.num_microbatches_calculator.update(state.train_state.consumed_train_samples, consistency_check=True)
     state.start_floating_point_operations = state.train_state.floating_point_operations_so_far
     metrics.report_theoretical_memory(cfg, cfg.num_microbatches)
     if ck.save:
@@ -340,17 +354,23 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
     timers("forward-backward", log_level=1).start(barrier=False)
     losses = forward_backward_func(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-        num_microbatches=cfg.num_microbatches, seq_length=cfg.model.seq_length,
+        num_microbatches=global_state.num_microbatches, seq_length=cfg.model.seq_length,
         micro_batch_size=cfg.train.micro_batch_size, decoder_seq_length=cfg.model.seq_length, forward_only=False,
     )
     timers("forward-backward").stop()
     timers("optimizer", log_level=1).start(barrier=False)
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
     timers("optimizer").stop()
+    # Bridge: model-parallel ranks agree whether the step succeeded (one failing, or frozen, rank makes all skip),
+    # and the grad norm is the max over them (ranks without trainable parameters have none).
+    if cfg.train.check_optimizer_step_success:
+        update_successful = metrics.logical_and_across_model_parallel_group(update_successful)
+    if not cfg.train.skip_sync_grad_norm_across_mp:
+        grad_norm = metrics.reduce_max_stat_across_model_parallel_group(grad_norm)
     # The scheduler counts samples: an overflowed (skipped) step does not advance it.
     skipped_iter = 0 if update_successful else 1
     if update_successful:
-        scheduler.step(increment=cfg.train.global_batch_size)
+        scheduler.step(increment=global_state.current_global_batch_size)
 
     loss_dict = reduce_losses(losses, cfg) if parallel_state.is_pipeline_last_stage() else {}
     should_exit, exit_code = False, 0
@@ -434,7 +454,8 @@ def save_checkpoint_and_time(state: GlobalState, model, optimizer, opt_param_sch
     timers = state.timers
     timers("interval-time").stop(barrier=True)
     timers("save-checkpoint").start(barrier=True)
-    directory = checkpoint.save_checkpoint(state, model, optimizer, opt_param_scheduler)
+    with forward_pre_hooks_paused(model):  # --overlap-param-gather: save gathered, current parameters
+        directory = checkpoint.save_checkpoint(state, model, optimizer, opt_param_scheduler)
     timers("save-checkpoint").stop(barrier=True)
     checkpointing_context["last_saved_step"] = state.train_state.step
     metrics.compute_throughputs_and_append_to_progress_log(state, num_floating_point_operations_so_far)
@@ -490,6 +511,85 @@ def checkpoint_and_decide_exit(state: GlobalState, model, optimizer, opt_param_s
 
 
 # ==================================================================================================
+# 8b. Batch-size ramp-up and megatron DDP's forward pre-hooks
+# ==================================================================================================
+
+
+def build_num_microbatches_calculator(cfg: ConfigContainer):
+    """megatron-core's microbatch calculator (`num_microbatches_calculator`): constant, or ramping up with
+    --rampup-batch-size START INCR SAMPLES. The GlobalState holds it; megatron-core's
+    `init_num_microbatches_calculator` would keep it in a module global instead."""
+    from megatron.core.num_microbatches_calculator import (ConstantNumMicroBatchesCalculator,
+                                                           RampupBatchsizeNumMicroBatchesCalculator)
+
+    t, dp = cfg.train, cfg.data_parallel_size
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if t.rampup_batch_size is None:
+        return ConstantNumMicroBatchesCalculator(t.global_batch_size, t.micro_batch_size, dp, False, rank)
+    start, increment, samples = t.rampup_batch_size
+    return RampupBatchsizeNumMicroBatchesCalculator(t.global_batch_size, t.micro_batch_size, dp, False, rank,
+                                                    start, increment, samples)
+
+
+def _follow_batch_size_rampup(global_state: GlobalState, model, optimizer, scheduler, checkpointing_context: dict,
+                              train_data_iterator, num_microbatches: int) -> int:
+    """Before each iteration (Megatron-LM `training.py::train`, Bridge `training/train.py::train`): set the
+    microbatch count for the samples consumed so far; when it changes (a ramp-up step), first save a
+    checkpoint (with --save), as they do. Returns the count for this iteration."""
+    calculator, ts, cfg = global_state.num_microbatches_calculator, global_state.train_state, global_state.cfg
+    before = calculator.get_current_global_batch_size()
+    calculator.update(ts.consumed_train_samples, consistency_check=True)
+    if calculator.get() != num_microbatches and ts.step != 0:
+        assert calculator.get() > num_microbatches, "the batch size only grows during ramp-up"
+        print_rank_0(f" ramping up global batch size from {before} to {calculator.get_current_global_batch_size()} "
+                     f"after iteration {ts.step} ({ts.consumed_train_samples} samples consumed)")
+        if cfg.checkpoint.save and checkpointing_context.get("last_saved_step") != ts.step:
+            save_checkpoint_and_time(global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
+                                     checkpointing_context, train_data_iterator=train_data_iterator)
+    return calculator.get()
+
+
+def should_disable_forward_pre_hook(use_megatron_fsdp: bool, use_distributed_optimizer: bool,
+                                    overlap_param_gather: bool) -> bool:
+    """Bridge `training/train.py`: whether megatron DDP's forward pre-hooks are in play and must be switched off for the first
+    step, evaluation and saves: with the distributed optimizer and --overlap-param-gather (not under FSDP)."""
+    return not use_megatron_fsdp and use_distributed_optimizer and overlap_param_gather
+
+
+def enable_forward_pre_hook(model: list) -> None:
+    """Bridge `training/train.py`: turn on each megatron DDP chunk's forward pre-hooks (they wait for each module's parameter
+    all-gather just before its forward, overlapping the gather with compute)."""
+    for chunk in model:
+        chunk.enable_forward_pre_hook()
+
+
+def disable_forward_pre_hook(model: list, param_sync: bool = True) -> None:
+    """Bridge `training/train.py`: turn off each megatron DDP chunk's forward pre-hooks; with param_sync, all-gather the
+    updated parameters now (synchronously), so what follows sees them."""
+    for chunk in model:
+        chunk.disable_forward_pre_hook(param_sync=param_sync)
+
+
+def forward_pre_hooks_enabled(model: list) -> bool:
+    """Whether megatron DDP's forward pre-hooks are on (its own record of their handles; never on CPU)."""
+    return any(getattr(chunk, "remove_forward_pre_hook_handles", None) for chunk in model)
+
+
+@contextlib.contextmanager
+def forward_pre_hooks_paused(model: list):
+    """Forward pre-hooks off (parameters gathered) for the duration of an evaluation or save, then back on;
+    nothing to do when they are not on (CPU, no --overlap-param-gather, before the first step, after train)."""
+    paused = forward_pre_hooks_enabled(model)
+    if paused:
+        disable_forward_pre_hook(model)
+    try:
+        yield
+    finally:
+        if paused:
+            enable_forward_pre_hook(model)
+
+
+# ==================================================================================================
 # 9. The loop
 # ==================================================================================================
 
@@ -504,14 +604,21 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
     for m in model:
         m.train()
     total_loss_dict, history_wct, report_memory_flag = {}, [], True
-    flops_per_step = metrics.num_floating_point_operations(cfg, cfg.train.global_batch_size,
-                                                           cfg.padded_vocab_size)
+    num_microbatches = global_state.num_microbatches
+    # --overlap-param-gather: megatron DDP's forward pre-hooks stay off until a step has succeeded, so a bad
+    # checkpoint or initialisation is not spread to every rank by the first all-gather (Megatron-LM, Bridge).
+    should_toggle_forward_pre_hook = should_disable_forward_pre_hook(
+        False, cfg.optimizer.use_distributed_optimizer, cfg.ddp.overlap_param_gather)
+    if should_toggle_forward_pre_hook:
+        disable_forward_pre_hook(model, param_sync=False)
     print_rank_0(f" training from iteration {ts.step} to {cfg.train.train_iters} ...")
     timers("interval-time", log_level=0).start(barrier=True)
 
     while ts.step < cfg.train.train_iters:
         if cfg.checkpoint.async_save:  # publish a background save once every rank has written it
             checkpoint.maybe_finalize_async_save(global_state, blocking=False)
+        num_microbatches = _follow_batch_size_rampup(global_state, model, optimizer, scheduler, checkpointing_context,
+                                                     train_data_iterator, num_microbatches)
         if _should_skip_and_handle_iteration(global_state, train_data_iterator):
             continue
         loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm, num_zeros_in_grad = \
@@ -519,10 +626,14 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
         if should_exit:  # a NaN: stop before counting the step, so nothing poisoned is saved
             global_state.exit_code = exit_code
             break
+        if should_toggle_forward_pre_hook and not skipped_iter and not forward_pre_hooks_enabled(model):
+            enable_forward_pre_hook(model)  # the first step that succeeded (under fp16 the first ones may not)
         ts.step += 1
-        ts.consumed_train_samples += cfg.train.global_batch_size
-        ts.skipped_train_samples += cfg.train.global_batch_size * skipped_iter
-        ts.floating_point_operations_so_far += flops_per_step
+        batch_size = global_state.current_global_batch_size
+        ts.consumed_train_samples += batch_size
+        ts.skipped_train_samples += batch_size * skipped_iter
+        ts.floating_point_operations_so_far += metrics.num_floating_point_operations(cfg, batch_size,
+                                                                                     cfg.padded_vocab_size)
         history_wct.append(time.time() - global_state.start_time)  # this job's wall clock, per iteration
 
         params_norm = metrics.calc_params_l2_norm(model) if cfg.logger.log_params_norm else None
@@ -532,13 +643,16 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
             history_wct, model,
         )
         if cfg.train.eval_iters and valid_data_iterator is not None and ts.step % cfg.train.eval_interval == 0:
-            evaluate_and_print_results(global_state, f"iteration {ts.step}", forward_step_func, valid_data_iterator,
-                                       model, cfg, process_non_loss_data_func=process_non_loss_data_func,
-                                       non_loss_data_func=non_loss_data_func)
+            with forward_pre_hooks_paused(model):  # evaluate the gathered, current parameters
+                evaluate_and_print_results(global_state, f"iteration {ts.step}", forward_step_func, valid_data_iterator,
+                                           model, cfg, process_non_loss_data_func=process_non_loss_data_func,
+                                           non_loss_data_func=non_loss_data_func)
         if checkpoint_and_decide_exit(global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
                                       checkpointing_context, train_data_iterator):
             break
     timers("interval-time").stop()
+    if forward_pre_hooks_enabled(model):
+        disable_forward_pre_hook(model)  # gather the final parameters for the final save and evaluation
 
 
 def _should_skip_and_handle_iteration(global_state: GlobalState, train_data_iterator) -> bool:
@@ -549,15 +663,15 @@ def _should_skip_and_handle_iteration(global_state: GlobalState, train_data_iter
         return False
     _dummy_train_step(global_state, train_data_iterator)
     ts.step += 1
-    ts.consumed_train_samples += cfg.train.global_batch_size
-    ts.skipped_train_samples += cfg.train.global_batch_size
+    ts.consumed_train_samples += global_state.current_global_batch_size
+    ts.skipped_train_samples += global_state.current_global_batch_size
     print_rank_0(f" skipped iteration {ts.step} as asked (--iterations-to-skip): its data consumed, no step taken")
     return True
 
 
 def _dummy_train_step(global_state: GlobalState, train_data_iterator) -> None:
     """Draw (and drop) this rank's microbatches of one global batch."""
-    for _ in range(global_state.cfg.num_microbatches):
+    for _ in range(global_state.num_microbatches):
         next(train_data_iterator)
 
 

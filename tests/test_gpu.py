@@ -55,3 +55,27 @@ def test_sdpa_attention_matches_megatron_local_attention_on_gpu():
     finally:
         parallel_state.destroy_model_parallel()
         torch.distributed.destroy_process_group()
+
+
+def test_overlap_param_gather_toggles_forward_pre_hooks_and_trains_as_without(tmp_path):
+    """--overlap-param-gather: megatron DDP's forward pre-hooks gather the distributed optimizer's parameter
+    shards during the next forward. train() keeps them off for the first step and around evaluations and saves
+    (train.should_disable_forward_pre_hook / disable_forward_pre_hook / enable_forward_pre_hook); a run with
+    them gives the losses of the same run without overlap, and its checkpoints resume."""
+    nproc = min(2, torch.cuda.device_count())  # 2 ranks: the all-gather has shards to gather
+    common = [*TINY, "--mock-data", "--bf16", "--use-distributed-optimizer", "--log-interval", "1", "--eval-interval",
+              "3", "--eval-iters", "1", "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0",
+              "--global-batch-size", str(4 * nproc), "--data-cache-path", str(tmp_path / "cache")]
+    plain = torchrun([*common, "--train-iters", "8"], nproc=nproc)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    overlap_flags = ["--overlap-grad-reduce", "--overlap-param-gather"]
+    overlap = torchrun([*common, *overlap_flags, "--train-iters", "8", "--save", str(tmp_path / "ckpt"),
+                        "--save-interval", "4"], nproc=nproc)
+    assert overlap.returncode == 0, overlap.stderr[-3000:]
+    plain_losses, overlap_losses = [l[3] for l in log_lines(plain.stdout)], [l[3] for l in log_lines(overlap.stdout)]
+    assert len(overlap_losses) == 8
+    assert overlap_losses == pytest.approx(plain_losses, rel=1e-3)  # stale parameters would drift far more
+    resumed = torchrun([*common, *overlap_flags, "--train-iters", "8", "--load", str(tmp_path / "ckpt"),
+                        "--ckpt-step", "4"], nproc=nproc)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [l[3] for l in log_lines(resumed.stdout)] == pytest.approx(overlap_losses[4:], rel=1e-3)

@@ -1,0 +1,229 @@
+"""The optimizer: weight decay per parameter group (megatron-core's grouping, overridable), agreeing on a step's
+success across model-parallel ranks, the grad norm's sync, deferred config post-init, forward pre-hook rules."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import config
+from conftest import TINY, torchrun
+
+
+def parse(argv, world_size=1, gpu=False):
+    return config.parse_args(argv, world_size=world_size, gpu=gpu)
+
+
+def build(cfg):
+    """The real GPT, its data-parallel wrapper, optimizer and scheduler, as setup() builds them."""
+    import train
+    from model import build_model, build_optimizer, wrap_model
+
+    model = wrap_model(cfg, build_model(cfg, 256))
+    optimizer = build_optimizer(cfg, model)
+    return model, optimizer, train.build_scheduler(cfg, optimizer)
+
+
+CONSTANT_LR = [*TINY, "--weight-decay", "0.1", "--lr-warmup-iters", "0", "--lr-decay-style", "constant"]
+
+
+def no_decay(name, p):
+    return p.ndim == 1 or name.endswith(".bias")
+
+
+def test_no_weight_decay_on_biases_and_norms_and_a_real_step_decays_only_matrices(single_rank_groups):
+    from megatron.core.optimizer import _get_param_groups
+
+    from model import megatron_optimizer_config
+
+    cfg = parse(CONSTANT_LR)
+    model, optimizer, _ = build(cfg)
+    named = list(model[0].named_parameters())
+    assert {no_decay(n, p) for n, p in named} == {True, False}  # both kinds are there
+    assert any("layernorm" in n for n, p in named) and any(n.endswith(".bias") for n, p in named)
+    weight_decay = {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
+    for name, p in named:
+        assert weight_decay[id(p)] == (0.0 if no_decay(name, p) else 0.1), name
+
+    # The default provider groups exactly as megatron-core's own standard overrides (what a GPU run
+    # without a provider would get from get_megatron_optimizer).
+    standard = _get_param_groups(model, megatron_optimizer_config(cfg), None)
+    assert [sorted(id(p) for p in g["params"]) for g in standard] == \
+        [sorted(id(p) for p in g["params"]) for g in optimizer.param_groups]
+
+    # A real AdamW step with zero gradients: only the decoupled weight decay moves anything.
+    before = {n: p.detach().clone() for n, p in named}
+    for p in optimizer.params:
+        p.grad = torch.zeros_like(p)
+    update_successful, grad_norm, _ = optimizer.step()
+    assert update_successful and grad_norm == 0.0
+    lr = cfg.optimizer.lr
+    for name, p in named:
+        expected = before[name] if no_decay(name, p) else before[name] * (1 - lr * 0.1)
+        torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-7, msg=name)
+
+
+@dataclasses.dataclass
+class EmbeddingOverrides(config.OptimizerConfigOverrideProvider):
+    """Twice the learning rate and half the weight decay on the word embeddings; Megatron's defaults elsewhere."""
+
+    def build_config_overrides(self, context):
+        from megatron.core.optimizer import ParamGroupOverride, ParamKey
+
+        overrides = super().build_config_overrides(context)
+        lr = context.optimizer_config.lr
+        overrides[ParamKey(name="*word_embeddings.weight")] = ParamGroupOverride(max_lr=2 * lr, min_lr=2 * lr,
+                                                                                 wd_mult=0.5)
+        return overrides
+
+
+def test_override_provider_changes_a_groups_lr_and_weight_decay(single_rank_groups):
+    cfg = parse(CONSTANT_LR)
+    cfg.optimizer_config_override_provider = EmbeddingOverrides()
+    model, optimizer, scheduler = build(cfg)
+    embedding = model[0].embedding.word_embeddings.weight
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    assert group_of[id(embedding)]["params"] == [embedding]  # a group of its own
+    for _ in range(3):  # the scheduler keeps writing each group's own lr and decay
+        scheduler.step(increment=8)
+        for name, p in model[0].named_parameters():
+            g = group_of[id(p)]
+            if p is embedding:
+                assert (g["lr"], g["weight_decay"]) == pytest.approx((2 * cfg.optimizer.lr, 0.05))
+            else:
+                assert (g["lr"], g["weight_decay"]) == pytest.approx((cfg.optimizer.lr, 0.0 if no_decay(name, p) else 0.1))
+
+    # {} means no overrides at all: weight decay on everything, one group.
+    class NoOverrides(config.OptimizerConfigOverrideProvider):
+        def build_config_overrides(self, context):
+            return {}
+
+    cfg.optimizer_config_override_provider = NoOverrides()
+    _, optimizer, _ = build(cfg)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1]
+
+
+def test_a_failed_step_is_skipped_and_leaves_the_model_and_schedule_alone(single_rank_groups):
+    """check_optimizer_step_success on a real train_step: an Inf loss makes every gradient NaN."""
+    import train
+
+    cfg = parse([*TINY, "--mock-data", "--no-check-for-nan-in-loss-and-grad"])
+    state = train.GlobalState(cfg)
+    model, optimizer, scheduler = build(cfg)
+    batches = iter([{"tokens": torch.randint(0, 256, (2, 64)), "labels": torch.randint(0, 256, (2, 64)),
+                     "loss_mask": torch.ones(2, 64), "position_ids": torch.arange(64).repeat(2, 1)}] * 2)
+
+    def inf_loss(data_iterator, model):
+        output, loss_func = train.forward_step(state, data_iterator, model)
+
+        def times_inf(output_tensor):
+            loss, num_tokens, report = loss_func(output_tensor)
+            return loss * float("inf"), num_tokens, report
+
+        return output, times_inf
+
+    before = [p.detach().clone() for p in model[0].parameters()]
+    steps_before = scheduler.num_steps
+    _, skipped_iter, _, should_exit, _, grad_norm, _ = train.train_step(inf_loss, batches, model, optimizer, scheduler,
+                                                                        state)
+    assert skipped_iter == 1 and not should_exit
+    assert all(torch.equal(a, b) for a, b in zip(before, model[0].parameters()))
+    assert scheduler.num_steps == steps_before
+    _, skipped_iter, *_ = train.train_step(train.prepare_forward_step_func(train.forward_step, state), batches, model,
+                                           optimizer, scheduler, state)
+    assert skipped_iter == 0 and scheduler.num_steps == steps_before + cfg.train.global_batch_size
+
+
+def test_tensor_parallel_ranks_agree_on_steps_and_grad_norms(tmp_path):
+    """A tensor-parallel pair over gloo, real train_steps: the grad norm is one number (megatron-core's
+    global norm, computed over both ranks' shards) whether or not the reported value is synced; a step
+    whose loss is NaN on rank 1 only is skipped on both ranks, parameters and schedule untouched."""
+    proc = torchrun([str(tmp_path), *TINY, "--mock-data", "--train-iters", "5", "--tensor-model-parallel-size", "2",
+                     "--no-check-for-nan-in-loss-and-grad", "--num-workers", "0", "--eval-iters", "0",
+                     "--data-cache-path", str(tmp_path / "cache")], nproc=2, script="tests/scripts/optimizer_tp2.py")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for r in ranks:
+        assert r["synced"]["skipped_iter"] == r["skipped"]["skipped_iter"] == 0
+        assert r["nan"]["skipped_iter"] == 1 and r["nan"]["params_unchanged"]
+        assert r["nan"]["scheduler_steps"] == r["skipped"]["scheduler_steps"] == 2 * r["synced"]["scheduler_steps"]
+        assert 0 < r["synced"]["grad_norm"] and 0 < r["skipped"]["grad_norm"]
+    # Unsynced, each rank reports its own optimizer's norm: the same global norm on both.
+    assert ranks[0]["skipped"]["grad_norm"] == ranks[1]["skipped"]["grad_norm"]
+    assert ranks[0]["synced"]["grad_norm"] == ranks[1]["synced"]["grad_norm"]
+
+
+def test_finalize_runs_megatron_cores_post_init_when_asked():
+    from megatron.core.distributed import DistributedDataParallelConfig as CoreDDPConfig
+    from megatron.core.optimizer import OptimizerConfig as CoreOptimizerConfig
+
+    import model
+
+    # megatron-core checks at construction; the deferred configs accept any field values until finalize().
+    with pytest.raises(AssertionError):
+        CoreOptimizerConfig(main_grads_dtype=torch.bfloat16)
+    c = model.OptimizerConfig(main_grads_dtype=torch.bfloat16)
+    assert not hasattr(c, "use_precision_aware_optimizer_no_fp8_or_ds_fp8")  # derived field: not yet computed
+    with pytest.raises(AssertionError, match="main_grads_dtype can only be fp32"):
+        c.finalize()
+    c.main_grads_dtype = torch.float32
+    c.finalize()
+    assert c.use_precision_aware_optimizer_no_fp8_or_ds_fp8 is False
+
+    with pytest.raises(AssertionError):
+        CoreDDPConfig(reuse_grad_buf_for_mxfp8_param_ag=True)
+    d = model.DistributedDataParallelConfig(reuse_grad_buf_for_mxfp8_param_ag=True)
+    with pytest.raises(AssertionError, match="Reuse grad buffer only when keeping params in MXFP8"):
+        d.finalize()
+    d.fp8_param_gather = True
+    d.finalize()
+
+    # What train.py builds from the flags is finalized and carries them.
+    cfg = parse(["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"], gpu=True)
+    assert model.megatron_optimizer_config(cfg).use_distributed_optimizer
+    ddp = model.megatron_ddp_config(cfg)
+    assert (ddp.use_distributed_optimizer, ddp.overlap_grad_reduce, ddp.overlap_param_gather) == (True, True, True)
+
+
+def test_distributed_optimizer_setting_is_kept_in_sync_between_ddp_and_optimizer(capsys):
+    cfg = parse(["--use-distributed-optimizer"], gpu=True)
+    assert cfg.ddp.use_distributed_optimizer and cfg.optimizer.use_distributed_optimizer
+    cfg = config.ConfigContainer()
+    cfg.ddp.use_distributed_optimizer = True  # as a YAML file or Python could set it
+    config.validate(cfg, world_size=1, gpu=True)
+    assert cfg.optimizer.use_distributed_optimizer
+    assert "disagreed; using the distributed optimizer for both" in capsys.readouterr().err
+    cfg = config.ConfigContainer()
+    config.validate(cfg, world_size=1, gpu=True)
+    assert not cfg.ddp.use_distributed_optimizer and not cfg.optimizer.use_distributed_optimizer
+    cfg = config.ConfigContainer()
+    cfg.ddp.use_distributed_optimizer = True
+    with pytest.raises(config.ConfigError, match="--use-distributed-optimizer needs a GPU"):
+        config.validate(cfg, world_size=1, gpu=False)
+
+
+@pytest.mark.parametrize("argv, gpu, message", [
+    (["--overlap-param-gather"], False, "--overlap-param-gather needs a GPU"),
+    (["--overlap-param-gather", "--overlap-grad-reduce"], True, "needs --use-distributed-optimizer"),
+    (["--overlap-param-gather", "--use-distributed-optimizer"], True, "needs --overlap-grad-reduce"),
+])
+def test_overlap_param_gather_errors_are_one_line(argv, gpu, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse(argv, gpu=gpu)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_forward_pre_hook_rules():
+    import train
+
+    # Only megatron DDP's distributed optimizer with --overlap-param-gather (and not under FSDP) has the hooks.
+    table = {(fsdp, dist, overlap): train.should_disable_forward_pre_hook(fsdp, dist, overlap)
+             for fsdp in (False, True) for dist in (False, True) for overlap in (False, True)}
+    assert [k for k, v in table.items() if v] == [(False, True, True)]
+    # A CPU model (torch modules, torch DDP) has no hooks: pausing them is a no-op.
+    model = [torch.nn.Linear(2, 2)]
+    assert not train.forward_pre_hooks_enabled(model)
+    with train.forward_pre_hooks_paused(model):
+        pass

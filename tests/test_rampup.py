@@ -1,0 +1,57 @@
+"""Batch-size ramp-up (--rampup-batch-size START INCR SAMPLES): megatron-core's microbatch calculator
+followed each iteration, in real 2-rank runs, with a checkpoint at each change and resumes mid-ramp."""
+
+import os
+
+import pytest
+
+import config
+from conftest import TINY, log_lines, torchrun
+
+# 2 ranks x micro batch 2: batches grow in steps of 4. From 4 to 16 in 3 increments over 24 samples,
+# one increment per 24 / 3 = 8 samples consumed (megatron-core's RampupBatchsizeNumMicroBatchesCalculator).
+RAMP = [*TINY, "--mock-data", "--train-iters", "8", "--global-batch-size", "16", "--rampup-batch-size", "4", "4", "24",
+        "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1", "--num-workers", "0"]
+BATCHES = [4, 4, 8, 12, 16, 16, 16, 16]  # consumed before iteration: 0, 4, 8, 16, 28, 44, ... (> 24: full batch)
+
+
+def test_ramp_up_grows_the_batch_saves_at_each_change_and_resumes_mid_ramp(tmp_path):
+    common = [*RAMP, "--data-cache-path", str(tmp_path / "cache")]
+    ckpt = tmp_path / "ckpt"
+    first = torchrun([*common, "--save", str(ckpt), "--save-interval", "3"])
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    lines = log_lines(first.stdout)
+    assert [l[0] for l in lines] == list(range(1, 9))
+    assert [l[2] for l in lines] == BATCHES  # the log line's global batch size follows the ramp
+    consumed = [sum(BATCHES[:i + 1]) for i in range(8)]
+    assert [l[1] for l in lines] == consumed == [4, 8, 16, 28, 44, 60, 76, 92]
+    assert lines[-1][3] < lines[0][3]
+
+    # A checkpoint before each larger batch (after iterations 2, 3, 4), --save-interval's at 3 and 6, the
+    # final one at 8; iteration 3's is written once, though both the ramp and the interval ask for it.
+    saved = sorted(int(d.removeprefix("iter_")) for d in os.listdir(ckpt) if d.startswith("iter_"))
+    assert saved == [2, 3, 4, 6, 8]
+    assert first.stdout.count("successfully saved checkpoint from iteration       3 ") == 1
+    assert "ramping up global batch size from 12 to 16 after iteration 4 (28 samples consumed)" in first.stdout
+
+    # Resumed from iteration 3 (12 samples per batch next): the same batches, samples and losses.
+    resumed = torchrun([*common, "--load", str(ckpt), "--ckpt-step", "3"])
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert log_lines(resumed.stdout) == lines[3:]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rampup-batch-size", "4", "4"], "takes three numbers, START INCR SAMPLES"),
+    (["--rampup-batch-size", "0", "4", "100"], "START and INCR must be positive"),
+    (["--rampup-batch-size", "16", "4", "100"], "START 16 must be less than --global-batch-size 16"),
+    (["--rampup-batch-size", "4", "8", "100"], "INCR 8 does not divide --global-batch-size 16 - START 4 = 12"),
+    (["--rampup-batch-size", "2", "2", "100"], "must be multiples of --micro-batch-size 2 x data-parallel size 2 = 4"),
+    (["--rampup-batch-size", "4", "4", "100", "--train-samples", "160"], "use --train-iters instead of --train-samples"),
+    (["--rampup-batch-size", "4", "4", "100", "--sft"], "does not work with the batch dataloader"),
+])
+def test_ramp_up_settings_are_checked_in_one_line(argv, message, capsys):
+    argv = ["--micro-batch-size", "2", "--global-batch-size", "16", *argv]
+    with pytest.raises(SystemExit) as e:
+        config.parse_args(argv, world_size=2, gpu=False)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.count("\n") == 1, err

@@ -59,6 +59,13 @@ def bench_checkpoint(argv) -> list:
         checkpoint.load_checkpoint(state, model, optimizer, scheduler, work)
         load_s = time.perf_counter() - t
 
+        cfg.checkpoint.async_save, state.train_state.step = True, 2  # --async-save: what training waits for
+        t = time.perf_counter()
+        checkpoint.save_checkpoint(state, model, optimizer, scheduler)
+        async_block_s = time.perf_counter() - t
+        checkpoint.close_async_save(state)
+        async_total_s = time.perf_counter() - t
+
         plain = os.path.join(work, "plain.pt")
         t = time.perf_counter()
         torch.save({"model": model[0].state_dict(), "optimizer": optimizer.state_dict()}, plain)
@@ -87,6 +94,9 @@ def bench_checkpoint(argv) -> list:
     gb = size / 1e9
     rows.append(("checkpoint", f"{n_params / 1e6:.1f}M params, {gb:.2f} GB", "save_checkpoint", f"{save_s:.2f} s",
                  f"{gb / save_s:.2f} GB/s"))
+    rows.append(("", "", "save_checkpoint --async-save: training blocked", f"{async_block_s:.2f} s", ""))
+    rows.append(("", "", "save_checkpoint --async-save: until published", f"{async_total_s:.2f} s",
+                 f"{gb / async_total_s:.2f} GB/s"))
     rows.append(("", "", "load_checkpoint", f"{load_s:.2f} s", f"{gb / load_s:.2f} GB/s"))
     rows.append(("", "", "torch.save (same state)", f"{plain_save_s:.2f} s", f"{gb / plain_save_s:.2f} GB/s"))
     rows.append(("", "", "torch.load (same state)", f"{plain_load_s:.2f} s", f"{gb / plain_load_s:.2f} GB/s"))
@@ -422,6 +432,68 @@ def _one_size(argv) -> dict:
                 peak_mb=(torch.cuda.max_memory_allocated() if cfg.use_gpu else rss_peak) / mb)
 
 
+def _timed(fn, repeat: int) -> float:
+    fn()  # warm-up
+    t = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - t) / repeat
+
+
+def bench_hotpath(argv) -> list:
+    """Each hot-path choice against its alternative, on the default model (or the flags given):
+    the optimizer's step (per-tensor loop, foreach, fused), core attention forward+backward (SDPA against
+    the unfused softmax(QK^T)V that megatron-core's local DotProductAttention computes), tied against
+    untied embeddings, and DataLoader prefetch workers against none, each as train.py's time per iteration."""
+    import torch
+    import torch.nn.functional as F
+
+    import train
+    from model import build_model
+
+    rows = []
+    cfg = config_lib.parse_args(["--mock-data"] + argv, world_size=1)
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    train.parallel_state.initialize_model_parallel(1, 1)
+    try:
+        params = [p for p in build_model(cfg, 258)[0].parameters()]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        label = f"{sum(p.numel() for p in params) / 1e6:.1f}M params"
+        for name, kwargs in (("per-tensor loop", dict(foreach=False)), ("foreach", dict(foreach=True)),
+                             ("fused (used)", dict(fused=True))):
+            opt = torch.optim.AdamW([dict(params=params)], lr=1e-4, weight_decay=0.1, **kwargs)
+            rows.append(("hotpath" if not rows else "", label if not rows else "", f"AdamW step, {name}",
+                         f"{1000 * _timed(opt.step, 5):.1f} ms", ""))
+    finally:
+        train._destroy_distributed()
+
+    m = cfg.model
+    b, s, heads, d = cfg.train.micro_batch_size, m.seq_length, m.num_attention_heads, m.hidden_size // m.num_attention_heads
+    q, k, v = (torch.randn(b, heads, s, d, requires_grad=True) for _ in range(3))
+    causal = torch.ones(s, s, dtype=torch.bool).triu(1)
+
+    def unfused():  # what megatron-core's local DotProductAttention computes, as separate ops
+        scores = (q @ k.transpose(-1, -2)) / d ** 0.5
+        probs = F.dropout(scores.masked_fill(causal, float("-inf")).softmax(-1), m.attention_dropout)
+        (probs @ v).sum().backward()
+
+    def sdpa():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=m.attention_dropout).sum().backward()
+
+    shape = f"attention b{b} h{heads} s{s} d{d}"
+    rows.append(("", shape, "unfused softmax(QK^T)V, fwd+bwd", f"{1000 * _timed(unfused, 10):.2f} ms", ""))
+    rows.append(("", "", "SDPA (used), fwd+bwd", f"{1000 * _timed(sdpa, 10):.2f} ms", ""))
+
+    base = ["--mock-data", "--eval-iters", "0", "--train-iters", "25", *argv]
+    for what, extra in (("untied embeddings", ["--untie-embeddings-and-output-weights"]), ("tied (default)", []),
+                        ("no prefetch (--num-workers 0)", ["--num-workers", "0"]), ("2 prefetch workers (default)", [])):
+        run = train_py_run(config_lib.parse_args(base + extra, world_size=1))
+        rows.append(("", "train.py" if "untied" in what else "", what, f"{1000 * run['seconds']:.1f} ms/it",
+                     f"{run['params'] / 1e6:.2f}M params"))
+    return rows
+
+
 def print_table(rows) -> None:
     header = ("benchmark", "setup", "what", "time", "rate")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
@@ -431,7 +503,7 @@ def print_table(rows) -> None:
 
 if __name__ == "__main__":
     benches = {"checkpoint": bench_checkpoint, "logging": bench_logging, "data": bench_data,
-               "overhead": bench_overhead, "ladder": bench_ladder}
+               "overhead": bench_overhead, "ladder": bench_ladder, "hotpath": bench_hotpath}
     name = sys.argv[1] if len(sys.argv) > 1 else "checkpoint"
     if name == "_one_size":  # a ladder size in its own process (bench_ladder runs it)
         import json

@@ -140,6 +140,12 @@ class TrainingConfig:
     skip_sync_grad_norm_across_mp: bool = arg(
         False, "Do not take the max of the reported grad norm over model-parallel ranks (saves one small all-reduce "
                "per step; ranks without trainable parameters then report none).")
+    manual_gc: bool = arg(False, "Turn off Python's automatic garbage collector during training and collect at "
+                                 "chosen points instead, so collections happen at the same moment on every rank.")
+    manual_gc_interval: int = arg(0, "With --manual-gc: a full collection every this many iterations (0: none "
+                                     "between steps, only around evaluation).")
+    manual_gc_eval: bool = arg(True, "With --manual-gc: do not collect garbage before and after each evaluation.",
+                               flag="--no-manual-gc-eval")
 
 
 @dataclass
@@ -449,6 +455,40 @@ class TensorInspectConfig:
 
 
 @dataclass
+class ProfilingConfig:
+    """Profiling a window of iterations: PyTorch profiler traces, Nsight Systems ranges, CUDA memory history
+    (Megatron-LM's ProfilingConfig; Megatron Bridge's profiles rank 0 by default)."""
+
+    use_nsys_profiler: bool = arg(
+        False, "Profile iterations --profile-step-start to --profile-step-end: with Nsight Systems (GPU; run under "
+               "`nsys profile --capture-range=cudaProfilerApi`), or with --use-pytorch-profiler.", flag="--profile")
+    use_pytorch_profiler: bool = arg(
+        False, "Profile with the PyTorch profiler instead: a trace (rankN.*.pt.trace.json) in --tensorboard-dir, "
+               "for TensorBoard's profiler plugin or Perfetto. Runs on CPU too.")
+    profile_step_start: int = arg(10, "Iteration at which profiling starts.")
+    profile_step_end: int = arg(12, "Iteration at which profiling stops.")
+    profile_ranks: list[int] = arg([0], "Global ranks to profile.")
+    pytorch_profiler_collect_shapes: bool = arg(False, "Record tensor shapes in the PyTorch profiler trace.")
+    pytorch_profiler_collect_callstack: bool = arg(False, "Record Python call stacks in the PyTorch profiler trace.")
+    record_shapes: bool = arg(False, "Record tensor shapes in the NVTX ranges of --profile (Nsight Systems).")
+    record_memory_history: bool = arg(
+        False, "Record the CUDA allocator's history on the profiled ranks and dump a snapshot at --profile-step-end "
+               "(open it at pytorch.org/memory_viz). GPU only.")
+    memory_snapshot_path: str = arg("snapshot.pickle", "Where --record-memory-history writes (_RANK is added before "
+                                                       "the extension).")
+    nvtx_ranges: bool = arg(False, "Mark NVTX ranges (the step phases, and megatron-core's own) for Nsight Systems. GPU only.")
+
+
+@dataclass
+class StragglerDetectionConfig:
+    """Finding slow ranks (Megatron-LM's StragglerDetectionConfig)."""
+
+    log_straggler: bool = arg(
+        False, "Every --log-interval, rank 0 prints each rank's forward-step time and names the slowest and fastest ranks.")
+    straggler_minmax_count: int = arg(1, "With --log-straggler: how many of the slowest and fastest ranks to list.")
+
+
+@dataclass
 class ConfigContainer:
     """Top-level container: one sub-config per concern, plus values derived at validation."""
 
@@ -469,6 +509,8 @@ class ConfigContainer:
     nvrx_straggler: NVRxStragglerDetectionConfig = field(default_factory=NVRxStragglerDetectionConfig)
     inprocess_restart: InProcessRestartConfig = field(default_factory=InProcessRestartConfig)
     tensor_inspect: TensorInspectConfig = field(default_factory=TensorInspectConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    straggler: StragglerDetectionConfig = field(default_factory=StragglerDetectionConfig)
     # Derived by validate() from the world size and the machine; not settable from the command line.
     world_size: int = 1
     data_parallel_size: int = 1
@@ -518,7 +560,7 @@ class ConfigContainer:
 
 
 SECTIONS = ["model", "train", "optimizer", "scheduler", "dataset", "tokenizer", "logger", "checkpoint", "dist", "rng",
-            "ddp", "ft", "nvrx_straggler", "inprocess_restart", "tensor_inspect"]
+            "ddp", "profiling", "straggler", "ft", "nvrx_straggler", "inprocess_restart", "tensor_inspect"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -569,9 +611,9 @@ def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
             action = "store_false" if f.default else "store_true"
             group.add_argument(flag, dest=dest, action=action, help=help_text)
         elif isinstance(tp, tuple):  # a list of values
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
             group.add_argument(flag, dest=dest, nargs="+", type=tp[1], metavar=f.name.upper().split("_")[-1],
-                               help=help_text + " (default: %s)" % (
-                                   f.default if f.default is not dataclasses.MISSING else f.default_factory(),))
+                               help=help_text + " (default: %s)" % default)
         else:
             group.add_argument(
                 flag, dest=dest, type=tp, choices=f.metadata["choices"],
@@ -790,7 +832,37 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
          f"--context-parallel-size {cp} needs --transformer-impl transformer_engine")
     _validate_deterministic_mode(cfg)
     _validate_services(cfg)
+    _validate_callbacks(cfg)
     return cfg
+
+
+def _validate_callbacks(cfg: ConfigContainer) -> None:
+    """Manual GC, profiling and straggler settings (Megatron-LM's validate_args, Bridge's ProfilingConfig.finalize)."""
+    t, p, st = cfg.train, cfg.profiling, cfg.straggler
+    if t.manual_gc_interval < 0:
+        raise ConfigError(f"--manual-gc-interval must be non-negative, got {t.manual_gc_interval}")
+    if st.straggler_minmax_count < 1:
+        raise ConfigError(f"--straggler-minmax-count must be at least 1, got {st.straggler_minmax_count}")
+    profiling = p.use_pytorch_profiler or p.use_nsys_profiler
+    if profiling or p.record_memory_history:
+        if not 0 <= p.profile_step_start < p.profile_step_end:
+            raise ConfigError(f"--profile-step-start {p.profile_step_start} and --profile-step-end {p.profile_step_end}: "
+                              f"need 0 <= start < end")
+        bad = [r for r in p.profile_ranks if not 0 <= r < cfg.world_size]
+        if bad:
+            raise ConfigError(f"--profile-ranks {' '.join(map(str, bad))}: no such rank in a world of {cfg.world_size}")
+    if p.use_pytorch_profiler and not cfg.logger.tensorboard_dir:
+        raise ConfigError("--use-pytorch-profiler writes its trace to the TensorBoard directory; add --tensorboard-dir DIR")
+    if not cfg.use_gpu:
+        gpu_only = [
+            (p.use_nsys_profiler and not p.use_pytorch_profiler, "--profile alone profiles with Nsight Systems, which"),
+            (p.nvtx_ranges, "--nvtx-ranges marks ranges for Nsight Systems, which"),
+            (p.record_memory_history, "--record-memory-history records the CUDA allocator, which"),
+        ]
+        for bad_setting, what in gpu_only:
+            if bad_setting:
+                raise ConfigError(f"{what} needs a GPU and none is visible; on CPU, profile with "
+                                  f"--use-pytorch-profiler --tensorboard-dir DIR")
 
 
 def _calculate_scheduler_steps(cfg: ConfigContainer) -> None:

@@ -689,3 +689,88 @@ def compute_throughputs_and_append_to_progress_log(state, num_floating_point_ope
                            f"Cumulative throughput: {cumulative:.1f} TFLOP/s/GPU\t"
                            f"Floating-point operations: {num_floating_point_operations_so_far:.2e}\t"
                            f"Tokens (in billions): {tokens / 10**9:.2f}", cfg.world_size)
+
+
+# --------------------------------------------------------------------------------------------------
+# Straggler report (--log-straggler)
+# --------------------------------------------------------------------------------------------------
+
+
+class StragglerTimer:
+    """Times this rank's training forward steps; every --log-interval, `report` gathers every rank's time so that
+    rank 0 can name the slowest and fastest ranks (Megatron-LM's --log-straggler; megatron-core's StragglerDetector,
+    which is CUDA-only, times the same thing: the batch fetch and the forward pass).
+
+    Why not the whole iteration: data-parallel ranks meet at the gradient all-reduce, so one slow rank makes every
+    rank's iteration slow. Its own data loading and forward compute, before any collective, tell it apart. On a GPU
+    a call counts as the larger of its wall-clock time and its CUDA-event time, as in StragglerDetector.
+    """
+
+    def __init__(self, enabled: bool, use_gpu: bool):
+        self.enabled, self.use_gpu = enabled, use_gpu
+        self.seconds, self.calls = 0.0, 0
+        self._events = []  # (start event, stop event, wall seconds) of GPU calls, read at the next report
+
+    def wrap(self, forward_step_func):
+        """forward_step_func, timed. Evaluation runs under no_grad and is not timed: it is not a training step."""
+        if not self.enabled:
+            return forward_step_func
+
+        def timed_forward_step(data_iterator, model, *args, **kwargs):
+            if not torch.is_grad_enabled():
+                return forward_step_func(data_iterator, model, *args, **kwargs)
+            start = time.perf_counter()
+            if self.use_gpu:
+                events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                events[0].record()
+            result = forward_step_func(data_iterator, model, *args, **kwargs)
+            if self.use_gpu:
+                events[1].record()
+                self._events.append((*events, time.perf_counter() - start))
+            else:
+                self.seconds += time.perf_counter() - start
+            self.calls += 1
+            return result
+
+        return timed_forward_step
+
+    def report(self, total_flops: float, num_microbatches: int, minmax_count: int) -> list:
+        """A collective over all ranks (every rank calls it). Returns rank 0's report lines (empty elsewhere) and
+        starts a new interval. `total_flops`: model FLOPs of the iterations since the last report."""
+        if self._events:
+            torch.cuda.synchronize()
+            self.seconds += sum(max(a.elapsed_time(b) / 1000, wall) for a, b, wall in self._events)
+        iterations = self.calls / num_microbatches
+        ms = self.seconds * 1000 / iterations if iterations else 0.0
+        flops_per_iteration = total_flops / iterations if iterations else 0.0
+        self.seconds, self.calls, self._events = 0.0, 0, []
+        mine = torch.tensor([ms], dtype=torch.float64, device="cuda" if self.use_gpu else "cpu")
+        gathered = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(gathered, mine)
+        if torch.distributed.get_rank() != 0:
+            return []
+        return straggler_report([t.item() for t in gathered], flops_per_iteration, minmax_count)
+
+
+def straggler_report(ms_per_rank: list, flops_per_iteration: float, minmax_count: int = 1) -> list:
+    """Rank 0's report, in StragglerDetector.report's keys: MnRtt/MxRtt, the shortest and longest forward-step time
+    per iteration with its rank; MnEtpt/MxEtpt, the estimated TFLOP/s per rank (the forward pass is a third of the
+    model FLOPs, so FLOPs / 3 / world / time); with a minmax count above 1, the slowest and fastest ranks listed."""
+    world = len(ms_per_rank)
+    by_time = sorted(range(world), key=lambda r: ms_per_rank[r])  # fastest first
+    fastest, slowest = by_time[0], by_time[-1]
+
+    def tflops(rank):
+        ms = ms_per_rank[rank]
+        return flops_per_iteration / 3 / world / (ms / 1000) / 10**12 if ms > 0 else 0.0
+
+    now = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+    lines = [f" [{now}] | MnRtt/Rnk: {ms_per_rank[fastest]:.2f}ms/{fastest} | MxRtt/Rnk: {ms_per_rank[slowest]:.2f}ms/"
+             f"{slowest} | MnEtpt/Rnk: {tflops(slowest):.2f}TF/{slowest} | MxEtpt/Rnk: {tflops(fastest):.2f}TF/{fastest} |"]
+    if 1 < minmax_count < world:
+        n = minmax_count
+        lines.append(f" ^^^^ Slowest {n} ranks, forward ms/rank: "
+                     + ", ".join(f"{ms_per_rank[r]:.2f}/{r}" for r in reversed(by_time[-n:])))
+        lines.append(f" ^^^^ Fastest {n} ranks, forward ms/rank: "
+                     + ", ".join(f"{ms_per_rank[r]:.2f}/{r}" for r in by_time[:n]))
+    return lines

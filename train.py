@@ -32,6 +32,7 @@ if __name__ == "__main__":
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
+import gc  # noqa: E402
 import inspect  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
@@ -47,6 +48,7 @@ from model import (any_rank, build_model, build_optimizer, get_forward_backward_
                    padded_vocab_size, set_random_seed, wrap_model, zero_grad)  # first: quiets megatron-core's import warnings
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
+from megatron.core.utils import configure_nvtx_profiling, nvtx_range_pop, nvtx_range_push  # noqa: E402
 
 import checkpoint  # noqa: E402
 import data  # noqa: E402
@@ -93,6 +95,7 @@ class GlobalState:
         self.start_floating_point_operations = 0.0
         self.exit_code: Optional[int] = None  # set when the loop stops early (signal, interval, NaN)
         self.async_calls_queue = None  # --async-save: the checkpoint writes in flight (checkpoint.py)
+        self.straggler_timer = metrics.StragglerTimer(cfg.straggler.log_straggler, cfg.use_gpu)
         self._tensorboard_logger = None
         self.num_microbatches_calculator = build_num_microbatches_calculator(cfg)  # follows --rampup-batch-size
 
@@ -253,6 +256,7 @@ def setup(cfg: ConfigContainer):
         config_lib.print_config(cfg)
     if cfg.train.exit_signal_handler:
         state.signal_handler = DistributedSignalHandler(signal.Signals[cfg.train.exit_signal])
+    start_memory_history_recording(cfg.profiling)  # before the model, so its allocations are in the history
     model = build_model(cfg, vocab_size)
     if parallel_state.get_data_parallel_rank() == 0:
         print(f" > number of parameters on (tensor, pipeline) model parallel rank "
@@ -351,6 +355,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
     cfg, timers = global_state.cfg, global_state.timers
     zero_grad(model, optimizer)
     forward_backward_func = get_forward_backward_func(cfg, model, optimizer)
+    nvtx_range_push("forward-backward")  # NVTX ranges: no-ops unless --nvtx-ranges
     timers("forward-backward", log_level=1).start(barrier=False)
     losses = forward_backward_func(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
@@ -358,9 +363,12 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
         micro_batch_size=cfg.train.micro_batch_size, decoder_seq_length=cfg.model.seq_length, forward_only=False,
     )
     timers("forward-backward").stop()
+    nvtx_range_pop("forward-backward")
+    nvtx_range_push("optimizer")
     timers("optimizer", log_level=1).start(barrier=False)
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
     timers("optimizer").stop()
+    nvtx_range_pop("optimizer")
     # Bridge: model-parallel ranks agree whether the step succeeded (one failing, or frozen, rank makes all skip),
     # and the grad norm is the max over them (ranks without trainable parameters have none).
     if cfg.train.check_optimizer_step_success:
@@ -590,6 +598,150 @@ def forward_pre_hooks_paused(model: list):
 
 
 # ==================================================================================================
+# 8c. After each step: garbage collection, profiling, the straggler report
+# ==================================================================================================
+
+
+def post_training_step_callbacks(model: list, num_floating_point_operations_since_last_log_event: float,
+                                 straggler_timer: metrics.StragglerTimer, iteration: int,
+                                 prof: Optional[torch.profiler.profile], config: ConfigContainer,
+                                 should_toggle_forward_pre_hook: bool, nsys_nvtx_context=None) -> float:
+    """Run all post-training-step functions (Bridge `train.post_training_step_callbacks`), in its order:
+
+    1. every --log-interval with --log-straggler: every rank's forward-step time, gathered; rank 0 prints the report;
+    2. at --profile-step-end: stop the profiler (and dump the CUDA memory snapshot of --record-memory-history);
+    3. every --manual-gc-interval with --manual-gc: a full garbage collection, at the same iteration on every rank.
+
+    Returns the FLOPs counted since the last straggler report: 0 after a report (as Megatron-LM's version does, so
+    the caller keeps the reset). `should_toggle_forward_pre_hook` is the seed's: it matters to the weight-hash check
+    of Bridge, which this loop does not run.
+    """
+    if config.straggler.log_straggler and iteration % config.logger.log_interval == 0:
+        for line in straggler_timer.report(num_floating_point_operations_since_last_log_event, config.num_microbatches,
+                                           config.straggler.straggler_minmax_count):
+            print_rank_0(line)
+        num_floating_point_operations_since_last_log_event = 0.0
+    handle_profiling_stop(config.profiling, iteration, torch.distributed.get_rank(), prof, nsys_nvtx_context)
+    if config.train.manual_gc and config.train.manual_gc_interval and iteration % config.train.manual_gc_interval == 0:
+        gc.collect()
+    return num_floating_point_operations_since_last_log_event
+
+
+def start_post_training_step_callbacks(state: GlobalState) -> Optional[torch.profiler.profile]:
+    """What train() sets up before its first step (Bridge `train`): with --manual-gc, turn the automatic garbage
+    collector off and start clean; with --nvtx-ranges, switch on megatron-core's NVTX ranges (and this file's);
+    with --use-pytorch-profiler on a profiled rank, start the profiler (returned)."""
+    cfg = state.cfg
+    if cfg.train.manual_gc:
+        # Python collects when allocation counts cross a threshold: at a different moment on each rank, and a rank
+        # paused in a full collection makes all others wait at the next collective. By hand, every rank pauses together.
+        gc.disable()
+        gc.collect()
+    if cfg.profiling.nvtx_ranges:
+        configure_nvtx_profiling(True)
+    p = cfg.profiling
+    if not (p.use_pytorch_profiler and should_profile_rank(p, torch.distributed.get_rank())):
+        return None
+    prof = initialize_pytorch_profiler(p, cfg.logger.tensorboard_dir, state.train_state.step)
+    if prof is not None:
+        prof.start()
+    return prof
+
+
+def finish_post_training_step_callbacks(state: GlobalState, prof, nsys_nvtx_context) -> None:
+    """After the loop: close a profiling window the run ended inside (its trace is still written), and give the
+    process back its automatic garbage collector and NVTX setting (pretrain() may be called again from Python)."""
+    cfg = state.cfg
+    if state.train_state.step < cfg.profiling.profile_step_end:
+        handle_profiling_stop(cfg.profiling, cfg.profiling.profile_step_end, torch.distributed.get_rank(), prof,
+                              nsys_nvtx_context)
+    if cfg.profiling.nvtx_ranges:
+        configure_nvtx_profiling(False)
+    if cfg.profiling.record_memory_history and should_profile_rank(cfg.profiling, torch.distributed.get_rank()):
+        torch.cuda.memory._record_memory_history(enabled=None)
+    if cfg.train.manual_gc:
+        gc.enable()
+
+
+def collect_garbage_around_eval(cfg: ConfigContainer, after: bool) -> None:
+    """With --manual-gc (and no --no-manual-gc-eval), Megatron-LM's train(): a full collection before each
+    evaluation, and after it a collection of the youngest generation, where what evaluation made lives."""
+    if cfg.train.manual_gc and cfg.train.manual_gc_eval:
+        gc.collect(generation=0 if after else 2)
+
+
+def should_profile_rank(config: config_lib.ProfilingConfig, rank: int) -> bool:
+    """Bridge `profiling.should_profile_rank`: the ranks in --profile-ranks (an empty list: every rank)."""
+    return not config.profile_ranks or rank in config.profile_ranks
+
+
+def initialize_pytorch_profiler(config: config_lib.ProfilingConfig, tensorboard_dir: str,
+                                start_step: int = 0) -> Optional[torch.profiler.profile]:
+    """Bridge `profiling.initialize_pytorch_profiler` with Megatron-LM's trace handler: a one-step warm-up, then
+    iterations profile_step_start .. profile_step_end - 1 (as the log line numbers them) recorded into
+    `tensorboard_dir/rank<N>.<time>.pt.trace.json`, which TensorBoard's profiler plugin and Perfetto open.
+
+    The profiler counts steps from this job's first, so the schedule is shifted by the iteration the job resumed at;
+    None if it resumed past the start."""
+    first = config.profile_step_start - start_step
+    if first < 0:
+        print(f" rank {torch.distributed.get_rank()}: not profiling: this job starts at iteration {start_step}, after "
+              f"--profile-step-start {config.profile_step_start}", flush=True)
+        return None
+    schedule = torch.profiler.schedule(wait=max(first - 1, 0), warmup=1 if first > 0 else 0,
+                                       active=config.profile_step_end - config.profile_step_start, repeat=1)
+    handler = torch.profiler.tensorboard_trace_handler(tensorboard_dir, worker_name=f"rank{torch.distributed.get_rank()}")
+    return torch.profiler.profile(schedule=schedule, on_trace_ready=handler,
+                                  record_shapes=config.pytorch_profiler_collect_shapes,
+                                  with_stack=config.pytorch_profiler_collect_callstack)
+
+
+def handle_profiling_step(config: config_lib.ProfilingConfig, iteration: int, rank: int,
+                          pytorch_prof: Optional[torch.profiler.profile]):
+    """Bridge `profiling.handle_profiling_step`, at the top of each iteration: advance the PyTorch profiler's
+    schedule; with --profile alone, start Nsight Systems' capture at --profile-step-start. Returns the NVTX
+    context it opened, if any."""
+    if not should_profile_rank(config, rank):
+        return None
+    if pytorch_prof is not None:
+        pytorch_prof.step()
+    elif config.use_nsys_profiler and not config.use_pytorch_profiler and iteration == config.profile_step_start:
+        # As Bridge's start_nsys_profiler: `nsys profile --capture-range=cudaProfilerApi` records from here.
+        torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStart())
+        nvtx_context = torch.autograd.profiler.emit_nvtx(record_shapes=config.record_shapes)
+        nvtx_context.__enter__()
+        return nvtx_context
+    return None
+
+
+def handle_profiling_stop(config: config_lib.ProfilingConfig, iteration: int, rank: int,
+                          pytorch_prof: Optional[torch.profiler.profile], nsys_nvtx_context=None) -> None:
+    """Bridge `profiling.handle_profiling_stop`, at --profile-step-end on a profiled rank: stop the PyTorch profiler
+    (it writes its trace) or Nsight Systems' capture; with --record-memory-history, dump the CUDA memory snapshot
+    (Bridge's training_log) to --memory-snapshot-path with _RANK before the extension."""
+    if iteration != config.profile_step_end or not should_profile_rank(config, rank):
+        return
+    if pytorch_prof is not None:
+        pytorch_prof.stop()
+    elif config.use_nsys_profiler and not config.use_pytorch_profiler:
+        torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStop())
+        if nsys_nvtx_context is not None:
+            nsys_nvtx_context.__exit__(None, None, None)
+    if config.record_memory_history:
+        base, ext = os.path.splitext(config.memory_snapshot_path)
+        path = f"{base}_{rank}{ext}"
+        torch.cuda.memory._dump_snapshot(path)
+        print(f" rank {rank}: saved CUDA memory snapshot to {path} (open it at https://pytorch.org/memory_viz)", flush=True)
+
+
+def start_memory_history_recording(config: config_lib.ProfilingConfig) -> None:
+    """--record-memory-history on a profiled rank: record the CUDA allocator's allocations and frees, with the
+    Python stack of each, so the snapshot shows a timeline and call sites (Bridge `start_memory_history_recording`)."""
+    if config.record_memory_history and should_profile_rank(config, torch.distributed.get_rank()):
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+
+# ==================================================================================================
 # 9. The loop
 # ==================================================================================================
 
@@ -601,6 +753,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
     saving and exiting as checkpoint_and_decide_exit says."""
     cfg, ts, timers = global_state.cfg, global_state.train_state, global_state.timers
     forward_step_func = prepare_forward_step_func(forward_step_func, global_state)
+    forward_step_func = global_state.straggler_timer.wrap(forward_step_func)  # times it only with --log-straggler
     for m in model:
         m.train()
     total_loss_dict, history_wct, report_memory_flag = {}, [], True
@@ -611,6 +764,8 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
         False, cfg.optimizer.use_distributed_optimizer, cfg.ddp.overlap_param_gather)
     if should_toggle_forward_pre_hook:
         disable_forward_pre_hook(model, param_sync=False)
+    prof, nsys_nvtx_context, flops_since_last_log = start_post_training_step_callbacks(global_state), None, 0.0
+    rank = torch.distributed.get_rank()
     print_rank_0(f" training from iteration {ts.step} to {cfg.train.train_iters} ...")
     timers("interval-time", log_level=0).start(barrier=True)
 
@@ -619,6 +774,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
             checkpoint.maybe_finalize_async_save(global_state, blocking=False)
         num_microbatches = _follow_batch_size_rampup(global_state, model, optimizer, scheduler, checkpointing_context,
                                                      train_data_iterator, num_microbatches)
+        nsys_nvtx_context = handle_profiling_step(cfg.profiling, ts.step, rank, prof) or nsys_nvtx_context
         if _should_skip_and_handle_iteration(global_state, train_data_iterator):
             continue
         loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm, num_zeros_in_grad = \
@@ -630,10 +786,11 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
             enable_forward_pre_hook(model)  # the first step that succeeded (under fp16 the first ones may not)
         ts.step += 1
         batch_size = global_state.current_global_batch_size
+        step_flops = metrics.num_floating_point_operations(cfg, batch_size, cfg.padded_vocab_size)
         ts.consumed_train_samples += batch_size
         ts.skipped_train_samples += batch_size * skipped_iter
-        ts.floating_point_operations_so_far += metrics.num_floating_point_operations(cfg, batch_size,
-                                                                                     cfg.padded_vocab_size)
+        ts.floating_point_operations_so_far += step_flops
+        flops_since_last_log += step_flops
         history_wct.append(time.time() - global_state.start_time)  # this job's wall clock, per iteration
 
         params_norm = metrics.calc_params_l2_norm(model) if cfg.logger.log_params_norm else None
@@ -643,16 +800,22 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
             history_wct, model,
         )
         if cfg.train.eval_iters and valid_data_iterator is not None and ts.step % cfg.train.eval_interval == 0:
+            collect_garbage_around_eval(cfg, after=False)
             with forward_pre_hooks_paused(model):  # evaluate the gathered, current parameters
                 evaluate_and_print_results(global_state, f"iteration {ts.step}", forward_step_func, valid_data_iterator,
                                            model, cfg, process_non_loss_data_func=process_non_loss_data_func,
                                            non_loss_data_func=non_loss_data_func)
+            collect_garbage_around_eval(cfg, after=True)
+        flops_since_last_log = post_training_step_callbacks(model, flops_since_last_log, global_state.straggler_timer,
+                                                            ts.step, prof, cfg, should_toggle_forward_pre_hook,
+                                                            nsys_nvtx_context)
         if checkpoint_and_decide_exit(global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
                                       checkpointing_context, train_data_iterator):
             break
     timers("interval-time").stop()
     if forward_pre_hooks_enabled(model):
         disable_forward_pre_hook(model)  # gather the final parameters for the final save and evaluation
+    finish_post_training_step_callbacks(global_state, prof, nsys_nvtx_context)
 
 
 def _should_skip_and_handle_iteration(global_state: GlobalState, train_data_iterator) -> bool:

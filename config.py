@@ -94,7 +94,9 @@ class ModelConfig:
     context_parallel_size: int = arg(1, "Context-parallel size (splits the sequence). GPU and transformer-engine only.")
     sequence_parallel: bool = arg(False, "Sequence parallelism inside tensor-parallel regions. GPU only.")
     bf16: bool = arg(False, "bfloat16 mixed precision (fp32 main weights). On CPU: bf16 autocast.")
-    fp16: bool = arg(False, "float16 mixed precision with dynamic loss scaling. GPU only.")
+    fp16: bool = arg(False, "float16 mixed precision with dynamic loss scaling (see --initial-loss-scale). On CPU: fp16 "
+                            "autocast over fp32 weights. Dynamic scaling turns off --check-for-nan-in-loss-and-grad, "
+                            "as in Megatron-LM: overflows are the scaler's signal.")
     deterministic_mode: bool = arg(
         False, "Bitwise-reproducible runs: deterministic torch algorithms and kernels, CUBLAS_WORKSPACE_CONFIG and "
                "NCCL_ALGO set for it (slower; for debugging and testing).")
@@ -489,6 +491,32 @@ class StragglerDetectionConfig:
 
 
 @dataclass
+class RerunStateMachineConfig:
+    """megatron-core's rerun state machine: validate each microbatch's loss, rerun a step to attribute a
+    fault, or measure how deterministic the computation is (Megatron Bridge's RerunStateMachineConfig)."""
+
+    error_injection_rate: int = arg(
+        0, "Inject an unexpected result once every this many result validations, to test --rerun-mode "
+           "validate_results. 0: never.")
+    error_injection_type: str = arg(
+        "transient_error", "Kind of fault to inject.", choices=["correct_result", "transient_error", "persistent_error"])
+    rerun_mode: str = arg(
+        "disabled", "disabled: the loss is checked once per step (see --no-check-for-nan-in-loss-and-grad). "
+                    "validate_results: check each microbatch's loss and, on a NaN/Inf, rerun the step to tell a "
+                    "transient fault from a reproducible one, then stop. report_determinism_stats: run every step "
+                    "twice and report how much the losses differ.",
+        choices=["disabled", "validate_results", "report_determinism_stats"])
+    check_for_nan_in_loss: bool = arg(
+        True, "validate_results: check each microbatch's loss for NaN/Inf. Off with --no-check-for-nan-in-loss-and-grad.",
+        cli=False)
+    check_for_spiky_loss: bool = arg(
+        False, "Warn when a microbatch's loss is --spiky-loss-factor times the largest of the first 100 losses "
+               "(not fatal).")
+    spiky_loss_factor: float = arg(
+        10.0, "Factor for detecting spiky loss: a loss this many times the largest observed over the sample window.")
+
+
+@dataclass
 class ConfigContainer:
     """Top-level container: one sub-config per concern, plus values derived at validation."""
 
@@ -511,6 +539,7 @@ class ConfigContainer:
     tensor_inspect: TensorInspectConfig = field(default_factory=TensorInspectConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     straggler: StragglerDetectionConfig = field(default_factory=StragglerDetectionConfig)
+    rerun_state_machine: RerunStateMachineConfig = field(default_factory=RerunStateMachineConfig)
     # Derived by validate() from the world size and the machine; not settable from the command line.
     world_size: int = 1
     data_parallel_size: int = 1
@@ -560,7 +589,8 @@ class ConfigContainer:
 
 
 SECTIONS = ["model", "train", "optimizer", "scheduler", "dataset", "tokenizer", "logger", "checkpoint", "dist", "rng",
-            "ddp", "profiling", "straggler", "ft", "nvrx_straggler", "inprocess_restart", "tensor_inspect"]
+            "ddp", "profiling", "straggler", "rerun_state_machine", "ft", "nvrx_straggler", "inprocess_restart",
+            "tensor_inspect"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -782,8 +812,9 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
     need(t.exit_signal in signal.Signals.__members__,
          f"--exit-signal {t.exit_signal} is not a signal name; use e.g. SIGTERM, SIGINT or SIGUSR1")
 
-    # --- precision -------------------------------------------------------------------------------
-    need(not (m.bf16 and m.fp16), "--bf16 and --fp16 are exclusive; pick one")
+    # --- precision and result validation ---------------------------------------------------------
+    _validate_mixed_precision_consistency(cfg)
+    _validate_rerun_state_machine(cfg)
 
     # --- optimizer and schedule ------------------------------------------------------------------
     need(o.lr > 0, f"--lr must be positive, got {o.lr}")
@@ -812,7 +843,6 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
         m.transformer_impl = "transformer_engine" if cfg.use_gpu and transformer_engine_installed() else "local"
     if not cfg.use_gpu:
         gpu_only = [
-            (m.fp16, "--fp16"),
             (pp > 1, f"--pipeline-model-parallel-size {pp}"),
             (cp > 1, f"--context-parallel-size {cp}"),
             (m.sequence_parallel, "--sequence-parallel"),
@@ -823,7 +853,7 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
         ]
         for bad, what in gpu_only:
             need(not bad, f"{what} needs a GPU and none is visible; drop it to train on CPU "
-                          f"(--tensor-model-parallel-size, --bf16 and data parallelism do run on CPU)")
+                          f"(--tensor-model-parallel-size, --bf16, --fp16 and data parallelism do run on CPU)")
     elif m.transformer_impl == "transformer_engine":
         need(transformer_engine_installed(),
              "--transformer-impl transformer_engine: transformer-engine is not installed; "
@@ -1147,6 +1177,52 @@ def _validate_overlap(cfg: ConfigContainer) -> None:
                           "optimizer's parameter shards with the forward pass)")
     if not ddp.overlap_grad_reduce:
         raise ConfigError("--overlap-param-gather needs --overlap-grad-reduce; add it")
+
+
+def _validate_mixed_precision_consistency(cfg: ConfigContainer) -> None:
+    """Precision settings that agree with each other (Bridge's `_validate_mixed_precision_consistency`, with
+    Megatron-LM's `validate_args` for the loss-scaling flags): one half-precision type at most, loss-scaling
+    settings only under --fp16 and within megatron-core's DynamicGradScaler's bounds."""
+    m, o, t = cfg.model, cfg.optimizer, cfg.train
+    if m.bf16 and m.fp16:
+        raise ConfigError("--bf16 and --fp16 are exclusive; pick one")
+    defaults = OptimizerConfig()
+    scaling = ["loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis"]
+    changed = [name for name in scaling if getattr(o, name) != getattr(defaults, name)]
+    if changed and not m.fp16:
+        flag = "--" + changed[0].replace("_", "-")
+        raise ConfigError(f"{flag} {getattr(o, changed[0])} sets fp16 loss scaling, but --fp16 is not set "
+                          f"({'bf16' if m.bf16 else 'fp32'} training needs no loss scale); add --fp16 or drop it")
+    if o.loss_scale is not None and not o.loss_scale > 0:
+        raise ConfigError(f"--loss-scale must be positive, got {o.loss_scale}; omit it for dynamic loss scaling")
+    if not 0 < o.min_loss_scale <= o.initial_loss_scale:
+        raise ConfigError(f"--min-loss-scale {o.min_loss_scale} must be positive and at most --initial-loss-scale "
+                          f"{o.initial_loss_scale}")
+    if o.loss_scale_window < 1 or o.hysteresis < 1:
+        raise ConfigError(f"--loss-scale-window ({o.loss_scale_window}) and --hysteresis ({o.hysteresis}) must be at "
+                          f"least 1")
+    if m.fp16 and o.loss_scale is None:
+        # Megatron-LM: under dynamic loss scaling an Inf/NaN gradient is the scaler's signal to back off
+        # (the step is skipped), not an error.
+        t.check_for_nan_in_loss_and_grad = False
+
+
+def _validate_rerun_state_machine(cfg: ConfigContainer) -> None:
+    """Settings of the rerun state machine that can do what they say (megatron-core's RerunStateMachine)."""
+    r, t = cfg.rerun_state_machine, cfg.train
+    r.check_for_nan_in_loss = r.check_for_nan_in_loss and t.check_for_nan_in_loss_and_grad
+    if not r.spiky_loss_factor > 1:
+        raise ConfigError(f"--spiky-loss-factor must be greater than 1 (a loss that many times the largest seen), "
+                          f"got {r.spiky_loss_factor}")
+    if r.error_injection_rate < 0:
+        raise ConfigError(f"--error-injection-rate must be non-negative, got {r.error_injection_rate}")
+    if r.error_injection_rate and r.rerun_mode != "validate_results":
+        raise ConfigError(f"--error-injection-rate tests the reruns of --rerun-mode validate_results, not "
+                          f"{r.rerun_mode}; add --rerun-mode validate_results")
+    if r.rerun_mode == "validate_results" and not (r.check_for_nan_in_loss or r.check_for_spiky_loss):
+        raise ConfigError("--rerun-mode validate_results has nothing to validate: the NaN check is off "
+                          "(--no-check-for-nan-in-loss-and-grad, or --fp16's dynamic loss scaling); add "
+                          "--check-for-spiky-loss or use --rerun-mode disabled")
 
 
 def parse_data_path(paths: list) -> tuple:

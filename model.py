@@ -13,7 +13,9 @@ between machines is the machinery around it, and every difference lives in this 
                               (mixed precision, distributed optimizer)
     forward/backward          megatron.core get_forward_backward_func    forward_backward_no_pipelining (below)
                               (pipeline schedules)
-    mixed precision           Float16Module (bf16/fp16 weights)          bf16 autocast over fp32 weights
+    mixed precision           Float16Module (bf16/fp16 weights)          bf16/fp16 autocast over fp32 weights,
+                                                                         megatron-core's loss scaler for fp16
+    rerun state machine       megatron.core RerunStateMachine            the same, its CUDA calls answered on CPU
 
 Why stand-ins rather than patching torch.cuda: megatron-core 0.16.1 hard-codes CUDA in its DDP grad
 buffers, optimizer, schedules and RNG tracker (see README, "Running on CPU"). The stand-ins keep the
@@ -22,6 +24,7 @@ same interfaces, so train.py above this seam never asks which machine it is on.
 
 import contextlib
 import math
+import random
 import types
 import warnings
 
@@ -30,13 +33,16 @@ import warnings
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed.*")
 warnings.filterwarnings("ignore", message=r"full scope is deprecated")  # a TransformerConfig default, not ours
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core import rerun_state_machine as mcore_rerun  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.distributed import DistributedDataParallelConfig as MegatronDDPConfig  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig  # noqa: E402
+from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler  # noqa: E402
 from megatron.core.transformer import MegatronModule, TransformerConfig  # noqa: E402
 
 
@@ -112,7 +118,7 @@ def transformer_config(cfg) -> TransformerConfig:
         pipeline_model_parallel_size=m.pipeline_model_parallel_size,
         context_parallel_size=m.context_parallel_size,
         sequence_parallel=m.sequence_parallel,
-        # On CPU the weights stay fp32 and bf16 is autocast; on GPU they are half precision under
+        # On CPU the weights stay fp32 and bf16/fp16 is autocast; on GPU they are half precision under
         # Float16Module and the megatron optimizer keeps fp32 main copies.
         bf16=m.bf16 and cfg.use_gpu,
         fp16=m.fp16 and cfg.use_gpu,
@@ -290,8 +296,10 @@ class TorchOptimizer:
     """CPU stand-in for megatron-core's MegatronOptimizer: torch AdamW/SGD plus global-norm clipping.
 
     Same contract as MegatronOptimizer: `step()` returns (update_successful, grad_norm, num_zeros_in_grad),
-    `param_groups` are megatron-core's (`wd_mult`, `max_lr`, `min_lr`, ... for OptimizerParamScheduler),
-    and the loss scale is 1.
+    `param_groups` are megatron-core's (`wd_mult`, `max_lr`, `min_lr`, ... for OptimizerParamScheduler).
+    With --fp16, megatron-core's loss scaler: the schedule multiplies each loss by `scale_loss`, `step()`
+    unscales the gradients and, if any is Inf/NaN, skips the update and lets the scaler back off
+    (MixedPrecisionOptimizer.step's rule). Without --fp16 the loss scale is 1.
     """
 
     def __init__(self, cfg, model: list, config=None, config_overrides=None):
@@ -300,6 +308,7 @@ class TorchOptimizer:
         from megatron.core.optimizer import _get_param_groups
 
         o = cfg.optimizer
+        self.grad_scaler = build_cpu_grad_scaler(o) if cfg.model.fp16 else None
         self.clip_grad = o.clip_grad
         self.log_num_zeros_in_grad = cfg.logger.log_num_zeros_in_grad
         self.params = [p for chunk in model for p in chunk.parameters() if p.requires_grad]
@@ -320,11 +329,17 @@ class TorchOptimizer:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def get_loss_scale(self) -> torch.Tensor:
-        return torch.tensor(1.0)
+        return self.grad_scaler.scale if self.grad_scaler is not None else torch.tensor(1.0)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss the backward pass starts from (megatron-core's `MegatronOptimizer.scale_loss`)."""
+        return self.get_loss_scale() * loss
 
     @torch.no_grad()
     def step(self):
         grads = [p.grad for p in self.params if p.grad is not None]
+        if self.grad_scaler is not None and unscale_and_check_for_inf(grads, self.grad_scaler):
+            return False, None, None  # an fp16 overflow: no update, a smaller loss scale next time
         grad_norm = global_grad_norm(self.params)
         # Zeros are counted only when asked: it walks every gradient.
         num_zeros = float(sum((g == 0).sum().item() for g in grads)) if self.log_num_zeros_in_grad else None
@@ -336,10 +351,69 @@ class TorchOptimizer:
         return True, grad_norm, num_zeros
 
     def state_dict(self):
-        return self.optimizer.state_dict()
+        state = self.optimizer.state_dict()
+        if self.grad_scaler is not None:  # the loss scale and its trackers resume too, as megatron-core saves them
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return state
 
     def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        scaler_state = state_dict.pop("grad_scaler", None)
         self.optimizer.load_state_dict(state_dict)
+        if self.grad_scaler is not None and scaler_state is not None:
+            self.grad_scaler.load_state_dict(scaler_state)
+
+
+def build_cpu_grad_scaler(o):
+    """megatron-core's loss scaler for fp16, as `get_megatron_optimizer` picks it: constant with --loss-scale,
+    else dynamic (doubles after --loss-scale-window clean steps, halves after --hysteresis overflows)."""
+    if o.loss_scale:
+        return CPUConstantGradScaler(o.loss_scale)
+    return CPUDynamicGradScaler(initial_scale=o.initial_loss_scale, min_scale=o.min_loss_scale, growth_factor=2.0,
+                                backoff_factor=0.5, growth_interval=o.loss_scale_window, hysteresis=o.hysteresis)
+
+
+class CPUConstantGradScaler(ConstantGradScaler):
+    """megatron-core's ConstantGradScaler with its scale on the CPU (its __init__ allocates it on "cuda")."""
+
+    def __init__(self, initial_scale: float):
+        assert initial_scale > 0.0
+        self._scale = torch.tensor([initial_scale], dtype=torch.float)
+
+
+class CPUDynamicGradScaler(DynamicGradScaler):
+    """megatron-core's DynamicGradScaler with its tensors on the CPU: its __init__ and load_state_dict put
+    them on "cuda", so both are restated here; `update()`, the scaling rule itself, is megatron-core's."""
+
+    def __init__(self, initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis):
+        assert 0.0 < min_scale <= initial_scale and growth_factor > 1.0 and 0.0 < backoff_factor < 1.0
+        assert growth_interval > 0 and hysteresis > 0
+        self._scale = torch.tensor([initial_scale], dtype=torch.float)
+        self.min_scale = torch.tensor([min_scale], dtype=torch.float)
+        self.growth_factor = torch.tensor([growth_factor], dtype=torch.float)
+        self.backoff_factor = torch.tensor([backoff_factor], dtype=torch.float)
+        self.growth_interval, self.hysteresis = growth_interval, hysteresis
+        self._growth_tracker, self._hysteresis_tracker = 0, hysteresis
+
+    def load_state_dict(self, state_dict):
+        self._scale = state_dict["scale"].cpu()
+        self._growth_tracker = state_dict["growth_tracker"]
+        self._hysteresis_tracker = state_dict["hysteresis_tracker"]
+
+
+def unscale_and_check_for_inf(grads: list, grad_scaler) -> bool:
+    """Divide the gradients by the loss scale in place and say whether any is Inf/NaN, on any model-parallel
+    rank; then update the scaler (megatron-core's `_unscale_main_grads_and_check_for_nan` + `prepare_grads`).
+    Data-parallel replicas agree already: their gradients were averaged, and an Inf spreads through the average."""
+    found_inf = torch.zeros(1)
+    if grads:
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, grad_scaler.inv_scale)
+    if parallel_state.get_model_parallel_group().size() > 1:
+        torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX,
+                                     group=parallel_state.get_model_parallel_group())
+    overflow = found_inf.item() > 0
+    grad_scaler.update(overflow)
+    return overflow
 
 
 def global_grad_norm(params) -> float:
@@ -375,15 +449,18 @@ def get_forward_backward_func(cfg, model: list, optimizer):
         config = unwrap(model[0]).config
         config.no_sync_func = model[0].no_sync if len(model) == 1 else [m.no_sync for m in model]
         config.finalize_model_grads_func = finalize_model_grads
-        config.grad_scale_func = optimizer.scale_loss
+        config.grad_scale_func = optimizer.scale_loss if optimizer is not None else None  # None: evaluation
         return mcore_get_forward_backward_func()
-    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if cfg.model.bf16 else contextlib.nullcontext
-    return lambda **kwargs: forward_backward_no_pipelining(autocast=autocast, **kwargs)
+    half = torch.bfloat16 if cfg.model.bf16 else torch.float16 if cfg.model.fp16 else None
+    autocast = (lambda: torch.autocast("cpu", dtype=half)) if half is not None else contextlib.nullcontext
+    # fp16 losses are scaled before backward, as megatron-core's schedules do through config.grad_scale_func.
+    grad_scale_func = optimizer.scale_loss if cfg.model.fp16 and optimizer is not None else None
+    return lambda **kwargs: forward_backward_no_pipelining(autocast=autocast, grad_scale_func=grad_scale_func, **kwargs)
 
 
 def forward_backward_no_pipelining(*, forward_step_func, data_iterator, model, num_microbatches, seq_length=None,
                                    micro_batch_size=None, forward_only=False, collect_non_loss_data=False,
-                                   autocast=contextlib.nullcontext, **unused):
+                                   autocast=contextlib.nullcontext, grad_scale_func=None, **unused):
     """megatron-core's `forward_backward_no_pipelining`, for CPU (its token counter lives on "cuda").
 
     For each microbatch: run the user's forward step, apply its loss function, scale the loss so the
@@ -393,6 +470,7 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator, model, n
       (loss_sum, num_tokens, {name: ...})  token-weighted: loss divided by the microbatch's tokens
       anything, with collect_non_loss_data: loss_func(output, non_loss_data=True) is collected as-is
     Gradient all-reduce across data-parallel ranks happens once, in the last microbatch's backward.
+    `grad_scale_func` (fp16) scales the loss before backward, as megatron-core's `backward_step` does.
     Returns the list of per-microbatch reporting dicts (or collected data).
     """
     model = model[0] if isinstance(model, list) else model
@@ -419,8 +497,111 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator, model, n
                 # Backward under autocast too: megatron-core's linear layers are custom autograd functions
                 # whose backward matmuls mix the bf16 output gradient with the fp32 weight otherwise.
                 with autocast():
-                    loss.backward()
+                    (grad_scale_func(loss) if grad_scale_func is not None else loss).backward()
     return store
+
+
+# --------------------------------------------------------------------------------------------------
+# The rerun state machine (result validation)
+# --------------------------------------------------------------------------------------------------
+
+
+def build_rerun_state_machine(cfg) -> "RerunStateMachine":
+    """megatron-core's RerunStateMachine for this run (Bridge's `init_rerun_state`), also registered as
+    megatron-core's instance: its RerunDataIterator and, on a GPU, its DDP gradient checks look it up there."""
+    r = cfg.rerun_state_machine
+    save = restore = None
+    if cfg.use_gpu:  # the CUDA RNG tracker's streams (dropout in tensor-parallel regions) rewind with the step
+        def save():
+            return {"rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+        def restore(state):
+            tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+    machine = RerunStateMachine(
+        use_gpu=cfg.use_gpu, report_interval=cfg.logger.log_interval, state_save_func=save, state_restore_func=restore,
+        mode=mcore_rerun.RerunMode(r.rerun_mode),
+        error_injector=mcore_rerun.RerunErrorInjector(r.error_injection_rate,
+                                                      mcore_rerun.RerunDiagnostic(r.error_injection_type)))
+    machine.spiky_loss_factor = r.spiky_loss_factor  # where Bridge's loss check reads it
+    mcore_rerun.destroy_rerun_state_machine()  # one per run: a process may call pretrain() more than once
+    mcore_rerun._set_rerun_state_machine(machine)  # initialize_rerun_state_machine() would build the base class
+    return machine
+
+
+class RerunStateMachine(mcore_rerun.RerunStateMachine):
+    """megatron-core's RerunStateMachine (the state transitions, the comparisons, error injection, the
+    spiky-loss window are all its own), with two changes:
+
+    - On CPU, its few CUDA calls are answered on the CPU: the all-reduce of its flags (a "cuda" tensor),
+      the CUDA RNG state it saves and restores around a rerun, and `torch.cuda.current_device()`, which it
+      uses only to name the device in its messages. On a GPU it runs unchanged.
+    - report_determinism_stats prints its statistics every --log-interval iterations: megatron-core 0.16.1's
+      own report reads `Caller.filename` and `Caller.lineno`, which its Caller does not have.
+    """
+
+    def __init__(self, *, use_gpu: bool, report_interval: int, **kwargs):
+        super().__init__(**kwargs)
+        self.use_gpu, self.report_interval = use_gpu, report_interval
+
+    def _reduce_any(self, value):
+        if self.use_gpu:
+            return super()._reduce_any(value)
+        flags = torch.tensor(value if isinstance(value, list) else [value], dtype=torch.int32)
+        torch.distributed.all_reduce(flags)
+        return tuple(x > 0 for x in flags.tolist()) if isinstance(value, list) else flags.item() > 0
+
+    def _save_state(self):
+        if self.use_gpu:
+            return super()._save_state()
+        self.saved_state = {"rng_state": {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+                                          "torch_rng_state": torch.get_rng_state()},
+                            "other_state": self.state_save_func() if self.state_save_func else None}
+
+    def _restore_state(self):
+        if self.use_gpu:
+            return super()._restore_state()
+        rng = self.saved_state["rng_state"]
+        random.setstate(rng["random_rng_state"])
+        np.random.set_state(rng["np_rng_state"])
+        torch.set_rng_state(rng["torch_rng_state"])
+        if self.saved_state["other_state"] and self.state_restore_func:
+            self.state_restore_func(self.saved_state["other_state"])
+
+    def validate_result(self, *args, **kwargs):
+        if self.use_gpu:
+            return super().validate_result(*args, **kwargs)
+        with _cuda_current_device_named_cpu():
+            return super().validate_result(*args, **kwargs)
+
+    def _maybe_report_stats(self):
+        """Relative differences between each validated result and its rerun, over all ranks; rank 0 keeps
+        the running totals and the other ranks send theirs and start afresh, as megatron-core's does."""
+        if self.current_iteration % self.report_interval:
+            return
+        rank = torch.distributed.get_rank()
+        gathered = [None] * torch.distributed.get_world_size()
+        torch.distributed.gather_object(dict(self.stats), gathered if rank == 0 else None, dst=0)
+        if rank != 0:
+            for stats in self.stats.values():
+                stats.reset()
+            return
+        for caller in sorted({c for s in gathered for c in s}):
+            self.stats[caller].combine([s[caller] for s in gathered[1:] if caller in s])
+            print(f" determinism of the {caller.message} up to iteration {self.current_iteration}, initial run vs "
+                  f"rerun: {self.stats[caller].print_stats()}", flush=True)
+
+
+@contextlib.contextmanager
+def _cuda_current_device_named_cpu():
+    """For the length of one RerunStateMachine.validate_result call on the CPU path, `torch.cuda.current_device()`
+    answers "cpu" instead of raising: megatron-core calls it there only to name the device in its messages
+    (and to remember which device a fault was seen on). Nothing else runs under it; the GPU path never enters it."""
+    current_device = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = current_device
 
 
 def any_rank(flag: bool, use_gpu: bool) -> bool:

@@ -44,9 +44,11 @@ from typing import Callable, Optional  # noqa: E402
 
 import torch  # noqa: E402
 
-from model import (any_rank, build_model, build_optimizer, get_forward_backward_func,  # noqa: E402
-                   padded_vocab_size, set_random_seed, wrap_model, zero_grad)  # first: quiets megatron-core's import warnings
+from model import (any_rank, build_model, build_optimizer, build_rerun_state_machine,  # noqa: E402
+                   get_forward_backward_func, padded_vocab_size, set_random_seed, wrap_model,
+                   zero_grad)  # first: quiets megatron-core's import warnings
 from megatron.core import parallel_state  # noqa: E402
+from megatron.core import rerun_state_machine as mcore_rerun  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 from megatron.core.utils import configure_nvtx_profiling, nvtx_range_pop, nvtx_range_push  # noqa: E402
 
@@ -96,6 +98,7 @@ class GlobalState:
         self.exit_code: Optional[int] = None  # set when the loop stops early (signal, interval, NaN)
         self.async_calls_queue = None  # --async-save: the checkpoint writes in flight (checkpoint.py)
         self.straggler_timer = metrics.StragglerTimer(cfg.straggler.log_straggler, cfg.use_gpu)
+        self.rerun_state_machine = None  # megatron-core's RerunStateMachine, set at setup
         self._tensorboard_logger = None
         self.num_microbatches_calculator = build_num_microbatches_calculator(cfg)  # follows --rampup-batch-size
 
@@ -278,6 +281,7 @@ def setup(cfg: ConfigContainer):
     if ck.save:
         metrics.append_to_progress_log(ck.save, "Starting job", cfg.world_size)
     iterators = data.build_data_iterators(cfg, tokenizer, state.train_state)
+    iterators[0] = attach_rerun_state_machine(state, iterators[0])
     return state, model, optimizer, scheduler, iterators
 
 
@@ -353,17 +357,15 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
     Returns (loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm, num_zeros_in_grad).
     """
     cfg, timers = global_state.cfg, global_state.timers
-    zero_grad(model, optimizer)
     forward_backward_func = get_forward_backward_func(cfg, model, optimizer)
     nvtx_range_push("forward-backward")  # NVTX ranges: no-ops unless --nvtx-ranges
-    timers("forward-backward", log_level=1).start(barrier=False)
-    losses = forward_backward_func(
-        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-        num_microbatches=global_state.num_microbatches, seq_length=cfg.model.seq_length,
-        micro_batch_size=cfg.train.micro_batch_size, decoder_seq_length=cfg.model.seq_length, forward_only=False,
-    )
-    timers("forward-backward").stop()
+    losses = forward_backward_with_reruns(forward_backward_func, forward_step_func, data_iterator, model, optimizer,
+                                          global_state)
     nvtx_range_pop("forward-backward")
+    should_checkpoint, should_exit, exit_code = global_state.rerun_state_machine.should_checkpoint_and_exit()
+    if should_exit:  # validate_results mode: a rejected result, rerun and attributed; no update
+        report_rerun_verdict(global_state, exit_code)
+        return {}, 1, should_checkpoint, should_exit, exit_code, None, None
     nvtx_range_push("optimizer")
     timers("optimizer", log_level=1).start(barrier=False)
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
@@ -391,6 +393,130 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
                             f"stopping without saving a checkpoint (lower --lr, raise --clip-grad or check the data)")
             should_exit, exit_code = True, 1
     return loss_dict, skipped_iter, False, should_exit, exit_code, grad_norm, num_zeros_in_grad
+
+
+# ==================================================================================================
+# 6b. Result validation: megatron-core's rerun state machine
+# ==================================================================================================
+
+
+def attach_rerun_state_machine(state: GlobalState, train_data_iterator):
+    """Build the run's RerunStateMachine (--rerun-mode) and, unless it is disabled, wrap the training data
+    in megatron-core's RerunDataIterator, which keeps a step's microbatches so a rerun reads the same ones."""
+    state.rerun_state_machine = build_rerun_state_machine(state.cfg)
+    if state.cfg.rerun_state_machine.rerun_mode == "disabled" or train_data_iterator is None:
+        return train_data_iterator
+    return mcore_rerun.RerunDataIterator(train_data_iterator)
+
+
+def forward_backward_with_reruns(forward_backward_func, forward_step_func, data_iterator, model, optimizer,
+                                 global_state: GlobalState) -> list:
+    """Bridge train_step's `while rerun_state_machine.should_run_forward_backward(...)`: zero the gradients
+    and run forward/backward over the step's microbatches once, and again when the machine asks for a
+    rerun (a rejected result under validate_results; every step under report_determinism_stats), with
+    the RNG states and the microbatches of the first run. Returns the last run's per-microbatch reports."""
+    cfg, timers = global_state.cfg, global_state.timers
+    machine = global_state.rerun_state_machine
+    machine.current_iteration = global_state.train_state.step  # it counts steps itself: keep the log line's numbers
+    forward_step_func = validated_forward_step(forward_step_func, machine, cfg.rerun_state_machine)
+    losses = []
+    while machine.should_run_forward_backward(data_iterator):
+        zero_grad(model, optimizer)
+        timers("forward-backward", log_level=1).start(barrier=False)
+        losses = forward_backward_func(
+            forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+            num_microbatches=global_state.num_microbatches, seq_length=cfg.model.seq_length,
+            micro_batch_size=cfg.train.micro_batch_size, decoder_seq_length=cfg.model.seq_length, forward_only=False,
+        )
+        timers("forward-backward").stop()
+    return losses
+
+
+def validated_forward_step(forward_step_func, machine, rerun_config) -> Callable:
+    """The forward step with its loss function wrapped to validate each microbatch's loss through the
+    machine (Bridge's `validate_local_loss`, for any loss function):
+      - validate_results: NaN and Inf (fatal: the step is rerun, then the run stops);
+      - any mode but report_determinism_stats, with --check-for-spiky-loss: a spiky loss (a warning);
+      - report_determinism_stats: every loss, compared with its rerun's.
+    The per-token loss is validated (loss_sum / num_tokens for the token-weighted pattern), so a microbatch
+    with more tokens is not taken for a spike. In disabled mode NaN is train_step's per-step check."""
+    mode = machine.get_mode()
+    compare = mode == mcore_rerun.RerunMode.REPORT_DETERMINISM_STATS
+    check_nan = rerun_config.check_for_nan_in_loss and mode == mcore_rerun.RerunMode.VALIDATE_RESULTS
+    check_spiky = rerun_config.check_for_spiky_loss and not compare
+    if not (compare or check_nan or check_spiky):
+        return forward_step_func
+
+    is_spiky = spiky_loss_check(machine, rerun_config.spiky_loss_factor)
+
+    def validate(outputs):
+        loss = outputs[0].detach().float()
+        if len(outputs) == 3:
+            loss = loss / torch.clamp(outputs[1].detach(), min=1)
+        if compare:
+            machine.validate_result(loss, rejection_func=lambda _: False, message="loss")
+        if check_nan:
+            for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+                machine.validate_result(loss, rejection_func=reject, message=f"found {what} in local forward loss "
+                                        f"calculation", tolerance=0.0, fatal=True)  # forward passes are deterministic
+        if check_spiky:
+            machine.validate_result(loss, rejection_func=is_spiky, message="Spiky loss", tolerance=0.0, fatal=False)
+
+    def forward_step_with_validation(data_iterator, model):
+        output, loss_func = forward_step_func(data_iterator, model)
+
+        def validated_loss_func(output_tensor, *args, **kwargs):
+            outputs = loss_func(output_tensor, *args, **kwargs)
+            if not kwargs.get("non_loss_data"):
+                validate(outputs)
+            return outputs
+        return output, validated_loss_func
+    return forward_step_with_validation
+
+
+def spiky_loss_check(machine, factor: float) -> Callable:
+    """megatron-core's `is_unexpectedly_large` (a loss at least `factor` times the largest of the first 100
+    validated) for one step, printing a warning that names the iteration at the step's first spike."""
+    warned = False
+
+    def is_spiky(loss: torch.Tensor) -> bool:
+        nonlocal warned
+        spiky = machine.is_unexpectedly_large(loss, threshold=factor, context="loss")
+        if spiky and not warned:
+            warned = True
+            print(f" warning: spiky loss at iteration {machine.current_iteration} on rank {torch.distributed.get_rank()}: "
+                  f"{loss.item():.6E} is at least {factor:g} x {machine.max_values['loss']:.6E}, the largest of the "
+                  f"first 100 losses (--spiky-loss-factor); training goes on", flush=True)
+        return spiky
+    return is_spiky
+
+
+def report_rerun_verdict(global_state: GlobalState, exit_code: int) -> None:
+    """Say, on the rank that saw it, what the rerun found: megatron-core's exit code 16
+    (EXIT_CODE_RESUME_TO_DISAMBIGUATE) when the rerun reproduced the result, 17 when it did not."""
+    machine, r = global_state.rerun_state_machine, global_state.cfg.rerun_state_machine
+    call = machine.failed_validation_call
+    if call is None:  # the fault was on another rank, which reports it
+        return
+    injected = f", injected by --error-injection-rate {r.error_injection_rate}" if r.error_injection_rate else ""
+    what = (f"error: {call.caller.message} at iteration {machine.current_iteration} on rank "
+            f"{torch.distributed.get_rank()} (loss {float(machine.initial_result):.6g}{injected})")
+    if exit_code == mcore_rerun.EXIT_CODE_RESUME_TO_DISAMBIGUATE:
+        verdict = ("the rerun of the step reproduced it, so it is no transient hardware fault: look at the data, the "
+                   "learning rate or the numerics (lower --lr, raise --clip-grad)")
+    else:
+        verdict = "the rerun of the step did not reproduce it: a transient fault, suspect the hardware"
+    print(f"{what}; {verdict}; stopping with exit code {exit_code}", flush=True)
+
+
+def save_before_rerun_exit(should_checkpoint: bool, state: GlobalState, model, optimizer, scheduler,
+                           checkpointing_context: dict) -> None:
+    """When the rerun state machine stops the run, save the last good iteration (the rejected step made no
+    update) unless it is saved already, as Megatron does 'if further examination is needed'."""
+    ts = state.train_state
+    if should_checkpoint and state.cfg.checkpoint.save and checkpointing_context.get("last_saved_step") != ts.step:
+        save_checkpoint_and_time(state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
+                                 checkpointing_context)
 
 
 # ==================================================================================================
@@ -780,6 +906,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
         loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm, num_zeros_in_grad = \
             train_step(forward_step_func, train_data_iterator, model, optimizer, scheduler, global_state)
         if should_exit:  # a NaN: stop before counting the step, so nothing poisoned is saved
+            save_before_rerun_exit(should_checkpoint, global_state, model, optimizer, scheduler, checkpointing_context)
             global_state.exit_code = exit_code
             break
         if should_toggle_forward_pre_hook and not skipped_iter and not forward_pre_hooks_enabled(model):
@@ -833,9 +960,11 @@ def _should_skip_and_handle_iteration(global_state: GlobalState, train_data_iter
 
 
 def _dummy_train_step(global_state: GlobalState, train_data_iterator) -> None:
-    """Draw (and drop) this rank's microbatches of one global batch."""
-    for _ in range(global_state.num_microbatches):
-        next(train_data_iterator)
+    """Draw (and drop) this rank's microbatches of one global batch, inside the rerun state machine's loop
+    as Bridge does (a RerunDataIterator still replaying the last step moves on to fresh data)."""
+    while global_state.rerun_state_machine.should_run_forward_backward(train_data_iterator):
+        for _ in range(global_state.num_microbatches):
+            next(train_data_iterator)
 
 
 def _finish_train(global_state: GlobalState) -> None:
@@ -844,6 +973,7 @@ def _finish_train(global_state: GlobalState) -> None:
         global_state._tensorboard_logger.close()
     if global_state.signal_handler is not None:
         global_state.signal_handler.release()
+    mcore_rerun.destroy_rerun_state_machine()
     _destroy_distributed()
 
 

@@ -77,7 +77,6 @@ def test_run_config_yaml_round_trips(tmp_path):
     (["--tensor-model-parallel-size", "8"], 8, False, "must divide --num-attention-heads"),
     (["--pipeline-model-parallel-size", "3"], 3, True, "must divide --num-layers"),
     (["--pipeline-model-parallel-size", "2"], 2, False, "needs a GPU"),
-    (["--fp16"], 1, False, "--fp16 needs a GPU"),
     (["--use-distributed-optimizer"], 1, False, "needs a GPU"),
     (["--sequence-parallel", "--tensor-model-parallel-size", "2"], 2, False, "needs a GPU"),
     (["--context-parallel-size", "2"], 2, True, "needs --transformer-impl transformer_engine"),

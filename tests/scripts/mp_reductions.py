@@ -28,7 +28,9 @@ parallel_state.destroy_model_parallel()
 parallel_state.initialize_model_parallel(1, 1)
 torch.manual_seed(0)
 tp1_norm = metrics.calc_params_l2_norm(build_model(config.parse_args(flags, world_size=2, gpu=False), 256))
-print(f"rank {rank}: max={largest} none={none} and={both} norm_tp2_equals_tp1={abs(tp2_norm - tp1_norm) < 1e-4 * tp1_norm}",
-      flush=True)
+# One write per line: print() writes the text and its newline separately, and two ranks share the pipe.
+sys.stdout.write(f"rank {rank}: max={largest} none={none} and={both} "
+                 f"norm_tp2_equals_tp1={abs(tp2_norm - tp1_norm) < 1e-4 * tp1_norm}\n")
+sys.stdout.flush()
 parallel_state.destroy_model_parallel()
 torch.distributed.destroy_process_group()

@@ -793,13 +793,7 @@ def _validate_loggers(cfg: ConfigContainer) -> None:
         if bad:
             raise ConfigError(f"--mlflow-tags {bad[0]}: expected KEY=VALUE pairs, e.g. --mlflow-tags team=nlp size=125m")
         lg.mlflow_tags = dict(t.split("=", 1) for t in lg.mlflow_tags)
-    if lg.wandb_project:
-        _import_logger("wandb", "--wandb-project", "wandb")
-        if not lg.wandb_exp_name:
-            raise ConfigError("--wandb-project needs --wandb-exp-name (the run's name), as in Megatron-LM")
-    if lg.mlflow_experiment:
-        mlflow = _import_logger("mlflow", "--mlflow-experiment", "mlflow-skinny")
-        _check_mlflow_store(lg.mlflow_tracking_uri or mlflow.get_tracking_uri())
+    # Comet first: it asks to be imported before the libraries it watches (mlflow among them).
     if lg.comet_project:
         comet_ml = _import_logger("comet_ml", "--comet-project", "comet_ml")
         comet_config = comet_ml.config.get_config()
@@ -807,6 +801,13 @@ def _validate_loggers(cfg: ConfigContainer) -> None:
         if online and not (lg.comet_api_key or comet_config["comet.api_key"]):
             raise ConfigError("--comet-project: no Comet API key; set COMET_API_KEY (or run `comet login`), or set "
                               "COMET_START_ONLINE=0 to write an offline experiment")
+    if lg.wandb_project:
+        _import_logger("wandb", "--wandb-project", "wandb")
+        if not lg.wandb_exp_name:
+            raise ConfigError("--wandb-project needs --wandb-exp-name (the run's name), as in Megatron-LM")
+    if lg.mlflow_experiment:
+        mlflow = _import_logger("mlflow", "--mlflow-experiment", "mlflow-skinny")
+        _check_mlflow_store(lg.mlflow_tracking_uri or mlflow.get_tracking_uri())
 
 
 def _check_mlflow_store(uri: str) -> None:

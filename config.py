@@ -272,6 +272,20 @@ class DatasetConfig:
     reset_position_ids: bool = arg(False, "Restart position ids after each end-of-document token.")
     reset_attention_mask: bool = arg(False, "Do not attend across end-of-document tokens.")
     eod_mask_loss: bool = arg(False, "Exclude end-of-document tokens from the loss.")
+    # Fill-in-the-Middle (Megatron-LM's GPTFIMDataset flags; Bridge's GPTFIMDatasetConfig).
+    fim_data: bool = arg(False, "Fill-in-the-Middle samples: cut documents into prefix/middle/suffix and reorder them "
+                                "around sentinel tokens (PSM or SPM), so the model learns to infill.")
+    fim_rate: float = arg(0.5, "With --fim-data: probability that a document (or fragment) of a sample is FIM-reordered.")
+    fim_spm_rate: float = arg(0.5, "With --fim-data: probability that a reordered piece uses SPM (suffix first) over PSM.")
+    fim_split_sample: Optional[str] = arg(
+        None, "With --fim-data: a one-token string (e.g. a file separator) splitting documents into fragments, each "
+              "reordered on its own with --fim-fragment-rate.")
+    fim_fragment_rate: Optional[float] = arg(None, "With --fim-split-sample: FIM probability of each fragment. Default: --fim-rate.")
+    fim_no_prefix: Optional[str] = arg(None, "With --fim-data: leave fragments that start with this text as they are.")
+    fim_prefix_token: str = arg("<fim_prefix>", "FIM prefix sentinel (a new id for Byte/NullTokenizer; must be in a HuggingFace vocabulary).")
+    fim_middle_token: str = arg("<fim_middle>", "FIM middle sentinel.")
+    fim_suffix_token: str = arg("<fim_suffix>", "FIM suffix sentinel.")
+    fim_pad_token: str = arg("<fim_pad>", "FIM padding token, masked from the loss (Byte/NullTokenizer: their pad id).")
 
 
 @dataclass
@@ -337,6 +351,25 @@ class LoggerConfig:
     logging_level: Optional[int] = arg(
         None, "Python logging level of this script's and megatron-core's loggers (10 DEBUG, 20 INFO, 30 WARNING). "
               "Default: $MEGATRON_LOGGING_LEVEL, else Python's (warnings only).")
+    # Other experiment trackers, each on when its first setting is given, fed the TensorBoard scalars on the last rank.
+    wandb_project: Optional[str] = arg(None, "Weights & Biases project: log to W&B (pip install wandb; WANDB_MODE=offline "
+                                             "writes locally).")
+    wandb_exp_name: Optional[str] = arg(None, "W&B run name (needed with --wandb-project).")
+    wandb_save_dir: Optional[str] = arg(None, "Directory for W&B's local files. Default: SAVE/wandb, else ./wandb.")
+    wandb_entity: Optional[str] = arg(None, "W&B entity (user or team). Default: your default entity.")
+    mlflow_experiment: Optional[str] = arg(None, "MLflow experiment name: log to MLflow (pip install mlflow-skinny).")
+    mlflow_run_name: Optional[str] = arg(None, "MLflow run name.")
+    mlflow_tracking_uri: Optional[str] = arg(
+        None, "MLflow tracking URI: a server (http://HOST:5000), or file:///DIR with MLFLOW_ALLOW_FILE_STORE=true. "
+              "Default: MLFLOW_TRACKING_URI, else MLflow's default.")
+    mlflow_tags: Optional[dict[str, str]] = arg(None, "Tags of the MLflow run, as KEY=VALUE pairs.")
+    comet_project: Optional[str] = arg(None, "Comet project: log to Comet (pip install comet_ml; COMET_START_ONLINE=0 "
+                                             "writes an offline archive).")
+    comet_experiment_name: Optional[str] = arg(None, "Comet experiment name.")
+    comet_workspace: Optional[str] = arg(None, "Comet workspace. Default: the API key's default workspace.")
+    comet_api_key: Optional[str] = arg(None, "Comet API key. Prefer the COMET_API_KEY environment variable: a key given "
+                                             "here is kept out of saved configs.")
+    comet_tags: Optional[list[str]] = arg(None, "Tags of the Comet experiment.")
 
 
 @dataclass
@@ -547,7 +580,9 @@ class ConfigContainer:
     padded_vocab_size: int = 0  # set at setup, from the tokenizer
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["logger"]["comet_api_key"] = None  # a secret: kept out of run_config.yaml and the trackers' copies
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ConfigContainer":
@@ -604,6 +639,8 @@ def _base_type(tp):
         tp = next(a for a in typing.get_args(tp) if a is not type(None))
     if typing.get_origin(tp) is list:
         return (list, typing.get_args(tp)[0])
+    if typing.get_origin(tp) is dict:  # KEY=VALUE words on the command line, made a dict by validate()
+        return (list, str)
     return tp
 
 
@@ -829,6 +866,8 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
 
     # --- data ------------------------------------------------------------------------------------
     _validate_data(cfg)
+    _validate_fim(cfg)
+    _validate_loggers(cfg)
 
     # --- checkpointing ---------------------------------------------------------------------------
     need(c.save_interval is None or c.save_interval > 0, f"--save-interval must be positive, got {c.save_interval}")
@@ -1302,6 +1341,85 @@ def _validate_data(cfg: ConfigContainer) -> None:
         raise ConfigError("the built-in corpus is byte-level text; use --tokenizer-type ByteTokenizer or give --data-path/--mock-data")
 
 
+def _validate_fim(cfg: ConfigContainer) -> None:
+    """--fim-* settings (Megatron-LM's validate_args: FIM needs real data and its sentinel tokens)."""
+    d = cfg.dataset
+    if not d.fim_data:
+        given = [f.name for f in dataclasses.fields(d) if f.name.startswith("fim_") and getattr(d, f.name) != f.default]
+        if given:
+            raise ConfigError(f"--{given[0].replace('_', '-')} is a Fill-in-the-Middle setting; add --fim-data")
+        return
+    if d.mock_data or d.sft:
+        raise ConfigError(f"--fim-data reorders pretraining documents; it does not apply to {'--mock-data' if d.mock_data else '--sft'}")
+    for flag, rate in (("--fim-rate", d.fim_rate), ("--fim-spm-rate", d.fim_spm_rate), ("--fim-fragment-rate", d.fim_fragment_rate)):
+        if rate is not None and not 0.0 <= rate <= 1.0:
+            raise ConfigError(f"{flag} is a probability; give a value in [0, 1], got {rate}")
+    names = [d.fim_prefix_token, d.fim_middle_token, d.fim_suffix_token, d.fim_pad_token]
+    if not all(names) or len(set(names)) != 4:
+        raise ConfigError(f"--fim-prefix/middle/suffix/pad-token must be four different non-empty names, got {names}")
+    if d.fim_split_sample == "" or d.fim_no_prefix == "":
+        raise ConfigError("--fim-split-sample and --fim-no-prefix need non-empty text")
+
+
+def _import_logger(module: str, flag: str, pip: str):
+    """The tracker's package, imported now, so a missing one is a one-line error before any work."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"{flag} needs the {module} package, which does not import ({reason}); pip install {pip}")
+
+
+def _validate_loggers(cfg: ConfigContainer) -> None:
+    """W&B, MLflow and Comet settings: each tracker is on when its switch is set (Bridge's LoggerConfig.finalize
+    checks the MLflow dependency; here every tracker's package and store are checked before any work)."""
+    lg = cfg.logger
+    for prefix, switch in (("wandb_", "wandb_project"), ("mlflow_", "mlflow_experiment"), ("comet_", "comet_project")):
+        given = [f.name for f in dataclasses.fields(lg) if f.name.startswith(prefix) and getattr(lg, f.name)]
+        if given and not getattr(lg, switch):
+            raise ConfigError(f"--{given[0].replace('_', '-')} needs --{switch.replace('_', '-')}, which turns that logger on")
+    if isinstance(lg.mlflow_tags, list):  # from the command line: KEY=VALUE words
+        bad = [t for t in lg.mlflow_tags if "=" not in t]
+        if bad:
+            raise ConfigError(f"--mlflow-tags {bad[0]}: expected KEY=VALUE pairs, e.g. --mlflow-tags team=nlp size=125m")
+        lg.mlflow_tags = dict(t.split("=", 1) for t in lg.mlflow_tags)
+    # Comet first: it asks to be imported before the libraries it watches (mlflow among them).
+    if lg.comet_project:
+        comet_ml = _import_logger("comet_ml", "--comet-project", "comet_ml")
+        comet_config = comet_ml.config.get_config()
+        online = comet_config["comet.start.online"] is not False and not comet_config["comet.offline"]
+        if online and not (lg.comet_api_key or comet_config["comet.api_key"]):
+            raise ConfigError("--comet-project: no Comet API key; set COMET_API_KEY (or run `comet login`), or set "
+                              "COMET_START_ONLINE=0 to write an offline experiment")
+    if lg.wandb_project:
+        _import_logger("wandb", "--wandb-project", "wandb")
+        if not lg.wandb_exp_name:
+            raise ConfigError("--wandb-project needs --wandb-exp-name (the run's name), as in Megatron-LM")
+    if lg.mlflow_experiment:
+        mlflow = _import_logger("mlflow", "--mlflow-experiment", "mlflow-skinny")
+        _check_mlflow_store(lg.mlflow_tracking_uri or mlflow.get_tracking_uri())
+
+
+def _check_mlflow_store(uri: str) -> None:
+    """MLflow 3 opens a file store (a path or file://) only with MLFLOW_ALLOW_FILE_STORE=true, and a database store
+    (its default is sqlite:///mlflow.db) only with SQLAlchemy, which mlflow-skinny lacks: say so now, not mid-run."""
+    import importlib.util
+
+    scheme = uri.split("://", 1)[0] if "://" in uri else "file"
+    if scheme == "file":
+        from mlflow import environment_variables
+
+        allow = getattr(environment_variables, "MLFLOW_ALLOW_FILE_STORE", None)  # absent: an MLflow that allows it
+        if allow is not None and not allow.get():
+            raise ConfigError(f"MLflow tracking store {uri} is a file store, which MLflow opens only with "
+                              f"MLFLOW_ALLOW_FILE_STORE=true; set it, or give --mlflow-tracking-uri http://HOST:PORT")
+    elif scheme.split("+")[0] in ("sqlite", "postgresql", "mysql", "mssql") and importlib.util.find_spec("sqlalchemy") is None:
+        raise ConfigError(f"MLflow tracking store {uri} is a database, which needs the full mlflow package (pip install "
+                          f"mlflow); or give --mlflow-tracking-uri http://HOST:PORT, or file:///DIR with MLFLOW_ALLOW_FILE_STORE=true")
+
+
 def print_config(cfg: ConfigContainer, file=sys.stdout) -> None:
     """The resolved config, Megatron-style: one dotted line per setting, by section; with
     --log-non-default-values, Bridge's summary of the settings that differ from their defaults."""
@@ -1312,7 +1430,9 @@ def print_config(cfg: ConfigContainer, file=sys.stdout) -> None:
     for section in SECTIONS:
         for f in dataclasses.fields(getattr(cfg, section)):
             name = f"{section}.{f.name}"
-            print(f"  {name} {'.' * max(3, 48 - len(name))} {getattr(getattr(cfg, section), f.name)}", file=file)
+            value = getattr(getattr(cfg, section), f.name)
+            value = "(hidden)" if value and f.name == "comet_api_key" else value
+            print(f"  {name} {'.' * max(3, 48 - len(name))} {value}", file=file)
     for name in ("world_size", "data_parallel_size", "use_gpu", "padded_vocab_size"):
         print(f"  {name} {'.' * max(3, 48 - len(name))} {getattr(cfg, name)}", file=file)
     print("-------------------- end of arguments ---------------------", file=file, flush=True)

@@ -6,8 +6,10 @@ number of samples already consumed into the next microbatch of this data-paralle
 run reads exactly what an uninterrupted one would have.
 """
 
+import dataclasses
 import os
 import warnings
+from typing import Dict, Optional
 
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed.*")  # as in model.py
 
@@ -103,8 +105,12 @@ def embedding_rows(tokenizer) -> int:
 def build_tokenizer(cfg):
     tk = cfg.tokenizer
     if tk.tokenizer_type == "HuggingFaceTokenizer":
-        return HuggingFaceTokenizer(tk.tokenizer_model)
-    return NullTokenizer(tk.vocab_size) if tk.tokenizer_type == "NullTokenizer" else ByteTokenizer()
+        tokenizer = HuggingFaceTokenizer(tk.tokenizer_model)
+    else:
+        tokenizer = NullTokenizer(tk.vocab_size) if tk.tokenizer_type == "NullTokenizer" else ByteTokenizer()
+    if getattr(cfg.dataset, "fim_data", False):
+        add_fim_tokens(tokenizer, cfg.dataset)
+    return tokenizer
 
 
 # --------------------------------------------------------------------------------------------------
@@ -165,7 +171,8 @@ def build_datasets(cfg, tokenizer) -> list:
         blend = parse_data_path(d.data_path)
     elif not d.mock_data:
         blend = ([builtin_corpus_prefix(cfg)], None)
-    config = GPTDatasetConfig(
+    config = (GPTFIMDatasetConfig if d.fim_data else GPTDatasetConfig)(
+        **(fim_settings(d) if d.fim_data else {}),
         random_seed=cfg.rng.seed,
         sequence_length=cfg.model.seq_length,
         blend=blend,
@@ -190,7 +197,7 @@ def build_datasets(cfg, tokenizer) -> list:
             error = e
     if any_rank(error is not None, cfg.use_gpu):
         raise error or ConfigError("the data holds token ids outside the vocabulary (see rank 0's error)")
-    cls = MockGPTDataset if d.mock_data else GPTDataset
+    cls = MockGPTDataset if d.mock_data else GPTFIMDataset if d.fim_data else GPTDataset
     # Tensor-parallel ranks of one data-parallel rank read the same samples; megatron-core builds the
     # index caches on global rank 0 first, then everywhere else.
     return BlendedMegatronDatasetBuilder(cls, train_valid_test_num_samples(cfg), lambda: True, config).build()
@@ -225,6 +232,169 @@ def check_split_not_empty(prefixes: list, split: str) -> None:
             if w > 0 and hi <= lo:  # a zero share means "no such set", not an empty one
                 raise ConfigError(f"--split {split} leaves the {name} set of {prefix} empty ({n} documents); "
                                   f"give it a larger share, or a share of 0 to build no {name} set")
+
+
+# --------------------------------------------------------------------------------------------------
+# Fill-in-the-Middle (--fim-data): Megatron-LM's GPTFIMDataset (megatron/training/datasets/fim_dataset.py),
+# which megatron-core 0.16.1 does not ship
+# --------------------------------------------------------------------------------------------------
+
+
+def add_fim_tokens(tokenizer, d) -> dict:
+    """Give the tokenizer the FIM sentinels named by --fim-prefix/middle/suffix/pad-token; returns {role: id}.
+
+    ByteTokenizer and NullTokenizer have no named tokens: prefix, middle and suffix become new ids after the
+    vocabulary, and the pad is their pad id just past it (so GPTDataset masks it from the loss). A HuggingFace
+    tokenizer must hold all four already (code tokenizers do: <fim_prefix>, <|fim_prefix|>, ...).
+    """
+    names = {"prefix": d.fim_prefix_token, "middle": d.fim_middle_token, "suffix": d.fim_suffix_token,
+             "pad": d.fim_pad_token}
+    if isinstance(tokenizer, HuggingFaceTokenizer):
+        ids = {role: tokenizer._tokenizer.token_to_id(name) for role, name in names.items()}
+        missing = [role for role, i in ids.items() if i is None]
+        if missing:
+            raise ConfigError(f"--fim-data: {tokenizer.file} has no token '{names[missing[0]]}' (--fim-{missing[0]}-token); "
+                              f"give the names its vocabulary uses for the FIM tokens (e.g. <|fim_{missing[0]}|>)")
+        tokenizer.pad = ids["pad"]  # the FIM padding is masked from the loss as padding
+    else:
+        ids = {role: tokenizer.vocab_size + k for k, role in enumerate(("prefix", "middle", "suffix"))}
+        tokenizer.vocab_size += 3
+        tokenizer.pad = ids["pad"] = tokenizer.vocab_size
+    if d.fim_split_sample:
+        token_id_of(tokenizer, d.fim_split_sample, "--fim-split-sample")  # one token, or a one-line error now
+    tokenizer.fim_ids = ids
+    tokenizer.unique_identifiers = {**tokenizer.unique_identifiers, "fim_tokens": names}
+    return ids
+
+
+def token_id_of(tokenizer, text: str, flag: str) -> int:
+    """The id of a text that must be one token: a named token of a HuggingFace vocabulary, or one that tokenizes alone."""
+    named = getattr(tokenizer, "_tokenizer", None)
+    if named is not None and named.token_to_id(text) is not None:
+        return named.token_to_id(text)
+    ids = tokenizer.tokenize(text)
+    if len(ids) != 1:
+        raise ConfigError(f"{flag} {text!r} is {len(ids)} tokens for this tokenizer; it must be exactly one token")
+    return ids[0]
+
+
+def fim_settings(d) -> dict:
+    """The FIM fields of GPTFIMDatasetConfig from the --fim-* flags."""
+    return dict(fim_rate=d.fim_rate, fim_spm_rate=d.fim_spm_rate, fim_split_sample=d.fim_split_sample,
+                fim_fragment_rate=d.fim_rate if d.fim_fragment_rate is None else d.fim_fragment_rate,
+                fim_no_prefix=d.fim_no_prefix,
+                fim_extra_tokens={"prefix": d.fim_prefix_token, "middle": d.fim_middle_token,
+                                  "suffix": d.fim_suffix_token, "pad": d.fim_pad_token})
+
+
+@dataclasses.dataclass
+class GPTFIMDatasetConfig(GPTDatasetConfig):
+    """Megatron Bridge's GPTFIMDatasetConfig: GPTDatasetConfig plus the FIM settings."""
+
+    fim_rate: float = None  # probability to FIM-reorder a document (or, with fim_split_sample, a sample's fragments)
+    fim_spm_rate: float = None  # probability that a reordered piece uses SPM rather than PSM
+    fim_extra_tokens: Dict = None  # {"prefix", "middle", "suffix", "pad"}: token names; EOD is the tokenizer's
+    fim_split_sample: Optional[str] = None  # one-token text splitting a document into fragments
+    fim_fragment_rate: Optional[float] = None  # FIM probability of each fragment
+    fim_no_prefix: Optional[str] = None  # fragments starting with this text are left as they are
+
+
+def split_keep(tokens: np.ndarray, separator: int) -> list:
+    """The runs of tokens between separators (the separators themselves dropped): [run, run, ...]."""
+    runs = np.split(tokens, np.flatnonzero(tokens == separator))  # every run but the first starts with a separator
+    return [runs[0]] + [run[1:] for run in runs[1:]]
+
+
+def join_keep(runs: list, separator: int) -> np.ndarray:
+    """split_keep undone: the runs with a separator between each two."""
+    parts = []
+    for k, run in enumerate(runs):
+        if k:
+            parts.append(np.array([separator], dtype=np.int64))
+        parts.append(np.asarray(run, dtype=np.int64))
+    return np.concatenate(parts)
+
+
+def fim_permute(tokens: np.ndarray, rng, rate: float, spm_rate: float, ids: dict, skip=None) -> np.ndarray:
+    """With probability `rate`, cut `tokens` at two random points into prefix, middle and suffix and reorder them
+    (Megatron-LM fim_dataset.py `_permute`; Bavarian et al. 2022, "Efficient Training of Language Models to Fill
+    in the Middle"):
+
+        PSM:  <prefix> prefix <suffix> suffix <middle> middle
+        SPM:  <prefix> <suffix> suffix <middle> prefix middle        (with probability spm_rate)
+
+    Megatron-LM cuts between characters of the detokenized text and re-tokenizes the three pieces; here the cuts
+    fall between tokens, so nothing is re-tokenized and the pieces are exactly the original tokens, reordered.
+    `skip(tokens)` True leaves them as they are (--fim-no-prefix).
+    """
+    if not len(tokens) or not rng.binomial(1, rate) or (skip is not None and skip(tokens)):
+        return tokens
+    lo, hi = np.sort(rng.integers(0, len(tokens) + 1, size=2))
+    prefix, middle, suffix = tokens[:lo], tokens[lo:hi], tokens[hi:]
+    if rng.binomial(1, spm_rate):
+        order = [[ids["prefix"], ids["suffix"]], suffix, [ids["middle"]], prefix, middle]
+    else:
+        order = [[ids["prefix"]], prefix, [ids["suffix"]], suffix, [ids["middle"]], middle]
+    return np.concatenate([np.asarray(p, dtype=np.int64) for p in order])
+
+
+def fim_document(tokens: np.ndarray, rng, c, ids: dict, split_id=None, skip=None) -> np.ndarray:
+    """FIM on one document's tokens (Megatron-LM `_fim_split_and_permute_sequence`): the whole of it at fim_rate,
+    or, when it holds the --fim-split-sample token, with probability fim_rate each fragment between those
+    tokens at fim_fragment_rate (a repository split into files, each file reordered on its own)."""
+    if split_id is None or not (tokens == split_id).any():
+        return fim_permute(tokens, rng, c.fim_rate, c.fim_spm_rate, ids, skip)
+    if not rng.binomial(1, c.fim_rate):
+        return tokens
+    fragments = [fim_permute(f, rng, c.fim_fragment_rate, c.fim_spm_rate, ids, skip) for f in split_keep(tokens, split_id)]
+    return join_keep(fragments, split_id)
+
+
+def fim_sample(sample: np.ndarray, rng, c, ids: dict, eod: int, split_id=None, skip=None) -> np.ndarray:
+    """A GPTDataset sample (seq_length + 1 tokens) with each document in it FIM-reordered on its own (the
+    end-of-document tokens stay where they separate), then cut or padded back to its length with the pad
+    token (Megatron-LM `GPTFIMDataset._query_document_sample_shuffle_indices`). The sentinels add 3 tokens
+    per reordered piece, so the sample's last tokens are dropped; padding GPTDataset added at the end of the
+    data is set aside first, so it never lands inside a piece."""
+    n = end = len(sample)
+    while end and sample[end - 1] == ids["pad"]:
+        end -= 1
+    out = join_keep([fim_document(doc, rng, c, ids, split_id, skip) for doc in split_keep(sample[:end], eod)], eod)
+    if len(out) >= n:
+        return out[:n]
+    return np.concatenate([out, np.full(n - len(out), ids["pad"], dtype=np.int64)])
+
+
+class GPTFIMDataset(GPTDataset):
+    """megatron-core's GPTDataset whose samples are FIM-reordered (Megatron-LM's GPTFIMDataset).
+
+    Each sample draws from its own random stream, seeded by (seed, dataset, sample index), where Megatron-LM
+    keeps one stream per dataset: the draws then do not depend on the order samples are read in, the
+    DataLoader worker that reads them, or where a run resumed, so a resumed run sees the same samples.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # FIM pads with the pad id, and megatron-core 0.16.1 zeroes the loss at pad labels in place on its
+        # cached loss mask (see ByteTokenizer): compute the masks per sample instead.
+        self.masks_and_position_ids_are_cacheable = False
+        c, tokenizer = self.config, self.config.tokenizer
+        self.fim_ids = dict(tokenizer.fim_ids)
+        self.split_id = token_id_of(tokenizer, c.fim_split_sample, "--fim-split-sample") if c.fim_split_sample else None
+        self.stream = int(self.unique_description_hash[:8], 16)
+
+    def starts_with_no_prefix(self, tokens: np.ndarray) -> bool:
+        """Whether a fragment's text starts with --fim-no-prefix. Every token decodes to at least one byte, so
+        the first len(bytes) tokens hold that text if it is there: only those are decoded."""
+        text = self.config.fim_no_prefix
+        return self.config.tokenizer.detokenize(tokens[: len(text.encode("utf-8"))].tolist()).startswith(text)
+
+    def _query_document_sample_shuffle_indices(self, idx):
+        sample, document_ids = super()._query_document_sample_shuffle_indices(idx)
+        rng = np.random.default_rng((self.config.random_seed, self.stream, int(idx)))
+        skip = self.starts_with_no_prefix if self.config.fim_no_prefix else None
+        return fim_sample(sample, rng, self.config, self.fim_ids, self.config.tokenizer.eod, self.split_id,
+                          skip), document_ids
 
 
 # --------------------------------------------------------------------------------------------------

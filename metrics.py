@@ -1,10 +1,12 @@
-"""metrics.py: every reporting utility — the log line, TensorBoard scalars, timers, FLOPs.
+"""metrics.py: every reporting utility — the log line, TensorBoard (and W&B, MLflow, Comet) scalars, timers, FLOPs.
 
 Nothing here holds training state: functions take the state they report on. Each formula is a small
 pure function whose docstring says where it comes from.
 """
 
+import json
 import math
+import os
 import sys
 import time
 from datetime import datetime
@@ -288,7 +290,7 @@ def report_memory(memory_keys=None) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------
-# TensorBoard
+# Writers: TensorBoard, Weights & Biases, MLflow and Comet behind one add_scalar
 # --------------------------------------------------------------------------------------------------
 
 
@@ -299,6 +301,136 @@ def tensorboard_writer(cfg):
     from torch.utils.tensorboard import SummaryWriter
 
     return SummaryWriter(log_dir=cfg.logger.tensorboard_dir, max_queue=1000)
+
+
+class StepWriter:
+    """A tracker with a single step axis. TensorBoard also gets each scalar against the consumed samples
+    ("NAME vs samples"); those twins are not sent here, as Megatron sends W&B, MLflow and Comet only the
+    iteration-keyed scalars (Bridge `training_log`)."""
+
+    def add_scalar(self, tag: str, value, step: int) -> None:
+        if not tag.endswith(" vs samples"):
+            self.log(tag, float(value), int(step))
+
+    def flush(self) -> None:
+        pass
+
+
+class WandbWriter(StepWriter):
+    """Weights & Biases (Megatron-LM `global_vars._set_wandb_writer`): a run named --wandb-exp-name in
+    --wandb-project, the resolved config as its config, files under --wandb-save-dir (default SAVE/wandb)."""
+
+    def __init__(self, cfg):
+        import wandb
+
+        lg = cfg.logger
+        save_dir = lg.wandb_save_dir or (os.path.join(cfg.checkpoint.save, "wandb") if cfg.checkpoint.save else None)
+        if save_dir:
+            os.makedirs(save_dir, exist_ok=True)
+        self.run = wandb.init(project=lg.wandb_project, name=lg.wandb_exp_name, entity=lg.wandb_entity, dir=save_dir,
+                              config=json.loads(json.dumps(cfg.to_dict(), default=str)))
+
+    def log(self, tag, value, step):
+        self.run.log({tag: value}, step=step)  # scalars of one step gather into one row
+
+    def close(self):
+        self.run.finish()
+
+
+class MlflowWriter(StepWriter):
+    """MLflow (Megatron Bridge's MLflow logger): a run of --mlflow-experiment named --mlflow-run-name with
+    --mlflow-tags. Scalars wait for flush() (each log interval) and go as one batch: one request per
+    interval to a tracking server, not one per scalar. '/' in names becomes '_' (Bridge's
+    `_sanitize_mlflow_metrics`)."""
+
+    def __init__(self, cfg):
+        from mlflow.tracking import MlflowClient
+
+        lg = cfg.logger
+        self.client = MlflowClient(tracking_uri=lg.mlflow_tracking_uri)  # None: MLFLOW_TRACKING_URI or MLflow's default
+        experiment = self.client.get_experiment_by_name(lg.mlflow_experiment)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(lg.mlflow_experiment)
+        self.run_id = self.client.create_run(experiment_id, run_name=lg.mlflow_run_name, tags=lg.mlflow_tags or {}).info.run_id
+        self.pending = []
+
+    def log(self, tag, value, step):
+        from mlflow.entities import Metric
+
+        self.pending.append(Metric(tag.replace("/", "_"), value, int(time.time() * 1000), step))
+
+    def flush(self):
+        for i in range(0, len(self.pending), 1000):  # MLflow takes at most 1000 metrics per batch
+            self.client.log_batch(self.run_id, metrics=self.pending[i: i + 1000])
+        self.pending = []
+
+    def close(self):
+        self.flush()
+        self.client.set_terminated(self.run_id)
+
+
+class CometWriter(StepWriter):
+    """Comet (Megatron Bridge's Comet logger): an experiment of --comet-project named --comet-experiment-name
+    with --comet-tags and the resolved config as parameters. Online with an API key, or an offline archive
+    with COMET_START_ONLINE=0. Comet's own automatic logging (hooks into torch, argv, the console) is off:
+    the scalars come from here, once."""
+
+    def __init__(self, cfg):
+        import comet_ml
+
+        lg = cfg.logger
+        self.experiment = comet_ml.start(
+            api_key=lg.comet_api_key, workspace=lg.comet_workspace, project_name=lg.comet_project,
+            experiment_config=comet_ml.ExperimentConfig(
+                name=lg.comet_experiment_name, tags=lg.comet_tags, auto_metric_logging=False, auto_param_logging=False,
+                auto_output_logging=False, parse_args=False, log_code=False, log_graph=False, log_git_metadata=False,
+                log_git_patch=False, display_summary_level=0))
+        self.experiment.log_parameters(cfg.to_dict())
+
+    def log(self, tag, value, step):
+        self.experiment.log_metric(tag, value, step=step)
+
+    def close(self):
+        self.experiment.end()
+
+
+TRACKERS = (("wandb_project", WandbWriter), ("mlflow_experiment", MlflowWriter), ("comet_project", CometWriter))
+
+
+def writers_configured(logger_config) -> bool:
+    """Whether any writer is asked for: then every rank computes the scalars (some are collectives)."""
+    return bool(logger_config.tensorboard_dir) or any(getattr(logger_config, switch) for switch, _ in TRACKERS)
+
+
+class Writers:
+    """The run's writers as one SummaryWriter-like object: add_scalar(tag, value, step), flush(), close().
+    `tensorboard` is the SummaryWriter itself (or None), for what only TensorBoard takes (images, histograms)."""
+
+    def __init__(self, writers: list, tensorboard=None):
+        self.writers, self.tensorboard = writers, tensorboard
+
+    def add_scalar(self, tag: str, value, step: int) -> None:
+        for writer in self.writers:
+            writer.add_scalar(tag, value, step)
+
+    def flush(self) -> None:
+        for writer in self.writers:
+            writer.flush()
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
+
+
+def build_writers(cfg):
+    """Writers for --tensorboard-dir, --wandb-project, --mlflow-experiment and --comet-project, on the last
+    rank (where Megatron writes, and where the loss is known); None on other ranks or when none is asked for.
+    Each tracker's package is imported only here, when asked for (config.validate checked it imports)."""
+    if not writers_configured(cfg.logger) or not is_last_rank():
+        return None
+    tensorboard = tensorboard_writer(cfg)
+    writers = [tensorboard] if tensorboard is not None else []
+    writers += [cls(cfg) for switch, cls in TRACKERS if getattr(cfg.logger, switch)]
+    return Writers(writers, tensorboard)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -336,9 +468,9 @@ def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_r
             total_loss_dict[key] = total_loss_dict.get(key, 0.0) + v
     total_loss_dict[NAN] = total_loss_dict.get(NAN, 0) + int(got_nan)
 
-    writer = global_state.tensorboard_logger
+    writer = global_state.writers
     flops = num_floating_point_operations(config, batch_size, config.padded_vocab_size)
-    if lg.tensorboard_dir and iteration % lg.tensorboard_log_interval == 0:
+    if writers_configured(lg) and iteration % lg.tensorboard_log_interval == 0:
         scalars = {"learning-rate": learning_rate, "decoupled-learning-rate": decoupled_learning_rate,
                    "batch-size": batch_size, "loss-scale": loss_scale, "grad-norm": grad_norm,
                    "num-zeros": num_zeros_in_grad, "params-norm": params_norm}

@@ -84,7 +84,7 @@ class TrainState:
 
 class GlobalState:
     """Everything a run carries, passed explicitly (no process-global state): the config, the progress,
-    the timers, the TensorBoard writer (created on first use, on the last rank only), the signal handler."""
+    the timers, the metric writers (created on first use, on the last rank only), the signal handler."""
 
     def __init__(self, cfg: ConfigContainer):
         self.cfg = cfg
@@ -99,7 +99,7 @@ class GlobalState:
         self.async_calls_queue = None  # --async-save: the checkpoint writes in flight (checkpoint.py)
         self.straggler_timer = metrics.StragglerTimer(cfg.straggler.log_straggler, cfg.use_gpu)
         self.rerun_state_machine = None  # megatron-core's RerunStateMachine, set at setup
-        self._tensorboard_logger = None
+        self._writers = None
         self.num_microbatches_calculator = build_num_microbatches_calculator(cfg)  # follows --rampup-batch-size
 
     @property
@@ -113,10 +113,17 @@ class GlobalState:
         return self.num_microbatches_calculator.get_current_global_batch_size()
 
     @property
+    def writers(self):
+        """TensorBoard, W&B, MLflow and Comet behind one add_scalar (metrics.Writers), opened on first use on
+        the last rank; None on other ranks and when none is configured."""
+        if self._writers is None:
+            self._writers = metrics.build_writers(self.cfg)
+        return self._writers
+
+    @property
     def tensorboard_logger(self):
-        if self._tensorboard_logger is None and self.cfg.logger.tensorboard_dir:
-            self._tensorboard_logger = metrics.tensorboard_writer(self.cfg)
-        return self._tensorboard_logger
+        """The TensorBoard SummaryWriter itself, or None."""
+        return self.writers.tensorboard if self.writers is not None else None
 
 
 # ==================================================================================================
@@ -251,6 +258,8 @@ def setup(cfg: ConfigContainer):
     initialize_distributed(cfg)
     set_random_seed(cfg.rng.seed, cfg.use_gpu)
     state = GlobalState(cfg)
+    if state.writers is not None:  # opened now, as Megatron does: a tracker that cannot start fails before the model
+        print(f"> writing metrics to {', '.join(type(w).__name__ for w in state.writers.writers)}", flush=True)
     tokenizer = state.tokenizer = data.build_tokenizer(cfg)
     m = cfg.model
     vocab_size = data.embedding_rows(tokenizer)
@@ -566,12 +575,12 @@ def evaluate_and_print_results(state: GlobalState, prefix: str, forward_step_fun
     timers("interval-time").stop()  # evaluation time is not training time
     losses, collected, _ = evaluate(state, forward_step_func, data_iterator, model, process_non_loss_data_func,
                                     config, verbose, non_loss_data_func)
-    writer = state.tensorboard_logger if write_to_tensorboard else None
+    writer = state.writers if write_to_tensorboard else None
     ts = state.train_state
     metrics.log_evaluation(prefix, losses, ts.step, ts.consumed_train_samples, writer,
                            config.logger.log_validation_ppl_to_tensorboard)
     if process_non_loss_data_func is not None and collected is not None and metrics.is_last_rank():
-        process_non_loss_data_func(collected, ts.step, writer)
+        process_non_loss_data_func(collected, ts.step, state.tensorboard_logger if write_to_tensorboard else None)
     timers("interval-time").start()
     return losses
 
@@ -969,8 +978,8 @@ def _dummy_train_step(global_state: GlobalState, train_data_iterator) -> None:
 
 def _finish_train(global_state: GlobalState) -> None:
     """Flush and close what the run opened; leave the process able to start another run."""
-    if global_state._tensorboard_logger is not None:
-        global_state._tensorboard_logger.close()
+    if global_state._writers is not None:
+        global_state._writers.close()
     if global_state.signal_handler is not None:
         global_state.signal_handler.release()
     mcore_rerun.destroy_rerun_state_machine()

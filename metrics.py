@@ -647,11 +647,12 @@ def reduce_max_stat_across_model_parallel_group(stat):
     the result is None only if every rank had None (statistics reported here are never negative)."""
     from megatron.core import parallel_state
 
+    group = parallel_state.get_model_parallel_group()
+    if torch.distributed.get_world_size(group) == 1:  # nothing to agree on: no tensor, no device round trip
+        return None if stat is None else float(stat)
     value = torch.tensor([-1.0 if stat is None else float(stat)],
                          device="cuda" if torch.cuda.is_available() and torch.cuda.is_initialized() else "cpu")
-    group = parallel_state.get_model_parallel_group()
-    if torch.distributed.get_world_size(group) > 1:
-        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=group)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=group)
     return None if value.item() == -1.0 else value.item()
 
 
@@ -659,11 +660,12 @@ def logical_and_across_model_parallel_group(input: bool) -> bool:
     """True if `input` is True on every rank of the model-parallel group."""
     from megatron.core import parallel_state
 
+    group = parallel_state.get_model_parallel_group()
+    if torch.distributed.get_world_size(group) == 1:
+        return bool(input)
     value = torch.tensor([int(bool(input))],
                          device="cuda" if torch.cuda.is_available() and torch.cuda.is_initialized() else "cpu")
-    group = parallel_state.get_model_parallel_group()
-    if torch.distributed.get_world_size(group) > 1:
-        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=group)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=group)
     return bool(value.item())
 
 

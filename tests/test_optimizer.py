@@ -123,16 +123,20 @@ def test_a_failed_step_is_skipped_and_leaves_the_model_and_schedule_alone(single
 
         return output, times_inf
 
+    batches = train.attach_rerun_state_machine(state, batches)  # as setup() does (disabled mode: a no-op)
     before = [p.detach().clone() for p in model[0].parameters()]
     steps_before = scheduler.num_steps
-    _, skipped_iter, _, should_exit, _, grad_norm, _ = train.train_step(inf_loss, batches, model, optimizer, scheduler,
-                                                                        state)
-    assert skipped_iter == 1 and not should_exit
-    assert all(torch.equal(a, b) for a, b in zip(before, model[0].parameters()))
-    assert scheduler.num_steps == steps_before
-    _, skipped_iter, *_ = train.train_step(train.prepare_forward_step_func(train.forward_step, state), batches, model,
-                                           optimizer, scheduler, state)
-    assert skipped_iter == 0 and scheduler.num_steps == steps_before + cfg.train.global_batch_size
+    try:
+        _, skipped_iter, _, should_exit, _, grad_norm, _ = train.train_step(inf_loss, batches, model, optimizer,
+                                                                            scheduler, state)
+        assert skipped_iter == 1 and not should_exit
+        assert all(torch.equal(a, b) for a, b in zip(before, model[0].parameters()))
+        assert scheduler.num_steps == steps_before
+        _, skipped_iter, *_ = train.train_step(train.prepare_forward_step_func(train.forward_step, state), batches,
+                                               model, optimizer, scheduler, state)
+        assert skipped_iter == 0 and scheduler.num_steps == steps_before + cfg.train.global_batch_size
+    finally:
+        train.mcore_rerun.destroy_rerun_state_machine()  # registered process-wide by megatron-core's design
 
 
 def test_tensor_parallel_ranks_agree_on_steps_and_grad_norms(tmp_path):

@@ -79,3 +79,22 @@ def test_overlap_param_gather_toggles_forward_pre_hooks_and_trains_as_without(tm
                         "--ckpt-step", "4"], nproc=nproc)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [l[3] for l in log_lines(resumed.stdout)] == pytest.approx(overlap_losses[4:], rel=1e-3)
+
+
+def test_async_save_with_dist_checkpointing_publishes_and_resumes_exactly(tmp_path):
+    """--async-save through megatron-core's AsyncCallsQueue: the checkpoint of iteration 6 is published
+    while training goes on, and resuming from it gives the straight run's losses for 7-12."""
+    args = [*TINY, "--mock-data", "--bf16", "--use-distributed-optimizer", "--log-interval", "1", "--eval-iters", "0",
+            "--num-workers", "0", "--data-cache-path", str(tmp_path / "cache"), "--train-iters", "12",
+            "--save", str(tmp_path / "ckpt"), "--save-interval", "6", "--async-save"]
+    straight = torchrun(args, nproc=1)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert "successfully saved checkpoint from iteration       6" in straight.stdout
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "12"
+    assert "metadata.json" in os.listdir(tmp_path / "ckpt" / "iter_0000006")
+    resumed = torchrun([a for a in args if a != "--async-save"] + ["--load", str(tmp_path / "ckpt"), "--ckpt-step", "6",
+                                                                   "--save", str(tmp_path / "ckpt2")], nproc=1)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    first, second = log_lines(straight.stdout), log_lines(resumed.stdout)
+    assert [l[0] for l in second] == list(range(7, 13))
+    assert [l[3] for l in second] == pytest.approx([l[3] for l in first[6:]], rel=1e-6)

@@ -55,6 +55,7 @@ from megatron.core.utils import configure_nvtx_profiling, nvtx_range_pop, nvtx_r
 import checkpoint  # noqa: E402
 import data  # noqa: E402
 import metrics  # noqa: E402
+import profiling  # noqa: E402
 from config import ConfigContainer  # noqa: E402
 from metrics import print_rank_0, print_rank_last  # noqa: E402
 
@@ -268,7 +269,7 @@ def setup(cfg: ConfigContainer):
         config_lib.print_config(cfg)
     if cfg.train.exit_signal_handler:
         state.signal_handler = DistributedSignalHandler(signal.Signals[cfg.train.exit_signal])
-    start_memory_history_recording(cfg.profiling)  # before the model, so its allocations are in the history
+    profiling.start_memory_history_recording(cfg.profiling)  # before the model, so its allocations are in the history
     model = build_model(cfg, vocab_size)
     if parallel_state.get_data_parallel_rank() == 0:
         print(f" > number of parameters on (tensor, pipeline) model parallel rank "
@@ -756,7 +757,7 @@ def post_training_step_callbacks(model: list, num_floating_point_operations_sinc
                                            config.straggler.straggler_minmax_count):
             print_rank_0(line)
         num_floating_point_operations_since_last_log_event = 0.0
-    handle_profiling_stop(config.profiling, iteration, torch.distributed.get_rank(), prof, nsys_nvtx_context)
+    profiling.handle_profiling_stop(config.profiling, iteration, torch.distributed.get_rank(), prof, nsys_nvtx_context)
     if config.train.manual_gc and config.train.manual_gc_interval and iteration % config.train.manual_gc_interval == 0:
         gc.collect()
     return num_floating_point_operations_since_last_log_event
@@ -775,9 +776,9 @@ def start_post_training_step_callbacks(state: GlobalState) -> Optional[torch.pro
     if cfg.profiling.nvtx_ranges:
         configure_nvtx_profiling(True)
     p = cfg.profiling
-    if not (p.use_pytorch_profiler and should_profile_rank(p, torch.distributed.get_rank())):
+    if not (p.use_pytorch_profiler and profiling.should_profile_rank(p, torch.distributed.get_rank())):
         return None
-    prof = initialize_pytorch_profiler(p, cfg.logger.tensorboard_dir, state.train_state.step)
+    prof = profiling.initialize_pytorch_profiler(p, cfg.logger.tensorboard_dir, state.train_state.step)
     if prof is not None:
         prof.start()
     return prof
@@ -788,11 +789,11 @@ def finish_post_training_step_callbacks(state: GlobalState, prof, nsys_nvtx_cont
     process back its automatic garbage collector and NVTX setting (pretrain() may be called again from Python)."""
     cfg = state.cfg
     if state.train_state.step < cfg.profiling.profile_step_end:
-        handle_profiling_stop(cfg.profiling, cfg.profiling.profile_step_end, torch.distributed.get_rank(), prof,
+        profiling.handle_profiling_stop(cfg.profiling, cfg.profiling.profile_step_end, torch.distributed.get_rank(), prof,
                               nsys_nvtx_context)
     if cfg.profiling.nvtx_ranges:
         configure_nvtx_profiling(False)
-    if cfg.profiling.record_memory_history and should_profile_rank(cfg.profiling, torch.distributed.get_rank()):
+    if cfg.profiling.record_memory_history and profiling.should_profile_rank(cfg.profiling, torch.distributed.get_rank()):
         torch.cuda.memory._record_memory_history(enabled=None)
     if cfg.train.manual_gc:
         gc.enable()
@@ -803,77 +804,6 @@ def collect_garbage_around_eval(cfg: ConfigContainer, after: bool) -> None:
     evaluation, and after it a collection of the youngest generation, where what evaluation made lives."""
     if cfg.train.manual_gc and cfg.train.manual_gc_eval:
         gc.collect(generation=0 if after else 2)
-
-
-def should_profile_rank(config: config_lib.ProfilingConfig, rank: int) -> bool:
-    """Bridge `profiling.should_profile_rank`: the ranks in --profile-ranks (an empty list: every rank)."""
-    return not config.profile_ranks or rank in config.profile_ranks
-
-
-def initialize_pytorch_profiler(config: config_lib.ProfilingConfig, tensorboard_dir: str,
-                                start_step: int = 0) -> Optional[torch.profiler.profile]:
-    """Bridge `profiling.initialize_pytorch_profiler` with Megatron-LM's trace handler: a one-step warm-up, then
-    iterations profile_step_start .. profile_step_end - 1 (as the log line numbers them) recorded into
-    `tensorboard_dir/rank<N>.<time>.pt.trace.json`, which TensorBoard's profiler plugin and Perfetto open.
-
-    The profiler counts steps from this job's first, so the schedule is shifted by the iteration the job resumed at;
-    None if it resumed past the start."""
-    first = config.profile_step_start - start_step
-    if first < 0:
-        print(f" rank {torch.distributed.get_rank()}: not profiling: this job starts at iteration {start_step}, after "
-              f"--profile-step-start {config.profile_step_start}", flush=True)
-        return None
-    schedule = torch.profiler.schedule(wait=max(first - 1, 0), warmup=1 if first > 0 else 0,
-                                       active=config.profile_step_end - config.profile_step_start, repeat=1)
-    handler = torch.profiler.tensorboard_trace_handler(tensorboard_dir, worker_name=f"rank{torch.distributed.get_rank()}")
-    return torch.profiler.profile(schedule=schedule, on_trace_ready=handler,
-                                  record_shapes=config.pytorch_profiler_collect_shapes,
-                                  with_stack=config.pytorch_profiler_collect_callstack)
-
-
-def handle_profiling_step(config: config_lib.ProfilingConfig, iteration: int, rank: int,
-                          pytorch_prof: Optional[torch.profiler.profile]):
-    """Bridge `profiling.handle_profiling_step`, at the top of each iteration: advance the PyTorch profiler's
-    schedule; with --profile alone, start Nsight Systems' capture at --profile-step-start. Returns the NVTX
-    context it opened, if any."""
-    if not should_profile_rank(config, rank):
-        return None
-    if pytorch_prof is not None:
-        pytorch_prof.step()
-    elif config.use_nsys_profiler and not config.use_pytorch_profiler and iteration == config.profile_step_start:
-        # As Bridge's start_nsys_profiler: `nsys profile --capture-range=cudaProfilerApi` records from here.
-        torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStart())
-        nvtx_context = torch.autograd.profiler.emit_nvtx(record_shapes=config.record_shapes)
-        nvtx_context.__enter__()
-        return nvtx_context
-    return None
-
-
-def handle_profiling_stop(config: config_lib.ProfilingConfig, iteration: int, rank: int,
-                          pytorch_prof: Optional[torch.profiler.profile], nsys_nvtx_context=None) -> None:
-    """Bridge `profiling.handle_profiling_stop`, at --profile-step-end on a profiled rank: stop the PyTorch profiler
-    (it writes its trace) or Nsight Systems' capture; with --record-memory-history, dump the CUDA memory snapshot
-    (Bridge's training_log) to --memory-snapshot-path with _RANK before the extension."""
-    if iteration != config.profile_step_end or not should_profile_rank(config, rank):
-        return
-    if pytorch_prof is not None:
-        pytorch_prof.stop()
-    elif config.use_nsys_profiler and not config.use_pytorch_profiler:
-        torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStop())
-        if nsys_nvtx_context is not None:
-            nsys_nvtx_context.__exit__(None, None, None)
-    if config.record_memory_history:
-        base, ext = os.path.splitext(config.memory_snapshot_path)
-        path = f"{base}_{rank}{ext}"
-        torch.cuda.memory._dump_snapshot(path)
-        print(f" rank {rank}: saved CUDA memory snapshot to {path} (open it at https://pytorch.org/memory_viz)", flush=True)
-
-
-def start_memory_history_recording(config: config_lib.ProfilingConfig) -> None:
-    """--record-memory-history on a profiled rank: record the CUDA allocator's allocations and frees, with the
-    Python stack of each, so the snapshot shows a timeline and call sites (Bridge `start_memory_history_recording`)."""
-    if config.record_memory_history and should_profile_rank(config, torch.distributed.get_rank()):
-        torch.cuda.memory._record_memory_history(max_entries=100_000)
 
 
 # ==================================================================================================
@@ -909,7 +839,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
             checkpoint.maybe_finalize_async_save(global_state, blocking=False)
         num_microbatches = _follow_batch_size_rampup(global_state, model, optimizer, scheduler, checkpointing_context,
                                                      train_data_iterator, num_microbatches)
-        nsys_nvtx_context = handle_profiling_step(cfg.profiling, ts.step, rank, prof) or nsys_nvtx_context
+        nsys_nvtx_context = profiling.handle_profiling_step(cfg.profiling, ts.step, rank, prof) or nsys_nvtx_context
         if _should_skip_and_handle_iteration(global_state, train_data_iterator):
             continue
         loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm, num_zeros_in_grad = \

@@ -23,6 +23,17 @@ LOG_LINE = re.compile(
     r"number of skipped iterations: +(\d+) \| number of nan iterations: +(\d+) \|$", re.M)
 
 
+def config_error(argv, capsys, world_size=1, gpu=False) -> str:
+    """Parse `argv` expecting a validation error: exit code 2 and a one-line message on stderr, returned."""
+    import config
+
+    with pytest.raises(SystemExit) as e:
+        config.parse_args(argv, world_size=world_size, gpu=gpu)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    return err
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import config
-from conftest import ROOT
+from conftest import ROOT, config_error
 
 
 def parse(argv, world_size=1, gpu=False):
@@ -96,11 +96,8 @@ def test_run_config_yaml_round_trips(tmp_path):
     (["--no-such-flag"], 1, False, "unrecognized arguments: --no-such-flag"),
 ])
 def test_validation_errors_are_one_line_with_exit_code_2(argv, world_size, gpu, message, capsys):
-    with pytest.raises(SystemExit) as e:
-        parse(argv, world_size=world_size, gpu=gpu)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert message in err and err.count("\n") == 1, err
+    err = config_error(argv, capsys, world_size=world_size, gpu=gpu)
+    assert message in err, err
 
 
 def test_yaml_unknown_setting_is_named(tmp_path, capsys):
@@ -197,10 +194,8 @@ def test_sample_based_run_config_yaml_round_trips(tmp_path):
     (["--inprocess-restart", "--inprocess-active-world-size", "4"], 2, False, "must be between 1 and the world size 2"),
 ])
 def test_compatibility_errors_are_one_line(argv, world_size, gpu, message, capsys):
-    with pytest.raises(SystemExit) as e:
-        parse(argv, world_size=world_size, gpu=gpu)
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and message in err and err.count("\n") == 1, err
+    err = config_error(argv, capsys, world_size=world_size, gpu=gpu)
+    assert message in err, err
 
 
 @pytest.mark.parametrize("name, value", [("NCCL_ALGO", "Tree"), ("NCCL_ALGO", "Ring,Tree"),
@@ -208,10 +203,8 @@ def test_compatibility_errors_are_one_line(argv, world_size, gpu, message, capsy
 def test_deterministic_mode_refuses_a_nondeterministic_environment(name, value, monkeypatch, capsys):
     monkeypatch.setenv(name, value)
     parse([])  # only --deterministic-mode cares
-    with pytest.raises(SystemExit) as e:
-        parse(["--deterministic-mode"])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and f"--deterministic-mode: {name}={value}" in err and err.count("\n") == 1, err
+    err = config_error(["--deterministic-mode"], capsys)
+    assert f"--deterministic-mode: {name}={value}" in err, err
 
 
 def test_deterministic_mode_accepts_the_deterministic_environment(monkeypatch):
@@ -236,10 +229,8 @@ def test_enabling_an_nvidia_service_names_its_package(argv, yaml_text, package, 
     if yaml_text:
         (tmp_path / "services.yaml").write_text(yaml_text)
         argv = argv + ["--config-file", str(tmp_path / "services.yaml")]
-    with pytest.raises(SystemExit) as e:
-        parse(argv)
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and f"pip install {package}" in err and err.count("\n") == 1, err
+    err = config_error(argv, capsys)
+    assert f"pip install {package}" in err, err
 
 
 def test_nvidia_services_are_off_by_default_and_load_from_yaml(tmp_path):

@@ -253,41 +253,31 @@ def train_py_run(cfg, warmup: int = 3) -> dict:
 
 
 def bare_seconds_per_iteration(cfg, warmup: int = 3) -> float:
-    """The same model, optimizer, scheduler and batches (train.setup builds them) in the plainest loop:
-    forward, masked mean loss, backward per microbatch, then the optimizer and scheduler step. No
-    timers, loss reduction, NaN check, logging or checkpoint decisions."""
-    import contextlib
-
+    """The plainest loop over the same batches and an identical GPTModel (train.setup builds the data; the model is
+    built again, unwrapped): forward, masked mean loss, plain backward per microbatch, then torch's fused AdamW and
+    the scheduler. No megatron DDP, megatron optimizer, schedule, timers, loss reduction, NaN check or logging."""
     import torch
 
     import train
+    from model import build_model
 
-    state, model, optimizer, scheduler, (train_it, _, _) = _quiet(train.setup, cfg)
+    state, _, _, _, (train_it, _, _) = _quiet(train.setup, cfg)
+    model = build_model(cfg, cfg.padded_vocab_size)[0]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay,
+                                  fused=not cfg.use_gpu)
+    scheduler = train.build_scheduler(cfg, optimizer)
     n_micro, gbs = cfg.num_microbatches, cfg.train.global_batch_size
-    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if cfg.model.bf16 and not cfg.use_gpu \
-        else contextlib.nullcontext
     stamps = []
     try:
         for _ in range(cfg.train.train_iters):
-            if cfg.use_gpu:  # megatron DDP: gradients go to its buffers, reduced once after the last microbatch
-                for chunk in model:
-                    chunk.zero_grad_buffer()
             optimizer.zero_grad()
-            for i in range(n_micro):
+            for _ in range(n_micro):
                 batch = next(train_it)
                 if cfg.use_gpu:
                     batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
-                sync = contextlib.nullcontext() if not cfg.use_gpu or i == n_micro - 1 else model[0].no_sync()
-                with sync, autocast():
-                    losses = model[0](batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                                      labels=batch["labels"])
-                    mask = batch["loss_mask"].float()
-                    loss = (losses.float() * mask).sum() / mask.sum() / n_micro
-                loss.backward()
-            if cfg.use_gpu:
-                from megatron.core.distributed import finalize_model_grads
-
-                finalize_model_grads(model)
+                losses = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
+                mask = batch["loss_mask"].float()
+                ((losses.float() * mask).sum() / mask.sum() / n_micro).backward()
             optimizer.step()
             scheduler.step(increment=gbs)
             stamps.append(time.perf_counter())
@@ -406,7 +396,7 @@ def _one_size(argv) -> dict:
     run = train_py_run(cfg, warmup=3)
     flops = metrics.num_floating_point_operations(cfg, cfg.train.global_batch_size, cfg.padded_vocab_size)
     tflops = metrics.throughput_tflops_per_device(flops, run["seconds"], cfg.world_size)
-    mfu = metrics.mfu(tflops, metrics.peak_tflops(metrics.device_name(cfg.use_gpu), "bf16" if cfg.model.bf16 else "fp32"))
+    mfu = metrics.mfu(tflops, metrics.peak_tflops(metrics.device_name(), "bf16" if cfg.model.bf16 else "fp32"))
     model, optimizer = run["model"], run["optimizer"]
     if cfg.use_gpu:
         weights = run["memory"]  # CUDA allocated after the first step: weights, grads, main params, moments

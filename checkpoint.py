@@ -4,15 +4,20 @@
       iter_0000100/
         run_config.yaml                the resolved config (readable; `--config-file` takes it back)
         train_state.pt                 step, consumed/skipped samples, FLOPs so far
-        rng/rank_00000.pt ...          each rank's python/numpy/torch(/cuda) RNG states
-        torch_dist format (GPU):       megatron-core dist_checkpointing shards (reshardable TP/PP/DP)
-        torch format (CPU):            mp_rank_00/model_optim_rng.pt, one per tensor/pipeline rank
+        rng/rank_00000.pt ...          each rank's python/numpy/torch/cuda RNG states and RNG-tracker streams
+        torch_dist format (default):   megatron-core dist_checkpointing shards (reshardable TP/PP/DP), the
+                                       same files on a GPU and a CPU
+        torch format:                  mp_rank_00/model_optim_rng.pt, one per tensor/pipeline rank
       latest_train_state.pt            copy of the newest train_state.pt
       latest_checkpointed_iteration.txt
 
 A checkpoint is complete or invisible: every rank writes its files, all ranks meet at a barrier, and
 only then does rank 0 write the two `latest_*` files (each written aside and renamed into place).
 A process killed mid-save leaves the tracker pointing at the previous complete checkpoint.
+
+Trust: a torch_dist checkpoint's metadata (`.metadata`, `common.pt`) is read by PyTorch's and megatron-core's
+distributed checkpointing with `pickle`, which can run code: load only checkpoints you trust. Every other
+file here is read with `torch.load(weights_only=True)`.
 """
 
 import copy
@@ -26,9 +31,12 @@ import threading
 import numpy as np
 import torch
 from megatron.core import parallel_state
+from torch.distributed.checkpoint.api import CheckpointException
 
 import config as config_lib
-from model import any_rank, unwrap
+import device
+from device import any_rank
+from model import unwrap
 
 TRACKER = "latest_checkpointed_iteration.txt"
 LATEST_TRAIN_STATE = "latest_train_state.pt"
@@ -77,29 +85,26 @@ def _load(path: str, what: str):
 # --------------------------------------------------------------------------------------------------
 
 
-def get_rng_state(use_gpu: bool) -> dict:
-    """This rank's generator states, as tensors and plain values (so weights_only loading reads them)."""
+def get_rng_state() -> dict:
+    """This rank's generator states, as tensors and plain values (so weights_only loading reads them): python,
+    numpy, torch, CUDA (on a CPU, device.py's shim answers with the CPU generator) and the RNG tracker's streams."""
+    from megatron.core import tensor_parallel
+
     np_state = np.random.get_state()
-    state = {"random": random.getstate(), "np_keys": torch.from_numpy(np_state[1].astype(np.int64)),
-             "np_pos": int(np_state[2]), "np_gauss": (int(np_state[3]), float(np_state[4])),
-             "torch": torch.get_rng_state()}
-    if use_gpu:
-        from megatron.core import tensor_parallel
-
-        state["cuda"] = torch.cuda.get_rng_state()
-        state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
-    return state
+    return {"random": random.getstate(), "np_keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "np_pos": int(np_state[2]), "np_gauss": (int(np_state[3]), float(np_state[4])),
+            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(),
+            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
 
 
-def set_rng_state(state: dict, use_gpu: bool) -> None:
+def set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
     random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["random"]))
     np.random.set_state(("MT19937", state["np_keys"].numpy().astype(np.uint32), state["np_pos"], *state["np_gauss"]))
-    torch.set_rng_state(state["torch"])
-    if use_gpu and "cuda" in state:
-        from megatron.core import tensor_parallel
-
-        torch.cuda.set_rng_state(state["cuda"])
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    torch.cuda.set_rng_state(state["cuda"])
+    torch.set_rng_state(state["torch"])  # after: on a CPU the CUDA generator is the CPU's
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -127,32 +132,34 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
     # What the tracker files will say is fixed now: training moves on while an async save is written.
     publish = functools.partial(_publish, cfg, state.tokenizer, dict(ts.state_dict()), directory, announce=ck.async_save)
     rng_file = os.path.join(directory, "rng", f"rank_{rank:05d}.pt")
-    rng_state = get_rng_state(cfg.use_gpu) if ck.save_rng else None
+    rng_state = get_rng_state() if ck.save_rng else None
 
     if ck.ckpt_format == "torch_dist":
         from megatron.core import dist_checkpointing
 
-        sharded = {"model": unwrap(model[0]).sharded_state_dict()}
+        metadata = sharded_state_dict_metadata(cfg)
+        sharded = model_sharded_state_dict(model)
         if ck.save_optim:
-            sharded["optimizer"] = optimizer.sharded_state_dict(sharded["model"])
+            _create_optimizer_state(optimizer)
+            sharded["optimizer"] = optimizer.sharded_state_dict(dict(sharded), metadata=metadata)
         sharded["opt_param_scheduler"] = scheduler.state_dict()
         if rng_state is not None:
             _atomic_save(rng_state, rng_file)
         if ck.async_save:
             # megatron-core copies the shards to host memory now and writes them in a background
             # process; its own finalize step (metadata) runs first, then our publish, on every rank.
-            request = dist_checkpointing.save(sharded, directory, async_sharded_save=True)
+            request = dist_checkpointing.save(sharded, directory, async_sharded_save=True, content_metadata=metadata)
             request.add_finalize_fn(publish)
             _async_queue(state).schedule_async_request(request)
             return directory
-        dist_checkpointing.save(sharded, directory)
+        dist_checkpointing.save(sharded, directory, content_metadata=metadata)
         files = []
     else:
         files = [(rng_state, rng_file)] if rng_state is not None else []
         if parallel_state.get_data_parallel_rank() == 0:
             # Data-parallel replicas hold identical weights and optimizer state: one copy per TP/PP rank.
-            payload = {"model": unwrap(model[0]).state_dict(), "opt_param_scheduler": scheduler.state_dict(),
-                       "iteration": ts.step}
+            payload = {**_model_keys(model, lambda chunk: unwrap(chunk).state_dict()),
+                       "opt_param_scheduler": scheduler.state_dict(), "iteration": ts.step}
             if ck.save_optim:
                 payload["optimizer"] = optimizer.state_dict()
             os.makedirs(os.path.dirname(_mp_file(directory)), exist_ok=True)
@@ -166,6 +173,56 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
     torch.distributed.barrier()  # every rank's files are on disk
     publish()
     return directory
+
+
+def _model_keys(model: list, state_dict_of) -> dict:
+    """Megatron-LM's keys for the model chunks: `model`, or `model0`, `model1`, ... with virtual pipeline stages."""
+    if len(model) == 1:
+        return {"model": state_dict_of(model[0])}
+    return {f"model{i}": state_dict_of(chunk) for i, chunk in enumerate(model)}
+
+
+def model_sharded_state_dict(model: list) -> dict:
+    """The model chunks' sharded state dicts under Megatron-LM's keys: each tensor named by its place in the
+    whole model (global layer numbers, full shapes), so any tensor/pipeline layout can read it back."""
+    return _model_keys(model, lambda chunk: unwrap(chunk).sharded_state_dict())
+
+
+def sharded_state_dict_metadata(cfg) -> dict:
+    """How the distributed optimizer lays its state out in a torch_dist checkpoint, chosen as Megatron-LM does:
+    per data-parallel shard (`dp_reshardable`, fast) unless --dist-ckpt-optim-fully-reshardable. megatron-core
+    0.16.1's own default, `fully_sharded_model_space`, is no longer supported by its save. Saved with the
+    checkpoint (content metadata), so a load reads it back in the layout it was written in."""
+    sharding = "fully_reshardable" if cfg.checkpoint.dist_ckpt_optim_fully_reshardable else "dp_reshardable"
+    return {"distrib_optim_sharding_type": sharding}
+
+
+def _create_optimizer_state(optimizer) -> None:
+    """Give torch's Adam the state it would have before its first step (step 0, zero moments) if it has none yet,
+    which is the same optimizer. megatron-core's checkpoint code describes what it saves and loads from the state
+    the optimizer holds (distrib_optimizer.py:642 reads each parameter's `step`), and torch's Adam, which
+    megatron-core uses without apex or transformer-engine, creates its state only at its first step: before that
+    (a fresh run being loaded into, or an fp16 run whose steps all overflowed) there would be nothing to describe."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_optimizer = getattr(inner, "optimizer", None)
+        if not isinstance(torch_optimizer, torch.optim.Adam) or torch_optimizer.state:
+            continue
+        for group in torch_optimizer.param_groups:
+            for p in group["params"]:
+                on_device = group.get("fused") or group.get("capturable")
+                torch_optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu"),
+                                            "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+
+def _restore_step_zero(saved: dict) -> None:
+    """megatron-core saves Adam's shared step only when it is non-zero (optimizer.py:836, `if step:`), so the
+    state of an optimizer that has not stepped yet (every fp16 step so far overflowed) comes back without one;
+    give it back its step 0, which torch's Adam needs to load it."""
+    inner = saved.get("optimizer", saved) if isinstance(saved, dict) else None
+    if isinstance(inner, dict) and isinstance(inner.get("state"), dict) and inner["state"] \
+            and "common_step" not in inner["state"] and not any("step" in v for v in inner["state"].values()
+                                                                if isinstance(v, dict)):
+        inner["state"]["common_step"] = torch.zeros((), dtype=torch.float32)
 
 
 def _publish(cfg, tokenizer, train_state: dict, directory: str, announce: bool = False) -> None:
@@ -208,8 +265,7 @@ class ThreadAsyncQueue:
     AsyncCallsQueue whose method names it keeps) publishes the checkpoint once all ranks are done.
     A rank killed before that leaves the tracker on the previous checkpoint."""
 
-    def __init__(self, use_gpu: bool):
-        self.use_gpu = use_gpu
+    def __init__(self):
         self.active = None  # (thread, errors, publish) of the save in flight
 
     def schedule(self, files: list, publish) -> None:
@@ -235,10 +291,10 @@ class ThreadAsyncQueue:
         thread, errors, publish = self.active
         if blocking:
             thread.join()
-        if any_rank(thread.is_alive(), self.use_gpu):  # some rank still writing: try again later
+        if any_rank(thread.is_alive()):  # some rank still writing: try again later
             return []
         self.active = None
-        if any_rank(bool(errors), self.use_gpu):
+        if any_rank(bool(errors)):
             raise CheckpointError(f"async checkpoint save failed ({errors[0] if errors else 'on another rank'}); "
                                   f"the previous checkpoint stays the newest — check free disk space under --save")
         publish()
@@ -252,9 +308,11 @@ def _async_queue(state):
         if ck.ckpt_format == "torch_dist":
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-            state.async_calls_queue = AsyncCallsQueue(persistent=ck.use_persistent_ckpt_worker)
+            # The persistent worker is a spawned process that selects its CUDA device first (async_utils.py:488);
+            # without CUDA the writes go to a process forked per save, which inherits device.py's shim.
+            state.async_calls_queue = AsyncCallsQueue(persistent=ck.use_persistent_ckpt_worker and device.cuda())
         else:
-            state.async_calls_queue = ThreadAsyncQueue(state.cfg.use_gpu)
+            state.async_calls_queue = ThreadAsyncQueue()
     return state.async_calls_queue
 
 
@@ -353,7 +411,7 @@ def load_checkpoint(state, model: list, optimizer, scheduler, path: str, finetun
         loaded = _load_checkpoint(state, model, optimizer, scheduler, path, finetune)
     except CheckpointError as e:
         error, loaded = e, False
-    if any_rank(error is not None, state.cfg.use_gpu):
+    if any_rank(error is not None):
         raise error or CheckpointError(f"{path}: another rank could not load its part of the checkpoint (see its error)")
     return loaded
 
@@ -374,19 +432,30 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
     saved_format = "torch_dist" if os.path.isfile(os.path.join(directory, "metadata.json")) else "torch"
     if saved_format != ck.ckpt_format:
         raise CheckpointError(f"{directory}: saved in {saved_format} format but this run uses --ckpt-format "
-                              f"{ck.ckpt_format}" + ("; torch_dist checkpoints load on a GPU" if not cfg.use_gpu else ""))
+                              f"{ck.ckpt_format}; pass --ckpt-format {saved_format}")
     if saved_format == "torch_dist":
         from megatron.core import dist_checkpointing
 
-        sharded = {"model": unwrap(model[0]).sharded_state_dict()}
+        sharded = model_sharded_state_dict(model)
         if load_optim:
-            sharded["optimizer"] = optimizer.sharded_state_dict(sharded["model"], is_loading=True)
+            # In the layout it was saved in (its content metadata), whatever this run would save.
+            metadata = dist_checkpointing.load_content_metadata(directory) or sharded_state_dict_metadata(cfg)
+            _create_optimizer_state(optimizer)
+            sharded["optimizer"] = optimizer.sharded_state_dict(dict(sharded), is_loading=True, metadata=metadata)
         sharded["opt_param_scheduler"] = scheduler.state_dict()
-        payload = dist_checkpointing.load(sharded, directory)
+        try:
+            payload = dist_checkpointing.load(sharded, directory)
+        except (Exception, CheckpointException) as e:  # torch wraps each rank's failure in a BaseException
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            why = next((line for line in reversed(lines) if "mismatch" in line or "Missing" in line),
+                       lines[-1] if lines else type(e).__name__)
+            raise CheckpointError(f"{directory}: weights do not fit this model ({why[:300]}); check --num-layers/"
+                                  f"--hidden-size/... against {directory}/run_config.yaml") from None
     else:
         payload = _load(_mp_file(directory), "model and optimizer of this tensor/pipeline rank")
     try:
-        unwrap(model[0]).load_state_dict(payload["model"], strict=True)
+        for chunk, key in zip(model, _model_keys(model, lambda chunk: None)):  # "model", or "model0", "model1", ...
+            unwrap(chunk).load_state_dict(payload[key], strict=True)
     except RuntimeError as e:
         first = [line.strip() for line in str(e).splitlines() if line.strip()][1:2]
         raise CheckpointError(f"{directory}: weights do not fit this model ({first[0] if first else e}); "
@@ -394,7 +463,9 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
     if load_optim:
         if "optimizer" not in payload:
             raise CheckpointError(f"{directory}: saved without optimizer state (--no-save-optim); add --no-load-optim")
-        optimizer.load_state_dict(payload["optimizer"])
+        _restore_step_zero(payload["optimizer"])
+        with torch.no_grad():  # copied in place into fp32 main parameters, leaves that require grad
+            optimizer.load_state_dict(payload["optimizer"])
     if not finetune:
         if "opt_param_scheduler" in payload:
             try:
@@ -407,7 +478,7 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
         saved_ranks = len(os.listdir(rng_dir)) if os.path.isdir(rng_dir) else 0
         if ck.load_rng and saved_ranks == torch.distributed.get_world_size():
             rng_file = os.path.join(rng_dir, f"rank_{torch.distributed.get_rank():05d}.pt")
-            set_rng_state(_load(rng_file, "random number generator state"), cfg.use_gpu)
+            set_rng_state(_load(rng_file, "random number generator state"))
         elif ck.load_rng and saved_ranks:
             print_rank_0(f" {directory} was saved by {saved_ranks} ranks, this run has "
                          f"{torch.distributed.get_world_size()}: random states start afresh from --seed")

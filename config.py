@@ -89,13 +89,23 @@ class ModelConfig:
         "Layer implementation. Default: transformer_engine when it is installed and a GPU is present, else local.",
         choices=["local", "transformer_engine"],
     )
+    attention_backend: str = arg(
+        "auto", "Core attention of the local layers: auto (PyTorch's scaled_dot_product_attention, flash kernels on a "
+        "GPU) or local (megatron-core's DotProductAttention). transformer-engine layers use TE's.",
+        choices=["auto", "local"])
     tensor_model_parallel_size: int = arg(1, "Tensor model-parallel size (splits each layer's matrices).")
-    pipeline_model_parallel_size: int = arg(1, "Pipeline model-parallel size (splits the layers into stages). GPU only.")
+    pipeline_model_parallel_size: int = arg(1, "Pipeline model-parallel size (splits the layers into stages).")
+    num_layers_per_virtual_pipeline_stage: Optional[int] = arg(
+        None, "Layers per virtual pipeline stage: each pipeline rank holds several non-adjacent chunks of layers and "
+              "runs megatron-core's interleaved 1F1B schedule (smaller pipeline bubble).")
+    virtual_pipeline_model_parallel_size: Optional[int] = arg(
+        None, "Virtual pipeline stages per pipeline rank, from --num-layers-per-virtual-pipeline-stage.", derived=True)
     context_parallel_size: int = arg(1, "Context-parallel size (splits the sequence). GPU and transformer-engine only.")
     sequence_parallel: bool = arg(False, "Sequence parallelism inside tensor-parallel regions. GPU only.")
-    bf16: bool = arg(False, "bfloat16 mixed precision (fp32 main weights). On CPU: bf16 autocast.")
-    fp16: bool = arg(False, "float16 mixed precision with dynamic loss scaling (see --initial-loss-scale). On CPU: fp16 "
-                            "autocast over fp32 weights. Dynamic scaling turns off --check-for-nan-in-loss-and-grad, "
+    bf16: bool = arg(False, "bfloat16 mixed precision: bf16 weights under Float16Module, fp32 main weights in the "
+                            "optimizer.")
+    fp16: bool = arg(False, "float16 mixed precision with dynamic loss scaling (see --initial-loss-scale): fp16 "
+                            "weights, fp32 main weights. Dynamic scaling turns off --check-for-nan-in-loss-and-grad, "
                             "as in Megatron-LM: overflows are the scaler's signal.")
     deterministic_mode: bool = arg(
         False, "Bitwise-reproducible runs: deterministic torch algorithms and kernels, CUBLAS_WORKSPACE_CONFIG and "
@@ -163,7 +173,8 @@ class OptimizerConfig:
     adam_eps: float = arg(1e-8, "Adam epsilon.")
     sgd_momentum: float = arg(0.9, "SGD momentum.")
     clip_grad: float = arg(1.0, "Clip gradients to this global L2 norm. 0 disables clipping.")
-    use_distributed_optimizer: bool = arg(False, "Shard optimizer state over data-parallel ranks (megatron-core). GPU only.")
+    use_distributed_optimizer: bool = arg(False, "Shard the optimizer state and fp32 main weights over data-parallel ranks "
+                                            "(megatron-core's DistributedOptimizer).")
     loss_scale: Optional[float] = arg(None, "Static loss scale for --fp16. Default: dynamic loss scaling.")
     initial_loss_scale: float = arg(2.0**32, "Initial dynamic loss scale for --fp16.")
     min_loss_scale: float = arg(1.0, "Minimum dynamic loss scale for --fp16.")
@@ -178,11 +189,10 @@ class DistributedDataParallelConfig:
     model.py builds megatron-core's config from these fields and calls its deferred post-init, finalize()."""
 
     overlap_grad_reduce: bool = arg(
-        False, "Overlap the gradient reduce-scatter/all-reduce with the backward pass (megatron-core DDP on GPU; "
-               "torch DDP on CPU always overlaps).")
+        False, "Overlap the gradient reduce-scatter/all-reduce with the backward pass (megatron-core DDP's buckets).")
     overlap_param_gather: bool = arg(
         False, "With --use-distributed-optimizer: overlap the parameter all-gather with the next forward pass "
-               "(forward pre-hooks). GPU only.")
+               "(forward pre-hooks).")
     use_distributed_optimizer: bool = arg(
         False, "Kept in sync with --use-distributed-optimizer: either turns both on.", cli=False)
 
@@ -388,16 +398,21 @@ class CheckpointConfig:
         None, "Weights to start from when --load holds no checkpoint of this run: a save directory or an iter_* directory.")
     ckpt_step: Optional[int] = arg(None, "Load this iteration instead of the newest.")
     most_recent_k: int = arg(-1, "Keep only the newest K checkpoints, deleting older ones after each save. -1 keeps all.")
-    ckpt_format: Optional[str] = arg(
-        None, "On-disk format. Default: torch_dist (megatron-core dist_checkpointing) on GPU, torch on CPU.",
+    ckpt_format: str = arg(
+        "torch_dist", "On-disk format: torch_dist (megatron-core dist_checkpointing: reshardable across tensor, "
+        "pipeline and data parallelism) or torch (one file per tensor/pipeline rank, same parallel layout only).",
         choices=["torch", "torch_dist"],
     )
+    dist_ckpt_optim_fully_reshardable: bool = arg(
+        False, "torch_dist with --use-distributed-optimizer: save the optimizer state in the model's layout "
+        "(fully_reshardable: loads under any parallel layout) instead of per data-parallel shard (dp_reshardable, "
+        "the default: faster, and loads under any data-parallel size with the same tensor and pipeline sizes).")
     async_save: bool = arg(
         False, "Write checkpoints in the background while training goes on; a checkpoint is published (the tracker "
-        "written) only once every rank has finished writing it. GPU: megatron-core's async dist_checkpointing; "
-        "CPU: a writer thread over a snapshot of the state.")
+        "written) only once every rank has finished writing it. torch_dist: megatron-core's async "
+        "dist_checkpointing; torch: a writer thread over a snapshot of the state.")
     use_persistent_ckpt_worker: bool = arg(
-        True, "GPU --async-save: one long-lived writer process instead of a fork per save.",
+        True, "--async-save with torch_dist: one long-lived writer process instead of a fork per save (GPU).",
         flag="--no-use-persistent-ckpt-worker")
 
 
@@ -817,6 +832,7 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
          f"--tensor-model-parallel-size {tp} must divide the number of query groups {m.num_query_groups}")
     need(m.num_layers % pp == 0,
          f"--pipeline-model-parallel-size {pp} must divide --num-layers {m.num_layers}")
+    _validate_virtual_pipeline(cfg)
     if tp == 1:
         m.sequence_parallel = False  # as Megatron-LM: nothing to parallelise without tensor parallelism
     _validate_context_parallel(cfg)
@@ -828,6 +844,10 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
     need(t.global_batch_size > 0 and t.global_batch_size % (t.micro_batch_size * dp) == 0,
          f"--global-batch-size {t.global_batch_size} is not a multiple of --micro-batch-size {t.micro_batch_size} "
          f"x data-parallel size {dp} = {t.micro_batch_size * dp}; use a multiple of {t.micro_batch_size * dp}")
+    need(not m.virtual_pipeline_model_parallel_size or cfg.num_microbatches % pp == 0,
+         f"the interleaved schedule runs microbatches in groups of --pipeline-model-parallel-size {pp}, but there are "
+         f"{cfg.num_microbatches} per step; make --global-batch-size / (--micro-batch-size x data-parallel size) a "
+         f"multiple of {pp}")
     need(t.train_iters is None or t.train_samples is None or t.train_iters == t.train_samples // t.global_batch_size,
          "--train-iters and --train-samples are exclusive; give one")  # equal: a sample-based run_config.yaml
     if t.train_samples is not None:
@@ -872,8 +892,9 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
     # --- checkpointing ---------------------------------------------------------------------------
     need(c.save_interval is None or c.save_interval > 0, f"--save-interval must be positive, got {c.save_interval}")
     need(c.most_recent_k == -1 or c.most_recent_k > 0, f"--most-recent-k must be positive or -1, got {c.most_recent_k}")
-    if c.ckpt_format is None:
-        c.ckpt_format = "torch_dist" if cfg.use_gpu else "torch"
+    need(c.ckpt_format == "torch_dist" or not o.use_distributed_optimizer,
+         "--ckpt-format torch keeps one copy of the optimizer per tensor/pipeline rank, but --use-distributed-optimizer "
+         "shards it over data-parallel ranks; use --ckpt-format torch_dist")
     need(not c.async_save or c.save, "--async-save writes checkpoints in the background but nothing is saved; "
                                      "add --save DIR or drop --async-save")
 
@@ -882,17 +903,14 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
         m.transformer_impl = "transformer_engine" if cfg.use_gpu and transformer_engine_installed() else "local"
     if not cfg.use_gpu:
         gpu_only = [
-            (pp > 1, f"--pipeline-model-parallel-size {pp}"),
             (cp > 1, f"--context-parallel-size {cp}"),
             (m.sequence_parallel, "--sequence-parallel"),
-            (o.use_distributed_optimizer, "--use-distributed-optimizer"),
             (m.transformer_impl == "transformer_engine", "--transformer-impl transformer_engine"),
-            (c.ckpt_format == "torch_dist", "--ckpt-format torch_dist"),
             (cfg.dist.distributed_backend == "nccl", "--distributed-backend nccl"),
         ]
         for bad, what in gpu_only:
             need(not bad, f"{what} needs a GPU and none is visible; drop it to train on CPU "
-                          f"(--tensor-model-parallel-size, --bf16, --fp16 and data parallelism do run on CPU)")
+                          f"(tensor, pipeline and data parallelism, the distributed optimizer, --bf16 and --fp16 run on CPU)")
     elif m.transformer_impl == "transformer_engine":
         need(transformer_engine_installed(),
              "--transformer-impl transformer_engine: transformer-engine is not installed; "
@@ -1202,15 +1220,30 @@ def _validate_and_sync_distributed_optimizer_settings(cfg: ConfigContainer) -> N
         cfg.ddp.use_distributed_optimizer = cfg.optimizer.use_distributed_optimizer = True
 
 
+def _validate_virtual_pipeline(cfg: ConfigContainer) -> None:
+    """--num-layers-per-virtual-pipeline-stage as Megatron-LM's validate_args: each pipeline rank holds
+    (layers / pipeline size) / (layers per virtual stage) chunks and runs the interleaved schedule."""
+    m = cfg.model
+    n = m.num_layers_per_virtual_pipeline_stage
+    if n is None:
+        m.virtual_pipeline_model_parallel_size = None
+        return
+    pp = m.pipeline_model_parallel_size
+    if pp == 1:
+        raise ConfigError("--num-layers-per-virtual-pipeline-stage interleaves pipeline stages; add "
+                          "--pipeline-model-parallel-size 2 or more")
+    if n <= 0 or (m.num_layers // pp) % n:
+        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {n} must divide the {m.num_layers // pp} layers of "
+                          f"each pipeline stage (--num-layers {m.num_layers} / --pipeline-model-parallel-size {pp})")
+    m.virtual_pipeline_model_parallel_size = (m.num_layers // pp) // n
+
+
 def _validate_overlap(cfg: ConfigContainer) -> None:
     """--overlap-param-gather as Megatron-LM's validate_args: it gathers the distributed optimizer's
     parameter shards in forward pre-hooks of megatron-core's DDP, behind an overlapped gradient reduce."""
     ddp = cfg.ddp
     if not ddp.overlap_param_gather:
         return
-    if not cfg.use_gpu:
-        raise ConfigError("--overlap-param-gather needs a GPU (megatron-core DDP and distributed optimizer) and none is "
-                          "visible; drop it to train on CPU")
     if not ddp.use_distributed_optimizer:
         raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer (it overlaps gathering that "
                           "optimizer's parameter shards with the forward pass)")

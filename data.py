@@ -21,7 +21,8 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 from config import ConfigError, DatasetBuildContext, DatasetProvider, parse_data_path
-from model import any_rank
+import device
+from device import any_rank
 
 # --------------------------------------------------------------------------------------------------
 # Tokenizers: what megatron-core's datasets need of one is vocab_size, eod, pad and unique_identifiers.
@@ -195,7 +196,7 @@ def build_datasets(cfg, tokenizer) -> list:
             check_token_ids(prefixes, tokenizer.vocab_size)
         except ConfigError as e:
             error = e
-    if any_rank(error is not None, cfg.use_gpu):
+    if any_rank(error is not None):
         raise error or ConfigError("the data holds token ids outside the vocabulary (see rank 0's error)")
     cls = MockGPTDataset if d.mock_data else GPTFIMDataset if d.fim_data else GPTDataset
     # Tensor-parallel ranks of one data-parallel rank read the same samples; megatron-core builds the
@@ -602,7 +603,7 @@ def build_data_loader(dataset, consumed_samples: int, cfg, seed_offset: int = 0)
     # iterated, which would shift the dropout stream of a resumed run by one draw (Megatron Bridge #5257).
     generator = torch.Generator().manual_seed(cfg.rng.seed + seed_offset)
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers, generator=generator,
-                                       pin_memory=cfg.use_gpu, persistent_workers=workers > 0)
+                                       pin_memory=device.cuda(), persistent_workers=workers > 0)
 
 
 def build_data_iterators(cfg, tokenizer, train_state):

@@ -10,8 +10,11 @@ import os
 import sys
 import time
 from datetime import datetime
+from typing import Optional
 
 import torch
+
+import device
 
 # --------------------------------------------------------------------------------------------------
 # Printing from the right rank
@@ -89,27 +92,33 @@ class _NullTimer:
 
 
 class Timers:
-    """Named wall-clock timers, as megatron-core's Timers, minus its unconditional CUDA sync.
+    """Named wall-clock timers with megatron-core's Timers interface: the run passes them to megatron-core's
+    schedules and optimizer (config.timers), which time their own phases (forward-compute, backward-send,
+    optimizer-inner-step, ...) with them, as in Megatron-LM.
 
     `timers(name, log_level)` returns the timer, or a no-op one when log_level is above
-    `--timing-log-level`, so fine-grained timing costs nothing unless asked for. Device work is
+    `--timing-log-level`, so fine-grained timing costs nothing unless asked for; a timer asked for by name
+    alone is the existing one, or else counts as the finest level (2), as in megatron-core. Device work is
     asynchronous on a GPU, so a timer synchronises CUDA at start and stop there (and only there).
     """
 
-    def __init__(self, log_level: int, use_gpu: bool):
-        self.log_level, self.use_gpu, self._timers = log_level, use_gpu, {}
+    MAX_LOG_LEVEL = 2
+
+    def __init__(self, log_level: int):
+        self.log_level, self._timers = log_level, {}
 
     def _sync(self, barrier: bool):
         if barrier and torch.distributed.is_initialized():
             torch.distributed.barrier()
-        if self.use_gpu:
+        if device.cuda():
             torch.cuda.synchronize()
 
-    def __call__(self, name: str, log_level: int = 0):
-        if log_level > self.log_level:
+    def __call__(self, name: str, log_level: Optional[int] = None):
+        if name in self._timers:
+            return self._timers[name]
+        if (self.MAX_LOG_LEVEL if log_level is None else log_level) > self.log_level:
             return _NullTimer()
-        if name not in self._timers:
-            self._timers[name] = _Timer(self._sync)
+        self._timers[name] = _Timer(self._sync)
         return self._timers[name]
 
     def elapsed_per_rank(self, names, normalizer: float = 1.0) -> dict:
@@ -118,9 +127,8 @@ class Timers:
         names = [n for n in names if n in self._timers]
         if not names:
             return {}
-        device = "cuda" if self.use_gpu else "cpu"
         ms = torch.tensor([self._timers[n].elapsed(reset=True) * 1000.0 / normalizer for n in names],
-                          dtype=torch.float64, device=device)
+                          dtype=torch.float64, device=device.current())
         lo, hi = ms.clone(), ms.clone()
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(lo, op=torch.distributed.ReduceOp.MIN)
@@ -193,8 +201,9 @@ def mfu(tflops_per_device: float, peak) -> str:
     return "n/a" if not peak else f"{100.0 * tflops_per_device / peak:.1f}%"
 
 
-def device_name(use_gpu: bool):
-    return torch.cuda.get_device_name() if use_gpu else None
+def device_name():
+    """The accelerator's name, for its peak FLOP/s; None on a CPU (no peak is guessed)."""
+    return torch.cuda.get_device_name() if device.cuda() else None
 
 
 def report_throughput(train_config, iteration: int, seq_length: int, history_wct: list, window_size: int) -> dict:
@@ -266,7 +275,7 @@ def report_memory(memory_keys=None) -> dict:
     no device statistics, so the process's resident memory is reported instead, under different names
     (`memory/cpu_rss_mem`, `memory/cpu_peak_rss_mem`), never as zeros that look like GPU figures.
     """
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if device.cuda() and torch.cuda.is_initialized():
         stats = torch.cuda.memory_stats()
         report = {f"memory/{name}": stats.get(key, 0) / (1 if key == "num_alloc_retries" else GB)
                   for key, name in (memory_keys or MEMORY_KEYS).items()}
@@ -281,8 +290,7 @@ def report_memory(memory_keys=None) -> dict:
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized() and parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        values = torch.tensor(list(report.values()), dtype=torch.float64,
-                              device="cuda" if torch.cuda.is_available() else "cpu")
+        values = torch.tensor(list(report.values()), dtype=torch.float64, device=device.current())
         torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX,
                                      group=parallel_state.get_pipeline_model_parallel_group())
         report = dict(zip(report, values.tolist()))
@@ -438,7 +446,17 @@ def build_writers(cfg):
 # --------------------------------------------------------------------------------------------------
 
 ADVANCED, SKIPPED, NAN = "advanced iterations", "skipped iterations", "nan iterations"
-TIMERS_TO_LOG = ["forward-backward", "optimizer", "batch-generator", "save-checkpoint"]
+# Megatron-LM's training_log list, in its order: ours, then those megatron-core's schedules, DDP and optimizer
+# start through config.timers (level 1: forward-backward, optimizer, ...; level 2: the per-microbatch phases).
+TIMERS_TO_LOG = [
+    "forward-backward", "forward-compute", "backward-compute", "batch-generator", "forward-recv", "forward-send",
+    "backward-recv", "backward-send", "forward-send-forward-recv", "forward-send-backward-recv",
+    "backward-send-forward-recv", "backward-send-backward-recv", "forward-backward-send-forward-backward-recv",
+    "layernorm-grads-all-reduce", "embedding-grads-all-reduce", "all-grads-sync", "params-all-gather",
+    "optimizer-copy-to-main-grad", "optimizer-unscale-and-check-inf", "optimizer-clip-main-grad",
+    "optimizer-count-zeros", "optimizer-inner-step", "optimizer-copy-main-to-model-params", "optimizer",
+    "save-checkpoint",
+]
 
 
 def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_rate, loss_scale,
@@ -508,7 +526,7 @@ def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_r
             tflops = throughput_tflops_per_device(flops, per_iteration, config.world_size)
             dtype = "bf16" if config.model.bf16 else "fp16" if config.model.fp16 else "fp32"
             line += f" throughput per GPU (TFLOP/s/GPU): {tflops:.1f} |"
-            line += f" MFU: {mfu(tflops, peak_tflops(device_name(config.use_gpu), dtype))} |"
+            line += f" MFU: {mfu(tflops, peak_tflops(device_name(), dtype))} |"
         line += f" learning rate: {learning_rate:.6E} |"
         line += f" global batch size: {batch_size:5d} |"
         advanced = max(1, total_loss_dict[ADVANCED])
@@ -534,7 +552,7 @@ def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_r
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             print_rank_last(f"[Rank {rank}] (after {iteration} iterations) memory (GB) | " +
                             " | ".join(f"{k.removeprefix('memory/')}: {v:.3f}" for k, v in memory.items()))
-            if config.use_gpu:
+            if "memory/peak_allocated_mem" in memory:  # a GPU's allocator statistics
                 estimate = compute_weight_and_optimizer_memory(config) / GB
                 print_rank_last(f"[Rank {rank}] measured peak allocated {memory['memory/peak_allocated_mem']:.3f} GB "
                                 f"beside the theoretical weight-and-optimizer estimate {estimate:.3f} GB")
@@ -615,8 +633,8 @@ def calc_params_l2_norm(model, model_config=None, use_megatron_fsdp: bool = Fals
             (sharded if getattr(p, "main_param_sharded", False) else dense).append(main)
         else:
             dense.append(p.detach().float())
-    device = dense[0].device if dense else (sharded[0].device if sharded else "cpu")
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    where = dense[0].device if dense else (sharded[0].device if sharded else "cpu")
+    total = torch.zeros((), dtype=torch.float32, device=where)
     if sharded:
         total += _sum_over(torch.stack([t.float().pow(2).sum() for t in sharded]).sum(),
                            parallel_state.get_data_parallel_group(with_context_parallel=True))
@@ -650,8 +668,7 @@ def reduce_max_stat_across_model_parallel_group(stat):
     group = parallel_state.get_model_parallel_group()
     if torch.distributed.get_world_size(group) == 1:  # nothing to agree on: no tensor, no device round trip
         return None if stat is None else float(stat)
-    value = torch.tensor([-1.0 if stat is None else float(stat)],
-                         device="cuda" if torch.cuda.is_available() and torch.cuda.is_initialized() else "cpu")
+    value = torch.tensor([-1.0 if stat is None else float(stat)], device=device.current())
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=group)
     return None if value.item() == -1.0 else value.item()
 
@@ -663,8 +680,7 @@ def logical_and_across_model_parallel_group(input: bool) -> bool:
     group = parallel_state.get_model_parallel_group()
     if torch.distributed.get_world_size(group) == 1:
         return bool(input)
-    value = torch.tensor([int(bool(input))],
-                         device="cuda" if torch.cuda.is_available() and torch.cuda.is_initialized() else "cpu")
+    value = torch.tensor([int(bool(input))], device=device.current())
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=group)
     return bool(value.item())
 
@@ -840,8 +856,8 @@ class StragglerTimer:
     a call counts as the larger of its wall-clock time and its CUDA-event time, as in StragglerDetector.
     """
 
-    def __init__(self, enabled: bool, use_gpu: bool):
-        self.enabled, self.use_gpu = enabled, use_gpu
+    def __init__(self, enabled: bool):
+        self.enabled, self.use_gpu = enabled, device.cuda()
         self.seconds, self.calls = 0.0, 0
         self._events = []  # (start event, stop event, wall seconds) of GPU calls, read at the next report
 
@@ -878,7 +894,7 @@ class StragglerTimer:
         ms = self.seconds * 1000 / iterations if iterations else 0.0
         flops_per_iteration = total_flops / iterations if iterations else 0.0
         self.seconds, self.calls, self._events = 0.0, 0, []
-        mine = torch.tensor([ms], dtype=torch.float64, device="cuda" if self.use_gpu else "cpu")
+        mine = torch.tensor([ms], dtype=torch.float64, device=device.current())
         gathered = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size())]
         torch.distributed.all_gather(gathered, mine)
         if torch.distributed.get_rank() != 0:

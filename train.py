@@ -16,8 +16,8 @@ in one file that reads top to bottom in the order things happen:
     9. train: the loop
    10. pretrain / finetune: the entry points
 
-The same code runs on a GPU (megatron-core DDP, optimizer, pipeline schedules, dist_checkpointing)
-and on a CPU (torch stand-ins over gloo); model.py is the one place that tells them apart.
+The same code runs on a GPU and on a CPU: megatron-core's DDP, optimizer, pipeline schedules, RNG
+tracker and dist_checkpointing on both; on a CPU, device.py's shim answers megatron-core's CUDA calls.
 """
 
 import sys
@@ -34,6 +34,7 @@ import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import gc  # noqa: E402
 import inspect  # noqa: E402
+import itertools  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
@@ -44,7 +45,7 @@ from typing import Callable, Optional  # noqa: E402
 
 import torch  # noqa: E402
 
-from model import (any_rank, build_model, build_optimizer, build_rerun_state_machine,  # noqa: E402
+from model import (build_model, build_optimizer, build_rerun_state_machine,  # noqa: E402
                    get_forward_backward_func, padded_vocab_size, set_random_seed, wrap_model,
                    zero_grad)  # first: quiets megatron-core's import warnings
 from megatron.core import parallel_state  # noqa: E402
@@ -54,9 +55,11 @@ from megatron.core.utils import configure_nvtx_profiling, nvtx_range_pop, nvtx_r
 
 import checkpoint  # noqa: E402
 import data  # noqa: E402
+import device  # noqa: E402
 import metrics  # noqa: E402
 import profiling  # noqa: E402
 from config import ConfigContainer  # noqa: E402
+from device import any_rank  # noqa: E402
 from metrics import print_rank_0, print_rank_last  # noqa: E402
 
 # ==================================================================================================
@@ -90,7 +93,7 @@ class GlobalState:
     def __init__(self, cfg: ConfigContainer):
         self.cfg = cfg
         self.train_state = TrainState()
-        self.timers = metrics.Timers(cfg.logger.timing_log_level, cfg.use_gpu)
+        self.timers = metrics.Timers(cfg.logger.timing_log_level)
         self.start_time = time.time()
         self.signal_handler: Optional[DistributedSignalHandler] = None
         self.tokenizer = None  # set at setup; saved with every checkpoint
@@ -98,7 +101,7 @@ class GlobalState:
         self.start_floating_point_operations = 0.0
         self.exit_code: Optional[int] = None  # set when the loop stops early (signal, interval, NaN)
         self.async_calls_queue = None  # --async-save: the checkpoint writes in flight (checkpoint.py)
-        self.straggler_timer = metrics.StragglerTimer(cfg.straggler.log_straggler, cfg.use_gpu)
+        self.straggler_timer = metrics.StragglerTimer(cfg.straggler.log_straggler)
         self.rerun_state_machine = None  # megatron-core's RerunStateMachine, set at setup
         self._writers = None
         self.num_microbatches_calculator = build_num_microbatches_calculator(cfg)  # follows --rampup-batch-size
@@ -176,7 +179,7 @@ def initialize_distributed(cfg: ConfigContainer) -> None:
                                      "CUDA build of torch, or train on CPU with CUDA_VISIBLE_DEVICES=''")
     if cfg.use_gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    backend = cfg.dist.distributed_backend or ("nccl" if cfg.use_gpu else "gloo")
+    backend = cfg.dist.distributed_backend or device.backend()
     timeout = timedelta(minutes=cfg.dist.distributed_timeout_minutes)
     if "RANK" in os.environ:
         torch.distributed.init_process_group(backend, timeout=timeout)
@@ -185,6 +188,7 @@ def initialize_distributed(cfg: ConfigContainer) -> None:
                                              timeout=timeout)
     m = cfg.model
     parallel_state.initialize_model_parallel(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
+                                             m.virtual_pipeline_model_parallel_size,
                                              context_parallel_size=m.context_parallel_size,
                                              hierarchical_context_parallel_sizes=m.hierarchical_context_parallel_sizes)
 
@@ -233,7 +237,7 @@ class DistributedSignalHandler:
         self.received = True
 
     def signals_received(self, cfg: ConfigContainer) -> bool:
-        return any_rank(self.received, cfg.use_gpu)
+        return any_rank(self.received)
 
     def release(self):
         signal.signal(self.sig, self._previous)
@@ -257,7 +261,7 @@ def setup(cfg: ConfigContainer):
     setup_logging(cfg.logger.logging_level)
     apply_deterministic_mode(cfg)
     initialize_distributed(cfg)
-    set_random_seed(cfg.rng.seed, cfg.use_gpu)
+    set_random_seed(cfg.rng.seed)
     state = GlobalState(cfg)
     if state.writers is not None:  # opened now, as Megatron does: a tracker that cannot start fails before the model
         print(f"> writing metrics to {', '.join(type(w).__name__ for w in state.writers.writers)}", flush=True)
@@ -276,7 +280,7 @@ def setup(cfg: ConfigContainer):
               f"({parallel_state.get_tensor_model_parallel_rank()}, {parallel_state.get_pipeline_model_parallel_rank()}):"
               f" {sum(p.numel() for chunk in model for p in chunk.parameters())}", flush=True)
     model = wrap_model(cfg, model)
-    optimizer = build_optimizer(cfg, model)
+    optimizer = build_optimizer(cfg, model, state.timers)
     scheduler = build_scheduler(cfg, optimizer)
 
     # Resume this run's own checkpoint if --load holds one; otherwise start from pretrained weights if given.
@@ -291,8 +295,18 @@ def setup(cfg: ConfigContainer):
     if ck.save:
         metrics.append_to_progress_log(ck.save, "Starting job", cfg.world_size)
     iterators = data.build_data_iterators(cfg, tokenizer, state.train_state)
+    iterators = [one_iterator_per_chunk(it, len(model)) for it in iterators]
     iterators[0] = attach_rerun_state_machine(state, iterators[0])
     return state, model, optimizer, scheduler, iterators
+
+
+def one_iterator_per_chunk(iterator, num_chunks: int):
+    """The interleaved schedule reads one data iterator per model chunk (virtual stage), each the same stream
+    of microbatches: Megatron-LM builds one per chunk; here `itertools.tee` gives each chunk its own view of
+    the one loader (every chunk reads every microbatch, so little is buffered)."""
+    if num_chunks == 1 or iterator is None:
+        return iterator
+    return list(itertools.tee(iterator, num_chunks))
 
 
 # ==================================================================================================
@@ -300,11 +314,9 @@ def setup(cfg: ConfigContainer):
 # ==================================================================================================
 
 
-def get_batch(data_iterator, use_gpu: bool):
-    """Next microbatch: tokens, labels, loss mask, attention mask (None: causal), position ids."""
-    batch = next(data_iterator)
-    if use_gpu:
-        batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
+def get_batch(data_iterator):
+    """Next microbatch, on this rank's device: tokens, labels, loss mask, attention mask (None: causal), position ids."""
+    batch = device.to_device(next(data_iterator))
     return batch["tokens"], batch["labels"], batch["loss_mask"], batch.get("attention_mask"), batch["position_ids"]
 
 
@@ -326,7 +338,7 @@ def forward_step(state: GlobalState, data_iterator, model, return_schedule_plan:
     """Bridge's `gpt_step.forward_step`: a batch in, per-token losses out, and the loss function."""
     timers = state.timers
     timers("batch-generator", log_level=2).start()
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, state.cfg.use_gpu)
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
     timers("batch-generator").stop()
     output = model(tokens, position_ids, attention_mask, labels=labels)  # GPTModel returns losses given labels
     return output, functools.partial(masked_token_loss, loss_mask)
@@ -346,10 +358,9 @@ def reduce_losses(losses_per_microbatch: list, cfg: ConfigContainer) -> dict:
     if not losses_per_microbatch:
         return {}
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    device = "cuda" if cfg.use_gpu else "cpu"
     reduced = {}
     for key in losses_per_microbatch[0]:
-        values = [torch.as_tensor(x[key], device=device).detach().float().view(-1) for x in losses_per_microbatch]
+        values = [torch.as_tensor(x[key], device=device.current()).detach().float().view(-1) for x in losses_per_microbatch]
         if values[0].numel() == 2:
             total = torch.stack(values).sum(dim=0)
             torch.distributed.all_reduce(total, group=group)
@@ -367,7 +378,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
     Returns (loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm, num_zeros_in_grad).
     """
     cfg, timers = global_state.cfg, global_state.timers
-    forward_backward_func = get_forward_backward_func(cfg, model, optimizer)
+    forward_backward_func = get_forward_backward_func(model, optimizer, timers)
     nvtx_range_push("forward-backward")  # NVTX ranges: no-ops unless --nvtx-ranges
     losses = forward_backward_with_reruns(forward_backward_func, forward_step_func, data_iterator, model, optimizer,
                                           global_state)
@@ -397,7 +408,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
     if cfg.train.check_for_nan_in_loss_and_grad:
         bad = [k for k, v in loss_dict.items() if not math.isfinite(float(v))]
         if cfg.model.pipeline_model_parallel_size > 1:  # only the last stage knows the loss
-            bad = ["loss"] if any_rank(bool(bad), cfg.use_gpu) else []
+            bad = ["loss"] if any_rank(bool(bad)) else []
         if bad:
             print_rank_last(f"error: {', '.join(bad)} is NaN or Inf at iteration {global_state.train_state.step + 1}; "
                             f"stopping without saving a checkpoint (lower --lr, raise --clip-grad or check the data)")
@@ -416,6 +427,8 @@ def attach_rerun_state_machine(state: GlobalState, train_data_iterator):
     state.rerun_state_machine = build_rerun_state_machine(state.cfg)
     if state.cfg.rerun_state_machine.rerun_mode == "disabled" or train_data_iterator is None:
         return train_data_iterator
+    if isinstance(train_data_iterator, list):  # one per virtual pipeline stage
+        return [mcore_rerun.RerunDataIterator(it) for it in train_data_iterator]
     return mcore_rerun.RerunDataIterator(train_data_iterator)
 
 
@@ -541,7 +554,7 @@ def evaluate(state: GlobalState, forward_step_func, data_iterator, model, proces
     for m in model:
         m.eval()
     reports = []
-    forward_backward_func = get_forward_backward_func(config, model, None)
+    forward_backward_func = get_forward_backward_func(model, None)
     with torch.no_grad():
         for i in range(config.train.eval_iters):
             if verbose:
@@ -597,7 +610,7 @@ def save_checkpoint_and_time(state: GlobalState, model, optimizer, opt_param_sch
     """Save, timing the save and keeping it out of the iteration time (and so out of throughput)."""
     timers = state.timers
     timers("interval-time").stop(barrier=True)
-    timers("save-checkpoint").start(barrier=True)
+    timers("save-checkpoint", log_level=0).start(barrier=True)
     with forward_pre_hooks_paused(model):  # --overlap-param-gather: save gathered, current parameters
         directory = checkpoint.save_checkpoint(state, model, optimizer, opt_param_scheduler)
     timers("save-checkpoint").stop(barrier=True)
@@ -640,7 +653,7 @@ def checkpoint_and_decide_exit(state: GlobalState, model, optimizer, opt_param_s
         save_unless_saved()
     if cfg.train.exit_duration_in_mins:
         elapsed_minutes = (time.time() - state.start_time) / 60.0
-        if any_rank(elapsed_minutes > cfg.train.exit_duration_in_mins, cfg.use_gpu):
+        if any_rank(elapsed_minutes > cfg.train.exit_duration_in_mins):
             save_unless_saved()
             print_rank_0(f"exiting program after {elapsed_minutes:.2f} minutes at iteration {ts.step}.")
             state.exit_code = 0
@@ -715,14 +728,14 @@ def disable_forward_pre_hook(model: list, param_sync: bool = True) -> None:
 
 
 def forward_pre_hooks_enabled(model: list) -> bool:
-    """Whether megatron DDP's forward pre-hooks are on (its own record of their handles; never on CPU)."""
-    return any(getattr(chunk, "remove_forward_pre_hook_handles", None) for chunk in model)
+    """Whether megatron DDP's forward pre-hooks are on (its own record of their handles)."""
+    return any(chunk.remove_forward_pre_hook_handles for chunk in model)
 
 
 @contextlib.contextmanager
 def forward_pre_hooks_paused(model: list):
     """Forward pre-hooks off (parameters gathered) for the duration of an evaluation or save, then back on;
-    nothing to do when they are not on (CPU, no --overlap-param-gather, before the first step, after train)."""
+    nothing to do when they are not on (no --overlap-param-gather, before the first step, after train)."""
     paused = forward_pre_hooks_enabled(model)
     if paused:
         disable_forward_pre_hook(model)
@@ -901,9 +914,11 @@ def _should_skip_and_handle_iteration(global_state: GlobalState, train_data_iter
 def _dummy_train_step(global_state: GlobalState, train_data_iterator) -> None:
     """Draw (and drop) this rank's microbatches of one global batch, inside the rerun state machine's loop
     as Bridge does (a RerunDataIterator still replaying the last step moves on to fresh data)."""
+    iterators = train_data_iterator if isinstance(train_data_iterator, list) else [train_data_iterator]
     while global_state.rerun_state_machine.should_run_forward_backward(train_data_iterator):
         for _ in range(global_state.num_microbatches):
-            next(train_data_iterator)
+            for iterator in iterators:
+                next(iterator)
 
 
 def _finish_train(global_state: GlobalState) -> None:

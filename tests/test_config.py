@@ -21,7 +21,7 @@ def test_defaults_and_derived_values():
     assert cfg.model.num_layers == 4 and cfg.model.ffn_hidden_size == 4 * cfg.model.hidden_size
     assert cfg.model.num_query_groups == cfg.model.num_attention_heads
     assert cfg.train.global_batch_size == cfg.train.micro_batch_size  # one data-parallel rank
-    assert cfg.train.train_iters == 300 and cfg.checkpoint.ckpt_format == "torch"
+    assert cfg.train.train_iters == 300 and cfg.checkpoint.ckpt_format == "torch_dist"
     assert cfg.model.transformer_impl == "local" and not cfg.use_gpu
 
 
@@ -76,8 +76,11 @@ def test_run_config_yaml_round_trips(tmp_path):
     (["--tensor-model-parallel-size", "2"], 3, False, "do not divide the world size 3"),
     (["--tensor-model-parallel-size", "8"], 8, False, "must divide --num-attention-heads"),
     (["--pipeline-model-parallel-size", "3"], 3, True, "must divide --num-layers"),
-    (["--pipeline-model-parallel-size", "2"], 2, False, "needs a GPU"),
-    (["--use-distributed-optimizer"], 1, False, "needs a GPU"),
+    (["--distributed-backend", "nccl"], 2, False, "needs a GPU"),
+    (["--use-distributed-optimizer", "--ckpt-format", "torch"], 1, False, "use --ckpt-format torch_dist"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"], 2, False,
+     "must divide the 2 layers of each pipeline stage"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], 1, False, "add --pipeline-model-parallel-size 2"),
     (["--sequence-parallel", "--tensor-model-parallel-size", "2"], 2, False, "needs a GPU"),
     (["--context-parallel-size", "2"], 2, True, "needs --transformer-impl transformer_engine"),
     (["--bf16", "--fp16"], 1, True, "exclusive"),

@@ -97,19 +97,39 @@ def _microbatches():
     return iter(list(zip(x, mask)))
 
 
-def _run(loss_func, forward_only=False, collect=False):
-    from model import forward_backward_no_pipelining
+class _Scale(torch.nn.Module):
+    """A one-weight model with the `config` megatron-core's schedules read their hooks from."""
 
-    weight = torch.nn.Parameter(torch.tensor(1.0))
+    def __init__(self):
+        from megatron.core.transformer import TransformerConfig
+
+        super().__init__()
+        from megatron.core.enums import ModelType
+
+        self.config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+        self.model_type = ModelType.encoder_or_decoder
+
+        self.weight = torch.nn.Parameter(torch.tensor(1.0))
+
+    def set_input_tensor(self, tensor):  # the schedules hand a pipeline stage its input here; one stage has none
+        pass
+
+
+def _run(loss_func, forward_only=False, collect=False):
+    """megatron-core's own no-pipelining schedule, as train_step runs it, over two microbatches."""
+    import model as _  # noqa: F401  (installs device.py's shim on a machine without CUDA)
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    scale = _Scale()
 
     def forward_step(data_iterator, model):
         x, mask = next(data_iterator)
-        return weight * x, functools.partial(loss_func, mask)
+        return model.weight * x, functools.partial(loss_func, mask)
 
-    out = forward_backward_no_pipelining(forward_step_func=forward_step, data_iterator=_microbatches(),
-                                         model=torch.nn.Identity(), num_microbatches=2, forward_only=forward_only,
-                                         collect_non_loss_data=collect)
-    return out, weight.grad
+    out = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=_microbatches(), model=[scale],
+                                      num_microbatches=2, seq_length=4, micro_batch_size=1, forward_only=forward_only,
+                                      collect_non_loss_data=collect)
+    return out, scale.weight.grad
 
 
 def test_token_weighted_pattern(single_rank_groups):
@@ -129,7 +149,7 @@ def test_token_weighted_pattern(single_rank_groups):
 def test_legacy_scalar_pattern(single_rank_groups):
     def loss_func(mask, output):
         loss = (output * mask).sum() / mask.sum()
-        return loss, {"lm loss": loss.detach()}
+        return loss, {"lm loss": loss.detach().clone()}  # the schedule divides `loss` in place
 
     reports, grad = _run(loss_func)
     reduced = train.reduce_losses(reports, train.config_lib.parse_args([], world_size=1, gpu=False))

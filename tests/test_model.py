@@ -1,4 +1,5 @@
-"""model.py on CPU: the SDPA core attention, RoPE kept on the CPU, and the GPT variants the flags select."""
+"""model.py on CPU: the SDPA core attention, and the GPT variants the flags select trained by megatron-core's
+engine (DDP, get_megatron_optimizer, the schedules) through device.py's shim."""
 
 import math
 
@@ -35,20 +36,30 @@ def test_sdpa_attention_is_causal_attention_with_gqa(single_rank_groups):
 
 @pytest.mark.parametrize("flags", [
     ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear"],
-    ["--num-query-groups", "2", "--untie-embeddings-and-output-weights"],
+    ["--num-query-groups", "2", "--untie-embeddings-and-output-weights", "--attention-backend", "local"],
     ["--bf16"],
 ])
 def test_gpt_variants_train_on_cpu(single_rank_groups, flags):
-    from model import TorchOptimizer, build_model, get_forward_backward_func
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.module import Float16Module
+
+    from model import build_model, build_optimizer, get_forward_backward_func, set_random_seed, unwrap, wrap_model
 
     cfg = config.parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                              "--seq-length", "32", "--hidden-dropout", "0", "--attention-dropout", "0", *flags],
                             world_size=1, gpu=False)
-    torch.manual_seed(0)
-    model = build_model(cfg, vocab_size=100)
-    gpt = model[0]
+    set_random_seed(0)
+    model = wrap_model(cfg, build_model(cfg, vocab_size=100))
+    gpt = unwrap(model[0])
+    assert isinstance(model[0], DistributedDataParallel)
+    assert isinstance(model[0].module, Float16Module) == ("--bf16" in flags)
     assert (gpt.output_layer.weight is None) == (not cfg.model.untie_embeddings_and_output_weights)
-    optimizer = TorchOptimizer(cfg, model)
+    core_attention = gpt.decoder.layers[0].self_attention.core_attention
+    assert isinstance(core_attention, DotProductAttention) == ("local" in flags)
+    optimizer = build_optimizer(cfg, model)
+    assert isinstance(optimizer, MegatronOptimizer)
     tokens = torch.arange(32).repeat(2, 1) % 50
     batch = dict(tokens=tokens, labels=(tokens + 1) % 50, position_ids=torch.arange(32).repeat(2, 1))
 
@@ -56,26 +67,27 @@ def test_gpt_variants_train_on_cpu(single_rank_groups, flags):
         out = m(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
         return out, lambda o: (o.float().mean(), {"lm loss": o.float().mean().detach()})
 
-    fbf = get_forward_backward_func(cfg, model, optimizer)
+    fbf = get_forward_backward_func(model, optimizer)
     losses = []
     for _ in range(8):
+        model[0].zero_grad_buffer()
         optimizer.zero_grad()
-        losses.append(fbf(forward_step_func=forward_step, data_iterator=iter([]), model=model,
-                          num_microbatches=1)[0]["lm loss"].item())
+        losses.append(fbf(forward_step_func=forward_step, data_iterator=iter([]), model=model, num_microbatches=1,
+                          seq_length=32, micro_batch_size=2)[0]["lm loss"].item())
         ok, grad_norm, _ = optimizer.step()
         assert ok and grad_norm > 0
     assert losses[-1] < losses[0]
-    if "--position-embedding-type" in flags:
-        assert gpt.rotary_pos_emb.inv_freq.device.type == "cpu"
 
 
 def test_no_weight_decay_on_biases_and_norms(single_rank_groups):
-    from model import TorchOptimizer, build_model
+    from model import build_model, build_optimizer, wrap_model
 
     cfg = config.parse_args(["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4"],
                             world_size=1, gpu=False)
-    model = build_model(cfg, vocab_size=100)
-    decay, no_decay = TorchOptimizer(cfg, model).param_groups
-    assert decay["wd_mult"] == 1.0 and no_decay["wd_mult"] == 0.0
-    assert all(p.ndim >= 2 for p in decay["params"]) and all(p.ndim == 1 for p in no_decay["params"])
-    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model[0].parameters()))
+    model = wrap_model(cfg, build_model(cfg, vocab_size=100))
+    groups = build_optimizer(cfg, model).param_groups
+    decay = [p for g in groups if g["wd_mult"] == 1.0 for p in g["params"]]
+    no_decay = [p for g in groups if g["wd_mult"] == 0.0 for p in g["params"]]
+    assert decay and no_decay
+    assert all(p.ndim >= 2 for p in decay) and all(p.ndim == 1 for p in no_decay)
+    assert len(decay) + len(no_decay) == len(list(model[0].parameters()))

@@ -61,7 +61,9 @@ def test_checkpoint_layout(mock_run):
     for it in (15, 30):
         d = ckpt / f"iter_{it:07d}"
         assert (d / "run_config.yaml").is_file() and (d / "train_state.pt").is_file()
-        assert (d / "mp_rank_00" / "model_optim_rng.pt").is_file()
+        # torch_dist: megatron-core dist_checkpointing's shards (one per rank) beside its metadata
+        assert (d / "metadata.json").is_file() and (d / "common.pt").is_file() and (d / ".metadata").is_file()
+        assert sorted(p for p in os.listdir(d) if p.endswith(".distcp")) == ["__0_0.distcp", "__0_1.distcp"]
         assert sorted(os.listdir(d / "rng")) == ["rank_00000.pt", "rank_00001.pt"]
         state = torch.load(d / "train_state.pt", weights_only=True)
         assert state["step"] == it and state["consumed_train_samples"] == it * 8

@@ -1,0 +1,161 @@
+"""device.py: the one place where a machine without a GPU differs from one with a GPU.
+
+The training engine is megatron-core's own on every machine: its DistributedDataParallel and grad buffers,
+`get_megatron_optimizer` (the distributed optimizer, Float16Module's mixed precision, the loss scalers),
+the pipeline schedules, the CUDA RNG tracker, its timers and `dist_checkpointing`. megatron-core 0.16.1
+hard-codes CUDA in about a hundred places. Without CUDA, `install_cpu_shim()` answers those calls on the
+CPU, so that a laptop and the CI run the very code a GPU runs. With CUDA present it does nothing at all.
+
+What the shim answers (file:line in megatron-core 0.16.1), and why:
+
+    call                                       where megatron-core makes it                    answer on CPU
+    -----------------------------------------  ----------------------------------------------  --------------------------
+    torch.*(..., device="cuda" | <ordinal>)    schedules.py:596 (token count), optimizer.py:   device="cpu"
+                                               473-485,907, clip_grads.py:90-115,174,207,
+                                               grad_scaler.py:15,88-94, param_and_grad_buffer.
+                                               py:783-806 (grad buffers), p2p_communication.py:
+                                               190-202,313-321, utils.py:631 (attention buffer),
+                                               rotary_pos_embedding.py:162,297, rerun_state_
+                                               machine.py:261-265, async_utils.py:165
+    Tensor.cuda(), Tensor.to("cuda")           grad_scaler.py:140, optimizer.py:375-380,       the tensor, on the CPU
+                                               rotary_pos_embedding.py:162
+    Tensor.type() of a parameter or gradient   optimizer.py:671,690, distrib_optimizer.py:     "torch.cuda.FloatTensor"
+                                               361,420,582, clip_grads.py:167                  (the type checks pass)
+    torch.cuda.current_device()                the device= arguments above; rerun_state_       0 (mapped to the CPU
+                                               machine.py:525,567 names it in messages          by the first row)
+    torch.cuda.synchronize()                   timers.py:152,165, p2p_communication.py:242,     nothing to wait for
+                                               fully_parallel.py:272,281, filesystem_async.     (CPU ops are synchronous)
+                                               py:230, async_utils.py:212
+    torch.cuda.Stream / current_stream /       distributed_data_parallel.py:230, param_and_    one stream: waits and
+    default_stream / stream(s)                 grad_buffer.py:417-422,529 (overlapped reduce)   syncs are no-ops
+    torch.cuda.get_rng_state / set_rng_state   random.py:235-238 (tracker.add), rerun_state_   the CPU default generator
+    / manual_seed, random._get_cuda_rng_state  machine.py:957,970, random.py:41,72 (fork()     (the tracker swaps its
+    / random._set_cuda_rng_state               swaps the tracker's streams in and out)          streams through it)
+
+`torch.cuda.is_available()` stays False: code that asks it (ours, torch's) still learns the truth. The
+`device=` rewrite is a `torch.overrides.TorchFunctionMode`, so every torch call from Python passes through
+one small function; `python bench.py overhead` measures what that costs (README, "Running on CPU").
+
+Beyond the shim, the machines differ in only these, each answered here once:
+
+    what                       GPU                                  CPU
+    -------------------------  -----------------------------------  ----------------------------------------
+    collective backend         nccl                                 gloo                 (`backend()`)
+    where a batch lives        the local GPU (copied, non-blocking)  where it is          (`to_device()`)
+    layer implementation       transformer-engine if installed      megatron-core local  (config.py)
+"""
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_installed = False
+
+
+def cuda() -> bool:
+    """Whether this process trains on a GPU."""
+    return torch.cuda.is_available()
+
+
+def backend() -> str:
+    """The collective backend: NCCL between GPUs, gloo between CPU processes."""
+    return "nccl" if cuda() else "gloo"
+
+
+def to_device(batch: dict) -> dict:
+    """A batch's tensors on the local GPU (non-blocking: DataLoader workers pin them); unchanged on CPU."""
+    if not cuda():
+        return batch
+    return {k: v.cuda(non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):  # an ordinal, as torch.cuda.current_device() gives
+        return True
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.startswith("cuda")
+
+
+_CUDA_TYPE = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
+              "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+
+class CudaOnCpu(TorchFunctionMode):
+    """Every torch call from Python passes here: a CUDA `device=` becomes the CPU, `Tensor.cuda()` and
+    `Tensor.to("cuda")` stay where they are, and `Tensor.type()` names the CUDA type megatron-core checks for."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs:
+            device = kwargs.get("device")
+            if device is not None and _is_cuda(device):
+                kwargs = dict(kwargs, device="cpu")
+        else:
+            kwargs = {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        elif func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return _CUDA_TYPE.get(name, name)
+        return func(*args, **kwargs)
+
+
+class _Stream:
+    """A CUDA stream on a machine with one in-order stream: waiting and synchronising are no-ops."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, event=None):
+        return event
+
+
+def install_cpu_shim() -> None:
+    """Answer megatron-core's CUDA calls on the CPU (the table above). Does nothing when CUDA is available,
+    or when already installed. Process-wide and permanent: it is how this process talks to megatron-core."""
+    global _installed
+    if _installed or cuda():
+        return
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    stream = _Stream()
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.Stream = _Stream
+    torch.cuda.current_stream = lambda device=None: stream
+    torch.cuda.default_stream = lambda device=None: stream
+    torch.cuda.stream = lambda s: contextlib.nullcontext()
+    # The CUDA generator is the CPU's default generator: the RNG tracker's fork() swaps its named streams
+    # (dropout inside tensor-parallel regions) in and out of it, exactly as it does on a GPU.
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
+    mcore_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    CudaOnCpu().__enter__()  # entered for good: the mode stack is per thread, and training runs on this one
+    _installed = True
+
+
+def current() -> torch.device:
+    """The device this process computes on: its GPU, or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if cuda() else torch.device("cpu")
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if flag is True on any rank: one small all-reduce (data loading, checkpoints and
+    the loop use it to fail or stop together)."""
+    t = torch.tensor([int(flag)], device=current())
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())

@@ -238,10 +238,10 @@ def train_py_run(cfg, warmup: int = 3) -> dict:
             seen["memory"] = torch.cuda.memory_allocated() if cfg.use_gpu else psutil.Process().memory_info().rss
         return original_log(*args, **kwargs)
 
-    def counted(cfg_, model):
+    def counted(cfg_, model, timers=None):
         seen["params"] = sum(p.numel() for chunk in model for p in chunk.parameters())
         seen["model"] = model
-        seen["optimizer"] = original_opt(cfg_, model)
+        seen["optimizer"] = original_opt(cfg_, model, timers)
         return seen["optimizer"]
 
     metrics.training_log, train.build_optimizer = stamped, counted

@@ -70,14 +70,42 @@ def _atomic_write_text(text: str, path: str) -> None:
     os.replace(tmp, path)
 
 
+def _first_line(e: BaseException) -> str:
+    """`Type: first line of the message`, or just `Type` for an exception without one (an empty file's EOFError)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0][:120]}" if lines else type(e).__name__
+
+
 def _load(path: str, what: str):
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: missing ({what}); the checkpoint is incomplete — load an older iteration with --ckpt-step")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated, corrupt, or not a torch file
-        raise CheckpointError(f"{path}: cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+    except Exception as e:  # empty, truncated, corrupt, or not a torch file
+        raise CheckpointError(f"{path}: cannot be read ({_first_line(e)}); "
                               f"the file is corrupt — load an older iteration with --ckpt-step") from None
+
+
+def _check_distcp_files(directory: str) -> None:
+    """Each data file that a torch_dist checkpoint's .metadata names is there and holds the bytes it lists.
+
+    torch's reader would fail later on such a file with a bare EOFError that names no file; this names it."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(directory).read_metadata().storage_data
+    except Exception as e:
+        raise CheckpointError(f"{os.path.join(directory, '.metadata')}: cannot be read ({_first_line(e)}); "
+                              f"the checkpoint is corrupt — load an older iteration with --ckpt-step") from None
+    needed: dict = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = os.path.join(directory, name)
+        have = os.path.getsize(path) if os.path.isfile(path) else None
+        if have is None or have < size:
+            what = "missing" if have is None else "empty" if have == 0 else f"truncated ({have} of {size} bytes)"
+            raise CheckpointError(f"{path}: {what}; the checkpoint is damaged — load an older iteration with --ckpt-step")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -355,10 +383,19 @@ def save_tokenizer(tokenizer, directory: str) -> None:
 
 
 def check_tokenizer(tokenizer, directory: str) -> None:
+    """The run's tokenizer is the one the weights were trained with (a different one reads other token ids)."""
     path = os.path.join(directory, "tokenizer_config.json")
-    if tokenizer is None or not os.path.isfile(path):
+    if tokenizer is None:
         return
-    saved = json.load(open(path))
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: missing, so the tokenizer the weights were trained with is unknown; copy it from "
+                              f"another checkpoint of the run, or load an older iteration with --ckpt-step")
+    try:
+        with open(path) as fh:
+            saved = json.load(fh)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: cannot be read ({_first_line(e)}); copy it from another checkpoint of the run, "
+                              f"or load an older iteration with --ckpt-step") from None
     if saved != json.loads(json.dumps(tokenizer.unique_identifiers)):
         raise CheckpointError(f"{directory} was trained with tokenizer {saved} but this run uses "
                               f"{tokenizer.unique_identifiers}; use the checkpoint's tokenizer (see its tokenizer_config.json)")
@@ -416,6 +453,29 @@ def load_checkpoint(state, model: list, optimizer, scheduler, path: str, finetun
     return loaded
 
 
+def _load_rng_state(directory: str) -> None:
+    """This rank's random states from rng/rank_NNNNN.pt. Saved by another number of ranks: the streams start
+    afresh from --seed, said once. Missing (or some ranks' files missing): an error naming --no-load-rng, as
+    Megatron-LM stops, since the resume would otherwise silently stop being exact."""
+    from metrics import print_rank_0
+
+    rng_dir, world = os.path.join(directory, "rng"), torch.distributed.get_world_size()
+    saved = sorted(os.listdir(rng_dir)) if os.path.isdir(rng_dir) else []
+    if not saved:
+        raise CheckpointError(f"{rng_dir}: missing (random states); the resume would not be exact — restore it, or "
+                              f"pass --no-load-rng to start the random streams afresh from --seed")
+    contiguous = saved == [f"rank_{r:05d}.pt" for r in range(len(saved))]
+    if contiguous and len(saved) != world:
+        print_rank_0(f" {directory} was saved by {len(saved)} ranks, this run has {world}: random states start afresh "
+                     f"from --seed")
+        return
+    rng_file = os.path.join(rng_dir, f"rank_{torch.distributed.get_rank():05d}.pt")
+    if not os.path.isfile(rng_file):
+        raise CheckpointError(f"{rng_file}: missing (random states of this rank); the resume would not be exact — "
+                              f"load an older iteration with --ckpt-step, or pass --no-load-rng")
+    set_rng_state(_load(rng_file, "random number generator state"))
+
+
 def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
     from metrics import print_rank_0
 
@@ -443,12 +503,15 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
             _create_optimizer_state(optimizer)
             sharded["optimizer"] = optimizer.sharded_state_dict(dict(sharded), is_loading=True, metadata=metadata)
         sharded["opt_param_scheduler"] = scheduler.state_dict()
+        _check_distcp_files(directory)
         try:
             payload = dist_checkpointing.load(sharded, directory)
         except (Exception, CheckpointException) as e:  # torch wraps each rank's failure in a BaseException
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-            why = next((line for line in reversed(lines) if "mismatch" in line or "Missing" in line),
-                       lines[-1] if lines else type(e).__name__)
+            why = next((line for line in reversed(lines) if "mismatch" in line or "Missing" in line), None)
+            if why is None:  # not a shape or key problem: a file megatron-core could not read
+                raise CheckpointError(f"{directory}: cannot be read ({lines[-1][:200] if lines else type(e).__name__}); "
+                                      f"the checkpoint is corrupt — load an older iteration with --ckpt-step") from None
             raise CheckpointError(f"{directory}: weights do not fit this model ({why[:300]}); check --num-layers/"
                                   f"--hidden-size/... against {directory}/run_config.yaml") from None
     else:
@@ -474,13 +537,7 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
                 raise CheckpointError(f"{directory}: {e}; pass --override-opt-param-scheduler to follow the flags, or "
                                       f"--use-checkpoint-opt-param-scheduler to keep the saved schedule") from None
         ts.load_state_dict(_load(os.path.join(directory, "train_state.pt"), "training progress"))
-        rng_dir = os.path.join(directory, "rng")
-        saved_ranks = len(os.listdir(rng_dir)) if os.path.isdir(rng_dir) else 0
-        if ck.load_rng and saved_ranks == torch.distributed.get_world_size():
-            rng_file = os.path.join(rng_dir, f"rank_{torch.distributed.get_rank():05d}.pt")
-            set_rng_state(_load(rng_file, "random number generator state"))
-        elif ck.load_rng and saved_ranks:
-            print_rank_0(f" {directory} was saved by {saved_ranks} ranks, this run has "
-                         f"{torch.distributed.get_world_size()}: random states start afresh from --seed")
+        if ck.load_rng:
+            _load_rng_state(directory)
     print_rank_0(f" loaded checkpoint {directory} at iteration {ts.step}" + (" (weights only)" if finetune else ""))
     return True

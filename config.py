@@ -30,14 +30,17 @@ class ConfigError(ValueError):
     """An impossible or inconsistent setting. The message is one line saying what and how to fix it."""
 
 
-def arg(default: Any, help: str, *, flag: Optional[str] = None, choices=None, cli: bool = True, derived: bool = False):
+def arg(default: Any, help: str, *, flag: Optional[str] = None, choices=None, cli: bool = True, derived: bool = False,
+        bounds: Optional[str] = None):
     """A config field: its default, its documentation (= its `--help`), and how it appears on the CLI.
 
     For a bool that defaults to True, `flag` names the Megatron-LM switch that turns it off
     (e.g. `--no-save-optim`); `cli=False` marks a setting that Megatron-LM has no flag for (YAML only);
-    `derived=True` a value computed during validation (not settable from the command line).
+    `derived=True` a value computed during validation (not settable from the command line);
+    `bounds` the interval a number must lie in, as torch or megatron-core would demand it, e.g. "[0, 1)"
+    (checked first by validate(), so an out-of-range value is a one-line error before torch loads).
     """
-    meta = dict(help=help, flag=flag, choices=choices, cli=cli and not derived, derived=derived)
+    meta = dict(help=help, flag=flag, choices=choices, cli=cli and not derived, derived=derived, bounds=bounds)
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -55,13 +58,14 @@ class ModelConfig:
     num_layers: int = arg(4, "Number of transformer layers.")
     hidden_size: int = arg(256, "Transformer hidden size.")
     ffn_hidden_size: Optional[int] = arg(
-        None, "MLP hidden size. Default: 4 x hidden size, or 2/3 of that rounded down to a multiple of 64 with --swiglu."
-    )
+        None, "MLP hidden size. Default: 4 x hidden size, or 2/3 of that rounded down to a multiple of 64 with --swiglu.",
+        bounds="(0, inf)")
     num_attention_heads: int = arg(4, "Number of attention heads.")
     num_query_groups: Optional[int] = arg(
         None, "Number of key/value head groups for grouped-query attention. Default: one per head (plain multi-head)."
     )
-    kv_channels: Optional[int] = arg(None, "Projection size per attention head. Default: hidden size / heads.")
+    kv_channels: Optional[int] = arg(None, "Projection size per attention head. Default: hidden size / heads.",
+                                      bounds="(0, inf)")
     seq_length: int = arg(256, "Sequence length of a training sample, in tokens.")
     max_position_embeddings: Optional[int] = arg(
         None, "Size of the learned position-embedding table. Default: --seq-length."
@@ -71,17 +75,17 @@ class ModelConfig:
     )
     hidden_dropout: float = arg(0.1, "Dropout probability after the attention and MLP blocks.")
     attention_dropout: float = arg(0.1, "Dropout probability on the attention weights.")
-    init_method_std: float = arg(0.02, "Standard deviation of the normal weight initialisation.")
+    init_method_std: float = arg(0.02, "Standard deviation of the normal weight initialisation.", bounds="[0, inf)")
     untie_embeddings_and_output_weights: bool = arg(
         False, "Give the output layer its own weights instead of sharing the input embedding's."
     )
     position_embedding_type: str = arg(
         "learned_absolute", "Position embedding.", choices=["learned_absolute", "rope", "none"]
     )
-    rotary_base: int = arg(10000, "Base period of the rotary position embedding.")
-    rotary_percent: float = arg(1.0, "Fraction of each head's dimensions that rotary embedding rotates.")
+    rotary_base: int = arg(10000, "Base period of the rotary position embedding.", bounds="(0, inf)")
+    rotary_percent: float = arg(1.0, "Fraction of each head's dimensions that rotary embedding rotates.", bounds="(0, 1]")
     normalization: str = arg("LayerNorm", "Normalization layer.", choices=["LayerNorm", "RMSNorm"])
-    norm_epsilon: float = arg(1e-5, "Epsilon of the normalization layers.")
+    norm_epsilon: float = arg(1e-5, "Epsilon of the normalization layers.", bounds="[0, inf)")
     swiglu: bool = arg(False, "Use the SwiGLU gated activation in the MLP instead of GeLU.")
     add_bias_linear: bool = arg(True, "Biases in the linear layers.", flag="--disable-bias-linear")
     transformer_impl: Optional[str] = arg(
@@ -134,7 +138,8 @@ class TrainingConfig:
     eval_iters: int = arg(10, "Iterations (global batches) per evaluation. 0 disables evaluation.")
     skip_train: bool = arg(False, "Do not train: evaluate on the validation and test sets only, then exit.")
     exit_interval: Optional[int] = arg(None, "Exit (saving a checkpoint if --save is set) at the first iteration divisible by this.")
-    exit_duration_in_mins: Optional[float] = arg(None, "Exit (saving a checkpoint) after this many minutes of training.")
+    exit_duration_in_mins: Optional[float] = arg(None, "Exit (saving a checkpoint) after this many minutes of training.",
+                                                  bounds="(0, inf)")
     exit_signal_handler: bool = arg(False, "On --exit-signal (SIGTERM by default) on any rank: save a checkpoint and exit 0.")
     exit_signal: str = arg("SIGTERM", "Signal that --exit-signal-handler catches.")
     iterations_to_skip: Optional[list[int]] = arg(
@@ -167,11 +172,11 @@ class OptimizerConfig:
     optimizer: str = arg("adam", "Optimizer.", choices=["adam", "sgd"])
     lr: float = arg(1e-3, "Peak learning rate.")
     min_lr: float = arg(1e-4, "Learning rate at the end of the decay.")
-    weight_decay: float = arg(0.01, "Decoupled weight decay (not applied to biases and 1-D parameters).")
-    adam_beta1: float = arg(0.9, "Adam beta1.")
-    adam_beta2: float = arg(0.999, "Adam beta2.")
-    adam_eps: float = arg(1e-8, "Adam epsilon.")
-    sgd_momentum: float = arg(0.9, "SGD momentum.")
+    weight_decay: float = arg(0.01, "Decoupled weight decay (not applied to biases and 1-D parameters).", bounds="[0, inf)")
+    adam_beta1: float = arg(0.9, "Adam beta1.", bounds="[0, 1)")
+    adam_beta2: float = arg(0.999, "Adam beta2.", bounds="[0, 1)")
+    adam_eps: float = arg(1e-8, "Adam epsilon.", bounds="[0, inf)")
+    sgd_momentum: float = arg(0.9, "SGD momentum.", bounds="[0, inf)")
     clip_grad: float = arg(1.0, "Clip gradients to this global L2 norm. 0 disables clipping.")
     use_distributed_optimizer: bool = arg(False, "Shard the optimizer state and fp32 main weights over data-parallel ranks "
                                             "(megatron-core's DistributedOptimizer).")
@@ -240,7 +245,7 @@ class SchedulerConfig:
     lr_warmup_samples: int = arg(0, "Samples of linear warmup (sample-based training).")
     lr_warmup_fraction: Optional[float] = arg(
         None, "Warmup as a fraction of the decay length, instead of --lr-warmup-iters/--lr-warmup-samples.")
-    lr_warmup_init: float = arg(0.0, "Learning rate at the start of warmup.")
+    lr_warmup_init: float = arg(0.0, "Learning rate at the start of warmup.", bounds="[0, inf)")
     lr_wsd_decay_style: str = arg("exponential", "Decay of the WSD schedule's last phase.", choices=["exponential", "linear", "cosine"])
     lr_wsd_decay_iters: Optional[int] = arg(None, "Iterations of the WSD schedule's decay phase. Default: the whole decay.")
     lr_wsd_decay_samples: Optional[int] = arg(
@@ -421,14 +426,15 @@ class DistributedInitConfig:
     """Process-group setup."""
 
     distributed_backend: Optional[str] = arg(None, "Collective backend. Default: nccl with a GPU, gloo without.", choices=["nccl", "gloo"])
-    distributed_timeout_minutes: int = arg(10, "Timeout of collective operations, in minutes.")
+    distributed_timeout_minutes: int = arg(10, "Timeout of collective operations, in minutes.", bounds="(0, inf)")
 
 
 @dataclass
 class RNGConfig:
     """Random seeds."""
 
-    seed: int = arg(1234, "Random seed for python, numpy and torch (offset per pipeline rank, as Megatron does).")
+    seed: int = arg(1234, "Random seed for python, numpy and torch (offset per pipeline rank, as Megatron does).",
+                     bounds="[0, 2147483647]")  # numpy refuses negative seeds and seeds from 2**32
 
 
 # NVIDIA service configs (Bridge's FaultToleranceConfig, NVRxStragglerDetectionConfig, InProcessRestartConfig,
@@ -785,6 +791,33 @@ def transformer_engine_installed() -> bool:
 # --------------------------------------------------------------------------------------------------
 
 
+def max_data_workers() -> int:
+    """The most DataLoader workers per rank accepted: 4 per CPU core (at least 8)."""
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
+def _interval(spec: str) -> tuple:
+    """"[0, 1)" -> (0.0, 1.0, True, False): low, high, and whether each end is included."""
+    low, high = (x.strip() for x in spec[1:-1].split(","))
+    return float(low), float(high), spec[0] == "[", spec[-1] == "]"
+
+
+def _check_bounds(cfg: ConfigContainer) -> None:
+    """Every number declared with `bounds` lies in its interval (None means unset; NaN is never in one)."""
+    for section in SECTIONS:
+        sub = getattr(cfg, section)
+        for f in dataclasses.fields(sub):
+            value, spec = getattr(sub, f.name), f.metadata.get("bounds")
+            if spec is None or value is None or isinstance(value, bool):
+                continue
+            low, high, low_in, high_in = _interval(spec)
+            ok = isinstance(value, (int, float)) and (low <= value if low_in else low < value) and (
+                value <= high if high_in else value < high)
+            if not ok:
+                flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
+                raise ConfigError(f"{flag} {value!r} is out of range: it must lie in {spec}")
+
+
 def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Optional[bool] = None) -> ConfigContainer:
     """Check the settings against each other and the machine, and fill in derived values.
 
@@ -794,6 +827,7 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
     m, t, o, s, c, lg = cfg.model, cfg.train, cfg.optimizer, cfg.scheduler, cfg.checkpoint, cfg.logger
     cfg.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     cfg.use_gpu = gpu_visible() if gpu is None else gpu
+    _check_bounds(cfg)
 
     # --- sizes -----------------------------------------------------------------------------------
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by"):
@@ -1339,6 +1373,10 @@ def _validate_data(cfg: ConfigContainer) -> None:
         raise ConfigError("--sft reads JSONL files: give --data-path (or --train-data-path), not --mock-data")
     if d.num_workers < 0:
         raise ConfigError(f"--num-workers must be non-negative, got {d.num_workers}")
+    most = max_data_workers()
+    if d.num_workers > most:  # each worker is a forked process; thousands would exhaust the machine first
+        raise ConfigError(f"--num-workers {d.num_workers} would fork more DataLoader processes per rank than 4 per CPU "
+                          f"core here; use at most {most}")
     for flag, paths in (("--data-path", d.data_path), ("--train-data-path", d.train_data_path),
                         ("--valid-data-path", d.valid_data_path), ("--test-data-path", d.test_data_path)):
         if not paths:

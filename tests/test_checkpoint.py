@@ -129,6 +129,13 @@ def test_finetune_without_weights_is_refused(tmp_path):
     ("tracker", [], "names iteration 30 but"),
     ("tracker_text", [], "expected an iteration number"),
     ("missing_train_state", [], "train_state.pt: missing"),
+    ("empty_train_state", [], r"train_state.pt: cannot be read \(EOFError\)"),
+    ("empty_model", [], r"__0_0.distcp: empty; the checkpoint is damaged"),
+    ("truncated_model", [], r"__0_1.distcp: truncated \(\d+ of \d+ bytes\)"),
+    ("missing_model", [], r"__0_1.distcp: missing"),
+    ("missing_rng", [], r"rng: missing .*pass --no-load-rng"),
+    ("missing_rank_rng", [], r"rank_00000.pt: missing .*--no-load-rng"),
+    ("missing_tokenizer", [], r"tokenizer_config.json: missing"),
     ("none", ["--hidden-size", "128"], "weights do not fit this model"),
     ("none", ["--ckpt-step", "20"], "--ckpt-step 20:"),
     ("none", ["--train-iters", "40"], "pass --override-opt-param-scheduler"),
@@ -143,6 +150,21 @@ def test_bad_checkpoints_give_clear_errors(mock_run, tmp_path, damage, flags, me
         (ckpt / "latest_checkpointed_iteration.txt").write_text("thirty")
     elif damage == "missing_train_state":
         os.remove(ckpt / "iter_0000030" / "train_state.pt")
+    elif damage == "empty_train_state":
+        (ckpt / "iter_0000030" / "train_state.pt").write_bytes(b"")
+    elif damage == "empty_model":
+        (ckpt / "iter_0000030" / "__0_0.distcp").write_bytes(b"")
+    elif damage == "truncated_model":
+        target = ckpt / "iter_0000030" / "__0_1.distcp"
+        target.write_bytes(target.read_bytes()[:-100])
+    elif damage == "missing_model":
+        os.remove(ckpt / "iter_0000030" / "__0_1.distcp")
+    elif damage == "missing_rng":
+        shutil.rmtree(ckpt / "iter_0000030" / "rng")
+    elif damage == "missing_rank_rng":
+        os.remove(ckpt / "iter_0000030" / "rng" / "rank_00000.pt")
+    elif damage == "missing_tokenizer":
+        os.remove(ckpt / "iter_0000030" / "tokenizer_config.json")
     cfg = _cfg(tmp_path, "--train-iters", "30", "--global-batch-size", "8", "--load", str(ckpt), *flags)
     with pytest.raises(checkpoint.CheckpointError, match=message) as e:
         train.pretrain(cfg)

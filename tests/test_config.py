@@ -129,6 +129,32 @@ def test_help_and_errors_answer_before_importing_torch():
     assert "Traceback" not in bad.stderr
 
 
+OUT_OF_RANGE = [  # each once crashed with a traceback after the model was built (torch's AdamW/SGD, init, MLP)
+    (["--adam-beta1", "-1"], "--adam-beta1 -1.0 is out of range: it must lie in [0, 1)"),
+    (["--adam-beta2", "1.5"], "--adam-beta2 1.5 is out of range: it must lie in [0, 1)"),
+    (["--adam-eps", "-0.5"], "--adam-eps -0.5 is out of range: it must lie in [0, inf)"),
+    (["--init-method-std", "-1"], "--init-method-std -1.0 is out of range: it must lie in [0, inf)"),
+    (["--ffn-hidden-size", "-1"], "--ffn-hidden-size -1 is out of range: it must lie in (0, inf)"),
+    (["--sgd-momentum", "-1"], "--sgd-momentum -1.0 is out of range: it must lie in [0, inf)"),
+    (["--adam-beta1", "nan"], "--adam-beta1 nan is out of range"),
+    (["--num-workers", "999999999999"], "--num-workers 999999999999 would fork more DataLoader processes"),
+]
+
+
+def test_out_of_range_numbers_stop_before_torch_loads():
+    """train.py as a user runs it, each hostile value at once: a one-line error and exit 2, torch never imported."""
+    code = ("import runpy, sys; sys.argv = ['train.py'] + sys.argv[1:]\n"
+            "try:\n    runpy.run_path('train.py', run_name='__main__')\n"
+            "except SystemExit as e:\n    print('exit', e.code, 'torch imported:', 'torch' in sys.modules)\n")
+    runs = [subprocess.Popen([sys.executable, "-c", code, *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, WORLD_SIZE="1"))
+            for argv, _ in OUT_OF_RANGE]
+    for run, (argv, message) in zip(runs, OUT_OF_RANGE):
+        out, err = run.communicate(timeout=60)
+        assert out.strip() == "exit 2 torch imported: False", (argv, out, err)
+        assert err.startswith(f"train.py: error: {message}") and err.count("\n") == 1, (argv, err)
+
+
 # --- scheduler lengths, compatibility checks, determinism, the config summary, NVIDIA service configs -----------
 
 

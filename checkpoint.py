@@ -140,6 +140,30 @@ def set_rng_state(state: dict) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
+def _ignore_job_signals() -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _shield_write_results_queue() -> None:
+    """megatron-core's torch_dist writer reports through a queue served by a Manager process it starts at the
+    first save and keeps (filesystem_async._results_queue). SLURM's scancel, `timeout` and Ctrl-C signal
+    every process of the job, that one too: once it is dead, the very save that --exit-signal-handler makes
+    fails with a BrokenPipeError. So the queue is made here, first, by a Manager that ignores SIGTERM and
+    SIGINT; it is shut down with its rank, as megatron-core's own would be."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(initializer=_ignore_job_signals)
+        filesystem_async._results_queue = manager.Queue()
+
+
 def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
     """Write iter_{step}/ for the current step on every rank, then publish it. Returns its directory.
 
@@ -155,34 +179,41 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
     if rank == 0:
         if os.path.isdir(directory):  # left by an earlier, unpublished attempt at this step
             shutil.rmtree(directory)
-        os.makedirs(os.path.join(directory, "rng"))
+        os.makedirs(directory)
     torch.distributed.barrier()
     # What the tracker files will say is fixed now: training moves on while an async save is written.
     publish = functools.partial(_publish, cfg, state.tokenizer, dict(ts.state_dict()), directory, announce=ck.async_save)
     rng_file = os.path.join(directory, "rng", f"rank_{rank:05d}.pt")
     rng_state = get_rng_state() if ck.save_rng else None
+    make_dirs = functools.partial(os.makedirs, os.path.dirname(rng_file), exist_ok=True)  # after megatron's check
 
     if ck.ckpt_format == "torch_dist":
         from megatron.core import dist_checkpointing
 
+        _shield_write_results_queue()
         metadata = sharded_state_dict_metadata(cfg)
         sharded = model_sharded_state_dict(model)
         if ck.save_optim:
             _create_optimizer_state(optimizer)
             sharded["optimizer"] = optimizer.sharded_state_dict(dict(sharded), metadata=metadata)
         sharded["opt_param_scheduler"] = scheduler.state_dict()
-        if rng_state is not None:
-            _atomic_save(rng_state, rng_file)
+        # The rng files after megatron-core's save call: it checks that the directory is empty (else it
+        # warns of an "old incomplete / corrupted checkpoint").
+        files = [(rng_state, rng_file)] if rng_state is not None else []
         if ck.async_save:
             # megatron-core copies the shards to host memory now and writes them in a background
             # process; its own finalize step (metadata) runs first, then our publish, on every rank.
             request = dist_checkpointing.save(sharded, directory, async_sharded_save=True, content_metadata=metadata)
+            make_dirs()
+            for obj, path in files:
+                _atomic_save(obj, path)
             request.add_finalize_fn(publish)
             _async_queue(state).schedule_async_request(request)
             return directory
         dist_checkpointing.save(sharded, directory, content_metadata=metadata)
-        files = []
+        make_dirs()
     else:
+        make_dirs()
         files = [(rng_state, rng_file)] if rng_state is not None else []
         if parallel_state.get_data_parallel_rank() == 0:
             # Data-parallel replicas hold identical weights and optimizer state: one copy per TP/PP rank.

@@ -7,7 +7,11 @@ run reads exactly what an uninterrupted one would have.
 """
 
 import dataclasses
+import functools
 import os
+import signal
+import sys
+import threading
 import warnings
 from typing import Dict, Optional
 
@@ -584,6 +588,36 @@ class MegatronPretrainingRandomSampler:
             self.consumed_samples = (epoch + 1) * active_total
 
 
+def quiet_broken_connections() -> None:
+    """From now on an exception of a broken connection prints nothing: the job is stopping, and a batch still
+    being handed between a rank and its DataLoader workers breaks off. (multiprocessing's resource_sharer
+    thread would print a traceback for it through sys.excepthook, in the rank or the worker.)"""
+    report, report_thread = sys.excepthook, threading.excepthook
+
+    def quiet(exc_type, value, traceback):
+        if not issubclass(exc_type, (ConnectionError, EOFError)):
+            report(exc_type, value, traceback)
+
+    def quiet_thread(args):
+        if not issubclass(args.exc_type, (ConnectionError, EOFError)):
+            report_thread(args)
+
+    sys.excepthook, threading.excepthook = quiet, quiet_thread
+
+
+def data_worker_init(exit_signal: str, worker_id: int) -> None:
+    """A DataLoader worker's init: ignore SIGINT, SIGTERM and the --exit-signal, and end quietly with its rank.
+
+    SLURM's scancel, `timeout` and Ctrl-C signal every process of the job, workers included. A worker that
+    died of it would make its rank raise "DataLoader worker ... is killed by signal" in the middle of the
+    step, before the checkpoint that --exit-signal-handler promises. The rank decides what a signal means;
+    its workers end with it (torch's workers exit when their parent does). Megatron-LM and Bridge give
+    their workers a flag-setting handler instead, to the same effect."""
+    for sig in {signal.SIGINT, signal.SIGTERM, signal.Signals[exit_signal]}:
+        signal.signal(sig, signal.SIG_IGN)
+    quiet_broken_connections()
+
+
 def build_data_loader(dataset, consumed_samples: int, cfg, seed_offset: int = 0):
     if dataset is None:
         return None
@@ -603,7 +637,8 @@ def build_data_loader(dataset, consumed_samples: int, cfg, seed_offset: int = 0)
     # iterated, which would shift the dropout stream of a resumed run by one draw (Megatron Bridge #5257).
     generator = torch.Generator().manual_seed(cfg.rng.seed + seed_offset)
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers, generator=generator,
-                                       pin_memory=device.cuda(), persistent_workers=workers > 0)
+                                       pin_memory=device.cuda(), persistent_workers=workers > 0,
+                                       worker_init_fn=functools.partial(data_worker_init, cfg.train.exit_signal))
 
 
 def build_data_iterators(cfg, tokenizer, train_state):

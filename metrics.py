@@ -121,13 +121,13 @@ class Timers:
         self._timers[name] = _Timer(self._sync)
         return self._timers[name]
 
-    def elapsed_per_rank(self, names, normalizer: float = 1.0) -> dict:
-        """{name: (min, max) over ranks of ms per iteration since the last call}, resetting the timers.
-        A collective: every rank calls it with the same names."""
+    def elapsed_per_rank(self, names, normalizer: float = 1.0, reset: bool = True) -> dict:
+        """{name: (min, max) over ranks of ms per iteration since the last reset}, resetting the timers unless
+        told not to. A collective: every rank calls it with the same names."""
         names = [n for n in names if n in self._timers]
         if not names:
             return {}
-        ms = torch.tensor([self._timers[n].elapsed(reset=True) * 1000.0 / normalizer for n in names],
+        ms = torch.tensor([self._timers[n].elapsed(reset=reset) * 1000.0 / normalizer for n in names],
                           dtype=torch.float64, device=device.current())
         lo, hi = ms.clone(), ms.clone()
         if torch.distributed.is_initialized():
@@ -147,14 +147,16 @@ def num_floating_point_operations(cfg, batch_size: int, padded_vocab_size: int) 
     Megatron-LM `training.py::num_floating_point_operations` (Narayanan et al. 2021, appendix, extended
     for grouped-query attention and gated MLPs): 12 = 3 (forward + 2x backward) x 2 (multiply-add)
     x 2 (the two GEMMs of each block), times the attention, MLP and logit terms. The MLP term uses the
-    real ffn size times 3/2 for SwiGLU (three matrices, not two), not an assumed 4h.
+    real ffn size times 3/2 for SwiGLU (three matrices, not two), not an assumed 4h. Causal attention
+    computes only the unmasked half of the score (QK^T) and context (AV) matmuls: s / 2h, not s / h, as
+    Megatron-LM counts it since 2025 and Megatron Bridge's flop_utils.py does.
     """
     m = cfg.model
     s, h, L = m.seq_length, m.hidden_size, m.num_layers
     query_projection_ratio = m.kv_channels * m.num_attention_heads / h
     gated_multiplier = 3 / 2 if m.swiglu else 1
     return 12 * batch_size * s * L * h * h * (
-        (1 + m.num_query_groups / m.num_attention_heads + s / h) * query_projection_ratio  # attention
+        (1 + m.num_query_groups / m.num_attention_heads + s / h / 2) * query_projection_ratio  # attention
         + (m.ffn_hidden_size / h) * gated_multiplier  # MLP
         + padded_vocab_size / (2 * L * h)  # logits
     )
@@ -505,6 +507,14 @@ def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_r
         if lg.log_throughput:
             extra.update(report_throughput(config.train, iteration, config.model.seq_length, history_wct,
                                            lg.throughput_window_size))
+        if lg.log_timers_to_tensorboard:
+            # Seconds per iteration, the max over ranks, as megatron-core's Timers.write: over the iterations
+            # since the log line last read (and reset) the timers.
+            window = iteration % lg.log_interval or lg.log_interval
+            for name, (_, hi) in global_state.timers.elapsed_per_rank(TIMERS_TO_LOG, window, reset=False).items():
+                extra[f"{name}-time"] = hi / 1000.0
+        if ts.skipped_train_samples > 0:
+            extra["skipped-train-samples"] = ts.skipped_train_samples
         if writer is not None:
             for name, value in scalars.items():
                 if value is not None:
@@ -521,6 +531,8 @@ def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_r
         line = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
         line += f" iteration {iteration:8d}/{config.train.train_iters:8d} |"
         line += f" consumed samples: {ts.consumed_train_samples:12d} |"
+        if ts.skipped_train_samples > 0:  # --iterations-to-skip
+            line += f" skipped samples: {ts.skipped_train_samples:12d} |"
         line += f" elapsed time per iteration (ms): {per_iteration * 1000.0:.1f} |"
         if lg.log_throughput:
             tflops = throughput_tflops_per_device(flops, per_iteration, config.world_size)
@@ -562,9 +574,6 @@ def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_r
             if lg.log_throughput:
                 writer.add_scalar("throughput", throughput_tflops_per_device(flops, per_iteration, config.world_size),
                                   iteration)
-            if lg.log_timers_to_tensorboard:
-                for name, (_, hi) in timers.items():
-                    writer.add_scalar(f"{name}-time", hi, iteration)
             writer.flush()
     return report_memory_flag
 
@@ -629,10 +638,15 @@ def calc_params_l2_norm(model, model_config=None, use_megatron_fsdp: bool = Fals
     dense, sharded = [], []
     for _, p in _counted_params(model):
         main = getattr(p, "main_param", None)
-        if main is not None and not force_create_fp32_copy:
-            (sharded if getattr(p, "main_param_sharded", False) else dense).append(main)
-        else:
+        if force_create_fp32_copy:
             dense.append(p.detach().float())
+        elif getattr(p, "main_param_sharded", False):
+            # The distributed optimizer's fp32 shard of this parameter on this rank, or None when all of it
+            # lives on other data-parallel ranks: they count it, and the data-parallel sum below adds it once.
+            if main is not None:
+                sharded.append(main)
+        else:
+            dense.append(main if main is not None else p.detach().float())
     where = dense[0].device if dense else (sharded[0].device if sharded else "cpu")
     total = torch.zeros((), dtype=torch.float32, device=where)
     if sharded:

@@ -867,7 +867,6 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
         batch_size = global_state.current_global_batch_size
         step_flops = metrics.num_floating_point_operations(cfg, batch_size, cfg.padded_vocab_size)
         ts.consumed_train_samples += batch_size
-        ts.skipped_train_samples += batch_size * skipped_iter
         ts.floating_point_operations_so_far += step_flops
         flops_since_last_log += step_flops
         history_wct.append(time.time() - global_state.start_time)  # this job's wall clock, per iteration
@@ -987,12 +986,39 @@ def finetune(config: ConfigContainer, forward_step_func: Callable = forward_step
     return pretrain(config, forward_step_func, process_non_loss_data_func, non_loss_data_func)
 
 
+class JobSignal(BaseException):
+    """SIGTERM or SIGINT arrived without --exit-signal-handler: the run stops where it is."""
+
+
+def _raise_job_signal(signum, frame):
+    for sig in (signal.SIGTERM, signal.SIGINT):  # once: torchrun passes the signal on again while the rank stops
+        signal.signal(sig, signal.SIG_IGN)
+    data.quiet_broken_connections()
+    raise JobSignal(signum)
+
+
+def _say(line: str) -> None:
+    """One line to stderr in one write, so the ranks' lines do not interleave in a shared log."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def main(cfg: ConfigContainer) -> int:
+    """The command line's run: a config or checkpoint error, or a signal the run does not handle, ends it
+    with one line per rank instead of a traceback (SLURM, `timeout` and Ctrl-C signal every rank)."""
+    handled = {signal.Signals[cfg.train.exit_signal]} if cfg.train.exit_signal_handler else set()
+    for sig in {signal.SIGTERM, signal.SIGINT} - handled:
+        signal.signal(sig, _raise_job_signal)
     try:
         state = pretrain(cfg)
     except (config_lib.ConfigError, checkpoint.CheckpointError) as e:
-        print(f"train.py: error: {e}", file=sys.stderr, flush=True)
+        _say(f"train.py: error: {e}")
         return 2
+    except JobSignal as e:
+        name = signal.Signals(e.args[0]).name
+        _say(f"train.py: stopped by {name}; nothing saved at the signal (--exit-signal-handler --exit-signal {name} "
+             f"saves a checkpoint and exits 0)")
+        return 128 + e.args[0]
     return state.exit_code or 0
 
 

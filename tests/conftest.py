@@ -15,7 +15,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--micro-batch-size", "2", "--lr", "3e-3", "--lr-warmup-iters", "2"]
 
 LOG_LINE = re.compile(
-    r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| "
+    r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| (?:skipped samples: +\d+ \| )?"
     r"elapsed time per iteration \(ms\): [\d.]+ \|"
     r"(?: throughput per GPU \(TFLOP/s/GPU\): [\d.]+ \| MFU: [^|]+ \|)? learning rate: [\d.E+-]+ \| "
     r"global batch size: +(\d+) \| lm loss: ([\d.E+-]+) \|(?: [a-z ]+: [\d.E+-]+ \|)* loss scale: [\d.]+ \| "

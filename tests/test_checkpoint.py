@@ -100,6 +100,8 @@ def test_iterations_to_skip_consume_their_data(tmp_path, capsys):
     assert [s for s, _ in firsts] == [0, 2, 3]  # no forward pass at the step that makes iteration 2
     assert state.train_state.consumed_train_samples == 8 and state.train_state.skipped_train_samples == 2
     assert [l[0] for l in log_lines(out)] == [1, 3, 4]
+    assert "consumed samples:            2 | elapsed" in out  # iteration 1: nothing skipped yet, no field
+    assert "consumed samples:            6 | skipped samples:            2 | elapsed" in out  # as Megatron-LM prints it
 
 
 def test_finetune_loads_weights_only_and_starts_at_zero(mock_run, tmp_path, capsys):
@@ -239,6 +241,46 @@ def test_sigterm_on_one_rank_saves_and_stops_all_ranks(tmp_path):
     step = int((tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text())
     assert step >= 3 and f"iteration {step:8d}/" in out
     assert sorted(os.listdir(tmp_path / "ck" / f"iter_{step:07d}" / "rng")) == ["rank_00000.pt", "rank_00001.pt"]
+
+
+def _signal_the_job(args, log, sig, after="iteration        3/"):
+    """Start a 2-rank torchrun in a session of its own, signal its whole process group (torchrun, ranks,
+    DataLoader workers, checkpoint writers: as SLURM, `timeout` and Ctrl-C do) once `after` is logged."""
+    proc = _launch(args, log)
+    try:
+        assert _wait_for(lambda: after in log.read_text())
+        os.killpg(proc.pid, sig)
+        proc.wait(timeout=120)
+    finally:
+        _kill_9(proc)
+    return log.read_text()
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_whole_job_saves_and_the_run_resumes(tmp_path, sig):
+    ck = tmp_path / "ck"
+    args = [*TINY, "--mock-data", "--train-iters", "3000", "--log-interval", "1", "--eval-iters", "0",
+            "--num-workers", "2", "--save", str(ck), "--save-interval", "2",  # a save before: its writer lives on
+            "--exit-signal-handler", "--exit-signal", sig, "--data-cache-path", str(tmp_path / "cache")]
+    out = _signal_the_job(args, tmp_path / "log", getattr(signal, sig))
+    assert f"exiting program after receiving {sig}" in out
+    assert "DataLoader worker" not in out and "[rank0]: Traceback" not in out and "[rank1]: Traceback" not in out
+    step = int((ck / "latest_checkpointed_iteration.txt").read_text())
+    assert step >= 3 and f"iteration {step:8d}/" in out
+    assert sorted(os.listdir(ck / f"iter_{step:07d}" / "rng")) == ["rank_00000.pt", "rank_00001.pt"]
+    if sig == "SIGTERM":  # the run goes on from the checkpoint the signal left
+        resumed = torchrun([*args, "--load", str(ck), "--exit-interval", str(step + 2)])
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        assert [line[0] for line in log_lines(resumed.stdout)] == [step + 1, step + 2]
+
+
+def test_a_signal_without_the_handler_ends_each_rank_with_one_line(tmp_path):
+    args = [*TINY, "--mock-data", "--train-iters", "3000", "--log-interval", "1", "--eval-iters", "0",
+            "--num-workers", "2", "--data-cache-path", str(tmp_path / "cache")]
+    out = _signal_the_job(args, tmp_path / "log", signal.SIGINT)
+    stops = [line for line in out.splitlines() if line.startswith("train.py: stopped by SIGINT; nothing saved")]
+    assert len(stops) == 2, out[-3000:]
+    assert "[rank0]: Traceback" not in out and "[rank1]: Traceback" not in out and "KeyboardInterrupt" not in out, out
 
 
 @pytest.mark.parametrize("mode", [[], ["--async-save"]], ids=["sync", "async"])

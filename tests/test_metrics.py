@@ -23,7 +23,7 @@ def _matmul_flops(cfg, batch):
     s, h, f, V = m.seq_length, m.hidden_size, m.ffn_hidden_size, cfg.padded_vocab_size
     kv = 2 * h * m.num_query_groups // m.num_attention_heads
     per_layer = (2 * s * h * (h + kv)  # query, key, value projections
-                 + 2 * s * s * h * 2  # scores and the weighted sum of values
+                 + 2 * s * s * h * 2 / 2  # scores and the weighted sum of values: the causal mask's unmasked half
                  + 2 * s * h * h  # output projection
                  + 2 * s * h * f * (3 if m.swiglu else 2))  # MLP: gate, up, down (SwiGLU) or up, down
     return 3 * batch * (m.num_layers * per_layer + 2 * s * h * V)
@@ -33,6 +33,32 @@ def _matmul_flops(cfg, batch):
 def test_flops_match_a_layer_by_layer_count(flags):
     cfg = _cfg("--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "64", *flags)
     assert metrics.num_floating_point_operations(cfg, 8, 384) == pytest.approx(_matmul_flops(cfg, 8), rel=1e-12)
+
+
+def _megatron_lm_flops(cfg, batch):
+    """Megatron-LM's dense-GPT count in its newest form, written out here on its own: megatron/training/
+    training.py, num_floating_point_operations -> transformer_flops (NVIDIA/Megatron-LM d98e8a64, 2026), per
+    token T = batch x s and per squared sequence length S2 = batch x s^2, each GEMM 3 (forward, wgrad, dgrad)
+    x 2 (multiply-add); core attention 3 x 2 x q / 2 (the causal mask) x 2 (QK^T and (QK^T)V)."""
+    m = cfg.model
+    h, L, V = m.hidden_size, m.num_layers, cfg.padded_vocab_size
+    q, kv = m.kv_channels * m.num_attention_heads, m.kv_channels * m.num_query_groups
+    ffn_factor = 3 if m.swiglu else 2
+    tokens, seq_squared = batch * m.seq_length, batch * m.seq_length ** 2
+    attention_linear = 3 * 2 * (h * (q + 2 * kv) + q * h)
+    attention_core = 3 * 2 * q / 2 * 2
+    return (tokens * (3 * 2 * h * m.ffn_hidden_size * ffn_factor * L + attention_linear * L + 3 * 2 * h * V)
+            + seq_squared * attention_core * L)
+
+
+@pytest.mark.parametrize("flags", [
+    ["--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "512"],
+    ["--hidden-size", "512", "--num-attention-heads", "8", "--num-query-groups", "2", "--swiglu", "--seq-length", "1024",
+     "--kv-channels", "80", "--num-layers", "6"],
+])
+def test_flops_equal_megatron_lm_with_the_causal_half(flags):
+    cfg = _cfg(*flags)
+    assert metrics.num_floating_point_operations(cfg, 4, 384) == pytest.approx(_megatron_lm_flops(cfg, 4), rel=1e-12)
 
 
 def test_mfu_uses_the_datasheet_peak_and_says_n_a_otherwise():
@@ -173,6 +199,7 @@ def test_tensorboard_reports_of_a_run(mock_run):
 def test_model_parallel_reductions_over_two_ranks():
     proc = torchrun([], nproc=2, script="tests/scripts/mp_reductions.py")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert sorted(l for l in proc.stdout.splitlines() if l.startswith("rank")) == [
-        "rank 0: max=3.0 none=None and=False norm_tp2_equals_tp1=True",
-        "rank 1: max=3.0 none=None and=False norm_tp2_equals_tp1=True"]
+    lines = sorted(l for l in proc.stdout.splitlines() if l.startswith("rank"))
+    assert [l.split(" (")[0] for l in lines] == [  # the figures in brackets: the two norms, for a failure's message
+        "rank 0: max=3.0 none=None and=False norm_tp2_equals_tp1=True dist_opt_norm_equals_plain=True",
+        "rank 1: max=3.0 none=None and=False norm_tp2_equals_tp1=True dist_opt_norm_equals_plain=True"], lines

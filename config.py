@@ -111,6 +111,18 @@ class ModelConfig:
     fp16: bool = arg(False, "float16 mixed precision with dynamic loss scaling (see --initial-loss-scale): fp16 "
                             "weights, fp32 main weights. Dynamic scaling turns off --check-for-nan-in-loss-and-grad, "
                             "as in Megatron-LM: overflows are the scaler's signal.")
+    recompute_granularity: Optional[str] = arg(
+        None, "Activation recomputation: 'full' keeps only each recomputed layer's input and runs the layer again "
+              "in the backward pass; 'selective' recomputes only the core attention (its s x s scores), the cheap "
+              "part that holds the most memory (Korthikanti et al. 2022). Default: none.",
+        choices=["full", "selective"])
+    recompute_method: Optional[str] = arg(
+        None, "With --recompute-granularity full: 'uniform' recomputes groups of --recompute-num-layers layers "
+              "(only each group's input kept); 'block' recomputes the first --recompute-num-layers layers of each "
+              "pipeline stage, one by one.", choices=["uniform", "block"])
+    recompute_num_layers: Optional[int] = arg(
+        None, "Layers per recomputed group (uniform) or recomputed layers per pipeline stage (block). Default: 1 "
+              "with --recompute-method.", bounds="(0, inf)")
     deterministic_mode: bool = arg(
         False, "Bitwise-reproducible runs: deterministic torch algorithms and kernels, CUBLAS_WORKSPACE_CONFIG and "
                "NCCL_ALGO set for it (slower; for debugging and testing).")
@@ -867,6 +879,7 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
     need(m.num_layers % pp == 0,
          f"--pipeline-model-parallel-size {pp} must divide --num-layers {m.num_layers}")
     _validate_virtual_pipeline(cfg)
+    _validate_recompute(cfg)
     if tp == 1:
         m.sequence_parallel = False  # as Megatron-LM: nothing to parallelise without tensor parallelism
     _validate_context_parallel(cfg)
@@ -1252,6 +1265,26 @@ def _validate_and_sync_distributed_optimizer_settings(cfg: ConfigContainer) -> N
             print(f"train.py: note: ddp.use_distributed_optimizer={ddp_setting} and optimizer.use_distributed_optimizer="
                   f"{optimizer_setting} disagreed; using the distributed optimizer for both", file=sys.stderr)
         cfg.ddp.use_distributed_optimizer = cfg.optimizer.use_distributed_optimizer = True
+
+
+def _validate_recompute(cfg: ConfigContainer) -> None:
+    """Megatron-LM's validate_args and TransformerConfig's checks of the recompute settings."""
+    m = cfg.model
+    if m.recompute_granularity == "selective" and m.recompute_method is not None:
+        raise ConfigError("--recompute-method applies to --recompute-granularity full; selective recomputation "
+                          "recomputes the core attention of every layer")
+    if m.recompute_granularity != "full" and (m.recompute_method or m.recompute_num_layers):
+        raise ConfigError("--recompute-method and --recompute-num-layers need --recompute-granularity full")
+    if m.recompute_granularity == "full":
+        if m.recompute_method is None:
+            raise ConfigError("--recompute-granularity full needs --recompute-method uniform or block")
+        if m.recompute_num_layers is None:
+            m.recompute_num_layers = 1
+        per_stage = m.num_layers // m.pipeline_model_parallel_size
+        most = per_stage if m.recompute_method == "block" else m.num_layers
+        if m.recompute_num_layers > most:
+            raise ConfigError(f"--recompute-num-layers {m.recompute_num_layers} is more than the {most} layers "
+                              f"{'of a pipeline stage' if m.recompute_method == 'block' else 'of the model'}")
 
 
 def _validate_virtual_pipeline(cfg: ConfigContainer) -> None:

@@ -28,6 +28,10 @@ What the shim answers (file:line in megatron-core 0.16.1), and why:
                                                py:230, async_utils.py:212
     torch.cuda.Stream / current_stream /       distributed_data_parallel.py:230, param_and_    one stream: waits and
     default_stream / stream(s)                 grad_buffer.py:417-422,529 (overlapped reduce)   syncs are no-ops
+    Tensor.backward, torch.autograd.backward   schedules.py backward_step; the backward runs   autograd's engine, called
+                                               Python: random.py:557 (recomputation), whose    with the mode on (torch
+                                               causal mask is built on "cuda" (transformer/    turns it off inside its
+                                               utils.py:35)                                    own handler)
     torch.cuda.get_rng_state / set_rng_state   random.py:235-238 (tracker.add), rerun_state_   the CPU default generator
     / manual_seed, random._get_cuda_rng_state  machine.py:957,970, random.py:41,72 (fork()     (the tracker swaps its
     / random._set_cuda_rng_state               swaps the tracker's streams in and out)          streams through it)
@@ -82,6 +86,31 @@ _CUDA_TYPE = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor":
               "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
 
 
+def _tensor_backward(tensor, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+    _engine_backward(tensor, gradient, retain_graph, create_graph, inputs)
+
+
+def _autograd_backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, grad_variables=None,
+                       inputs=None):
+    _engine_backward(tensors, grad_tensors, retain_graph, create_graph, inputs)
+
+
+def _engine_backward(tensors, grads, retain_graph, create_graph, inputs):
+    """torch.autograd.backward's call of autograd's engine (the one megatron-core's custom_backward makes)."""
+    def as_tuple(x):
+        return () if x is None else (x,) if isinstance(x, torch.Tensor) else tuple(x)
+
+    tensors = as_tuple(tensors)
+    grads = as_tuple(grads) or (None,) * len(tensors)
+    grads = tuple(torch.ones_like(t) if g is None else g for t, g in zip(tensors, grads))  # a scalar loss's 1
+    torch.autograd.Variable._execution_engine.run_backward(
+        tensors, grads, create_graph if retain_graph is None else retain_graph, create_graph, as_tuple(inputs),
+        allow_unreachable=True, accumulate_grad=True)
+
+
+_BACKWARD = {torch.Tensor.backward: _tensor_backward, torch.autograd.backward: _autograd_backward}
+
+
 class CudaOnCpu(TorchFunctionMode):
     """Every torch call from Python passes here: a CUDA `device=` becomes the CPU, `Tensor.cuda()` and
     `Tensor.to("cuda")` stay where they are, and `Tensor.type()` names the CUDA type megatron-core checks for."""
@@ -95,6 +124,13 @@ class CudaOnCpu(TorchFunctionMode):
             kwargs = {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func in _BACKWARD:
+            # torch turns a mode off while its handler runs, and a backward runs Python: megatron-core's
+            # recomputation (CheckpointFunction.backward) builds a causal mask on "cuda" there. So the
+            # backward runs here, with the mode on, through the engine call megatron-core's own
+            # custom_backward (schedules.py) makes.
+            with self:
+                return _BACKWARD[func](*args, **kwargs)
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
         elif func is torch.Tensor.type and len(args) == 1 and not kwargs:

@@ -126,6 +126,10 @@ def transformer_config(cfg) -> TransformerConfig:
         # Build each full weight on the CPU and hand every tensor-parallel rank its slice: the same weights
         # for any TP size. On a GPU each rank initialises its slice in place from the RNG tracker, as Megatron-LM.
         use_cpu_initialization=not device.cuda(),
+        # Activation recomputation through megatron-core's checkpoint function (the RNG tracker replays dropout).
+        recompute_granularity=m.recompute_granularity,
+        recompute_method=m.recompute_method,
+        recompute_num_layers=m.recompute_num_layers,
         deterministic_mode=m.deterministic_mode,  # e.g. an embedding backward without atomics
         cross_entropy_loss_fusion=m.cross_entropy_loss_fusion,
         cp_comm_type=m.cp_comm_type[0] if len(m.cp_comm_type) == 1 else m.cp_comm_type,

@@ -99,6 +99,12 @@ class ModelConfig:
         choices=["auto", "local"])
     tensor_model_parallel_size: int = arg(1, "Tensor model-parallel size (splits each layer's matrices).")
     pipeline_model_parallel_size: int = arg(1, "Pipeline model-parallel size (splits the layers into stages).")
+    decoder_first_pipeline_num_layers: Optional[int] = arg(
+        None, "Layers of the first pipeline stage, when it should hold fewer (it also holds the embedding). The "
+              "other stages share the rest evenly.", bounds="[0, inf)")
+    decoder_last_pipeline_num_layers: Optional[int] = arg(
+        None, "Layers of the last pipeline stage, when it should hold fewer (it also holds the output layer and "
+              "the loss). The other stages share the rest evenly.", bounds="[0, inf)")
     num_layers_per_virtual_pipeline_stage: Optional[int] = arg(
         None, "Layers per virtual pipeline stage: each pipeline rank holds several non-adjacent chunks of layers and "
               "runs megatron-core's interleaved 1F1B schedule (smaller pipeline bubble).")
@@ -611,6 +617,7 @@ class ConfigContainer:
     data_parallel_size: int = 1
     use_gpu: bool = False
     padded_vocab_size: int = 0  # set at setup, from the tokenizer
+    trainable_fraction: float = 1.0  # of the parameters; below 1 with PEFT's frozen weights (memory estimate)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -876,8 +883,7 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
          f"--tensor-model-parallel-size {tp} must divide --num-attention-heads {m.num_attention_heads}")
     need(m.num_query_groups % tp == 0,
          f"--tensor-model-parallel-size {tp} must divide the number of query groups {m.num_query_groups}")
-    need(m.num_layers % pp == 0,
-         f"--pipeline-model-parallel-size {pp} must divide --num-layers {m.num_layers}")
+    _validate_pipeline_split(cfg)
     _validate_virtual_pipeline(cfg)
     _validate_recompute(cfg)
     if tp == 1:
@@ -1280,11 +1286,39 @@ def _validate_recompute(cfg: ConfigContainer) -> None:
             raise ConfigError("--recompute-granularity full needs --recompute-method uniform or block")
         if m.recompute_num_layers is None:
             m.recompute_num_layers = 1
-        per_stage = m.num_layers // m.pipeline_model_parallel_size
+        per_stage = max(pipeline_stage_layers(m))
         most = per_stage if m.recompute_method == "block" else m.num_layers
         if m.recompute_num_layers > most:
             raise ConfigError(f"--recompute-num-layers {m.recompute_num_layers} is more than the {most} layers "
                               f"{'of a pipeline stage' if m.recompute_method == 'block' else 'of the model'}")
+
+
+def pipeline_stage_layers(m: ModelConfig) -> list:
+    """Layers per pipeline stage: --decoder-first/last-pipeline-num-layers where given, the rest evenly
+    (megatron-core's num_layers_in_first/last_pipeline_stage). Uneven leftovers are for the caller to refuse."""
+    pp, first, last = m.pipeline_model_parallel_size, m.decoder_first_pipeline_num_layers, m.decoder_last_pipeline_num_layers
+    if pp == 1:
+        return [m.num_layers]
+    fixed = {0: first, pp - 1: last}
+    middle = [i for i in range(pp) if fixed.get(i) is None]
+    rest = m.num_layers - sum(v for v in fixed.values() if v is not None)
+    even = rest // len(middle) if middle else 0
+    return [fixed[i] if fixed.get(i) is not None else even for i in range(pp)]
+
+
+def _validate_pipeline_split(cfg: ConfigContainer) -> None:
+    m = cfg.model
+    pp, uneven = m.pipeline_model_parallel_size, (m.decoder_first_pipeline_num_layers, m.decoder_last_pipeline_num_layers)
+    if pp == 1 and any(v is not None for v in uneven):
+        raise ConfigError("--decoder-first/last-pipeline-num-layers set a pipeline stage's layers; add "
+                          "--pipeline-model-parallel-size 2 or more")
+    if sum(pipeline_stage_layers(m)) != m.num_layers or min(pipeline_stage_layers(m)) < 0:
+        split = ("the layers the first/last stages leave" if any(v is not None for v in uneven) else "--num-layers")
+        raise ConfigError(f"--pipeline-model-parallel-size {pp} must divide {split} evenly ({m.num_layers} layers); "
+                          f"change --num-layers, --decoder-first-pipeline-num-layers or --decoder-last-pipeline-num-layers")
+    if m.num_layers_per_virtual_pipeline_stage is not None and any(v is not None for v in uneven):
+        raise ConfigError("--num-layers-per-virtual-pipeline-stage needs evenly split pipeline stages; drop "
+                          "--decoder-first/last-pipeline-num-layers")
 
 
 def _validate_virtual_pipeline(cfg: ConfigContainer) -> None:

@@ -560,15 +560,14 @@ def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_r
             print_rank_last("(min, max) time across ranks (ms):" + "".join(
                 f"\n    {name} {'.' * max(3, 40 - len(name))}: ({lo:.2f}, {hi:.2f})" for name, (lo, hi) in timers.items()))
         if report_memory_flag:
+            # The estimate beside the measurement, as Bridge prints them; kept on through the second iteration
+            # after the start or a resume, so the measured peak includes the optimizer state its first step made.
+            report_theoretical_memory(config, config.num_microbatches, verbose=True)
             memory = report_memory()
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             print_rank_last(f"[Rank {rank}] (after {iteration} iterations) memory (GB) | " +
                             " | ".join(f"{k.removeprefix('memory/')}: {v:.3f}" for k, v in memory.items()))
-            if "memory/peak_allocated_mem" in memory:  # a GPU's allocator statistics
-                estimate = compute_weight_and_optimizer_memory(config) / GB
-                print_rank_last(f"[Rank {rank}] measured peak allocated {memory['memory/peak_allocated_mem']:.3f} GB "
-                                f"beside the theoretical weight-and-optimizer estimate {estimate:.3f} GB")
-            report_memory_flag = False
+            report_memory_flag = iteration <= global_state.start_step + 1
         if writer is not None:
             writer.add_scalar("iteration-time", per_iteration, iteration)
             if lg.log_throughput:
@@ -734,65 +733,117 @@ def _grad_of(p):
 NUM_BYTES_IN_MEGABYTE = 1024 * 1024
 
 
+def bytes_per_parameter(config) -> tuple:
+    """(bytes of a trainable parameter, bytes of a frozen one) on its rank.
+
+    Trainable: weight + gradient + optimizer state. Mixed precision: 2 (16-bit weight) + 4 (megatron DDP's
+    fp32 gradient buffer) + 4 (fp32 main copy) + 8 (Adam's two moments) = 18, Megatron-LM's figure; fp32
+    training has no separate main copy: 4 + 4 + 8 = 16. SGD keeps one moment (4). The distributed optimizer
+    shards the main copy and the moments over the data-parallel x context-parallel ranks (Bridge): 6 + 12/N
+    with mixed precision. Frozen (PEFT): the weight alone, no gradient, no optimizer state."""
+    m, o = config.model, config.optimizer
+    weight = 2 if (m.bf16 or m.fp16) else 4
+    sharded = (4 if weight == 2 else 0) + (8 if o.optimizer == "adam" else 4)
+    shards = config.data_parallel_size * m.context_parallel_size if o.use_distributed_optimizer else 1
+    return weight + 4 + sharded / shards, weight
+
+
 def compute_weight_and_optimizer_memory(config, verbose: bool = False) -> float:
     """Bytes of weights, gradients and optimizer state on the most loaded shard.
 
     Parameters: per layer 2h^2 x (attention (1 + groups/heads) x q-projection/h + MLP ffn/h x 3/2 for
     SwiGLU + 2/h for the norms) + the final norm, plus the h x vocab embedding (twice if untied). The most
-    loaded shard is the first pipeline stage (its layers and the embedding; also the output layer when
-    untied and there is one stage), split over tensor parallelism. Bytes per parameter: 18 with mixed
-    precision (2 weight + 4 grad + 4 fp32 copy + 8 Adam moments), or 6 + 12/DP with the distributed optimizer.
+    loaded shard is the pipeline stage with the most parameters (its layers, uneven with
+    --decoder-first/last-pipeline-num-layers; the embedding on the first, the output layer on the last),
+    split over tensor parallelism. Bytes per parameter: bytes_per_parameter(), frozen weights (PEFT,
+    `config.trainable_fraction`) at the weight's bytes only.
     """
+    from config import pipeline_stage_layers
+
     m = config.model
     h, L = m.hidden_size, m.num_layers
     q_ratio = m.kv_channels * m.num_attention_heads / h
     gated = 3 / 2 if m.swiglu else 1
-    layers = 2 * L * h * h * ((1 + m.num_query_groups / m.num_attention_heads) * q_ratio
-                              + (m.ffn_hidden_size / h) * gated + 2 / h + 1 / (L * h))
+    per_layer = 2 * h * h * ((1 + m.num_query_groups / m.num_attention_heads) * q_ratio + (m.ffn_hidden_size / h) * gated
+                             + 2 / h)
+    final_norm = 2 * h
+    layers = per_layer * L + final_norm
     embedding = h * config.padded_vocab_size
-    total = layers + (2 if m.untie_embeddings_and_output_weights else 1) * embedding
-    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
-    most_loaded = (layers / pp + embedding) / tp
-    if m.untie_embeddings_and_output_weights and pp == 1:
-        most_loaded += embedding / tp
-    bytes_per_param = 6 + 12 / config.data_parallel_size if config.optimizer.use_distributed_optimizer else 18
+    untied = m.untie_embeddings_and_output_weights
+    total = layers + (2 if untied else 1) * embedding
+    stages = [per_layer * n for n in pipeline_stage_layers(m)]
+    stages[0] += embedding
+    stages[-1] += final_norm + (embedding if untied or len(stages) > 1 else 0)  # a tied copy on the last stage
+    most_loaded = max(stages) / m.tensor_model_parallel_size
+    trainable, frozen = bytes_per_parameter(config)
+    share = config.trainable_fraction
     if verbose:
-        print_rank_0(f" > number of parameters in transformer layers: {layers / 1e9:.4f} B, in embeddings: "
-                     f"{(total - layers) / 1e9:.4f} B, total: {total / 1e9:.4f} B; most loaded shard: "
-                     f"{most_loaded / 1e9:.4f} B")
-    return most_loaded * bytes_per_param
+        print_rank_0(f" > number of parameters in transformer layers: {layers / 1e6:.2f}M, in embeddings: "
+                     f"{(total - layers) / 1e6:.2f}M, total: {total / 1e6:.2f}M; most loaded shard: "
+                     f"{most_loaded / 1e6:.2f}M, {trainable:.2f} bytes per trainable parameter"
+                     + (f", {100 * share:.1f}% trainable" if share < 1 else ""))
+    return most_loaded * (share * trainable + (1 - share) * frozen)
+
+
+def activation_bytes_per_layer(config) -> float:
+    """Bytes one transformer layer keeps for its backward pass, per microbatch, on one rank: Korthikanti et al.
+    2022 ("Reducing Activation Recomputation in Large Transformer Models"), Table 2, for 16-bit activations,
+    generalised from 4h to the real ffn size: sbh (10 + (8 + 4 ffn/h) / t) without sequence parallelism,
+    sbh (18 + 4 ffn/h) / t with it (34 sbh / t at ffn = 4h), plus 5 a s^2 b / t for the attention scores
+    (softmax, dropout mask, dropout output) unless selective recomputation drops them. Context parallelism
+    divides the sequence: all of it by CP (Bridge's TP x CP)."""
+    m, t = config.model, config.train
+    s, b, h, a = m.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads
+    tp, cp = m.tensor_model_parallel_size, m.context_parallel_size
+    ffn = m.ffn_hidden_size / h
+    per_layer = s * b * h * ((18 + 4 * ffn) / tp if m.sequence_parallel else 10 + (8 + 4 * ffn) / tp)
+    if m.recompute_granularity != "selective":
+        per_layer += 5 * a * s * s * b / tp
+    return per_layer / cp
 
 
 def compute_activation_memory(config, num_microbatches, verbose: bool = False) -> float:
-    """Bytes of activations on the first pipeline stage (the most loaded), per Korthikanti et al. 2022,
-    Table 2, assuming selective recomputation and sequence parallelism: 34sbh -> (18 + 4 ffn/h) sbh per
-    layer, L layers in flight on the first stage (pp microbatches of L/pp layers each, fewer when there
-    are fewer microbatches), plus the embedding's input and dropout, plus the output layer and loss
-    when there is one stage; all divided by the tensor-parallel size."""
+    """Bytes of activations on the first pipeline stage (the most loaded; Korthikanti et al. 2022, as Megatron-LM
+    and Bridge). Its layers (per activation_bytes_per_layer) times the microbatches in flight: the 1F1B schedule
+    holds pp of them on the first stage (fewer when there are fewer), the interleaved one a further
+    1 + (pp - 1) / (pp x vp) (its penalty). Full recomputation keeps only each recomputed group's input (2sbh per
+    layer or group) plus one group recomputed at a time. Plus the embedding's input and dropout mask, and with
+    one stage the output layer's input, the logits and the loss."""
+    from config import pipeline_stage_layers
+
     m, t = config.model, config.train
-    s, b, h, L = m.seq_length, t.micro_batch_size, m.hidden_size, m.num_layers
-    pp, tp = m.pipeline_model_parallel_size, m.tensor_model_parallel_size
-    per_layer = s * b * h * (18 + 4 * (m.ffn_hidden_size / h))
-    activation = per_layer * L
-    activation += 8 * s * b * pp  # embedding input ids, pp microbatches in flight
-    activation += s * b * h * pp  # embedding dropout mask
-    if pp > 1 and num_microbatches is not None:
-        activation *= min(1, num_microbatches / pp)  # fewer microbatches than stages: fewer in flight
+    s, b, h = m.seq_length, t.micro_batch_size, m.hidden_size
+    pp, tp, cp, vp = m.pipeline_model_parallel_size, m.tensor_model_parallel_size, m.context_parallel_size, \
+        m.virtual_pipeline_model_parallel_size
+    layer = activation_bytes_per_layer(config)
+    layers = pipeline_stage_layers(m)[0]
+    if m.recompute_granularity == "full":
+        layer_input = 2 * s * b * h / (tp if m.sequence_parallel else 1) / cp
+        n = m.recompute_num_layers
+        if m.recompute_method == "uniform":  # groups of n layers: each group's input, one group recomputed
+            stage = math.ceil(layers / n) * layer_input + n * layer
+        else:  # block: the first n layers recomputed one by one, the others kept whole
+            recomputed = min(n, layers)
+            stage = recomputed * layer_input + (layers - recomputed) * layer + (layer if recomputed else 0)
+    else:
+        stage = layers * layer
+    in_flight = pp if not num_microbatches else min(pp, num_microbatches)
+    activation = (stage + 8 * s * b / cp + s * b * h / cp) * in_flight  # + embedding input ids and dropout mask
+    if vp:
+        activation *= 1 + (pp - 1) / (pp * vp)
     if pp == 1:
-        activation += s * b * h * 4 * (1 + config.padded_vocab_size / h)  # output layer input, logits, loss
+        activation += s * b * h * 4 * (1 + config.padded_vocab_size / h) / (tp * cp)  # output layer, logits, loss
     if verbose:
-        print_rank_0(f" > activation memory per transformer layer: {per_layer / NUM_BYTES_IN_MEGABYTE / tp:.1f} MB")
-    return activation / tp
+        print_rank_0(f" > activation memory per transformer layer: {layer / NUM_BYTES_IN_MEGABYTE:.1f} MB, "
+                     f"{in_flight} microbatches in flight" + (f", interleaving penalty {1 + (pp - 1) / (pp * vp):.2f}"
+                                                                 if vp else ""))
+    return activation
 
 
 def report_theoretical_memory(config, num_microbatches=None, verbose: bool = False) -> None:
-    """Print the estimates in MB, once at start. The activation estimate is printed only under its
-    assumptions (sequence parallelism and selective recomputation), as Megatron-LM does."""
+    """Print the estimates in MB (2^20 bytes), as Megatron-LM's line. Activations assume 16-bit tensors: on a
+    CPU, in fp32, the measured figure is about twice the estimate for the same layers."""
     weights = compute_weight_and_optimizer_memory(config, verbose) / NUM_BYTES_IN_MEGABYTE
-    m = config.model
-    if not (m.sequence_parallel and getattr(m, "recompute_granularity", None) == "selective"):
-        print_rank_0(f"Theoretical memory footprints: weight and optimizer={weights:.2f} MB")
-        return
     activation = compute_activation_memory(config, num_microbatches, verbose) / NUM_BYTES_IN_MEGABYTE
     print_rank_0(f"Theoretical memory footprints: weight and optimizer={weights:.2f} MB, "
                  f"activation={activation:.2f} MB, total={weights + activation:.2f} MB")

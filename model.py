@@ -116,6 +116,8 @@ def transformer_config(cfg) -> TransformerConfig:
         tensor_model_parallel_size=m.tensor_model_parallel_size,
         pipeline_model_parallel_size=m.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size,
+        num_layers_in_first_pipeline_stage=m.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=m.decoder_last_pipeline_num_layers,
         context_parallel_size=m.context_parallel_size,
         sequence_parallel=m.sequence_parallel,
         # Half-precision weights under Float16Module; the optimizer keeps fp32 main copies.

@@ -291,7 +291,6 @@ def setup(cfg: ConfigContainer):
     state.start_step = state.train_state.step
     state.num_microbatches_calculator.update(state.train_state.consumed_train_samples, consistency_check=True)
     state.start_floating_point_operations = state.train_state.floating_point_operations_so_far
-    metrics.report_theoretical_memory(cfg, cfg.num_microbatches)
     if ck.save:
         metrics.append_to_progress_log(ck.save, "Starting job", cfg.world_size)
     iterators = data.build_data_iterators(cfg, tokenizer, state.train_state)

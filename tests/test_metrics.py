@@ -141,17 +141,55 @@ def test_parameter_count_of_the_memory_estimate_matches_the_built_model(single_r
                    "--position-embedding-type", "rope", *flags)
         model = build_model(cfg, 384)
         n = sum(p.numel() for p in model[0].parameters())
-        assert metrics.compute_weight_and_optimizer_memory(cfg) == pytest.approx(18 * n)  # 18 bytes/parameter
+        assert metrics.compute_weight_and_optimizer_memory(cfg) == pytest.approx(16 * n)  # fp32: weight, grad, Adam
+        cfg.model.bf16 = True
+        assert metrics.compute_weight_and_optimizer_memory(cfg) == pytest.approx(18 * n)  # Megatron-LM's 18 bytes
         cfg.optimizer.use_distributed_optimizer, cfg.data_parallel_size = True, 4
         assert metrics.compute_weight_and_optimizer_memory(cfg) == pytest.approx((6 + 12 / 4) * n)
+        cfg.model.context_parallel_size = 2  # the distributed optimizer shards over data x context parallel ranks
+        assert metrics.compute_weight_and_optimizer_memory(cfg) == pytest.approx((6 + 12 / 8) * n)
+        cfg.optimizer.use_distributed_optimizer, cfg.model.context_parallel_size = False, 1
+        cfg.trainable_fraction = 0.1  # PEFT: frozen weights keep only their 16-bit weight
+        assert metrics.compute_weight_and_optimizer_memory(cfg) == pytest.approx((0.1 * 18 + 0.9 * 2) * n)
+
+
+def test_weight_memory_takes_the_most_loaded_pipeline_stage():
+    base = ["--num-layers", "8", "--hidden-size", "128", "--num-attention-heads", "4", "--pipeline-model-parallel-size",
+            "2", "--disable-bias-linear"]
+    h, V = 128, 384
+    per_layer = 2 * h * h * (2 + 4 + 2 / h)  # attention (q, k, v, out) + MLP 4h + two norms
+    even = _cfg(*base, world_size=2)
+    # 4 + 4: the last stage is the larger, by the final norm beside its copy of the (tied) output weights.
+    assert metrics.compute_weight_and_optimizer_memory(even) == pytest.approx(16 * (4 * per_layer + 2 * h + h * V))
+    # 2 + 6: the last stage holds 6 layers, the final norm and its copy of the (tied) output weights.
+    uneven = _cfg(*base, "--decoder-first-pipeline-num-layers", "2", world_size=2)
+    assert metrics.compute_weight_and_optimizer_memory(uneven) == pytest.approx(16 * (6 * per_layer + 2 * h + h * V))
 
 
 def test_activation_memory_is_table_2_of_korthikanti_et_al():
-    cfg = _cfg("--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "64",
-               "--micro-batch-size", "2")
-    s, b, h, L, V = 64, 2, 128, 4, 384
-    expected = s * b * h * (18 + 4 * 4) * L + 8 * s * b + s * b * h + s * b * h * 4 * (1 + V / h)
-    assert metrics.compute_activation_memory(cfg, 1) == pytest.approx(expected)
+    """Korthikanti et al. 2022, Table 2 (16-bit activations, t = 1): 34 sbh per layer, plus 5as^2b for the
+    attention scores unless selective recomputation drops them; full recomputation keeps 2sbh per layer."""
+    s, b, h, a, L, V = 64, 2, 128, 4, 4, 384
+    base = ["--num-layers", str(L), "--hidden-size", str(h), "--num-attention-heads", str(a), "--seq-length", str(s),
+            "--micro-batch-size", str(b)]
+    embedding, output = 8 * s * b + s * b * h, s * b * h * 4 * (1 + V / h)
+    layer = 34 * s * b * h + 5 * a * s * s * b
+    assert metrics.compute_activation_memory(_cfg(*base), 1) == pytest.approx(L * layer + embedding + output)
+    selective = _cfg(*base, "--recompute-granularity", "selective")
+    assert metrics.compute_activation_memory(selective, 1) == pytest.approx(L * 34 * s * b * h + embedding + output)
+    full = _cfg(*base, "--recompute-granularity", "full", "--recompute-method", "uniform")
+    assert metrics.compute_activation_memory(full, 1) == pytest.approx(L * 2 * s * b * h + layer + embedding + output)
+    block = _cfg(*base, "--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1")
+    assert metrics.compute_activation_memory(block, 1) == pytest.approx(
+        2 * s * b * h + 3 * layer + layer + embedding + output)
+    # Two stages, interleaved: the first stage's 2 layers x 2 microbatches in flight, times 1 + (2-1)/(2x2).
+    vpp = _cfg(*base, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+               "--global-batch-size", "8", world_size=2)
+    assert metrics.compute_activation_memory(vpp, 4) == pytest.approx((2 * layer + embedding) * 2 * 1.25)
+    # Context parallelism splits the sequence: each rank keeps half of every activation.
+    cp = _cfg(*base)
+    cp.model.context_parallel_size = 2
+    assert metrics.compute_activation_memory(cp, 1) == pytest.approx((L * layer + embedding + output) / 2)
 
 
 def test_progress_log_restarts_on_another_world_size(tmp_path):

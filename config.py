@@ -218,6 +218,9 @@ class DistributedDataParallelConfig:
                "(forward pre-hooks).")
     use_distributed_optimizer: bool = arg(
         False, "Kept in sync with --use-distributed-optimizer: either turns both on.", cli=False)
+    grad_reduce_in_fp32: Optional[bool] = arg(
+        None, "Accumulate and reduce gradients in fp32 (Megatron-LM's --accumulate-allreduce-grads-in-fp32). "
+              "Default: on with --bf16/--fp16.", cli=False)
 
 
 @dataclass(frozen=True)
@@ -282,7 +285,17 @@ class SchedulerConfig:
 
 
 @dataclass
-class DatasetConfig:
+class DataloaderConfig:
+    """How batches are drawn (Bridge's DataloaderConfig): the base of the dataset configs."""
+
+    dataloader_type: Optional[str] = arg(
+        None, "'single': one pass in order; 'cyclic': reshuffled passes; 'batch': in order, each global batch padded "
+              "to its longest sequence. Default: batch with --sft, else single.", choices=["single", "cyclic", "batch"])
+    num_workers: int = arg(2, "DataLoader worker processes per rank.")
+
+
+@dataclass
+class DatasetConfig(DataloaderConfig):
     """Where the tokens come from (Megatron's GPTDatasetConfig and DataloaderConfig)."""
 
     data_path: Optional[list[str]] = arg(
@@ -294,10 +307,6 @@ class DatasetConfig:
     test_data_path: Optional[list[str]] = arg(None, "Indexed dataset prefixes for testing only.")
     mock_data: bool = arg(False, "Train on megatron-core's synthetic MockGPTDataset.")
     data_cache_path: Optional[str] = arg(None, "Directory for the dataset index caches (and the built-in corpus).")
-    dataloader_type: Optional[str] = arg(
-        None, "'single': one pass in order; 'cyclic': reshuffled passes; 'batch': in order, each global batch padded "
-              "to its longest sequence. Default: batch with --sft, else single.", choices=["single", "cyclic", "batch"])
-    num_workers: int = arg(2, "DataLoader worker processes per rank.")
     sft: bool = arg(False, "Finetuning data: the data paths are JSONL files of prompt/response pairs (or a 'messages' "
                            "list); the loss covers the responses only.")
     sft_pack_sequences: bool = arg(False, "With --sft: pack several examples into each sequence (positions and "
@@ -319,6 +328,23 @@ class DatasetConfig:
     fim_middle_token: str = arg("<fim_middle>", "FIM middle sentinel.")
     fim_suffix_token: str = arg("<fim_suffix>", "FIM suffix sentinel.")
     fim_pad_token: str = arg("<fim_pad>", "FIM padding token, masked from the loss (Byte/NullTokenizer: their pad id).")
+
+
+GPTDatasetConfig = DatasetConfig  # Bridge's name: indexed .bin/.idx datasets (or the built-in corpus)
+
+
+@dataclass
+class MockGPTDatasetConfig(DatasetConfig):
+    """Bridge's MockGPTDatasetConfig: megatron-core's synthetic MockGPTDataset (DatasetConfig, mock_data on)."""
+
+    mock_data: bool = arg(True, "Train on megatron-core's synthetic MockGPTDataset.")
+
+
+@dataclass
+class FinetuningDatasetConfig(DatasetConfig):
+    """Bridge's FinetuningDatasetConfig: JSONL prompt/response data, loss on the responses (DatasetConfig, sft on)."""
+
+    sft: bool = arg(True, "Finetuning data: JSONL files of prompt/response pairs; the loss covers the responses only.")
 
 
 @dataclass
@@ -589,6 +615,86 @@ class RerunStateMachineConfig:
 
 
 @dataclass
+class ValidationConfig:
+    """Bridge's ValidationConfig (from Megatron-LM's training config). Thin: what is set here overrides the
+    same-named training settings (--eval-iters, --eval-interval, --skip-train), which stay accepted."""
+
+    eval_iters: Optional[int] = arg(None, "Iterations per evaluation (train.eval_iters).", cli=False)
+    eval_interval: Optional[int] = arg(None, "Evaluate every this many iterations (train.eval_interval).", cli=False)
+    skip_train: Optional[bool] = arg(None, "Evaluate only (train.skip_train).", cli=False)
+    start_eval_at_iter: Optional[int] = arg(None, "Not supported here: must stay unset.", cli=False)
+    eval_global_batch_size: Optional[int] = arg(None, "Must equal the training global batch size when set.", cli=False)
+    eval_micro_batch_size: Optional[int] = arg(None, "Must equal the training micro batch size when set.", cli=False)
+    test_mode: bool = arg(False, "Not supported here: must stay off.", cli=False)
+    full_validation: bool = arg(False, "Not supported here: must stay off.", cli=False)
+    multiple_validation_sets: bool = arg(False, "Not supported here: must stay off.", cli=False)
+    validation_set_names: Optional[list[str]] = arg(None, "Not supported here: must stay unset.", cli=False)
+
+
+@dataclass
+class MixedPrecisionConfig:
+    """Bridge's MixedPrecisionConfig: in YAML a recipe name (`bf16_mixed`, `fp16_mixed`) or these fields. Thin:
+    they set --bf16/--fp16, the loss-scaling flags and the gradient-reduction dtype; fp8/fp4 need
+    transformer-engine on a GPU and are refused."""
+
+    fp32: bool = arg(False, "fp32 training (no --bf16/--fp16).", cli=False)
+    fp16: bool = arg(False, "--fp16.", cli=False)
+    bf16: bool = arg(False, "--bf16.", cli=False)
+    params_dtype: Optional[str] = arg(None, "Must name the precision chosen (bfloat16, float16, float32) when set.",
+                                      cli=False)
+    pipeline_dtype: Optional[str] = arg(None, "As params_dtype.", cli=False)
+    autocast_enabled: bool = arg(False, "Not supported here: must stay off.", cli=False)
+    grad_reduce_in_fp32: bool = arg(True, "Gradients accumulated and reduced in fp32 (megatron DDP's buffer).", cli=False)
+    loss_scale: Optional[float] = arg(None, "--loss-scale.", cli=False)
+    initial_loss_scale: Optional[float] = arg(2.0**32, "--initial-loss-scale.", cli=False)
+    min_loss_scale: float = arg(1.0, "--min-loss-scale.", cli=False)
+    loss_scale_window: float = arg(1000, "--loss-scale-window.", cli=False)
+    hysteresis: int = arg(2, "--hysteresis.", cli=False)
+    fp8: Optional[str] = arg(None, "fp8 training: needs transformer-engine on a GPU; refused here.", cli=False)
+    fp8_recipe: str = arg("tensorwise", "fp8 scaling recipe (with fp8 only).", cli=False)
+    fp8_param_gather: bool = arg(False, "fp8 parameter all-gather (with fp8 only).", cli=False)
+    fp4: Optional[str] = arg(None, "fp4 training: needs transformer-engine on a GPU; refused here.", cli=False)
+
+
+def get_mixed_precision_config(name) -> MixedPrecisionConfig:
+    """A recipe by Bridge's name (`bf16_mixed`, `bf16-mixed`, `fp16_mixed`), or the config itself."""
+    if isinstance(name, MixedPrecisionConfig):
+        return name
+    recipes = {"bf16_mixed": dict(bf16=True, params_dtype="bfloat16", pipeline_dtype="bfloat16"),
+               "fp16_mixed": dict(fp16=True, params_dtype="float16", pipeline_dtype="float16", grad_reduce_in_fp32=False)}
+    key = str(name).replace("-", "_")
+    if key not in recipes:
+        low_bits = "fp8" in key or "fp4" in key
+        raise ConfigError(f"mixed_precision: {name!r} " + ("needs transformer-engine's fp8/fp4 on a GPU, which this "
+                          "trainer does not drive; use bf16_mixed or fp16_mixed" if low_bits else
+                          f"is not a recipe; use one of {', '.join(recipes)}"))
+    return MixedPrecisionConfig(**recipes[key])
+
+
+@dataclass
+class CommOverlapConfig:
+    """Bridge's CommOverlapConfig. Thin: overlap_grad_reduce and overlap_param_gather are the ddp section's;
+    tensor-parallel communication overlap (tp_comm_overlap) needs transformer-engine's userbuffers on GPUs."""
+
+    tp_comm_overlap: bool = arg(False, "Overlap tensor-parallel communication with GEMMs (transformer-engine).", cli=False)
+    tp_comm_overlap_cfg: Optional[dict] = arg(None, "transformer-engine's userbuffer settings (with tp_comm_overlap).",
+                                              cli=False)
+    tp_comm_bootstrap_backend: Optional[str] = arg("nccl", "Userbuffer bootstrap backend (with tp_comm_overlap).",
+                                                   cli=False)
+    overlap_grad_reduce: Optional[bool] = arg(None, "ddp.overlap_grad_reduce (--overlap-grad-reduce).", cli=False)
+    overlap_param_gather: Optional[bool] = arg(None, "ddp.overlap_param_gather (--overlap-param-gather).", cli=False)
+    overlap_p2p_comm: Optional[bool] = arg(None, "Not supported here: must stay unset.", cli=False)
+    batch_p2p_comm: Optional[bool] = arg(None, "Not supported here: must stay unset.", cli=False)
+    overlap_param_gather_with_optimizer_step: Optional[bool] = arg(None, "Not supported here: must stay unset.",
+                                                                   cli=False)
+    align_param_gather: Optional[bool] = arg(None, "Not supported here: must stay unset.", cli=False)
+    bucket_size: Optional[int] = arg(None, "Not supported here: must stay unset.", cli=False)
+    defer_embedding_wgrad_compute: Optional[bool] = arg(None, "Not supported here: must stay unset.", cli=False)
+    wgrad_deferral_limit: Optional[int] = arg(None, "Not supported here: must stay unset.", cli=False)
+    data_parallel_size: Optional[int] = arg(None, "Set from the world size (as Bridge does).", cli=False)
+
+
+@dataclass
 class ConfigContainer:
     """Top-level container: one sub-config per concern, plus values derived at validation."""
 
@@ -612,6 +718,10 @@ class ConfigContainer:
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     straggler: StragglerDetectionConfig = field(default_factory=StragglerDetectionConfig)
     rerun_state_machine: RerunStateMachineConfig = field(default_factory=RerunStateMachineConfig)
+    # Bridge's sections, thin names over the ones above (applied by validate(), as Bridge's runtime_config_update).
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    mixed_precision: Optional[Any] = None  # a recipe name or a MixedPrecisionConfig
+    comm_overlap: Optional[CommOverlapConfig] = None
     # Derived by validate() from the world size and the machine; not settable from the command line.
     world_size: int = 1
     data_parallel_size: int = 1
@@ -648,8 +758,7 @@ class ConfigContainer:
         lines = ["", "=" * 70, "Configuration Summary (Non-Default Values)", "=" * 70]
         derived = _get_key_config_values(self)
         derived["num_microbatches"] = self.num_microbatches
-        for section in SECTIONS:
-            sub = getattr(self, section)
+        for section, sub in section_configs(self):
             changed = _get_non_default_values(sub, type(sub))
             if changed:
                 lines.append(f"\n[{section}] Non-default values:")
@@ -665,7 +774,15 @@ class ConfigContainer:
 
 SECTIONS = ["model", "train", "optimizer", "scheduler", "dataset", "tokenizer", "logger", "checkpoint", "dist", "rng",
             "ddp", "profiling", "straggler", "rerun_state_machine", "ft", "nvrx_straggler", "inprocess_restart",
-            "tensor_inspect"]
+            "tensor_inspect", "validation", "mixed_precision", "comm_overlap"]
+OPTIONAL_SECTIONS = {"mixed_precision": MixedPrecisionConfig, "comm_overlap": CommOverlapConfig}  # None by default
+
+
+def section_configs(cfg: ConfigContainer):
+    """(name, dataclass) of each section that holds one (mixed_precision may be a recipe name, or unset)."""
+    for section in SECTIONS:
+        if dataclasses.is_dataclass(getattr(cfg, section)):
+            yield section, getattr(cfg, section)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -687,6 +804,8 @@ def _base_type(tp):
 def _cli_fields():
     """Yield (section, dataclass field, resolved type) for every field that has a flag."""
     for section in SECTIONS:
+        if section in OPTIONAL_SECTIONS:
+            continue
         cls = type(getattr(ConfigContainer(), section))
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
@@ -737,6 +856,13 @@ def apply_overrides(cfg: ConfigContainer, overrides: dict, source: str) -> None:
             raise ConfigError(f"{source}: unknown section '{section}'; sections are {', '.join(SECTIONS)}")
         if values is None:
             continue
+        if section == "mixed_precision" and isinstance(values, str):  # a recipe name
+            cfg.mixed_precision = values
+            continue
+        if section in OPTIONAL_SECTIONS and not dataclasses.is_dataclass(getattr(cfg, section)):
+            setattr(cfg, section, OPTIONAL_SECTIONS[section]())
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: section '{section}' must be a mapping of settings")
         sub = getattr(cfg, section)
         names = {f.name for f in dataclasses.fields(sub)}
         for key, value in values.items():
@@ -821,10 +947,71 @@ def _interval(spec: str) -> tuple:
     return float(low), float(high), spec[0] == "[", spec[-1] == "]"
 
 
+def runtime_sections_update(cfg: ConfigContainer) -> None:
+    """Bridge's sections onto the settings they name (the part of Bridge's runtime_config_update that
+    resolves mixed_precision and comm_overlap), so the rest of the code reads one place for each."""
+    t, v = cfg.train, cfg.validation
+    for name in ("eval_iters", "eval_interval", "skip_train"):
+        if getattr(v, name) is not None:
+            setattr(t, name, getattr(v, name))
+    _refuse_set(cfg, "validation", ["start_eval_at_iter", "test_mode", "full_validation", "multiple_validation_sets",
+                                    "validation_set_names"])
+    for name, train_value in (("eval_global_batch_size", t.global_batch_size), ("eval_micro_batch_size", t.micro_batch_size)):
+        if getattr(v, name) is not None and getattr(v, name) != train_value:
+            raise ConfigError(f"validation.{name} {getattr(v, name)} differs from the training batch ({train_value}); "
+                              f"evaluation here uses the training batch sizes: drop it")
+    if cfg.mixed_precision is not None:
+        mp = get_mixed_precision_config(cfg.mixed_precision)
+        if mp.fp8 or mp.fp4:
+            raise ConfigError("mixed_precision: fp8/fp4 need transformer-engine on a GPU, which this trainer does not "
+                              "drive; use bf16_mixed or fp16_mixed")
+        _refuse_set(cfg, "mixed_precision", ["autocast_enabled"], mp)
+        if sum((mp.bf16, mp.fp16, mp.fp32)) > 1:
+            raise ConfigError("mixed_precision: set one of bf16, fp16 and fp32")
+        dtype = "bfloat16" if mp.bf16 else "float16" if mp.fp16 else "float32"
+        for name in ("params_dtype", "pipeline_dtype"):
+            if getattr(mp, name) not in (None, dtype):
+                raise ConfigError(f"mixed_precision.{name} {getattr(mp, name)} is not {dtype}, the precision it sets")
+        cfg.model.bf16, cfg.model.fp16 = mp.bf16, mp.fp16
+        cfg.ddp.grad_reduce_in_fp32 = mp.grad_reduce_in_fp32 if (mp.bf16 or mp.fp16) else None
+        if mp.fp16:
+            for name in ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis"):
+                setattr(cfg.optimizer, name, getattr(mp, name))
+    co = cfg.comm_overlap
+    if co is not None:
+        if co.tp_comm_overlap:
+            raise ConfigError("comm_overlap.tp_comm_overlap needs transformer-engine's userbuffers on GPUs "
+                              + ("(none visible here)" if not cfg.use_gpu else
+                                 "(transformer-engine is not installed)" if not transformer_engine_installed() else
+                                 "(this trainer does not set them up)") + "; set it to false")
+        _refuse_set(cfg, "comm_overlap", ["overlap_p2p_comm", "batch_p2p_comm", "overlap_param_gather_with_optimizer_step",
+                                          "align_param_gather", "bucket_size", "defer_embedding_wgrad_compute",
+                                          "wgrad_deferral_limit"])
+        for name in ("overlap_grad_reduce", "overlap_param_gather"):
+            if getattr(co, name) is not None:
+                setattr(cfg.ddp, name, getattr(co, name))
+
+
+def _refuse_set(cfg: ConfigContainer, section: str, names: list, sub=None) -> None:
+    """Bridge settings this trainer has no machinery for: accepted at their defaults, a one-line error when set."""
+    sub = sub if sub is not None else getattr(cfg, section)
+    defaults = type(sub)()
+    for name in names:
+        if getattr(sub, name) != getattr(defaults, name):
+            raise ConfigError(f"{section}.{name} {getattr(sub, name)!r} is not supported by this trainer; drop it "
+                              f"(see README, Compared with Megatron-LM)")
+
+
+def runtime_config_update(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Optional[bool] = None):
+    """Bridge's runtime_config_update: resolve the Bridge sections (mixed_precision, comm_overlap,
+    validation), set the data-parallel size, and validate. Call it on a ConfigContainer built in Python
+    before pretrain()/finetune(); parse_args() does it for the command line."""
+    return validate(cfg, world_size=world_size, gpu=gpu)
+
+
 def _check_bounds(cfg: ConfigContainer) -> None:
     """Every number declared with `bounds` lies in its interval (None means unset; NaN is never in one)."""
-    for section in SECTIONS:
-        sub = getattr(cfg, section)
+    for section, sub in section_configs(cfg):
         for f in dataclasses.fields(sub):
             value, spec = getattr(sub, f.name), f.metadata.get("bounds")
             if spec is None or value is None or isinstance(value, bool):
@@ -846,6 +1033,7 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
     m, t, o, s, c, lg = cfg.model, cfg.train, cfg.optimizer, cfg.scheduler, cfg.checkpoint, cfg.logger
     cfg.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     cfg.use_gpu = gpu_visible() if gpu is None else gpu
+    runtime_sections_update(cfg)
     _check_bounds(cfg)
 
     # --- sizes -----------------------------------------------------------------------------------
@@ -1566,6 +1754,9 @@ def print_config(cfg: ConfigContainer, file=sys.stdout) -> None:
         return
     print("------------------------ arguments ------------------------", file=file)
     for section in SECTIONS:
+        if not dataclasses.is_dataclass(getattr(cfg, section)):  # an optional section left unset, or a recipe name
+            print(f"  {section} {'.' * max(3, 48 - len(section))} {getattr(cfg, section)}", file=file)
+            continue
         for f in dataclasses.fields(getattr(cfg, section)):
             name = f"{section}.{f.name}"
             value = getattr(getattr(cfg, section), f.name)

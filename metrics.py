@@ -743,9 +743,10 @@ def bytes_per_parameter(config) -> tuple:
     with mixed precision. Frozen (PEFT): the weight alone, no gradient, no optimizer state."""
     m, o = config.model, config.optimizer
     weight = 2 if (m.bf16 or m.fp16) else 4
+    gradient = 2 if weight == 2 and config.ddp.grad_reduce_in_fp32 is False else 4
     sharded = (4 if weight == 2 else 0) + (8 if o.optimizer == "adam" else 4)
     shards = config.data_parallel_size * m.context_parallel_size if o.use_distributed_optimizer else 1
-    return weight + 4 + sharded / shards, weight
+    return weight + gradient + sharded / shards, weight
 
 
 def compute_weight_and_optimizer_memory(config, verbose: bool = False) -> float:

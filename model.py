@@ -258,7 +258,8 @@ def megatron_optimizer_config(cfg, timers=None) -> OptimizerConfig:
 def megatron_ddp_config(cfg) -> DistributedDataParallelConfig:
     """megatron-core's DDP config from config.py's flags, finalized."""
     config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=cfg.model.bf16 or cfg.model.fp16,
+        grad_reduce_in_fp32=(cfg.model.bf16 or cfg.model.fp16) if cfg.ddp.grad_reduce_in_fp32 is None
+        else cfg.ddp.grad_reduce_in_fp32,
         overlap_grad_reduce=cfg.ddp.overlap_grad_reduce,
         overlap_param_gather=cfg.ddp.overlap_param_gather,
         use_distributed_optimizer=cfg.ddp.use_distributed_optimizer,

@@ -290,3 +290,62 @@ def test_log_non_default_values_switches_the_printed_config():
     assert "  num_microbatches: 1\n" in summary and "  scheduler.lr_decay_steps: 64\n" in summary
     assert "  hidden_size:" not in summary and "[ft]" not in summary  # left at their defaults
     assert len(summary.splitlines()) < len(full.splitlines()) / 2
+
+
+# --- Bridge's section names: mixed_precision, validation, comm_overlap, the dataset classes -----------------
+
+
+def _yaml(tmp_path, text, *flags):
+    path = tmp_path / "bridge.yaml"
+    path.write_text(text)
+    return config.parse_args(["--config-file", str(path), *flags], world_size=1, gpu=False)
+
+
+def test_a_bridge_style_yaml_with_each_section_loads(tmp_path):
+    cfg = _yaml(tmp_path, "mixed_precision: bf16_mixed\n"
+                          "validation:\n  eval_iters: 3\n  eval_interval: 7\n"
+                          "comm_overlap:\n  tp_comm_overlap: false\n  overlap_grad_reduce: true\n"
+                          "dataset:\n  dataloader_type: cyclic\n  num_workers: 1\n  mock_data: true\n")
+    assert cfg.model.bf16 and not cfg.model.fp16 and cfg.ddp.grad_reduce_in_fp32
+    assert (cfg.train.eval_iters, cfg.train.eval_interval) == (3, 7)
+    assert cfg.ddp.overlap_grad_reduce
+    assert (cfg.dataset.dataloader_type, cfg.dataset.num_workers, cfg.dataset.mock_data) == ("cyclic", 1, True)
+    # The resolved config written to run_config.yaml reads back the same.
+    again = _yaml(tmp_path, config.to_yaml(cfg))
+    assert again.to_dict() == cfg.to_dict()
+
+
+def test_mixed_precision_as_fields_and_the_fp16_recipe(tmp_path):
+    from model import megatron_ddp_config
+
+    cfg = _yaml(tmp_path, "mixed_precision:\n  fp16: true\n  initial_loss_scale: 1024\n  hysteresis: 3\n")
+    assert cfg.model.fp16 and cfg.optimizer.initial_loss_scale == 1024 and cfg.optimizer.hysteresis == 3
+    recipe = _yaml(tmp_path, "mixed_precision: fp16-mixed\n")  # Bridge's hyphen alias
+    assert recipe.model.fp16 and megatron_ddp_config(recipe).grad_reduce_in_fp32 is False  # as Bridge's fp16_mixed
+    assert megatron_ddp_config(_yaml(tmp_path, "model:\n  fp16: true\n")).grad_reduce_in_fp32 is True
+
+
+@pytest.mark.parametrize("text, message", [
+    ("validation:\n  eval_iterz: 3\n", "'validation' has no setting 'eval_iterz'"),
+    ("mixed_precision:\n  bf17: true\n", "'mixed_precision' has no setting 'bf17'"),
+    ("comm_overlap:\n  tp_comm_overlapp: true\n", "'comm_overlap' has no setting 'tp_comm_overlapp'"),
+    ("mixed_precision: bf8_mixed\n", "mixed_precision: 'bf8_mixed' is not a recipe"),
+    ("mixed_precision: bf16_with_fp8_delayed_scaling_mixed\n", "needs transformer-engine's fp8/fp4 on a GPU"),
+    ("comm_overlap:\n  tp_comm_overlap: true\n", "comm_overlap.tp_comm_overlap needs transformer-engine's userbuffers "
+                                                 "on GPUs (none visible here)"),
+    ("comm_overlap:\n  bucket_size: 1000\n", "comm_overlap.bucket_size 1000 is not supported by this trainer"),
+    ("validation:\n  full_validation: true\n", "validation.full_validation True is not supported by this trainer"),
+])
+def test_bridge_sections_refuse_with_one_line_naming_the_section(tmp_path, capsys, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    assert message in config_error(["--config-file", str(path)], capsys)
+
+
+def test_bridge_dataset_classes_and_runtime_config_update():
+    mock = config.ConfigContainer(dataset=config.MockGPTDatasetConfig(num_workers=0))
+    assert config.runtime_config_update(mock, world_size=1, gpu=False) is mock
+    assert mock.dataset.mock_data and isinstance(mock.dataset, config.GPTDatasetConfig)
+    sft = config.FinetuningDatasetConfig(data_path=["train.jsonl"])
+    assert sft.sft and isinstance(sft, config.DataloaderConfig) and sft.num_workers == 2
+    assert config.get_mixed_precision_config("bf16_mixed").bf16

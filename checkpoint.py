@@ -192,7 +192,7 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
 
         _shield_write_results_queue()
         metadata = sharded_state_dict_metadata(cfg)
-        sharded = model_sharded_state_dict(model)
+        sharded = model_sharded_state_dict(model, adapters_only=cfg.peft.peft != "none")
         if ck.save_optim:
             _create_optimizer_state(optimizer)
             sharded["optimizer"] = optimizer.sharded_state_dict(dict(sharded), metadata=metadata)
@@ -241,10 +241,14 @@ def _model_keys(model: list, state_dict_of) -> dict:
     return {f"model{i}": state_dict_of(chunk) for i, chunk in enumerate(model)}
 
 
-def model_sharded_state_dict(model: list) -> dict:
+def model_sharded_state_dict(model: list, adapters_only: bool = False) -> dict:
     """The model chunks' sharded state dicts under Megatron-LM's keys: each tensor named by its place in the
-    whole model (global layer numbers, full shapes), so any tensor/pipeline layout can read it back."""
-    return _model_keys(model, lambda chunk: unwrap(chunk).sharded_state_dict())
+    whole model (global layer numbers, full shapes), so any tensor/pipeline layout can read it back. A PEFT
+    run's keeps its adapters only (the base weights are the pretrained checkpoint's)."""
+    from peft import adapters_only as keep_adapters
+
+    return _model_keys(model, lambda chunk: keep_adapters(unwrap(chunk).sharded_state_dict()) if adapters_only
+                       else unwrap(chunk).sharded_state_dict())
 
 
 def sharded_state_dict_metadata(cfg) -> dict:
@@ -524,10 +528,11 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
     if saved_format != ck.ckpt_format:
         raise CheckpointError(f"{directory}: saved in {saved_format} format but this run uses --ckpt-format "
                               f"{ck.ckpt_format}; pass --ckpt-format {saved_format}")
+    peft_run = cfg.peft.peft != "none" and not finetune  # a PEFT run's own checkpoint: adapters only
     if saved_format == "torch_dist":
         from megatron.core import dist_checkpointing
 
-        sharded = model_sharded_state_dict(model)
+        sharded = model_sharded_state_dict(model, adapters_only=peft_run)
         if load_optim:
             # In the layout it was saved in (its content metadata), whatever this run would save.
             metadata = dist_checkpointing.load_content_metadata(directory) or sharded_state_dict_metadata(cfg)
@@ -549,7 +554,12 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
         payload = _load(_mp_file(directory), "model and optimizer of this tensor/pipeline rank")
     try:
         for chunk, key in zip(model, _model_keys(model, lambda chunk: None)):  # "model", or "model0", "model1", ...
-            unwrap(chunk).load_state_dict(payload[key], strict=True)
+            if saved_format == "torch_dist" and peft_run:
+                missing = unwrap(chunk).load_state_dict(payload[key], strict=False).missing_keys
+                if any(".adapter." in name for name in missing):
+                    raise RuntimeError(f"adapters missing from the checkpoint:\n{missing[0]}")
+            else:
+                unwrap(chunk).load_state_dict(payload[key], strict=True)
     except RuntimeError as e:
         first = [line.strip() for line in str(e).splitlines() if line.strip()][1:2]
         raise CheckpointError(f"{directory}: weights do not fit this model ({first[0] if first else e}); "

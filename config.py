@@ -615,6 +615,33 @@ class RerunStateMachineConfig:
 
 
 @dataclass
+class PEFTConfig:
+    """Parameter-efficient fine-tuning (Bridge's `peft`): low-rank adapters on the frozen base weights (peft.py)."""
+
+    peft: str = arg("none", "Fine-tune low-rank adapters instead of the weights: lora, dora (LoRA with a per-row "
+                            "magnitude), or none. Needs --pretrained-checkpoint (the base weights).",
+                    choices=["none", "lora", "dora"])
+    lora_dim: int = arg(32, "Rank of each adapter.", bounds="(0, inf)")
+    lora_alpha: float = arg(32, "Adapter output scale numerator: the output is scaled by alpha / dim.",
+                            bounds="(0, inf)")
+    lora_dropout: float = arg(0.0, "Dropout on the adapter's input.", bounds="[0, 1)")
+    lora_target_modules: list[str] = arg(
+        ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+        "Linear layers to adapt: names, or dotted paths with * wildcards such as '*.layers.0.*.linear_qkv'.")
+    lora_exclude_modules: list[str] = arg([], "Layers (names or * patterns) to leave out of --lora-target-modules.")
+
+
+def LoRA(**fields) -> PEFTConfig:
+    """Bridge's `LoRA(dim=..., alpha=..., target_modules=[...])` as this trainer's peft section."""
+    return PEFTConfig(peft="lora", **{f"lora_{k}": v for k, v in fields.items()})
+
+
+def DoRA(**fields) -> PEFTConfig:
+    """Bridge's `DoRA(...)`: LoRA plus a learned magnitude per output row."""
+    return PEFTConfig(peft="dora", **{f"lora_{k}": v for k, v in fields.items()})
+
+
+@dataclass
 class ValidationConfig:
     """Bridge's ValidationConfig (from Megatron-LM's training config). Thin: what is set here overrides the
     same-named training settings (--eval-iters, --eval-interval, --skip-train), which stay accepted."""
@@ -718,6 +745,7 @@ class ConfigContainer:
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     straggler: StragglerDetectionConfig = field(default_factory=StragglerDetectionConfig)
     rerun_state_machine: RerunStateMachineConfig = field(default_factory=RerunStateMachineConfig)
+    peft: PEFTConfig = field(default_factory=PEFTConfig)
     # Bridge's sections, thin names over the ones above (applied by validate(), as Bridge's runtime_config_update).
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     mixed_precision: Optional[Any] = None  # a recipe name or a MixedPrecisionConfig
@@ -774,7 +802,7 @@ class ConfigContainer:
 
 SECTIONS = ["model", "train", "optimizer", "scheduler", "dataset", "tokenizer", "logger", "checkpoint", "dist", "rng",
             "ddp", "profiling", "straggler", "rerun_state_machine", "ft", "nvrx_straggler", "inprocess_restart",
-            "tensor_inspect", "validation", "mixed_precision", "comm_overlap"]
+            "tensor_inspect", "peft", "validation", "mixed_precision", "comm_overlap"]
 OPTIONAL_SECTIONS = {"mixed_precision": MixedPrecisionConfig, "comm_overlap": CommOverlapConfig}  # None by default
 
 
@@ -1158,6 +1186,7 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
              "pip install transformer-engine[pytorch] or use --transformer-impl local")
     need(cp == 1 or m.transformer_impl == "transformer_engine",
          f"--context-parallel-size {cp} needs --transformer-impl transformer_engine")
+    _validate_peft(cfg)
     _validate_deterministic_mode(cfg)
     _validate_services(cfg)
     _validate_callbacks(cfg)
@@ -1459,6 +1488,19 @@ def _validate_and_sync_distributed_optimizer_settings(cfg: ConfigContainer) -> N
             print(f"train.py: note: ddp.use_distributed_optimizer={ddp_setting} and optimizer.use_distributed_optimizer="
                   f"{optimizer_setting} disagreed; using the distributed optimizer for both", file=sys.stderr)
         cfg.ddp.use_distributed_optimizer = cfg.optimizer.use_distributed_optimizer = True
+
+
+def _validate_peft(cfg: ConfigContainer) -> None:
+    p, c = cfg.peft, cfg.checkpoint
+    if p.peft == "none":
+        return
+    if not c.pretrained_checkpoint:
+        raise ConfigError(f"--peft {p.peft} trains adapters on base weights: give them with --pretrained-checkpoint "
+                          f"(a checkpoint of train.py; --load then resumes the {p.peft} run itself)")
+    if c.ckpt_format != "torch_dist":
+        raise ConfigError(f"--peft {p.peft} saves the adapters only, which needs --ckpt-format torch_dist")
+    if not p.lora_target_modules:
+        raise ConfigError("--lora-target-modules is empty: name at least one linear layer (e.g. linear_qkv)")
 
 
 def _validate_recompute(cfg: ConfigContainer) -> None:

@@ -606,16 +606,21 @@ def quiet_broken_connections() -> None:
 
 
 def data_worker_init(exit_signal: str, worker_id: int) -> None:
-    """A DataLoader worker's init: ignore SIGINT, SIGTERM and the --exit-signal, and end quietly with its rank.
+    """A DataLoader worker's init: note and otherwise ignore SIGINT, SIGTERM and the --exit-signal, and end
+    quietly with its rank.
 
     SLURM's scancel, `timeout` and Ctrl-C signal every process of the job, workers included. A worker that
     died of it would make its rank raise "DataLoader worker ... is killed by signal" in the middle of the
     step, before the checkpoint that --exit-signal-handler promises. The rank decides what a signal means;
-    its workers end with it (torch's workers exit when their parent does). Megatron-LM and Bridge give
-    their workers a flag-setting handler instead, to the same effect."""
+    its workers end with it (torch's workers exit when their parent does). As Megatron-LM and Bridge do, the
+    worker gets a handler that only takes note (their DistributedSignalHandler)."""
     for sig in {signal.SIGINT, signal.SIGTERM, signal.Signals[exit_signal]}:
-        signal.signal(sig, signal.SIG_IGN)
+        signal.signal(sig, _noted)
     quiet_broken_connections()
+
+
+def _noted(signum, frame) -> None:
+    """A signal a DataLoader worker leaves to its rank."""
 
 
 def build_data_loader(dataset, consumed_samples: int, cfg, seed_offset: int = 0):

@@ -57,6 +57,7 @@ import checkpoint  # noqa: E402
 import data  # noqa: E402
 import device  # noqa: E402
 import metrics  # noqa: E402
+import peft  # noqa: E402
 import profiling  # noqa: E402
 from config import ConfigContainer  # noqa: E402
 from device import any_rank  # noqa: E402
@@ -279,14 +280,23 @@ def setup(cfg: ConfigContainer):
         print(f" > number of parameters on (tensor, pipeline) model parallel rank "
               f"({parallel_state.get_tensor_model_parallel_rank()}, {parallel_state.get_pipeline_model_parallel_rank()}):"
               f" {sum(p.numel() for chunk in model for p in chunk.parameters())}", flush=True)
+    ck = cfg.checkpoint
+    if cfg.peft.peft != "none":
+        # Bridge's order: the base weights into the bare model, then the adapters (all else frozen), then DDP
+        # and the optimizer, which see the adapters only.
+        checkpoint.load_checkpoint(state, model, None, None, ck.pretrained_checkpoint, finetune=True)
+        peft.apply_peft(cfg, model)
+        trainable, total = peft.parameter_counts(model)
+        cfg.trainable_fraction = trainable / total
+        print_rank_0(f" > {cfg.peft.peft}: {peft.trainable_summary(trainable, total)}, adapters of rank "
+                     f"{cfg.peft.lora_dim} on {', '.join(cfg.peft.lora_target_modules)}")
     model = wrap_model(cfg, model)
     optimizer = build_optimizer(cfg, model, state.timers)
     scheduler = build_scheduler(cfg, optimizer)
 
     # Resume this run's own checkpoint if --load holds one; otherwise start from pretrained weights if given.
-    ck = cfg.checkpoint
     resumed = bool(ck.load) and checkpoint.load_checkpoint(state, model, optimizer, scheduler, ck.load, ck.finetune)
-    if not resumed and ck.pretrained_checkpoint:
+    if not resumed and ck.pretrained_checkpoint and cfg.peft.peft == "none":
         checkpoint.load_checkpoint(state, model, optimizer, scheduler, ck.pretrained_checkpoint, finetune=True)
     state.start_step = state.train_state.step
     state.num_microbatches_calculator.update(state.train_state.consumed_train_samples, consistency_check=True)

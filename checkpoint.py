@@ -538,7 +538,8 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
             metadata = dist_checkpointing.load_content_metadata(directory) or sharded_state_dict_metadata(cfg)
             _create_optimizer_state(optimizer)
             sharded["optimizer"] = optimizer.sharded_state_dict(dict(sharded), is_loading=True, metadata=metadata)
-        sharded["opt_param_scheduler"] = scheduler.state_dict()
+        if not finetune:
+            sharded["opt_param_scheduler"] = scheduler.state_dict()
         _check_distcp_files(directory)
         try:
             payload = dist_checkpointing.load(sharded, directory)

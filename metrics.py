@@ -150,16 +150,34 @@ def num_floating_point_operations(cfg, batch_size: int, padded_vocab_size: int) 
     real ffn size times 3/2 for SwiGLU (three matrices, not two), not an assumed 4h. Causal attention
     computes only the unmasked half of the score (QK^T) and context (AV) matmuls: s / 2h, not s / h, as
     Megatron-LM counts it since 2025 and Megatron Bridge's flop_utils.py does.
+
+    With PEFT the frozen weights get no weight gradient: their GEMMs count 2 (forward, input gradient), not 3
+    (as Bridge's LoRA count scales frozen work by 2/3), and the adapters add theirs (adapter_flops_per_token).
     """
     m = cfg.model
     s, h, L = m.seq_length, m.hidden_size, m.num_layers
     query_projection_ratio = m.kv_channels * m.num_attention_heads / h
     gated_multiplier = 3 / 2 if m.swiglu else 1
-    return 12 * batch_size * s * L * h * h * (
-        (1 + m.num_query_groups / m.num_attention_heads + s / h / 2) * query_projection_ratio  # attention
-        + (m.ffn_hidden_size / h) * gated_multiplier  # MLP
-        + padded_vocab_size / (2 * L * h)  # logits
-    )
+    weights = ((1 + m.num_query_groups / m.num_attention_heads) * query_projection_ratio  # attention projections
+               + (m.ffn_hidden_size / h) * gated_multiplier  # MLP
+               + padded_vocab_size / (2 * L * h))  # logits
+    core_attention = s / h / 2 * query_projection_ratio
+    if cfg.peft.peft == "none":
+        return 12 * batch_size * s * L * h * h * (weights + core_attention)
+    return 12 * batch_size * s * L * h * h * (weights * 2 / 3 + core_attention) + \
+        batch_size * s * adapter_flops_per_token(cfg)
+
+
+def adapter_flops_per_token(cfg) -> float:
+    """PEFT adapters' forward and backward FLOPs per token: 3 x 2 x dim x (in + out) for each adapted layer,
+    for the targets named plainly (linear_qkv, linear_proj, linear_fc1, linear_fc2; a * pattern is not counted)."""
+    m, p = cfg.model, cfg.peft
+    q, kv = m.kv_channels * m.num_attention_heads, m.kv_channels * m.num_query_groups
+    h, ffn = m.hidden_size, m.ffn_hidden_size
+    sizes = {"linear_qkv": h + q + 2 * kv, "linear_proj": q + h, "linear_fc1": h + ffn * (2 if m.swiglu else 1),
+             "linear_fc2": ffn + h}
+    per_layer = sum(sizes.get(name, 0) for name in set(p.lora_target_modules) - set(p.lora_exclude_modules))
+    return 3 * 2 * p.lora_dim * per_layer * m.num_layers
 
 
 def throughput_tflops_per_device(flops_per_iteration: float, seconds_per_iteration: float, world_size: int) -> float:
@@ -552,6 +570,8 @@ def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_r
             line += f" num zeros: {num_zeros_in_grad:.1f} |"
         if params_norm is not None:
             line += f" params norm: {params_norm:.3f} |"
+        if global_state.trainable_summary:  # PEFT
+            line += f" {global_state.trainable_summary} |"
         line += f" number of skipped iterations: {total_loss_dict[SKIPPED]:3d} |"
         line += f" number of nan iterations: {total_loss_dict[NAN]:3d} |"
         total_loss_dict.clear()

@@ -222,8 +222,8 @@ def main(argv) -> int:
             raise config_lib.ConfigError(f"--load {args.load}: no checkpoint there")
         cfg = config_lib.parse_args(["--config-file", os.path.join(directory, "run_config.yaml"),
                                      "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
-                                     "--load", args.load, "--save", args.save, "--no-save-optim", "--eval-iters", "0",
-                                     "--num-workers", "0", "--train-iters", "0"]
+                                     "--load", args.load, "--save", args.save, "--no-save-optim", "--no-load-optim",
+                                     "--use-checkpoint-opt-param-scheduler", "--eval-iters", "0", "--num-workers", "0"]
                                     + (["--ckpt-step", str(args.ckpt_step)] if args.ckpt_step is not None else []),
                                     world_size=1)
         if cfg.peft.peft == "none":
@@ -238,11 +238,13 @@ def merge_checkpoint(cfg) -> int:
     """Set up the PEFT run as train.py would (base weights, then its adapters), fold, and save plainly."""
     import checkpoint
     import train
+    from model import unwrap
 
     state, model, optimizer, scheduler, _ = train.setup(cfg)
     try:
-        n = merge_adapters([train.unwrap(chunk) for chunk in model])
-        cfg.peft.peft = "none"
+        n = merge_adapters([unwrap(chunk) for chunk in model])
+        cfg.peft.peft = "none"  # what run_config.yaml will say: a plain model, standing on its own
+        cfg.checkpoint.load = cfg.checkpoint.pretrained_checkpoint = None
         cfg.train.train_iters = state.train_state.step
         directory = checkpoint.save_checkpoint(state, model, optimizer, scheduler)
         print(f" merged {n} adapters into the base weights: {directory}", flush=True)
@@ -252,4 +254,6 @@ def merge_checkpoint(cfg) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    import peft  # the module train.py imports: its LoRALinear class is the one the model holds
+
+    sys.exit(peft.main(sys.argv[1:]))

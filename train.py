@@ -99,6 +99,7 @@ class GlobalState:
         self.signal_handler: Optional[DistributedSignalHandler] = None
         self.tokenizer = None  # set at setup; saved with every checkpoint
         self.start_step = 0  # where this job began (after a resume): throughput counts from here
+        self.trainable_summary: Optional[str] = None  # PEFT: "trainable params: 0.52M / 3.85M (13.6%)"
         self.start_floating_point_operations = 0.0
         self.exit_code: Optional[int] = None  # set when the loop stops early (signal, interval, NaN)
         self.async_calls_queue = None  # --async-save: the checkpoint writes in flight (checkpoint.py)
@@ -288,7 +289,8 @@ def setup(cfg: ConfigContainer):
         peft.apply_peft(cfg, model)
         trainable, total = peft.parameter_counts(model)
         cfg.trainable_fraction = trainable / total
-        print_rank_0(f" > {cfg.peft.peft}: {peft.trainable_summary(trainable, total)}, adapters of rank "
+        state.trainable_summary = peft.trainable_summary(trainable, total)
+        print_rank_0(f" > {cfg.peft.peft}: {state.trainable_summary}, adapters of rank "
                      f"{cfg.peft.lora_dim} on {', '.join(cfg.peft.lora_target_modules)}")
     model = wrap_model(cfg, model)
     optimizer = build_optimizer(cfg, model, state.timers)

@@ -19,7 +19,7 @@ LOG_LINE = re.compile(
     r"elapsed time per iteration \(ms\): [\d.]+ \|"
     r"(?: throughput per GPU \(TFLOP/s/GPU\): [\d.]+ \| MFU: [^|]+ \|)? learning rate: [\d.E+-]+ \| "
     r"global batch size: +(\d+) \| lm loss: ([\d.E+-]+) \|(?: [a-z ]+: [\d.E+-]+ \|)* loss scale: [\d.]+ \| "
-    r"grad norm: [\d.]+ \|(?: (?:num zeros|params norm): [\d.]+ \|)* "
+    r"grad norm: [\d.]+ \|(?: (?:num zeros|params norm): [\d.]+ \|)*(?: trainable params: [^|]+ \|)? "
     r"number of skipped iterations: +(\d+) \| number of nan iterations: +(\d+) \|$", re.M)
 
 

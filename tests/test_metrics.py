@@ -241,3 +241,18 @@ def test_model_parallel_reductions_over_two_ranks():
     assert [l.split(" (")[0] for l in lines] == [  # the figures in brackets: the two norms, for a failure's message
         "rank 0: max=3.0 none=None and=False norm_tp2_equals_tp1=True dist_opt_norm_equals_plain=True",
         "rank 1: max=3.0 none=None and=False norm_tp2_equals_tp1=True dist_opt_norm_equals_plain=True"], lines
+
+
+def test_peft_flops_count_frozen_weights_without_their_weight_gradient():
+    """Frozen GEMMs: forward + input gradient (2 of 3); core attention as before; adapters in full (3 x 2 x dim x
+    (in + out) per token and layer). Written out for --lora-dim 8 on the four default targets."""
+    base = ["--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "64", "--num-layers", "2"]
+    plain = _cfg(*base)
+    lora = _cfg(*base, "--peft", "lora", "--lora-dim", "8", "--pretrained-checkpoint", "x")
+    s, h, L, V, b = 64, 128, 2, 384, 4
+    weight_gemms = 3 * 2 * b * s * L * (h * 3 * h + h * h + 2 * h * 4 * h) + 3 * 2 * b * s * h * V
+    core = 3 * 2 * b * s * s * h * L  # causal half of QK^T and AV
+    adapters = 3 * 2 * b * s * L * 8 * ((h + 3 * h) + (h + h) + (h + 4 * h) + (4 * h + h))
+    assert metrics.num_floating_point_operations(plain, b, V) == pytest.approx(weight_gemms + core, rel=1e-12)
+    assert metrics.num_floating_point_operations(lora, b, V) == pytest.approx(
+        weight_gemms * 2 / 3 + core + adapters, rel=1e-12)

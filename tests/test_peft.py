@@ -82,3 +82,98 @@ def test_bad_peft_settings_are_one_line(capsys, single_rank_groups):
     cfg = _cfg("--peft", "lora", "--lora-target-modules", "*.layers.0.*.linear_qkv", "linear_fc1",
                "--lora-exclude-modules", "decoder.layers.1.mlp.linear_fc1")
     assert peft.apply_peft(cfg, build_model(cfg, vocab_size=100)) == {"*.layers.0.*.linear_qkv": 1, "linear_fc1": 1}
+
+
+# --- real 2-rank runs: LoRA on SFT data from a pretrained checkpoint, resumed, resharded, merged ---------------
+
+
+def _sft_jsonl(path):
+    with open(path, "w") as fh:
+        for i in range(64):
+            a, b = i % 7, (i * 3) % 5
+            fh.write(json.dumps({"prompt": f"Q: {a}+{b}=", "response": f"{a + b}."}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def lora_run(mock_run, tmp_path_factory):
+    """LoRA on --sft data over the shared mock run's checkpoint (2 data-parallel ranks), saving at 6 and 12."""
+    out = tmp_path_factory.mktemp("lora")
+    args = [*TINY, "--peft", "lora", "--lora-dim", "8", "--pretrained-checkpoint", str(mock_run["dir"] / "ckpt"),
+            "--sft", "--data-path", str(_sft_jsonl(out / "sft.jsonl")), "--split", "90,10,0", "--train-iters", "12",
+            "--global-batch-size", "8", "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--data-cache-path", str(out / "cache")]
+    proc = torchrun([*args, "--save", str(out / "lora"), "--save-interval", "6"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return dict(dir=out, args=args, stdout=proc.stdout, losses={l[0]: l[3] for l in log_lines(proc.stdout)})
+
+
+def _dir_bytes(path):
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def test_lora_trains_on_sft_data_and_saves_the_adapters_only(lora_run, mock_run):
+    losses = lora_run["losses"]
+    assert sorted(losses) == list(range(1, 13)) and losses[12] < losses[1] - 0.5
+    assert "lora: trainable params: 0.02M / 0.15M (11.3%)" in lora_run["stdout"]  # the setup summary
+    assert "| trainable params: 0.02M / 0.15M (11.3%) | number of skipped" in lora_run["stdout"]  # each log line
+    saved = lora_run["dir"] / "lora" / "iter_0000012"
+    full = mock_run["dir"] / "ckpt" / "iter_0000030"
+    # Adapters and their Adam state only: about the trainable share (11.3%) of the full checkpoint's tensors.
+    assert _dir_bytes(saved) < 0.25 * _dir_bytes(full)
+
+
+def test_lora_resumes_bitwise_and_tensor_parallel_gives_the_same_losses(lora_run):
+    args, ckpt = lora_run["args"], str(lora_run["dir"] / "lora")
+    resumed = torchrun([*args, "--load", ckpt, "--ckpt-step", "6"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert {l[0]: l[3] for l in log_lines(resumed.stdout)} == {i: lora_run["losses"][i] for i in range(7, 13)}
+    # TP=2 (the adapters split like their layers; 64 x 2 keeps the checkpoint's padded vocabulary) from the start.
+    tp2 = torchrun([*args, "--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"])
+    assert tp2.returncode == 0, tp2.stderr[-3000:]
+    for it, loss in {l[0]: l[3] for l in log_lines(tp2.stdout)}.items():
+        assert loss == pytest.approx(lora_run["losses"][it], rel=1e-5), it
+
+
+def test_merged_checkpoint_loads_without_peft_and_gives_the_adapted_logits(lora_run, tmp_path):
+    import subprocess
+    import sys
+
+    import train
+    from conftest import ROOT
+
+    merged = tmp_path / "merged"
+    proc = subprocess.run([sys.executable, "peft.py", "merge", "--load", str(lora_run["dir"] / "lora"), "--save",
+                           str(merged)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0 and "merged 8 adapters" in proc.stdout, proc.stderr[-3000:]
+    tokens = torch.arange(2 * 64).reshape(2, 64) % 90 + 10
+
+    def logits(*flags):
+        cfg = config.parse_args([*flags, "--num-workers", "0", "--eval-iters", "0", "--use-checkpoint-opt-param-scheduler"],
+                                world_size=1, gpu=False)
+        state, model, _, _, _ = train.setup(cfg)
+        try:
+            with torch.no_grad():
+                return model[0](tokens, torch.arange(64).repeat(2, 1), None).float()
+        finally:
+            train._finish_train(state)
+
+    run_config = "iter_0000012/run_config.yaml"
+    adapted = logits("--config-file", str(lora_run["dir"] / "lora" / run_config), "--load", str(lora_run["dir"] / "lora"))
+    plain = logits("--config-file", str(merged / run_config), "--pretrained-checkpoint", str(merged))
+    torch.testing.assert_close(plain, adapted, rtol=1e-5, atol=1e-5 * adapted.abs().max().item())
+
+
+def test_finetune_from_python_with_a_lora_config(lora_run, mock_run, tmp_path):
+    """The README's Python example: Bridge's finetune() with a peft config and a FinetuningDatasetConfig."""
+    import train
+
+    cfg = config.ConfigContainer(peft=config.LoRA(dim=4, alpha=8), dataset=config.FinetuningDatasetConfig(
+        data_path=[str(lora_run["dir"] / "sft.jsonl")], split="90,10,0", num_workers=0))
+    cfg.model.num_layers, cfg.model.hidden_size, cfg.model.seq_length, cfg.train.micro_batch_size = 2, 64, 64, 2
+    cfg.train.train_iters, cfg.train.eval_iters = 3, 0
+    cfg.checkpoint.pretrained_checkpoint, cfg.checkpoint.save = str(mock_run["dir"] / "ckpt"), str(tmp_path / "lora")
+    state = train.finetune(config.runtime_config_update(cfg, world_size=1, gpu=False))
+    assert state.train_state.step == 3 and cfg.trainable_fraction < 0.1
+    assert (tmp_path / "lora" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"

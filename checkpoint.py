@@ -196,7 +196,8 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
         if ck.save_optim:
             _create_optimizer_state(optimizer)
             sharded["optimizer"] = optimizer.sharded_state_dict(dict(sharded), metadata=metadata)
-        sharded["opt_param_scheduler"] = scheduler.state_dict()
+        if scheduler is not None:  # None: weights only (hf.py's import)
+            sharded["opt_param_scheduler"] = scheduler.state_dict()
         # The rng files after megatron-core's save call: it checks that the directory is empty (else it
         # warns of an "old incomplete / corrupted checkpoint").
         files = [(rng_state, rng_file)] if rng_state is not None else []
@@ -217,8 +218,9 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
         files = [(rng_state, rng_file)] if rng_state is not None else []
         if parallel_state.get_data_parallel_rank() == 0:
             # Data-parallel replicas hold identical weights and optimizer state: one copy per TP/PP rank.
-            payload = {**_model_keys(model, lambda chunk: unwrap(chunk).state_dict()),
-                       "opt_param_scheduler": scheduler.state_dict(), "iteration": ts.step}
+            payload = {**_model_keys(model, lambda chunk: unwrap(chunk).state_dict()), "iteration": ts.step}
+            if scheduler is not None:
+                payload["opt_param_scheduler"] = scheduler.state_dict()
             if ck.save_optim:
                 payload["optimizer"] = optimizer.state_dict()
             os.makedirs(os.path.dirname(_mp_file(directory)), exist_ok=True)

@@ -31,16 +31,17 @@ class ConfigError(ValueError):
 
 
 def arg(default: Any, help: str, *, flag: Optional[str] = None, choices=None, cli: bool = True, derived: bool = False,
-        bounds: Optional[str] = None):
+        bounds: Optional[str] = None, off: Optional[str] = None):
     """A config field: its default, its documentation (= its `--help`), and how it appears on the CLI.
 
     For a bool that defaults to True, `flag` names the Megatron-LM switch that turns it off
     (e.g. `--no-save-optim`); `cli=False` marks a setting that Megatron-LM has no flag for (YAML only);
     `derived=True` a value computed during validation (not settable from the command line);
     `bounds` the interval a number must lie in, as torch or megatron-core would demand it, e.g. "[0, 1)"
-    (checked first by validate(), so an out-of-range value is a one-line error before torch loads).
+    (checked first by validate(), so an out-of-range value is a one-line error before torch loads);
+    `off` a second flag that sets an optional setting with a default to None (e.g. `--no-save`).
     """
-    meta = dict(help=help, flag=flag, choices=choices, cli=cli and not derived, derived=derived, bounds=bounds)
+    meta = dict(help=help, flag=flag, choices=choices, cli=cli and not derived, derived=derived, bounds=bounds, off=off)
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -87,6 +88,8 @@ class ModelConfig:
     normalization: str = arg("LayerNorm", "Normalization layer.", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = arg(1e-5, "Epsilon of the normalization layers.", bounds="[0, inf)")
     swiglu: bool = arg(False, "Use the SwiGLU gated activation in the MLP instead of GeLU.")
+    openai_gelu: bool = arg(False, "GeLU's tanh approximation, as OpenAI's GPT-2 (Hugging Face's gelu_new) and "
+                                   "Megatron-LM's --openai-gelu, instead of the exact erf form.")
     add_bias_linear: bool = arg(True, "Biases in the linear layers.", flag="--disable-bias-linear")
     transformer_impl: Optional[str] = arg(
         None,
@@ -392,7 +395,9 @@ class LoggerConfig:
     """Console and TensorBoard reporting."""
 
     log_interval: int = arg(10, "Print the log line every this many iterations.")
-    tensorboard_dir: Optional[str] = arg(None, "Write TensorBoard event files here.")
+    tensorboard_dir: Optional[str] = arg(
+        "runs", "Write TensorBoard event files here. Default: runs (git-ignored; `tensorboard --logdir runs`). "
+        "--no-tensorboard writes none.", off="--no-tensorboard")
     tensorboard_log_interval: int = arg(1, "Write TensorBoard scalars every this many iterations.")
     log_throughput: bool = arg(False, "Add TFLOP/s per GPU and MFU to the log line, throughput/* to TensorBoard.")
     log_params_norm: bool = arg(False, "Compute and log the parameters' L2 norm (walks all parameters).")
@@ -435,7 +440,9 @@ class LoggerConfig:
 class CheckpointConfig:
     """Saving and loading (Megatron Bridge's CheckpointConfig)."""
 
-    save: Optional[str] = arg(None, "Directory to save checkpoints to.")
+    save: Optional[str] = arg(
+        "checkpoints", "Directory to save checkpoints to: the final one, and every --save-interval iterations. Default: "
+        "checkpoints (git-ignored; generate.py reads it by default). --no-save saves nothing.", off="--no-save")
     load: Optional[str] = arg(None, "Checkpoint to resume from: a save directory (its newest) or one iter_* directory.")
     save_interval: Optional[int] = arg(None, "Save a checkpoint every this many iterations.")
     save_optim: bool = arg(True, "Save the optimizer state.", flag="--no-save-optim")
@@ -841,14 +848,16 @@ def _cli_fields():
                 yield section, f, _base_type(hints[f.name])
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, whose errors are one line and exit code 2 (no usage dump)."""
+
     def error(self, message):  # one line, exit code 2, no usage dump
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
     """The argparse parser: one argument group per config section, one flag per field."""
-    parser = _Parser(
+    parser = OneLineParser(
         prog=prog,
         description="Pretrain a megatron-core GPT. Flags follow Megatron-LM; --config-file takes a YAML file that flags override.",
         argument_default=argparse.SUPPRESS,  # only flags actually given override the defaults/YAML
@@ -874,6 +883,9 @@ def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
                 metavar=None if f.metadata["choices"] else f.name.upper(),
                 help=help_text + " (default: %s)" % (f.default,),
             )
+        if f.metadata["off"]:
+            group.add_argument(f.metadata["off"], dest=dest, action="store_const", const=None,
+                               help=f"Unset {flag} (the last of the two given wins).")
     return parser
 
 
@@ -907,20 +919,26 @@ def parse_args(argv: Optional[list] = None, world_size: Optional[int] = None, gp
     `world_size` defaults to $WORLD_SIZE (set by torchrun) and `gpu` to whether a GPU is visible.
     """
     parser = build_parser()
-    ns = vars(parser.parse_args(argv))
-    cfg = ConfigContainer()
     try:
-        if "config_file" in ns:
-            apply_overrides(cfg, _load_yaml(ns.pop("config_file")), source="--config-file")
-        flags: dict = {}
-        for dest, value in ns.items():
-            section, name = dest.split(".", 1)
-            flags.setdefault(section, {})[name] = value
-        apply_overrides(cfg, flags, source="flags")
-        validate(cfg, world_size=world_size, gpu=gpu)
+        return config_from_flags(argv, world_size, gpu, parser)
     except ConfigError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
-    return cfg
+
+
+def config_from_flags(argv: list, world_size: Optional[int] = None, gpu: Optional[bool] = None,
+                      parser: Optional[argparse.ArgumentParser] = None) -> ConfigContainer:
+    """parse_args without the exit: an impossible combination raises ConfigError (for callers that are not the
+    command line, such as hf.py's import)."""
+    ns = vars((parser or build_parser()).parse_args(argv))
+    cfg = ConfigContainer()
+    if "config_file" in ns:
+        apply_overrides(cfg, _load_yaml(ns.pop("config_file")), source="--config-file")
+    flags: dict = {}
+    for dest, value in ns.items():
+        section, name = dest.split(".", 1)
+        flags.setdefault(section, {})[name] = value
+    apply_overrides(cfg, flags, source="flags")
+    return validate(cfg, world_size=world_size, gpu=gpu)
 
 
 def _load_yaml(path: str) -> dict:
@@ -1077,6 +1095,7 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
         m.num_query_groups = m.num_attention_heads
     need(m.num_query_groups > 0 and m.num_attention_heads % m.num_query_groups == 0,
          f"--num-query-groups {m.num_query_groups} must divide --num-attention-heads {m.num_attention_heads}")
+    need(not (m.swiglu and m.openai_gelu), "--openai-gelu is a GeLU, --swiglu replaces GeLU: give one")
     if m.ffn_hidden_size is None:
         # Megatron-LM: SwiGLU keeps the MLP's parameter count of 4h by using 2/3 of it, rounded to 64.
         m.ffn_hidden_size = max(64, int((4 * m.hidden_size * 2 / 3) / 64) * 64) if m.swiglu else 4 * m.hidden_size

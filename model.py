@@ -25,6 +25,7 @@ warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not ins
 warnings.filterwarnings("ignore", message=r"full scope is deprecated")  # a TransformerConfig default, not ours
 
 import contextlib  # noqa: E402
+import functools  # noqa: E402
 import math  # noqa: E402
 
 import torch  # noqa: E402
@@ -111,7 +112,7 @@ def transformer_config(cfg) -> TransformerConfig:
         normalization=m.normalization,
         layernorm_epsilon=m.norm_epsilon,
         gated_linear_unit=m.swiglu,
-        activation_func=F.silu if m.swiglu else F.gelu,
+        activation_func=F.silu if m.swiglu else functools.partial(F.gelu, approximate="tanh") if m.openai_gelu else F.gelu,
         add_bias_linear=m.add_bias_linear,
         tensor_model_parallel_size=m.tensor_model_parallel_size,
         pipeline_model_parallel_size=m.pipeline_model_parallel_size,

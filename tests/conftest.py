@@ -11,8 +11,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+# A tiny model, and no default outputs (train.py saves to checkpoints/ and writes TensorBoard files to runs/
+# unless told otherwise): a test that wants them names its own --save / --tensorboard-dir after these.
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-        "--micro-batch-size", "2", "--lr", "3e-3", "--lr-warmup-iters", "2"]
+        "--micro-batch-size", "2", "--lr", "3e-3", "--lr-warmup-iters", "2", "--no-save", "--no-tensorboard"]
 
 LOG_LINE = re.compile(
     r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| (?:skipped samples: +\d+ \| )?"
@@ -51,6 +53,21 @@ def torchrun(args, nproc=2, script="train.py", timeout=300):
 def log_lines(stdout: str) -> list:
     """(iteration, consumed samples, global batch, lm loss, skipped, nan) of each Megatron log line."""
     return [(int(m[0]), int(m[2]), int(m[3]), float(m[4]), int(m[5]), int(m[6])) for m in LOG_LINE.findall(stdout)]
+
+
+def _listing(folder: str) -> list:
+    return sorted((os.path.join(d, f), os.path.getmtime(os.path.join(d, f))) for d, _, fs in os.walk(folder) for f in fs)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def repository_outputs_untouched():
+    """The suite never writes into the repository's default output folders, where a user's quick-start run
+    keeps its checkpoint and TensorBoard files."""
+    folders = [os.path.join(ROOT, name) for name in ("checkpoints", "runs")]
+    before = [_listing(f) for f in folders]
+    yield
+    for folder, listing in zip(folders, before):
+        assert _listing(folder) == listing, f"the tests wrote into {folder}"
 
 
 @pytest.fixture(scope="session")

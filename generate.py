@@ -1,0 +1,241 @@
+"""generate.py: see what a checkpoint learned, as text.
+
+    python generate.py --prompt "The Python"                  # the quick start's checkpoints/, newest iteration
+    python generate.py --load CKPT [--ckpt-step N] --prompt "..." [--max-new-tokens 200] [--temperature 0.8]
+        [--top-k 50] [--top-p 0.95] [--seed 1] [--greedy]
+    torchrun --nproc-per-node 2 generate.py --prompt "..."    # tensor-parallel: each rank holds half of each matrix
+
+The checkpoint's run_config.yaml rebuilds the model, so no model flag needs repeating, and its tokenizer
+turns the prompt into ids and the ids back into text, printed as they come. Each new token is one forward
+of megatron-core's GPTModel over the whole sequence so far (no KV cache, as nanoGPT's sample.py): the
+simplest loop that is right; `python bench.py generate` measures its tokens/s. A sequence longer than the
+model's context keeps its newest tokens.
+"""
+
+import argparse
+import os
+import sys
+
+import config as config_lib
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = config_lib.OneLineParser(prog="generate.py", description="Generate text from a checkpoint.",
+                                      allow_abbrev=False)
+    parser.add_argument("--load", default="checkpoints",
+                        help="A save directory (its newest iteration) or one iter_* directory. Default: checkpoints, "
+                             "where train.py saves by default.")
+    parser.add_argument("--ckpt-step", type=int, help="Load this iteration instead of the newest.")
+    parser.add_argument("--prompt", required=True, help="Text to continue.")
+    parser.add_argument("--max-new-tokens", type=int, default=200, help="Tokens to generate (fewer if the end-of-"
+                                                                         "document token comes first). Default: 200.")
+    parser.add_argument("--temperature", type=float, default=0.8, help="Divide the logits by this before sampling: "
+                                                                       "below 1 sharper, above 1 flatter. Default: 0.8.")
+    parser.add_argument("--top-k", type=int, default=50, help="Sample among the K likeliest tokens; 0: all. Default: 50.")
+    parser.add_argument("--top-p", type=float, default=0.95, help="Sample among the likeliest tokens whose "
+                                                                  "probabilities sum to P (nucleus). Default: 0.95.")
+    parser.add_argument("--seed", type=int, default=1, help="Seed of the sampling (the same on every rank). Default: 1.")
+    parser.add_argument("--greedy", action="store_true", help="Always take the likeliest token (no sampling).")
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags, checked before torch is imported: a bad value is one line and exit code 2."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    checks = [(args.max_new_tokens >= 1, f"--max-new-tokens must be at least 1, got {args.max_new_tokens}"),
+              (args.temperature > 0, f"--temperature must be positive, got {args.temperature} (use --greedy for "
+                                     f"the likeliest token)"),
+              (args.top_k >= 0, f"--top-k must be 0 (all tokens) or positive, got {args.top_k}"),
+              (0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}"),
+              (args.ckpt_step is None or args.ckpt_step >= 0, f"--ckpt-step must be non-negative, got {args.ckpt_step}"),
+              (os.path.exists(args.load), f"--load {args.load}: no such directory (train first: torchrun "
+                                          f"--nproc-per-node 2 train.py saves to checkpoints/)")]
+    for ok, message in checks:
+        if not ok:
+            parser.error(message)
+    return args
+
+
+if __name__ == "__main__":
+    ARGS = parse_args(sys.argv[1:])  # before the heavy imports below, as train.py
+
+import warnings  # noqa: E402
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
+
+from model import build_model, set_random_seed, unwrap  # noqa: E402  (first: quiets megatron-core's import warnings)
+from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+
+import checkpoint  # noqa: E402
+import data  # noqa: E402
+from train import TrainState, initialize_distributed  # noqa: E402  (the same process groups as training)
+
+# torch's deprecation notices from inside megatron-core's checkpoint loading: not the user's to act on.
+warnings.filterwarnings("ignore", category=FutureWarning, module=r"(megatron|torch|device)")
+
+# --------------------------------------------------------------------------------------------------
+# The model of a checkpoint, for inference
+# --------------------------------------------------------------------------------------------------
+
+
+def inference_config(directory: str, world_size: int) -> config_lib.ConfigContainer:
+    """The model and tokenizer of the run that wrote `directory` (its run_config.yaml), laid out for inference:
+    split by tensor parallelism over all ranks (no pipeline, no data parallelism), fp32 weights, no dropout.
+    torch_dist checkpoints reshard to any tensor-parallel size; torch ones need the size they were saved at."""
+    path = os.path.join(directory, "run_config.yaml")
+    if not os.path.isfile(path):
+        raise checkpoint.CheckpointError(f"{path}: missing, so the model's shape is unknown")
+    with open(path) as fh:
+        saved = yaml.safe_load(fh)
+    if saved.get("peft", {}).get("peft", "none") != "none":
+        raise checkpoint.CheckpointError(f"{directory} holds {saved['peft']['peft']} adapters only; merge them into "
+                                         f"their base first: python peft.py merge --load {directory} --save MERGED")
+    cfg = config_lib.ConfigContainer()
+    config_lib.apply_overrides(cfg, {"model": saved["model"], "tokenizer": saved["tokenizer"],
+                                     "checkpoint": {"ckpt_format": saved["checkpoint"]["ckpt_format"]}}, source=path)
+    m = cfg.model
+    saved_tp = m.tensor_model_parallel_size
+    if cfg.checkpoint.ckpt_format == "torch" and saved_tp != world_size:
+        raise checkpoint.CheckpointError(f"{directory} is in torch format at tensor-parallel size {saved_tp}, which "
+                                         f"loads only at that size: run it with torchrun --nproc-per-node {saved_tp}")
+    m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size = world_size, 1, 1
+    m.num_layers_per_virtual_pipeline_stage = m.virtual_pipeline_model_parallel_size = None
+    m.decoder_first_pipeline_num_layers = m.decoder_last_pipeline_num_layers = None
+    m.sequence_parallel, m.bf16, m.fp16 = False, False, False
+    m.recompute_granularity = m.recompute_method = m.recompute_num_layers = None
+    m.hidden_dropout = m.attention_dropout = 0.0
+    # megatron-core's local layers, whose tensor names hf.py maps; torch_dist names a transformer-engine
+    # layer's tensors the same way, so its checkpoints load here too.
+    m.transformer_impl = "local"
+    if cfg.tokenizer.tokenizer_type == "HuggingFaceTokenizer":  # the copy that travels with the weights
+        cfg.tokenizer.tokenizer_model = os.path.join(directory, "tokenizer.json")
+    cfg.dataset.mock_data = True  # no data is read; this only spares the data checks
+    cfg.checkpoint.save = cfg.logger.tensorboard_dir = None
+    return config_lib.validate(cfg, world_size=world_size)
+
+
+def load_model(load: str, ckpt_step=None):
+    """(model, tokenizer, cfg): the checkpoint's GPTModel on every rank of this process group (one process
+    without torchrun), in eval mode, with the tokenizer it was trained with."""
+    import types
+
+    directory = checkpoint.resolve_load_dir(load, ckpt_step)
+    if directory is None:
+        raise checkpoint.CheckpointError(f"--load {load}: no {checkpoint.TRACKER} and not an iter_* directory")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = inference_config(directory, world_size)
+    if not torch.distributed.is_initialized():
+        initialize_distributed(cfg)
+    set_random_seed(cfg.rng.seed)
+    tokenizer = data.build_tokenizer(cfg)
+    model = build_model(cfg, data.embedding_rows(tokenizer))
+    state = types.SimpleNamespace(cfg=cfg, tokenizer=tokenizer, train_state=TrainState())
+    checkpoint.load_checkpoint(state, model, None, None, directory, finetune=True)  # weights only
+    model = unwrap(model[0])
+    model.eval()
+    return model, tokenizer, cfg
+
+
+# --------------------------------------------------------------------------------------------------
+# Decoding
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def next_token_logits(model, ids: list) -> torch.Tensor:
+    """The logits over the whole vocabulary for the token after `ids`: one forward over the sequence. With
+    tensor parallelism each rank computes its slice of the vocabulary; they are gathered so every rank holds
+    the same full row (and so samples the same token)."""
+    tokens = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
+    positions = torch.arange(len(ids), device=tokens.device).unsqueeze(0)
+    logits = model(tokens, positions, attention_mask=None)[0, -1]  # [vocab / TP]; None: causal attention
+    return tensor_parallel.gather_from_tensor_model_parallel_region(logits).float()
+
+
+def pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator=None) -> int:
+    """The next token from one row of logits: the argmax when `generator` is None (greedy); else a sample
+    at `temperature` among the `top_k` likeliest (0: all), within the smallest set whose probability
+    reaches `top_p` (Holtzman et al. 2019, nucleus sampling)."""
+    if generator is None:
+        return int(torch.argmax(logits))
+    logits = logits / temperature
+    if 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        ordered, order = torch.sort(logits, descending=True)
+        before = torch.cumsum(torch.softmax(ordered, dim=-1), dim=-1) - torch.softmax(ordered, dim=-1)
+        logits = logits.index_fill(0, order[before >= top_p], float("-inf"))  # keep tokens until P is reached
+    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
+
+
+def generate(model, tokenizer, prompt_ids: list, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+             top_p: float = 1.0, seed=None, on_token=None) -> list:
+    """The new token ids after `prompt_ids`, stopping early at the end-of-document token. `seed` None is
+    greedy decoding; `on_token(id)` is called as each token comes. The window is the model's context:
+    a longer sequence keeps its newest tokens."""
+    context = model.max_sequence_length
+    vocab = tokenizer.vocab_size  # ids past it (the pad, the tensor-parallel padding) are never text
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    ids, new = list(prompt_ids), []
+    for _ in range(max_new_tokens):
+        logits = next_token_logits(model, ids[-context:])[:vocab]
+        token = pick(logits.cpu(), temperature, top_k, top_p, generator)
+        if token == tokenizer.eod:
+            break
+        ids.append(token)
+        new.append(token)
+        if on_token is not None:
+            on_token(token)
+    return new
+
+
+class TextStream:
+    """Prints the decoded text as tokens come. A byte-level tokenizer splits a character over several tokens,
+    so the text is decoded whole each time and a trailing incomplete character waits for the next token."""
+
+    def __init__(self, tokenizer, out=sys.stdout):
+        self.tokenizer, self.out, self.ids, self.shown = tokenizer, out, [], 0
+
+    def __call__(self, token: int) -> None:
+        self.ids.append(token)
+        text = self.tokenizer.detokenize(self.ids)
+        if text.endswith("\ufffd"):
+            return
+        self.out.write(text[self.shown:])
+        self.out.flush()
+        self.shown = len(text)
+
+
+def main(args) -> int:
+    try:
+        model, tokenizer, cfg = load_model(args.load, args.ckpt_step)
+        if isinstance(tokenizer, data.NullTokenizer):
+            raise config_lib.ConfigError(f"{args.load} was trained with NullTokenizer (token ids, no text): there is "
+                                         f"nothing to decode the ids into; train with a text tokenizer")
+        prompt_ids = tokenizer.tokenize(args.prompt)
+        if not prompt_ids:
+            raise config_lib.ConfigError("--prompt is empty")
+        if len(prompt_ids) >= model.max_sequence_length:
+            raise config_lib.ConfigError(f"--prompt is {len(prompt_ids)} tokens but the model's context is "
+                                         f"{model.max_sequence_length}; shorten it")
+    except (config_lib.ConfigError, checkpoint.CheckpointError) as e:
+        sys.stderr.write(f"generate.py: error: {e}\n")
+        return 2
+    rank0 = torch.distributed.get_rank() == 0
+    if rank0:
+        sys.stdout.write(args.prompt)
+    stream = TextStream(tokenizer) if rank0 else None
+    generate(model, tokenizer, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+             seed=None if args.greedy else args.seed, on_token=stream)
+    if rank0:
+        sys.stdout.write("\n")
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(ARGS))

@@ -1,0 +1,371 @@
+"""hf.py: Hugging Face `transformers` model directories out of our checkpoints, and into them.
+
+    python hf.py export --load CKPT [--ckpt-step N] --out DIR   # config.json + model.safetensors (+ tokenizer)
+    python hf.py import --hf DIR --save CKPT                     # a checkpoint for --pretrained-checkpoint
+    AutoModelForCausalLM.from_pretrained(DIR)                    # in transformers, on the exported directory
+
+Two layouts, each a megatron-core GPTModel with certain flags:
+
+    layout  transformers class  our flags
+    ------  ------------------  -----------------------------------------------------------------------------
+    gpt2    GPT2LMHeadModel     the defaults: learned absolute positions, LayerNorm, GeLU (--openai-gelu: HF's
+                                gelu_new), biases, output tied to the embedding; query groups = heads
+    llama   LlamaForCausalLM    --position-embedding-type rope --normalization RMSNorm --swiglu
+                                [--num-query-groups G] --disable-bias-linear --untie-embeddings-and-output-weights
+                                (HF's attention_bias/mlp_bias and tie_word_embeddings cover the other two choices)
+
+The tensors are renamed, transposed where GPT-2 stores (in, out), and split or joined where megatron-core
+fuses: its linear_qkv holds, per query group, that group's query heads then its key head then its value head;
+its SwiGLU linear_fc1 holds the gate rows then the up rows. The vocabulary written is the tokenizer's (the
+rows past it, padding for tensor parallelism, are dropped; an import pads them with zeros). Only safetensors
+are read: pickled `.bin` weights can run code when loaded.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import config as config_lib
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = config_lib.OneLineParser(prog="hf.py", description="Hugging Face transformers directories out of and "
+                                                                "into our checkpoints.", allow_abbrev=False)
+    commands = parser.add_subparsers(dest="command", required=True)
+    export = commands.add_parser("export", help="A checkpoint to a transformers directory.")
+    export.add_argument("--load", required=True, help="A save directory (its newest iteration) or an iter_* directory.")
+    export.add_argument("--ckpt-step", type=int, help="Export this iteration instead of the newest.")
+    export.add_argument("--out", required=True, help="The transformers directory to write.")
+    imp = commands.add_parser("import", help="A transformers directory (safetensors) to a checkpoint.")
+    imp.add_argument("--hf", required=True, help="A local transformers directory: config.json and *.safetensors.")
+    imp.add_argument("--save", required=True, help="Save directory of the checkpoint (iteration 0) to write.")
+    args = parser.parse_args(argv)
+    source = args.load if args.command == "export" else args.hf
+    if not os.path.isdir(source):
+        parser.error(f"{'--load' if args.command == 'export' else '--hf'} {source}: no such directory")
+    return args
+
+
+if __name__ == "__main__":
+    ARGS = parse_args(sys.argv[1:])  # before torch loads, as train.py
+
+import generate  # noqa: E402  (a checkpoint's model for inference; first: quiets megatron-core's import warnings)
+import torch  # noqa: E402
+
+import checkpoint  # noqa: E402
+import data  # noqa: E402
+
+# --------------------------------------------------------------------------------------------------
+# Which layout a model has
+# --------------------------------------------------------------------------------------------------
+
+
+def layout_mismatches(m, layout: str) -> list:
+    """What keeps the model `m` (a ModelConfig) out of `layout`: one phrase each, empty if it fits."""
+    if layout == "gpt2":
+        needs = [(m.position_embedding_type == "learned_absolute", f"learned_absolute positions (has {m.position_embedding_type})"),
+                 (m.normalization == "LayerNorm", f"LayerNorm (has {m.normalization})"),
+                 (not m.swiglu, "GeLU (has SwiGLU)"),
+                 (m.add_bias_linear, "biases (has --disable-bias-linear)"),
+                 (m.num_query_groups == m.num_attention_heads, f"one key/value head per head (has {m.num_query_groups} "
+                                                               f"query groups for {m.num_attention_heads} heads)"),
+                 (m.kv_channels * m.num_attention_heads == m.hidden_size, f"head size x heads = hidden size (has "
+                                                                          f"--kv-channels {m.kv_channels})")]
+    else:
+        needs = [(m.position_embedding_type == "rope", f"rope positions (has {m.position_embedding_type})"),
+                 (m.rotary_percent == 1.0, f"rope on whole heads (has --rotary-percent {m.rotary_percent})"),
+                 (m.normalization == "RMSNorm", f"RMSNorm (has {m.normalization})"),
+                 (m.swiglu, "SwiGLU (has GeLU)")]
+    return [what for ok, what in needs if not ok]
+
+
+def choose_layout(m) -> str:
+    """The layout the model fits, or a one-line error naming what differs from each."""
+    for layout in ("gpt2", "llama"):
+        if not layout_mismatches(m, layout):
+            return layout
+    raise config_lib.ConfigError("this model fits no transformers layout: " + "; ".join(
+        f"{name} needs {', '.join(layout_mismatches(m, layout))}" for layout, name in (("gpt2", "GPT-2"), ("llama", "LLaMA"))))
+
+
+# --------------------------------------------------------------------------------------------------
+# Tensors: the fused megatron-core layout and the split transformers one
+# --------------------------------------------------------------------------------------------------
+
+
+def split_qkv(w: torch.Tensor, heads: int, groups: int, head_dim: int) -> tuple:
+    """megatron-core's fused query/key/value rows (weight or bias), grouped per query group as
+    [q_1 .. q_heads/groups, k, v], into the query rows of all heads, the key rows and the value rows."""
+    per_group = heads // groups
+    w = w.reshape(groups, per_group + 2, head_dim, *w.shape[1:])
+    rest = w.shape[3:]
+    return (w[:, :per_group].reshape(heads * head_dim, *rest), w[:, per_group].reshape(groups * head_dim, *rest),
+            w[:, per_group + 1].reshape(groups * head_dim, *rest))
+
+
+def join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, groups: int, head_dim: int) -> torch.Tensor:
+    """The inverse of split_qkv."""
+    rest = q.shape[1:]
+    q = q.reshape(groups, heads // groups, head_dim, *rest)
+    k, v = (x.reshape(groups, 1, head_dim, *rest) for x in (k, v))
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def tensor_names(layout: str, m) -> list:
+    """(transformers name, our name, transposed) for each tensor copied as-is, besides the fused ones."""
+    tied = not m.untie_embeddings_and_output_weights
+    if layout == "gpt2":
+        names = [("transformer.wpe.weight", "embedding.position_embeddings.weight", False),
+                 ("transformer.ln_f.weight", "decoder.final_layernorm.weight", False),
+                 ("transformer.ln_f.bias", "decoder.final_layernorm.bias", False)]
+        for i in range(m.num_layers):
+            hf, ours = f"transformer.h.{i}.", f"decoder.layers.{i}."
+            for kind in ("weight", "bias"):  # GPT-2's Conv1D stores (in, out): transposed
+                names += [(f"{hf}ln_1.{kind}", f"{ours}input_layernorm.{kind}", False),
+                          (f"{hf}ln_2.{kind}", f"{ours}pre_mlp_layernorm.{kind}", False),
+                          (f"{hf}attn.c_proj.{kind}", f"{ours}self_attention.linear_proj.{kind}", kind == "weight"),
+                          (f"{hf}mlp.c_fc.{kind}", f"{ours}mlp.linear_fc1.{kind}", kind == "weight"),
+                          (f"{hf}mlp.c_proj.{kind}", f"{ours}mlp.linear_fc2.{kind}", kind == "weight")]
+    else:
+        names = [("model.norm.weight", "decoder.final_layernorm.weight", False)]
+        for i in range(m.num_layers):
+            hf, ours = f"model.layers.{i}.", f"decoder.layers.{i}."
+            names += [(f"{hf}input_layernorm.weight", f"{ours}input_layernorm.weight", False),
+                      (f"{hf}post_attention_layernorm.weight", f"{ours}pre_mlp_layernorm.weight", False)]
+            for kind in ("weight", "bias") if m.add_bias_linear else ("weight",):
+                names += [(f"{hf}self_attn.o_proj.{kind}", f"{ours}self_attention.linear_proj.{kind}", False),
+                          (f"{hf}mlp.down_proj.{kind}", f"{ours}mlp.linear_fc2.{kind}", False)]
+    embedding = "transformer.wte.weight" if layout == "gpt2" else "model.embed_tokens.weight"
+    return names, embedding, None if tied else "lm_head.weight"
+
+
+def fused_names(layout: str, m, i: int) -> list:
+    """(our fused name, transformers names it splits into) of layer i: the query/key/value projection (and,
+    for LLaMA, SwiGLU's gate and up projections)."""
+    kinds = ("weight", "bias") if m.add_bias_linear else ("weight",)
+    ours = f"decoder.layers.{i}."
+    if layout == "gpt2":
+        return [(f"{ours}self_attention.linear_qkv.{k}", [f"transformer.h.{i}.attn.c_attn.{k}"]) for k in kinds]
+    hf = f"model.layers.{i}."
+    return [(f"{ours}self_attention.linear_qkv.{k}", [f"{hf}self_attn.{p}_proj.{k}" for p in "qkv"]) for k in kinds] + \
+        [(f"{ours}mlp.linear_fc1.{k}", [f"{hf}mlp.gate_proj.{k}", f"{hf}mlp.up_proj.{k}"]) for k in kinds]
+
+
+def to_hf(ours: dict, m, layout: str, vocab: int) -> dict:
+    """Our model's state dict (tensor-parallel size 1) as the transformers model's, over `vocab` ids."""
+    names, embedding, lm_head = tensor_names(layout, m)
+    out = {hf: (ours[name].t() if transposed else ours[name]) for hf, name, transposed in names}
+    out[embedding] = ours["embedding.word_embeddings.weight"][:vocab]
+    if lm_head:
+        out[lm_head] = ours["output_layer.weight"][:vocab]
+    shape = (m.num_attention_heads, m.num_query_groups, m.kv_channels)
+    for i in range(m.num_layers):
+        for name, hf_names in fused_names(layout, m, i):
+            if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
+                parts = split_qkv(ours[name], *shape)
+                if layout == "gpt2":  # one (in, out) matrix: all queries, then all keys, then all values
+                    joined = torch.cat(parts)
+                    parts = [joined.t() if name.endswith("weight") else joined]
+            else:
+                parts = torch.chunk(ours[name], 2)  # SwiGLU: gate rows, then up rows
+            out.update(zip(hf_names, parts))
+    return {k: v.detach().contiguous().clone() for k, v in out.items()}
+
+
+def from_hf(hf: dict, m, layout: str, rows: int) -> dict:
+    """The transformers model's tensors as our model's state dict (tensor-parallel size 1), the embedding
+    (and output layer) padded with zero rows to our `rows`."""
+    names, embedding, lm_head = tensor_names(layout, m)
+    ours = {name: (hf[key].t() if transposed else hf[key]) for key, name, transposed in names}
+
+    def padded(w):
+        return torch.cat([w, w.new_zeros(rows - w.shape[0], w.shape[1])])
+
+    ours["embedding.word_embeddings.weight"] = padded(hf[embedding])
+    if lm_head:
+        ours["output_layer.weight"] = padded(hf[lm_head])
+    shape = (m.num_attention_heads, m.num_query_groups, m.kv_channels)
+    for i in range(m.num_layers):
+        for name, hf_names in fused_names(layout, m, i):
+            parts = [hf[k] for k in hf_names]
+            if layout == "gpt2":
+                joined = parts[0].t() if name.endswith("weight") else parts[0]
+                parts = torch.chunk(joined, 3)
+            ours[name] = join_qkv(*parts, *shape) if "linear_qkv" in name else torch.cat(parts)
+    return {k: v.contiguous() for k, v in ours.items()}
+
+
+# --------------------------------------------------------------------------------------------------
+# config.json and our flags
+# --------------------------------------------------------------------------------------------------
+
+
+def hf_config(m, layout: str, vocab: int, eod: int, dtype: torch.dtype) -> dict:
+    """config.json for the transformers model of `m` (a ModelConfig) with `vocab` ids."""
+    common = dict(vocab_size=vocab, bos_token_id=eod, eos_token_id=eod, initializer_range=m.init_method_std,
+                  tie_word_embeddings=not m.untie_embeddings_and_output_weights, dtype=str(dtype).split(".")[-1])
+    if layout == "gpt2":
+        return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_positions=m.max_position_embeddings,
+                    n_embd=m.hidden_size, n_layer=m.num_layers, n_head=m.num_attention_heads,
+                    n_inner=m.ffn_hidden_size, activation_function="gelu_new" if m.openai_gelu else "gelu",
+                    layer_norm_epsilon=m.norm_epsilon, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
+    return dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=m.hidden_size,
+                intermediate_size=m.ffn_hidden_size, num_hidden_layers=m.num_layers,
+                num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_query_groups,
+                head_dim=m.kv_channels, max_position_embeddings=m.max_position_embeddings, rms_norm_eps=m.norm_epsilon,
+                hidden_act="silu", attention_bias=m.add_bias_linear, mlp_bias=m.add_bias_linear,
+                rope_theta=float(m.rotary_base), rope_parameters=dict(rope_type="default", rope_theta=float(m.rotary_base)),
+                **common)
+
+
+def flags_from_hf(c: dict, where: str) -> tuple:
+    """(layout, train.py's model flags) for a transformers config.json `c`; a one-line error for what our
+    GPTModel cannot express."""
+    def refuse(what):
+        raise config_lib.ConfigError(f"{where}: {what}, which this GPTModel cannot express")
+
+    tied = c.get("tie_word_embeddings", True)
+    if c.get("model_type") == "gpt2":
+        act = c.get("activation_function", "gelu_new")
+        if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
+            refuse(f"activation_function {act}")
+        if c.get("scale_attn_by_inverse_layer_idx") or c.get("reorder_and_upcast_attn"):
+            refuse("scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn")
+        h, positions = c["n_embd"], c.get("n_positions", 1024)
+        flags = ["--num-layers", c["n_layer"], "--hidden-size", h, "--num-attention-heads", c["n_head"],
+                 "--ffn-hidden-size", c.get("n_inner") or 4 * h, "--norm-epsilon", c.get("layer_norm_epsilon", 1e-5)]
+        flags += ["--openai-gelu"] if act != "gelu" else []
+        return "gpt2", flags + ["--max-position-embeddings", positions, "--seq-length", positions] + \
+            ([] if tied else ["--untie-embeddings-and-output-weights"])
+    if c.get("model_type") != "llama":
+        raise config_lib.ConfigError(f"{where}: model_type {c.get('model_type')!r}; hf.py reads the gpt2 and llama layouts")
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
+    if rope.get("rope_type", "default") != "default":
+        refuse(f"rope_type {rope['rope_type']} (a rescaled rope)")
+    if c.get("hidden_act", "silu") != "silu":
+        refuse(f"hidden_act {c['hidden_act']}")
+    if c.get("attention_bias", False) != c.get("mlp_bias", False):
+        refuse("attention_bias without mlp_bias (or the reverse): --disable-bias-linear covers both")
+    if theta != int(theta):
+        refuse(f"rope_theta {theta} (not an integer, as --rotary-base)")
+    heads, positions = c["num_attention_heads"], c.get("max_position_embeddings", 2048)
+    flags = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+             "--num-layers", c["num_hidden_layers"], "--hidden-size", c["hidden_size"], "--num-attention-heads", heads,
+             "--num-query-groups", c.get("num_key_value_heads") or heads, "--ffn-hidden-size", c["intermediate_size"],
+             "--kv-channels", c.get("head_dim") or c["hidden_size"] // heads, "--norm-epsilon", c.get("rms_norm_eps", 1e-6),
+             "--rotary-base", int(theta), "--max-position-embeddings", positions, "--seq-length", positions]
+    flags += [] if c.get("attention_bias", False) else ["--disable-bias-linear"]
+    return "llama", flags + ([] if tied else ["--untie-embeddings-and-output-weights"])
+
+
+# --------------------------------------------------------------------------------------------------
+# The commands
+# --------------------------------------------------------------------------------------------------
+
+
+def export(load: str, out: str, ckpt_step=None) -> str:
+    """Write the checkpoint as a transformers directory `out`; returns its layout."""
+    from safetensors.torch import save_file
+
+    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        raise config_lib.ConfigError("export runs in one process (python hf.py export ...), not under torchrun")
+    model, tokenizer, cfg = generate.load_model(load, ckpt_step)
+    layout = choose_layout(cfg.model)
+    vocab = tokenizer.vocab_size  # the ids text can have: the pad row past them and the TP padding are dropped
+    tensors = to_hf(model.state_dict(), cfg.model, layout, vocab)
+    os.makedirs(out, exist_ok=True)
+    dtype = model.embedding.word_embeddings.weight.dtype
+    with open(os.path.join(out, "config.json"), "w") as fh:
+        json.dump(hf_config(cfg.model, layout, vocab, tokenizer.eod, dtype), fh, indent=2)
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    if getattr(tokenizer, "file", None):  # a Hugging Face tokenizer: transformers' fast tokenizer reads it as is
+        import shutil
+
+        shutil.copyfile(tokenizer.file, os.path.join(out, "tokenizer.json"))
+        eos = tokenizer._tokenizer.id_to_token(tokenizer.eod)
+        with open(os.path.join(out, "tokenizer_config.json"), "w") as fh:
+            json.dump(dict(tokenizer_class="PreTrainedTokenizerFast", eos_token=eos, bos_token=eos,
+                           model_max_length=cfg.model.max_position_embeddings), fh, indent=2)
+    return layout
+
+
+def read_safetensors(directory: str) -> dict:
+    """Every tensor of a transformers directory: model.safetensors, or the shards its index names."""
+    from safetensors.torch import load_file
+
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as fh:
+            files = sorted(set(json.load(fh)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(directory, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        pickled = [f for f in os.listdir(directory) if f.endswith(".bin")]
+        raise config_lib.ConfigError(f"--hf {directory}: no model.safetensors" + (
+            f" ({pickled[0]} is pickled, which can run code when read; save it as safetensors with transformers' "
+            f"save_pretrained first)" if pickled else ""))
+    tensors = {}
+    for name in files:
+        tensors.update(load_file(os.path.join(directory, name)))
+    return tensors
+
+
+def import_hf(directory: str, save: str) -> str:
+    """A checkpoint (iteration 0, weights only) in `save` from the transformers directory; returns its iter_* path."""
+    import types
+
+    from model import build_model
+    from train import TrainState, initialize_distributed
+
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        raise config_lib.ConfigError(f"--hf {directory}: no config.json")
+    with open(path) as fh:
+        hf = json.load(fh)
+    layout, flags = flags_from_hf(hf, path)
+    if os.path.isfile(os.path.join(directory, "tokenizer.json")):
+        flags += ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", directory]
+    else:  # ids only: the rows of the model's vocabulary, the last as end-of-document
+        flags += ["--tokenizer-type", "NullTokenizer", "--vocab-size", hf["vocab_size"] - 1]
+    flags += ["--transformer-impl", "local", "--mock-data", "--save", save, "--no-save-optim", "--no-tensorboard",
+              "--train-iters", "0"]
+    cfg = config_lib.config_from_flags([str(f) for f in flags], world_size=1)
+    tensors = read_safetensors(directory)
+    if not torch.distributed.is_initialized():
+        initialize_distributed(cfg)
+    tokenizer = data.build_tokenizer(cfg)
+    if tokenizer.vocab_size > hf["vocab_size"]:
+        raise config_lib.ConfigError(f"{directory}: its tokenizer has {tokenizer.vocab_size} ids, its model "
+                                     f"{hf['vocab_size']}")
+    model = build_model(cfg, data.embedding_rows(tokenizer))
+    ours = from_hf(tensors, cfg.model, layout, model[0].embedding.word_embeddings.weight.shape[0])
+    missing = model[0].load_state_dict(ours, strict=False).missing_keys
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing:
+        raise config_lib.ConfigError(f"{directory}: no tensor for {missing[0]}")
+    state = types.SimpleNamespace(cfg=cfg, train_state=TrainState(), tokenizer=tokenizer)
+    return checkpoint.save_checkpoint(state, model, None, None)
+
+
+def main(args) -> int:
+    try:
+        if args.command == "export":
+            layout = export(args.load, args.out, args.ckpt_step)
+            print(f"hf.py: wrote {args.out} ({layout} layout): AutoModelForCausalLM.from_pretrained({args.out!r})")
+        else:
+            directory = import_hf(args.hf, args.save)
+            print(f"hf.py: wrote {directory}: train from it with train.py --config-file {directory}/run_config.yaml "
+                  f"--pretrained-checkpoint {args.save} --save NEW_DIR [--data-path ...]")
+    except (config_lib.ConfigError, checkpoint.CheckpointError) as e:
+        sys.stderr.write(f"hf.py: error: {e}\n")
+        return 2
+    except KeyError as e:  # a config.json without a field its model_type must have
+        sys.stderr.write(f"hf.py: error: config.json has no {e}\n")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(ARGS))

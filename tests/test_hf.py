@@ -1,0 +1,189 @@
+"""hf.py against the real `transformers` library (CPU, tiny random or trained models, nothing downloaded):
+exported checkpoints give transformers' logits and greedy tokens, imported transformers models give ours,
+and HF -> ours -> HF gives back the same tensors."""
+
+import json
+import os
+
+import pytest
+import torch
+
+import config
+from conftest import TINY
+
+transformers = pytest.importorskip("transformers", reason="transformers is in requirements.txt; this checks the HF layouts")
+
+LLAMA_FLAGS = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--num-query-groups", "2",
+               "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--rotary-base", "5000"]
+TEXT = ("Python is an easy to learn, powerful programming language. It has efficient high-level data structures "
+        "and a simple but effective approach to object-oriented programming.")
+
+
+@pytest.fixture(autouse=True)
+def one_process_world():
+    """hf.py and generate.py set up a world of one here; each test leaves none behind."""
+    yield
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def llama_ckpt(tmp_path_factory):
+    """A tiny LLaMA-layout model trained for a few steps (GQA, untied, no biases), saved as torch_dist."""
+    import train
+
+    out = tmp_path_factory.mktemp("llama")
+    cfg = config.parse_args([*TINY, *LLAMA_FLAGS, "--mock-data", "--train-iters", "4", "--eval-iters", "0",
+                             "--num-workers", "0", "--save", str(out / "ckpt"), "--data-cache-path", str(out / "cache")],
+                            world_size=1, gpu=False)
+    train.pretrain(cfg)
+    return str(out / "ckpt")
+
+
+def _text_batch(tokenizer, length=48):
+    ids = tokenizer.tokenize(TEXT)
+    return torch.tensor([ids[:length], ids[length:2 * length]])
+
+
+def _our_logits(load, tokens):
+    import generate
+
+    model, tokenizer, _ = generate.load_model(load)
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    with torch.no_grad():
+        return model(tokens, positions, attention_mask=None)[..., :tokenizer.vocab_size], tokenizer
+
+
+@pytest.mark.parametrize("layout", ["gpt2", "llama"])
+def test_export_gives_transformers_our_logits(layout, mock_run, llama_ckpt, tmp_path):
+    import hf
+    from data import ByteTokenizer
+
+    load = str(mock_run["dir"] / "ckpt") if layout == "gpt2" else llama_ckpt
+    tokens = _text_batch(ByteTokenizer())
+    ours, tokenizer = _our_logits(load, tokens)
+    assert hf.export(load, str(tmp_path / "hf")) == layout
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert type(theirs).__name__ == {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[layout]
+    with torch.no_grad():
+        logits = theirs(tokens).logits
+    assert logits.shape == ours.shape == (2, 48, tokenizer.vocab_size)
+    assert (logits - ours).abs().max().item() <= 1e-4
+    assert ours.std() > 0.1  # trained weights, not a constant
+
+
+def test_transformers_greedy_generate_gives_our_tokens(mock_run, tmp_path):
+    import generate
+    import hf
+
+    load = str(mock_run["dir"] / "ckpt")
+    hf.export(load, str(tmp_path / "hf"))
+    model, tokenizer, _ = generate.load_model(load)
+    prompt = tokenizer.tokenize("def main():")
+    ours = generate.generate(model, tokenizer, prompt, max_new_tokens=24)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    out = theirs.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=tokenizer.eod,
+                          pad_token_id=tokenizer.eod)[0, len(prompt):].tolist()
+    if out and out[-1] == tokenizer.eod:
+        out = out[:-1]  # transformers keeps the end-of-document token; we stop before it
+    assert len(ours) > 0 and out == ours
+
+
+def _random_hf(kind, directory):
+    torch.manual_seed(0)
+    if kind == "llama":
+        c = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                                     rms_norm_eps=1e-5, rope_theta=5000.0, tie_word_embeddings=False)
+        model = transformers.LlamaForCausalLM(c)
+    else:
+        c = transformers.GPT2Config(vocab_size=300, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                                    activation_function="gelu_new", bos_token_id=299, eos_token_id=299)
+        model = transformers.GPT2LMHeadModel(c)
+    with torch.no_grad():  # random norms and biases too, so a swapped or dropped tensor shows
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_" in name or name.endswith("bias"):
+                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.2)
+    model.eval().save_pretrained(directory)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_import_gives_the_transformers_logits_and_exports_back_the_same_tensors(kind, tmp_path):
+    import hf
+    from safetensors.torch import load_file
+
+    theirs = _random_hf(kind, str(tmp_path / "in"))
+    directory = hf.import_hf(str(tmp_path / "in"), str(tmp_path / "ckpt"))
+    assert directory.endswith("iter_0000000") and os.path.isfile(os.path.join(directory, "run_config.yaml"))
+    tokens = torch.randint(0, 299, (2, 40), generator=torch.Generator().manual_seed(3))
+    ours, tokenizer = _our_logits(str(tmp_path / "ckpt"), tokens)
+    with torch.no_grad():
+        expected = theirs(tokens).logits
+    assert ours.shape == expected.shape == (2, 40, 300)
+    assert (ours - expected).abs().max().item() <= 1e-4
+
+    hf.export(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    before, after = load_file(str(tmp_path / "in" / "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(before) == sorted(after)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    config_in, config_out = (json.load(open(tmp_path / d / "config.json")) for d in ("in", "out"))
+    if kind == "gpt2":
+        config_in["n_inner"] = config_in["n_inner"] or 4 * config_in["n_embd"]  # None: GPT-2's 4 x hidden
+    for key in ("vocab_size", "num_key_value_heads", "head_dim", "intermediate_size", "n_inner", "activation_function",
+                "tie_word_embeddings", "n_positions", "max_position_embeddings"):
+        assert config_in.get(key) == config_out.get(key), key
+
+
+def test_imported_weights_start_a_lora_run(tmp_path, capsys):
+    """--pretrained-checkpoint takes an import: a LoRA run on top of a transformers LLaMA trains."""
+    import hf
+    import train
+
+    _random_hf("llama", str(tmp_path / "in"))
+    directory = hf.import_hf(str(tmp_path / "in"), str(tmp_path / "base"))
+    torch.distributed.destroy_process_group()
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    cfg = config.parse_args(["--config-file", os.path.join(directory, "run_config.yaml"), "--pretrained-checkpoint",
+                             str(tmp_path / "base"), "--peft", "lora", "--seq-length", "32", "--micro-batch-size", "2",
+                             "--train-iters", "2", "--eval-iters", "0", "--num-workers", "0", "--save",
+                             str(tmp_path / "lora"), "--data-cache-path", str(tmp_path / "cache"), "--log-interval", "1"],
+                            world_size=1, gpu=False)
+    state = train.pretrain(cfg)
+    out = capsys.readouterr().out
+    assert state.train_state.step == 2 and "loaded checkpoint" in out and "lora:" in out
+
+
+def test_a_model_no_layout_can_express_is_one_line_naming_the_differences():
+    import hf
+
+    m = config.parse_args(["--position-embedding-type", "rope", "--mock-data"], world_size=1, gpu=False).model
+    with pytest.raises(config.ConfigError) as e:
+        hf.choose_layout(m)
+    message = str(e.value)
+    assert "\n" not in message
+    assert "GPT-2 needs learned_absolute positions (has rope)" in message
+    assert "LLaMA needs RMSNorm (has LayerNorm), SwiGLU (has GeLU)" in message
+    assert hf.choose_layout(config.parse_args(["--mock-data", *LLAMA_FLAGS], world_size=1, gpu=False).model) == "llama"
+
+
+def test_import_refuses_pickled_weights_and_unknown_layouts(tmp_path, capsys):
+    import hf
+
+    (tmp_path / "bin").mkdir()
+    _random_hf("gpt2", str(tmp_path / "bin"))
+    os.replace(tmp_path / "bin" / "model.safetensors", tmp_path / "bin" / "pytorch_model.bin")
+    capsys.readouterr()  # transformers' own progress bars
+    assert hf.main(hf.parse_args(["import", "--hf", str(tmp_path / "bin"), "--save", str(tmp_path / "x")])) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no model.safetensors (pytorch_model.bin is pickled" in err
+    (tmp_path / "bert").mkdir()
+    json.dump({"model_type": "bert"}, open(tmp_path / "bert" / "config.json", "w"))
+    assert hf.main(hf.parse_args(["import", "--hf", str(tmp_path / "bert"), "--save", str(tmp_path / "x")])) == 2
+    assert "model_type 'bert'; hf.py reads the gpt2 and llama layouts" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "x")

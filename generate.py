@@ -13,6 +13,7 @@ model's context keeps its newest tokens.
 """
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -116,9 +117,9 @@ def inference_config(directory: str, world_size: int) -> config_lib.ConfigContai
     return config_lib.validate(cfg, world_size=world_size)
 
 
-def load_model(load: str, ckpt_step=None):
+def load_model(load: str, ckpt_step=None, text: bool = False):
     """(model, tokenizer, cfg): the checkpoint's GPTModel on every rank of this process group (one process
-    without torchrun), in eval mode, with the tokenizer it was trained with."""
+    without torchrun), in eval mode, with the tokenizer it was trained with; `text`: one that decodes to text."""
     import types
 
     directory = checkpoint.resolve_load_dir(load, ckpt_step)
@@ -130,6 +131,9 @@ def load_model(load: str, ckpt_step=None):
         initialize_distributed(cfg)
     set_random_seed(cfg.rng.seed)
     tokenizer = data.build_tokenizer(cfg)
+    if text and isinstance(tokenizer, data.NullTokenizer):
+        raise config_lib.ConfigError(f"{directory} was trained with NullTokenizer (token ids, no text): there is "
+                                     f"nothing to decode the ids into; train with a text tokenizer")
     model = build_model(cfg, data.embedding_rows(tokenizer))
     state = types.SimpleNamespace(cfg=cfg, tokenizer=tokenizer, train_state=TrainState())
     checkpoint.load_checkpoint(state, model, None, None, directory, finetune=True)  # weights only
@@ -211,30 +215,29 @@ class TextStream:
 
 def main(args) -> int:
     try:
-        model, tokenizer, cfg = load_model(args.load, args.ckpt_step)
-        if isinstance(tokenizer, data.NullTokenizer):
-            raise config_lib.ConfigError(f"{args.load} was trained with NullTokenizer (token ids, no text): there is "
-                                         f"nothing to decode the ids into; train with a text tokenizer")
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is the text alone
+            model, tokenizer, cfg = load_model(args.load, args.ckpt_step, text=True)
         prompt_ids = tokenizer.tokenize(args.prompt)
         if not prompt_ids:
             raise config_lib.ConfigError("--prompt is empty")
         if len(prompt_ids) >= model.max_sequence_length:
             raise config_lib.ConfigError(f"--prompt is {len(prompt_ids)} tokens but the model's context is "
                                          f"{model.max_sequence_length}; shorten it")
+        rank0 = torch.distributed.get_rank() == 0
+        if rank0:
+            sys.stdout.write(args.prompt)
+        generate(model, tokenizer, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                 seed=None if args.greedy else args.seed, on_token=TextStream(tokenizer) if rank0 else None)
+        if rank0:
+            sys.stdout.write("\n")
+        return 0
     except (config_lib.ConfigError, checkpoint.CheckpointError) as e:
         sys.stderr.write(f"generate.py: error: {e}\n")
         return 2
-    rank0 = torch.distributed.get_rank() == 0
-    if rank0:
-        sys.stdout.write(args.prompt)
-    stream = TextStream(tokenizer) if rank0 else None
-    generate(model, tokenizer, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-             seed=None if args.greedy else args.seed, on_token=stream)
-    if rank0:
-        sys.stdout.write("\n")
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
-    return 0
+    finally:
+        parallel_state.destroy_model_parallel()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

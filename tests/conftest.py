@@ -42,12 +42,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(args, nproc=2, script="train.py", timeout=300):
-    """Run `torchrun --nproc-per-node nproc script args` from the repository root; return the CompletedProcess."""
+def torchrun(args, nproc=2, script="train.py", timeout=300, cwd=ROOT):
+    """Run `torchrun --nproc-per-node nproc script args` (script: a path in the repository) in `cwd`, by default
+    the repository root; return the CompletedProcess."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-           script, *args]
+           os.path.join(ROOT, script), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def log_lines(stdout: str) -> list:

@@ -1,0 +1,137 @@
+"""generate.py: greedy decoding is an argmax loop over the full forward, sampling follows its seed and limits,
+bad input is one line, and the quick start's default folders feed it with no flag under tensor parallelism."""
+
+import io
+
+import pytest
+import torch
+
+from conftest import torchrun
+
+
+def one_process_world_ends():
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def one_process_world():
+    """generate.load_model sets up a world of one here; each test leaves none behind."""
+    yield
+    one_process_world_ends()
+
+
+def test_greedy_is_deterministic_and_an_argmax_loop_over_the_full_forward(mock_run):
+    import generate
+
+    model, tokenizer, _ = generate.load_model(str(mock_run["dir"] / "ckpt"))
+    prompt = tokenizer.tokenize("import os\n")
+    first = generate.generate(model, tokenizer, prompt, max_new_tokens=70)  # past the 64-token context
+    assert first == generate.generate(model, tokenizer, prompt, max_new_tokens=70)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(len(first)):
+            window = torch.tensor([ids[-64:]])
+            logits = model(window, torch.arange(window.shape[1])[None], attention_mask=None)[0, -1, :tokenizer.vocab_size]
+            ids.append(int(logits.argmax()))
+    assert len(first) == 70 and ids[len(prompt):] == first
+
+
+def test_sampling_follows_its_seed_temperature_top_k_and_top_p():
+    import generate
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+
+    def draws(seed, **kw):
+        g = torch.Generator().manual_seed(seed)
+        return [generate.pick(logits, kw.get("temperature", 1.0), kw.get("top_k", 0), kw.get("top_p", 1.0), g)
+                for _ in range(200)]
+
+    assert generate.pick(logits, 1.0, 0, 1.0, None) == 0  # greedy
+    assert draws(1) == draws(1) and draws(1) != draws(2)
+    assert set(draws(1)) == {0, 1, 2, 3, 4}
+    assert set(draws(1, top_k=2)) == {0, 1}
+    # softmax: 0.563 0.207 0.126 0.076 0.028; 0.563 + 0.207 < 0.8 <= + 0.126: three tokens reach P = 0.8
+    assert set(draws(1, top_p=0.8)) == {0, 1, 2}
+    assert set(draws(1, top_p=0.5)) == {0}
+    assert set(draws(1, temperature=0.01)) == {0}
+
+
+def test_text_streams_as_tokens_come_and_waits_for_a_whole_character():
+    from data import ByteTokenizer
+
+    import generate
+
+    out = io.StringIO()
+    stream = generate.TextStream(ByteTokenizer(), out)
+    written = []
+    for token in "a€b".encode():  # the euro sign is three bytes
+        stream(token)
+        written.append(out.getvalue())
+    assert written == ["a", "a", "a", "a€", "a€b"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "0"], "--temperature must be positive, got 0.0 (use --greedy"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+    (["--top-k", "-1"], "--top-k must be 0 (all tokens) or positive, got -1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),
+    (["--load", "/nonexistent"], "--load /nonexistent: no such directory (train first"),
+])
+def test_bad_values_are_one_line_before_torch(flags, message, capsys, tmp_path):
+    import generate
+
+    with pytest.raises(SystemExit) as e:
+        generate.parse_args(["--prompt", "x", "--load", str(tmp_path), *flags])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and message in err
+
+
+def test_a_prompt_past_the_context_or_a_tokenizer_without_text_is_one_line(mock_run, tmp_path, capsys):
+    import generate
+    import hf
+
+    transformers = pytest.importorskip("transformers", reason="a NullTokenizer checkpoint comes from an HF import")
+    args = generate.parse_args(["--load", str(mock_run["dir"] / "ckpt"), "--prompt", "x" * 64])
+    assert generate.main(args) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == "generate.py: error: --prompt is 64 tokens but the model's context is 64; shorten it"
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=1,
+                                                                 n_head=2))
+    model.save_pretrained(str(tmp_path / "hf"))
+    hf.import_hf(str(tmp_path / "hf"), str(tmp_path / "ids"))  # no tokenizer.json: NullTokenizer
+    one_process_world_ends()
+    capsys.readouterr()
+    assert generate.main(generate.parse_args(["--load", str(tmp_path / "ids"), "--prompt", "1 2"])) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("generate.py: error: ") and "NullTokenizer (token ids, no text)" in err[-1]
+
+
+def test_quick_start_outputs_feed_generate_with_no_flag_under_tensor_parallelism(tmp_path):
+    """The quick start's command, shortened, in an empty folder: a checkpoint in checkpoints/ and TensorBoard files
+    in runs/; then `generate.py --prompt` (2 ranks, tensor-parallel) writes what a one-process greedy loop writes."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import generate
+
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+             "--micro-batch-size", "4", "--train-iters", "20", "--eval-iters", "0", "--log-interval", "10",
+             "--data-cache-path", str(tmp_path / "cache")]
+    proc = torchrun(flags, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert open(tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").read() == "20"
+    tb = EventAccumulator(str(tmp_path / "runs"), size_guidance={"scalars": 0})
+    tb.Reload()
+    assert [e.step for e in tb.Scalars("lm loss")] == list(range(1, 21))
+
+    proc = torchrun(["--prompt", "The Python", "--greedy", "--max-new-tokens", "40"], script="generate.py", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model, tokenizer, cfg = generate.load_model(str(tmp_path / "checkpoints"))
+    assert cfg.model.tensor_model_parallel_size == 1
+    new = generate.generate(model, tokenizer, tokenizer.tokenize("The Python"), max_new_tokens=40)
+    assert proc.stdout == "The Python" + tokenizer.detokenize(new) + "\n"
+    assert len(new) > 0 and "loaded checkpoint" in proc.stderr

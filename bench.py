@@ -6,6 +6,7 @@
     python bench.py overhead [train.py flags]                            # train.py's loop vs a bare loop
     python bench.py ladder                                               # tokens/s, TFLOP/s, MFU, memory by size
     python bench.py hotpath                                              # each hot-path choice, off vs on
+    python bench.py generate [train.py model flags]                     # generate.py's tokens/s vs transformers
 
 Benchmarks report; the tests never assert on timings.
 """
@@ -484,6 +485,59 @@ def bench_hotpath(argv) -> list:
     return rows
 
 
+def bench_generate(argv) -> list:
+    """generate.py's decoding loop (a full forward per token, no KV cache) beside transformers' generate() with
+    and without its KV cache, on the same weights (the default model, random, exported through hf.py), greedy,
+    one process. The loop's cost per token grows with the sequence; a cache's barely does."""
+    import torch
+
+    import data
+    import generate
+    import hf
+    from model import build_model, set_random_seed
+    from train import initialize_distributed
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = config_lib.parse_args(["--mock-data", "--no-save", "--no-tensorboard", "--hidden-dropout", "0",
+                                 "--attention-dropout", "0", *argv], world_size=1)
+    initialize_distributed(cfg)
+    set_random_seed(cfg.rng.seed)
+    tokenizer = data.ByteTokenizer()
+    model = build_model(cfg, data.embedding_rows(tokenizer))[0].eval()
+    layout = hf.choose_layout(cfg.model)
+    c = AutoConfig.for_model(**hf.hf_config(cfg.model, layout, tokenizer.vocab_size, tokenizer.eod, torch.float32))
+    theirs = AutoModelForCausalLM.from_config(c).eval()
+    theirs.load_state_dict(hf.to_hf(model.state_dict(), cfg.model, layout, tokenizer.vocab_size), strict=False)
+    prompt, new = tokenizer.tokenize("The Python"), cfg.model.seq_length - 16
+    eod = -1  # never stop early: every run makes `new` tokens
+
+    def ours():
+        tokenizer.eod, saved = eod, tokenizer.eod
+        try:
+            return generate.generate(model, tokenizer, prompt, new)
+        finally:
+            tokenizer.eod = saved
+
+    def transformers_generate(cache):
+        with torch.no_grad():
+            return theirs.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                   use_cache=cache, pad_token_id=0)[0, len(prompt):].tolist()
+
+    rows, first = [], None
+    for what, fn in (("generate.py (no KV cache)", ours), ("transformers generate(), KV cache", lambda: transformers_generate(True)),
+                     ("transformers generate(), no cache", lambda: transformers_generate(False))):
+        fn()  # warm-up
+        t = time.perf_counter()
+        tokens = fn()
+        seconds = time.perf_counter() - t
+        first = first or tokens
+        rows.append(("generate" if not rows else "", f"{cfg.model.num_layers}x{cfg.model.hidden_size}, {len(prompt)}+{new} "
+                     f"tokens, {torch.get_num_threads()} threads" if not rows else "", what,
+                     f"{1000 * seconds / new:.2f} ms/token", f"{new / seconds:.0f} tokens/s"
+                     + ("" if tokens == first else " (other tokens!)")))
+    return rows
+
+
 def print_table(rows) -> None:
     header = ("benchmark", "setup", "what", "time", "rate")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
@@ -493,7 +547,8 @@ def print_table(rows) -> None:
 
 if __name__ == "__main__":
     benches = {"checkpoint": bench_checkpoint, "logging": bench_logging, "data": bench_data,
-               "overhead": bench_overhead, "ladder": bench_ladder, "hotpath": bench_hotpath}
+               "overhead": bench_overhead, "ladder": bench_ladder, "hotpath": bench_hotpath,
+               "generate": bench_generate}
     name = sys.argv[1] if len(sys.argv) > 1 else "checkpoint"
     if name == "_one_size":  # a ladder size in its own process (bench_ladder runs it)
         import json

@@ -1228,7 +1228,8 @@ def _validate_callbacks(cfg: ConfigContainer) -> None:
         if bad:
             raise ConfigError(f"--profile-ranks {' '.join(map(str, bad))}: no such rank in a world of {cfg.world_size}")
     if p.use_pytorch_profiler and not cfg.logger.tensorboard_dir:
-        raise ConfigError("--use-pytorch-profiler writes its trace to the TensorBoard directory; add --tensorboard-dir DIR")
+        raise ConfigError("--use-pytorch-profiler writes its trace to the TensorBoard directory, which --no-tensorboard "
+                          "turned off; drop --no-tensorboard or give --tensorboard-dir DIR")
     if not cfg.use_gpu:
         gpu_only = [
             (p.use_nsys_profiler and not p.use_pytorch_profiler, "--profile alone profiles with Nsight Systems, which"),

@@ -137,7 +137,7 @@ def test_straggler_report_lists_the_slowest_and_fastest_ranks():
     (["--profile"], "--profile alone profiles with Nsight Systems, which needs a GPU"),
     (["--nvtx-ranges"], "--nvtx-ranges marks ranges for Nsight Systems, which needs a GPU"),
     (["--record-memory-history"], "--record-memory-history records the CUDA allocator, which needs a GPU"),
-    (["--use-pytorch-profiler"], "add --tensorboard-dir DIR"),
+    (["--use-pytorch-profiler", "--no-tensorboard"], "drop --no-tensorboard or give --tensorboard-dir DIR"),
     (["--use-pytorch-profiler", "--tensorboard-dir", "tb", "--profile-step-start", "5", "--profile-step-end", "5"],
      "need 0 <= start < end"),
     (["--use-pytorch-profiler", "--tensorboard-dir", "tb", "--profile-ranks", "2"], "no such rank in a world of 1"),

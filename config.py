@@ -1183,8 +1183,8 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
     need(c.ckpt_format == "torch_dist" or not o.use_distributed_optimizer,
          "--ckpt-format torch keeps one copy of the optimizer per tensor/pipeline rank, but --use-distributed-optimizer "
          "shards it over data-parallel ranks; use --ckpt-format torch_dist")
-    need(not c.async_save or c.save, "--async-save writes checkpoints in the background but nothing is saved; "
-                                     "add --save DIR or drop --async-save")
+    need(not c.async_save or c.save, "--async-save writes checkpoints in the background but --no-save saves nothing; "
+                                     "drop one")
 
     # --- the machine -----------------------------------------------------------------------------
     if m.transformer_impl is None:

@@ -61,12 +61,15 @@ def _listing(folder: str) -> list:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def repository_outputs_untouched():
+def repository_outputs_untouched(tmp_path_factory):
     """The suite never writes into the repository's default output folders, where a user's quick-start run
-    keeps its checkpoint and TensorBoard files."""
+    keeps its checkpoint and TensorBoard files: in-process runs work in a scratch folder, and each test's
+    processes in the repository name their own folders or turn them off."""
     folders = [os.path.join(ROOT, name) for name in ("checkpoints", "runs")]
     before = [_listing(f) for f in folders]
+    os.chdir(tmp_path_factory.mktemp("cwd"))
     yield
+    os.chdir(ROOT)
     for folder, listing in zip(folders, before):
         assert _listing(folder) == listing, f"the tests wrote into {folder}"
 

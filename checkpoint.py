@@ -23,19 +23,25 @@ file here is read with `torch.load(weights_only=True)`.
 import copy
 import functools
 import json
+import multiprocessing
 import os
 import random
 import shutil
+import signal
 import threading
+from multiprocessing.managers import SyncManager
 
 import numpy as np
 import torch
-from megatron.core import parallel_state
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 import config as config_lib
-import device
+import device  # first: it quiets megatron-core's import-time warnings
 from device import any_rank
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from metrics import print_rank_0
 from model import unwrap
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -90,7 +96,6 @@ def _check_distcp_files(directory: str) -> None:
     """Each data file that a torch_dist checkpoint's .metadata names is there and holds the bytes it lists.
 
     torch's reader would fail later on such a file with a bare EOFError that names no file; this names it."""
-    from torch.distributed.checkpoint import FileSystemReader
 
     try:
         storage = FileSystemReader(directory).read_metadata().storage_data
@@ -116,7 +121,6 @@ def _check_distcp_files(directory: str) -> None:
 def get_rng_state() -> dict:
     """This rank's generator states, as tensors and plain values (so weights_only loading reads them): python,
     numpy, torch, CUDA (on a CPU, device.py's shim answers with the CPU generator) and the RNG tracker's streams."""
-    from megatron.core import tensor_parallel
 
     np_state = np.random.get_state()
     return {"random": random.getstate(), "np_keys": torch.from_numpy(np_state[1].astype(np.int64)),
@@ -126,7 +130,6 @@ def get_rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    from megatron.core import tensor_parallel
 
     random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["random"]))
     np.random.set_state(("MT19937", state["np_keys"].numpy().astype(np.uint32), state["np_pos"], *state["np_gauss"]))
@@ -141,7 +144,6 @@ def set_rng_state(state: dict) -> None:
 
 
 def _ignore_job_signals() -> None:
-    import signal
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -153,10 +155,7 @@ def _shield_write_results_queue() -> None:
     every process of the job, that one too: once it is dead, the very save that --exit-signal-handler makes
     fails with a BrokenPipeError. So the queue is made here, first, by a Manager that ignores SIGTERM and
     SIGINT; it is shut down with its rank, as megatron-core's own would be."""
-    import multiprocessing
-    from multiprocessing.managers import SyncManager
 
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
         manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
@@ -188,7 +187,6 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
     make_dirs = functools.partial(os.makedirs, os.path.dirname(rng_file), exist_ok=True)  # after megatron's check
 
     if ck.ckpt_format == "torch_dist":
-        from megatron.core import dist_checkpointing
 
         _shield_write_results_queue()
         metadata = sharded_state_dict_metadata(cfg)
@@ -494,7 +492,6 @@ def _load_rng_state(directory: str) -> None:
     """This rank's random states from rng/rank_NNNNN.pt. Saved by another number of ranks: the streams start
     afresh from --seed, said once. Missing (or some ranks' files missing): an error naming --no-load-rng, as
     Megatron-LM stops, since the resume would otherwise silently stop being exact."""
-    from metrics import print_rank_0
 
     rng_dir, world = os.path.join(directory, "rng"), torch.distributed.get_world_size()
     saved = sorted(os.listdir(rng_dir)) if os.path.isdir(rng_dir) else []
@@ -514,7 +511,6 @@ def _load_rng_state(directory: str) -> None:
 
 
 def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
-    from metrics import print_rank_0
 
     cfg, ts = state.cfg, state.train_state
     ck = cfg.checkpoint
@@ -532,7 +528,6 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
                               f"{ck.ckpt_format}; pass --ckpt-format {saved_format}")
     peft_run = cfg.peft.peft != "none" and not finetune  # a PEFT run's own checkpoint: adapters only
     if saved_format == "torch_dist":
-        from megatron.core import dist_checkpointing
 
         sharded = model_sharded_state_dict(model, adapters_only=peft_run)
         if load_optim:

@@ -17,6 +17,8 @@ import abc
 import argparse
 import dataclasses
 import glob
+import importlib
+import importlib.util
 import math
 import os
 import signal
@@ -569,9 +571,9 @@ class ProfilingConfig:
     use_nsys_profiler: bool = arg(
         False, "Profile iterations --profile-step-start to --profile-step-end: with Nsight Systems (GPU; run under "
                "`nsys profile --capture-range=cudaProfilerApi`), or with --use-pytorch-profiler.", flag="--profile")
-    use_pytorch_profiler: bool = arg(
-        False, "Profile with the PyTorch profiler instead: a trace (rankN.*.pt.trace.json) in --tensorboard-dir, "
-               "for TensorBoard's profiler plugin or Perfetto. Runs on CPU too.")
+    use_pytorch_profiler: bool = arg(False, "Profile with the PyTorch profiler instead: a trace (rankN.*.pt.trace.json) "
+                                            "in --tensorboard-dir, for TensorBoard's profiler plugin or Perfetto. Runs on "
+                                            "CPU too.")
     profile_step_start: int = arg(10, "Iteration at which profiling starts.")
     profile_step_end: int = arg(12, "Iteration at which profiling stops.")
     profile_ranks: list[int] = arg([0], "Global ranks to profile.")
@@ -744,14 +746,14 @@ class ConfigContainer:
     rng: RNGConfig = field(default_factory=RNGConfig)
     ddp: DistributedDataParallelConfig = field(default_factory=DistributedDataParallelConfig)
     optimizer_config_override_provider: OptimizerConfigOverrideProvider = field(
-        default_factory=OptimizerConfigOverrideProvider)
+        default_factory=OptimizerConfigOverrideProvider, metadata={"section": False})  # code, not settings
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    straggler: StragglerDetectionConfig = field(default_factory=StragglerDetectionConfig)
+    rerun_state_machine: RerunStateMachineConfig = field(default_factory=RerunStateMachineConfig)
     ft: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     nvrx_straggler: NVRxStragglerDetectionConfig = field(default_factory=NVRxStragglerDetectionConfig)
     inprocess_restart: InProcessRestartConfig = field(default_factory=InProcessRestartConfig)
     tensor_inspect: TensorInspectConfig = field(default_factory=TensorInspectConfig)
-    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
-    straggler: StragglerDetectionConfig = field(default_factory=StragglerDetectionConfig)
-    rerun_state_machine: RerunStateMachineConfig = field(default_factory=RerunStateMachineConfig)
     peft: PEFTConfig = field(default_factory=PEFTConfig)
     # Bridge's sections, thin names over the ones above (applied by validate(), as Bridge's runtime_config_update).
     validation: ValidationConfig = field(default_factory=ValidationConfig)
@@ -807,10 +809,10 @@ class ConfigContainer:
         print("\n".join(lines), file=file, flush=True)
 
 
-SECTIONS = ["model", "train", "optimizer", "scheduler", "dataset", "tokenizer", "logger", "checkpoint", "dist", "rng",
-            "ddp", "profiling", "straggler", "rerun_state_machine", "ft", "nvrx_straggler", "inprocess_restart",
-            "tensor_inspect", "peft", "validation", "mixed_precision", "comm_overlap"]
 OPTIONAL_SECTIONS = {"mixed_precision": MixedPrecisionConfig, "comm_overlap": CommOverlapConfig}  # None by default
+# The container's sections, in its field order (the YAML's and --help's order): each field holding settings.
+SECTIONS = [f.name for f in dataclasses.fields(ConfigContainer) if f.name in OPTIONAL_SECTIONS
+            or (dataclasses.is_dataclass(f.default_factory) and f.metadata.get("section", True))]
 
 
 def section_configs(cfg: ConfigContainer):
@@ -971,10 +973,9 @@ def gpu_visible() -> bool:
     return bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
-def transformer_engine_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("transformer_engine") is not None
+def package_installed(module: str) -> bool:
+    """Whether a package can be imported (e.g. transformer_engine), answered without importing it."""
+    return importlib.util.find_spec(module) is not None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1028,7 +1029,7 @@ def runtime_sections_update(cfg: ConfigContainer) -> None:
         if co.tp_comm_overlap:
             raise ConfigError("comm_overlap.tp_comm_overlap needs transformer-engine's userbuffers on GPUs "
                               + ("(none visible here)" if not cfg.use_gpu else
-                                 "(transformer-engine is not installed)" if not transformer_engine_installed() else
+                                 "(transformer-engine is not installed)" if not package_installed("transformer_engine") else
                                  "(this trainer does not set them up)") + "; set it to false")
         _refuse_set(cfg, "comm_overlap", ["overlap_p2p_comm", "batch_p2p_comm", "overlap_param_gather_with_optimizer_step",
                                           "align_param_gather", "bucket_size", "defer_embedding_wgrad_compute",
@@ -1084,40 +1085,45 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
 
     # --- sizes -----------------------------------------------------------------------------------
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by"):
-        need(getattr(m, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(m, name)}")
-    need(t.micro_batch_size > 0, f"--micro-batch-size must be positive, got {t.micro_batch_size}")
-    need(m.hidden_size % m.num_attention_heads == 0 or m.kv_channels is not None,
-         f"--num-attention-heads {m.num_attention_heads} does not divide --hidden-size {m.hidden_size}; "
-         f"pick heads that divide it (or set --kv-channels)")
+        if not (getattr(m, name) > 0):
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(m, name)}")
+    if not (t.micro_batch_size > 0):
+        raise ConfigError(f"--micro-batch-size must be positive, got {t.micro_batch_size}")
+    if not (m.hidden_size % m.num_attention_heads == 0 or m.kv_channels is not None):
+        raise ConfigError(f"--num-attention-heads {m.num_attention_heads} does not divide --hidden-size {m.hidden_size}; "
+                          f"pick heads that divide it (or set --kv-channels)")
     if m.kv_channels is None:
         m.kv_channels = m.hidden_size // m.num_attention_heads
     if m.num_query_groups is None:
         m.num_query_groups = m.num_attention_heads
-    need(m.num_query_groups > 0 and m.num_attention_heads % m.num_query_groups == 0,
-         f"--num-query-groups {m.num_query_groups} must divide --num-attention-heads {m.num_attention_heads}")
-    need(not (m.swiglu and m.openai_gelu), "--openai-gelu is a GeLU, --swiglu replaces GeLU: give one")
+    if not (m.num_query_groups > 0 and m.num_attention_heads % m.num_query_groups == 0):
+        raise ConfigError(f"--num-query-groups {m.num_query_groups} must divide --num-attention-heads {m.num_attention_heads}")
+    if m.swiglu and m.openai_gelu:
+        raise ConfigError("--openai-gelu is a GeLU, --swiglu replaces GeLU: give one")
     if m.ffn_hidden_size is None:
         # Megatron-LM: SwiGLU keeps the MLP's parameter count of 4h by using 2/3 of it, rounded to 64.
         m.ffn_hidden_size = max(64, int((4 * m.hidden_size * 2 / 3) / 64) * 64) if m.swiglu else 4 * m.hidden_size
     if m.max_position_embeddings is None:
         m.max_position_embeddings = m.seq_length
-    need(m.position_embedding_type != "learned_absolute" or m.max_position_embeddings >= m.seq_length,
-         f"--max-position-embeddings {m.max_position_embeddings} is shorter than --seq-length {m.seq_length}")
+    if not (m.position_embedding_type != "learned_absolute" or m.max_position_embeddings >= m.seq_length):
+        raise ConfigError(f"--max-position-embeddings {m.max_position_embeddings} is shorter than --seq-length {m.seq_length}")
     for name in ("hidden_dropout", "attention_dropout"):
-        need(0.0 <= getattr(m, name) < 1.0, f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(m, name)}")
+        if not (0.0 <= getattr(m, name) < 1.0):
+            raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(m, name)}")
 
     # --- parallelism -----------------------------------------------------------------------------
     tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
-    need(min(tp, pp, cp) >= 1, "parallel sizes must be at least 1")
+    if not (min(tp, pp, cp) >= 1):
+        raise ConfigError("parallel sizes must be at least 1")
     mp = tp * pp * cp
-    need(cfg.world_size % mp == 0,
-         f"tensor ({tp}) x pipeline ({pp}) x context ({cp}) parallel sizes = {mp} do not divide the world size "
-         f"{cfg.world_size}; launch a multiple of {mp} processes or reduce the parallel sizes")
+    if not (cfg.world_size % mp == 0):
+        raise ConfigError(f"tensor ({tp}) x pipeline ({pp}) x context ({cp}) parallel sizes = {mp} do not divide the world size "
+                          f"{cfg.world_size}; launch a multiple of {mp} processes or reduce the parallel sizes")
     cfg.data_parallel_size = cfg.get_data_parallel_size(cfg.world_size)
-    need(m.num_attention_heads % tp == 0,
-         f"--tensor-model-parallel-size {tp} must divide --num-attention-heads {m.num_attention_heads}")
-    need(m.num_query_groups % tp == 0,
-         f"--tensor-model-parallel-size {tp} must divide the number of query groups {m.num_query_groups}")
+    if not (m.num_attention_heads % tp == 0):
+        raise ConfigError(f"--tensor-model-parallel-size {tp} must divide --num-attention-heads {m.num_attention_heads}")
+    if not (m.num_query_groups % tp == 0):
+        raise ConfigError(f"--tensor-model-parallel-size {tp} must divide the number of query groups {m.num_query_groups}")
     _validate_pipeline_split(cfg)
     _validate_virtual_pipeline(cfg)
     _validate_recompute(cfg)
@@ -1129,44 +1135,54 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
     dp = cfg.data_parallel_size
     if t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * dp
-    need(t.global_batch_size > 0 and t.global_batch_size % (t.micro_batch_size * dp) == 0,
-         f"--global-batch-size {t.global_batch_size} is not a multiple of --micro-batch-size {t.micro_batch_size} "
-         f"x data-parallel size {dp} = {t.micro_batch_size * dp}; use a multiple of {t.micro_batch_size * dp}")
-    need(not m.virtual_pipeline_model_parallel_size or cfg.num_microbatches % pp == 0,
-         f"the interleaved schedule runs microbatches in groups of --pipeline-model-parallel-size {pp}, but there are "
-         f"{cfg.num_microbatches} per step; make --global-batch-size / (--micro-batch-size x data-parallel size) a "
-         f"multiple of {pp}")
-    need(t.train_iters is None or t.train_samples is None or t.train_iters == t.train_samples // t.global_batch_size,
-         "--train-iters and --train-samples are exclusive; give one")  # equal: a sample-based run_config.yaml
+    if not (t.global_batch_size > 0 and t.global_batch_size % (t.micro_batch_size * dp) == 0):
+        raise ConfigError(f"--global-batch-size {t.global_batch_size} is not a multiple of --micro-batch-size {t.micro_batch_size} "
+                          f"x data-parallel size {dp} = {t.micro_batch_size * dp}; use a multiple of {t.micro_batch_size * dp}")
+    if not (not m.virtual_pipeline_model_parallel_size or cfg.num_microbatches % pp == 0):
+        raise ConfigError(f"the interleaved schedule runs microbatches in groups of --pipeline-model-parallel-size {pp}, but there are "
+                          f"{cfg.num_microbatches} per step; make --global-batch-size / (--micro-batch-size x data-parallel size) a "
+                          f"multiple of {pp}")
+    if not (t.train_iters is None or t.train_samples is None or t.train_iters == t.train_samples // t.global_batch_size):  # equal: a sample-based run_config.yaml
+        raise ConfigError("--train-iters and --train-samples are exclusive; give one")
     if t.train_samples is not None:
-        need(t.train_samples >= t.global_batch_size,
-             f"--train-samples {t.train_samples} is less than one global batch ({t.global_batch_size})")
+        if not (t.train_samples >= t.global_batch_size):
+            raise ConfigError(f"--train-samples {t.train_samples} is less than one global batch ({t.global_batch_size})")
         t.train_iters = t.train_samples // t.global_batch_size
     elif t.train_iters is None:
         t.train_iters = 300
     _validate_rampup(cfg)
-    need(t.train_iters >= 0, f"--train-iters must be non-negative, got {t.train_iters}")
-    need(t.eval_interval > 0, f"--eval-interval must be positive, got {t.eval_interval}")
-    need(t.eval_iters >= 0, f"--eval-iters must be non-negative, got {t.eval_iters}")
-    need(lg.log_interval > 0, f"--log-interval must be positive, got {lg.log_interval}")
-    need(lg.tensorboard_log_interval > 0, f"--tensorboard-log-interval must be positive, got {lg.tensorboard_log_interval}")
-    need(lg.throughput_window_size >= 2, f"--throughput-window-size must be at least 2, got {lg.throughput_window_size}")
-    need(lg.logging_level is None or lg.logging_level >= 0,
-         f"--logging-level must be a logging level like 10 (DEBUG), 20 (INFO) or 30 (WARNING), got {lg.logging_level}")
-    need(t.exit_interval is None or t.exit_interval > 0, f"--exit-interval must be positive, got {t.exit_interval}")
-    need(t.exit_signal in signal.Signals.__members__,
-         f"--exit-signal {t.exit_signal} is not a signal name; use e.g. SIGTERM, SIGINT or SIGUSR1")
+    if not (t.train_iters >= 0):
+        raise ConfigError(f"--train-iters must be non-negative, got {t.train_iters}")
+    if not (t.eval_interval > 0):
+        raise ConfigError(f"--eval-interval must be positive, got {t.eval_interval}")
+    if not (t.eval_iters >= 0):
+        raise ConfigError(f"--eval-iters must be non-negative, got {t.eval_iters}")
+    if not (lg.log_interval > 0):
+        raise ConfigError(f"--log-interval must be positive, got {lg.log_interval}")
+    if not (lg.tensorboard_log_interval > 0):
+        raise ConfigError(f"--tensorboard-log-interval must be positive, got {lg.tensorboard_log_interval}")
+    if not (lg.throughput_window_size >= 2):
+        raise ConfigError(f"--throughput-window-size must be at least 2, got {lg.throughput_window_size}")
+    if not (lg.logging_level is None or lg.logging_level >= 0):
+        raise ConfigError(f"--logging-level must be a logging level like 10 (DEBUG), 20 (INFO) or 30 (WARNING), got {lg.logging_level}")
+    if not (t.exit_interval is None or t.exit_interval > 0):
+        raise ConfigError(f"--exit-interval must be positive, got {t.exit_interval}")
+    if not (t.exit_signal in signal.Signals.__members__):
+        raise ConfigError(f"--exit-signal {t.exit_signal} is not a signal name; use e.g. SIGTERM, SIGINT or SIGUSR1")
 
     # --- precision and result validation ---------------------------------------------------------
     _validate_mixed_precision_consistency(cfg)
     _validate_rerun_state_machine(cfg)
 
     # --- optimizer and schedule ------------------------------------------------------------------
-    need(o.lr > 0, f"--lr must be positive, got {o.lr}")
-    need(0 <= o.min_lr <= o.lr, f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}")
-    need(o.clip_grad >= 0, f"--clip-grad must be non-negative, got {o.clip_grad}")
-    need(not (s.override_opt_param_scheduler and s.use_checkpoint_opt_param_scheduler),
-         "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are exclusive")
+    if not (o.lr > 0):
+        raise ConfigError(f"--lr must be positive, got {o.lr}")
+    if not (0 <= o.min_lr <= o.lr):
+        raise ConfigError(f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}")
+    if not (o.clip_grad >= 0):
+        raise ConfigError(f"--clip-grad must be non-negative, got {o.clip_grad}")
+    if s.override_opt_param_scheduler and s.use_checkpoint_opt_param_scheduler:
+        raise ConfigError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are exclusive")
     _validate_training_scheduler_compatibility(cfg)
     _calculate_scheduler_steps(cfg)
     _validate_and_sync_distributed_optimizer_settings(cfg)
@@ -1178,17 +1194,19 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
     _validate_loggers(cfg)
 
     # --- checkpointing ---------------------------------------------------------------------------
-    need(c.save_interval is None or c.save_interval > 0, f"--save-interval must be positive, got {c.save_interval}")
-    need(c.most_recent_k == -1 or c.most_recent_k > 0, f"--most-recent-k must be positive or -1, got {c.most_recent_k}")
-    need(c.ckpt_format == "torch_dist" or not o.use_distributed_optimizer,
-         "--ckpt-format torch keeps one copy of the optimizer per tensor/pipeline rank, but --use-distributed-optimizer "
-         "shards it over data-parallel ranks; use --ckpt-format torch_dist")
-    need(not c.async_save or c.save, "--async-save writes checkpoints in the background but --no-save saves nothing; "
-                                     "drop one")
+    if not (c.save_interval is None or c.save_interval > 0):
+        raise ConfigError(f"--save-interval must be positive, got {c.save_interval}")
+    if not (c.most_recent_k == -1 or c.most_recent_k > 0):
+        raise ConfigError(f"--most-recent-k must be positive or -1, got {c.most_recent_k}")
+    if not (c.ckpt_format == "torch_dist" or not o.use_distributed_optimizer):
+        raise ConfigError("--ckpt-format torch keeps one copy of the optimizer per tensor/pipeline rank, but --use-distributed-optimizer "
+                          "shards it over data-parallel ranks; use --ckpt-format torch_dist")
+    if c.async_save and not c.save:
+        raise ConfigError("--async-save writes checkpoints in the background but --no-save saves nothing; drop one")
 
     # --- the machine -----------------------------------------------------------------------------
     if m.transformer_impl is None:
-        m.transformer_impl = "transformer_engine" if cfg.use_gpu and transformer_engine_installed() else "local"
+        m.transformer_impl = "transformer_engine" if cfg.use_gpu and package_installed("transformer_engine") else "local"
     if not cfg.use_gpu:
         gpu_only = [
             (cp > 1, f"--context-parallel-size {cp}"),
@@ -1197,49 +1215,219 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
             (cfg.dist.distributed_backend == "nccl", "--distributed-backend nccl"),
         ]
         for bad, what in gpu_only:
-            need(not bad, f"{what} needs a GPU and none is visible; drop it to train on CPU "
-                          f"(tensor, pipeline and data parallelism, the distributed optimizer, --bf16 and --fp16 run on CPU)")
+            if bad:
+                raise ConfigError(f"{what} needs a GPU and none is visible; drop it to train on CPU "
+                                  f"(tensor, pipeline and data parallelism, the distributed optimizer, --bf16 and --fp16 run on CPU)")
     elif m.transformer_impl == "transformer_engine":
-        need(transformer_engine_installed(),
-             "--transformer-impl transformer_engine: transformer-engine is not installed; "
-             "pip install transformer-engine[pytorch] or use --transformer-impl local")
-    need(cp == 1 or m.transformer_impl == "transformer_engine",
-         f"--context-parallel-size {cp} needs --transformer-impl transformer_engine")
+        if not package_installed("transformer_engine"):
+            raise ConfigError("--transformer-impl transformer_engine: transformer-engine is not installed; "
+                              "pip install transformer-engine[pytorch] or use --transformer-impl local")
+    if not (cp == 1 or m.transformer_impl == "transformer_engine"):
+        raise ConfigError(f"--context-parallel-size {cp} needs --transformer-impl transformer_engine")
     _validate_peft(cfg)
     _validate_deterministic_mode(cfg)
-    _validate_services(cfg)
     _validate_callbacks(cfg)
+    _validate_services(cfg)  # the NVIDIA service configs, last
     return cfg
 
 
-def _validate_callbacks(cfg: ConfigContainer) -> None:
-    """Manual GC, profiling and straggler settings (Megatron-LM's validate_args, Bridge's ProfilingConfig.finalize)."""
-    t, p, st = cfg.train, cfg.profiling, cfg.straggler
-    if t.manual_gc_interval < 0:
-        raise ConfigError(f"--manual-gc-interval must be non-negative, got {t.manual_gc_interval}")
-    if st.straggler_minmax_count < 1:
-        raise ConfigError(f"--straggler-minmax-count must be at least 1, got {st.straggler_minmax_count}")
-    profiling = p.use_pytorch_profiler or p.use_nsys_profiler
-    if profiling or p.record_memory_history:
-        if not 0 <= p.profile_step_start < p.profile_step_end:
-            raise ConfigError(f"--profile-step-start {p.profile_step_start} and --profile-step-end {p.profile_step_end}: "
-                              f"need 0 <= start < end")
-        bad = [r for r in p.profile_ranks if not 0 <= r < cfg.world_size]
-        if bad:
-            raise ConfigError(f"--profile-ranks {' '.join(map(str, bad))}: no such rank in a world of {cfg.world_size}")
-    if p.use_pytorch_profiler and not cfg.logger.tensorboard_dir:
-        raise ConfigError("--use-pytorch-profiler writes its trace to the TensorBoard directory, which --no-tensorboard "
-                          "turned off; drop --no-tensorboard or give --tensorboard-dir DIR")
-    if not cfg.use_gpu:
-        gpu_only = [
-            (p.use_nsys_profiler and not p.use_pytorch_profiler, "--profile alone profiles with Nsight Systems, which"),
-            (p.nvtx_ranges, "--nvtx-ranges marks ranges for Nsight Systems, which"),
-            (p.record_memory_history, "--record-memory-history records the CUDA allocator, which"),
-        ]
-        for bad_setting, what in gpu_only:
-            if bad_setting:
-                raise ConfigError(f"{what} needs a GPU and none is visible; on CPU, profile with "
-                                  f"--use-pytorch-profiler --tensorboard-dir DIR")
+# --------------------------------------------------------------------------------------------------
+# The checks validate() calls, in the order it calls them (Bridge's ConfigContainer._validate_* and
+# Megatron-LM's validate_args)
+# --------------------------------------------------------------------------------------------------
+
+
+def pipeline_stage_layers(m: ModelConfig) -> list:
+    """Layers per pipeline stage: --decoder-first/last-pipeline-num-layers where given, the rest evenly
+    (megatron-core's num_layers_in_first/last_pipeline_stage). Uneven leftovers are for the caller to refuse."""
+    pp, first, last = m.pipeline_model_parallel_size, m.decoder_first_pipeline_num_layers, m.decoder_last_pipeline_num_layers
+    if pp == 1:
+        return [m.num_layers]
+    fixed = {0: first, pp - 1: last}
+    middle = [i for i in range(pp) if fixed.get(i) is None]
+    rest = m.num_layers - sum(v for v in fixed.values() if v is not None)
+    even = rest // len(middle) if middle else 0
+    return [fixed[i] if fixed.get(i) is not None else even for i in range(pp)]
+
+
+def _validate_pipeline_split(cfg: ConfigContainer) -> None:
+    m = cfg.model
+    pp, uneven = m.pipeline_model_parallel_size, (m.decoder_first_pipeline_num_layers, m.decoder_last_pipeline_num_layers)
+    if pp == 1 and any(v is not None for v in uneven):
+        raise ConfigError("--decoder-first/last-pipeline-num-layers set a pipeline stage's layers; add "
+                          "--pipeline-model-parallel-size 2 or more")
+    if sum(pipeline_stage_layers(m)) != m.num_layers or min(pipeline_stage_layers(m)) < 0:
+        split = ("the layers the first/last stages leave" if any(v is not None for v in uneven) else "--num-layers")
+        raise ConfigError(f"--pipeline-model-parallel-size {pp} must divide {split} evenly ({m.num_layers} layers); "
+                          f"change --num-layers, --decoder-first-pipeline-num-layers or --decoder-last-pipeline-num-layers")
+    if m.num_layers_per_virtual_pipeline_stage is not None and any(v is not None for v in uneven):
+        raise ConfigError("--num-layers-per-virtual-pipeline-stage needs evenly split pipeline stages; drop "
+                          "--decoder-first/last-pipeline-num-layers")
+
+
+def _validate_virtual_pipeline(cfg: ConfigContainer) -> None:
+    """--num-layers-per-virtual-pipeline-stage as Megatron-LM's validate_args: each pipeline rank holds
+    (layers / pipeline size) / (layers per virtual stage) chunks and runs the interleaved schedule."""
+    m = cfg.model
+    n = m.num_layers_per_virtual_pipeline_stage
+    if n is None:
+        m.virtual_pipeline_model_parallel_size = None
+        return
+    pp = m.pipeline_model_parallel_size
+    if pp == 1:
+        raise ConfigError("--num-layers-per-virtual-pipeline-stage interleaves pipeline stages; add "
+                          "--pipeline-model-parallel-size 2 or more")
+    if n <= 0 or (m.num_layers // pp) % n:
+        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {n} must divide the {m.num_layers // pp} layers of "
+                          f"each pipeline stage (--num-layers {m.num_layers} / --pipeline-model-parallel-size {pp})")
+    m.virtual_pipeline_model_parallel_size = (m.num_layers // pp) // n
+
+
+def _validate_recompute(cfg: ConfigContainer) -> None:
+    """Megatron-LM's validate_args and TransformerConfig's checks of the recompute settings."""
+    m = cfg.model
+    if m.recompute_granularity == "selective" and m.recompute_method is not None:
+        raise ConfigError("--recompute-method applies to --recompute-granularity full; selective recomputation "
+                          "recomputes the core attention of every layer")
+    if m.recompute_granularity != "full" and (m.recompute_method or m.recompute_num_layers):
+        raise ConfigError("--recompute-method and --recompute-num-layers need --recompute-granularity full")
+    if m.recompute_granularity == "full":
+        if m.recompute_method is None:
+            raise ConfigError("--recompute-granularity full needs --recompute-method uniform or block")
+        if m.recompute_num_layers is None:
+            m.recompute_num_layers = 1
+        per_stage = max(pipeline_stage_layers(m))
+        most = per_stage if m.recompute_method == "block" else m.num_layers
+        if m.recompute_num_layers > most:
+            raise ConfigError(f"--recompute-num-layers {m.recompute_num_layers} is more than the {most} layers "
+                              f"{'of a pipeline stage' if m.recompute_method == 'block' else 'of the model'}")
+
+
+def _validate_context_parallel(cfg: ConfigContainer) -> None:
+    """Bridge's `_validate_cp_comm_type` and the context-parallel checks of `validate` (Megatron-LM's
+    validate_args): each rank holds two chunks of the sequence (to balance causal attention), and
+    a2a+p2p needs the hierarchy of context-parallel groups it communicates over."""
+    m = cfg.model
+    cp, kinds, sizes = m.context_parallel_size, m.cp_comm_type, m.hierarchical_context_parallel_sizes
+    known = ("p2p", "all_gather", "a2a", "a2a+p2p")
+    bad = [k for k in kinds if k not in known]
+    if not (kinds and not bad):
+        raise ConfigError(f"--cp-comm-type {' '.join(bad or kinds)}: expected {', '.join(known)}")
+    if not (len(kinds) in (1, m.num_layers)):
+        raise ConfigError(f"--cp-comm-type gives {len(kinds)} types; give one for all layers or one "
+                          f"per layer (--num-layers {m.num_layers})")
+    if not (cp == 1 or m.seq_length % (2 * cp) == 0):
+        raise ConfigError(f"--seq-length {m.seq_length} must be a multiple of 2 x "
+                          f"--context-parallel-size = {2 * cp} (each rank holds two chunks)")
+    if not (cp == 1 or "a2a+p2p" not in kinds or sizes):
+        raise ConfigError("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes (e.g. 8 2 for 16 ranks over 2 nodes); "
+                          "without it context parallelism would not communicate")
+    if not (not sizes or math.prod(sizes) == cp):
+        raise ConfigError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes or []))}"
+                          f" multiply to {math.prod(sizes or [])}, not --context-parallel-size {cp}")
+
+
+def _validate_rampup(cfg: ConfigContainer) -> None:
+    """--rampup-batch-size START INCR SAMPLES, checked so megatron-core's RampupBatchsizeNumMicroBatchesCalculator
+    never fails mid-run: every batch size on the way (START, START + INCR, ..., --global-batch-size) must split
+    into microbatches on each data-parallel rank. Iteration-based only, as Megatron Bridge's TrainingConfig."""
+    t, dp = cfg.train, cfg.data_parallel_size
+    if t.rampup_batch_size is None:
+        return
+    unit, gbs = t.micro_batch_size * dp, t.global_batch_size
+    if len(t.rampup_batch_size) != 3:
+        raise ConfigError("--rampup-batch-size takes three numbers, START INCR SAMPLES (e.g. --rampup-batch-size 8 8 10000)")
+    start, incr, samples = t.rampup_batch_size
+    if start <= 0 or incr <= 0 or samples < 0:
+        raise ConfigError(f"--rampup-batch-size {start} {incr} {samples}: START and INCR must be positive, SAMPLES non-negative")
+    if start >= gbs:
+        raise ConfigError(f"--rampup-batch-size START {start} must be less than --global-batch-size {gbs}, the batch it "
+                          f"ramps up to; drop --rampup-batch-size for a constant batch")
+    if (gbs - start) % incr:
+        raise ConfigError(f"--rampup-batch-size INCR {incr} does not divide --global-batch-size {gbs} - START {start} "
+                          f"= {gbs - start}; pick an INCR that does")
+    if start % unit or incr % unit:
+        raise ConfigError(f"--rampup-batch-size START {start} and INCR {incr} must be multiples of --micro-batch-size "
+                          f"{t.micro_batch_size} x data-parallel size {dp} = {unit}")
+    if t.train_samples is not None:
+        raise ConfigError("--rampup-batch-size counts --train-iters iterations (as Megatron Bridge); use --train-iters "
+                          "instead of --train-samples")
+    if getattr(cfg.dataset, "sft", False) or getattr(cfg.dataset, "dataloader_type", None) == "batch":
+        raise ConfigError("--rampup-batch-size does not work with the batch dataloader (--sft pads each fixed-size "
+                          "global batch); drop one")
+
+
+def _validate_mixed_precision_consistency(cfg: ConfigContainer) -> None:
+    """Precision settings that agree with each other (Bridge's `_validate_mixed_precision_consistency`, with
+    Megatron-LM's `validate_args` for the loss-scaling flags): one half-precision type at most, loss-scaling
+    settings only under --fp16 and within megatron-core's DynamicGradScaler's bounds."""
+    m, o, t = cfg.model, cfg.optimizer, cfg.train
+    if m.bf16 and m.fp16:
+        raise ConfigError("--bf16 and --fp16 are exclusive; pick one")
+    defaults = OptimizerConfig()
+    scaling = ["loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis"]
+    changed = [name for name in scaling if getattr(o, name) != getattr(defaults, name)]
+    if changed and not m.fp16:
+        flag = "--" + changed[0].replace("_", "-")
+        raise ConfigError(f"{flag} {getattr(o, changed[0])} sets fp16 loss scaling, but --fp16 is not set "
+                          f"({'bf16' if m.bf16 else 'fp32'} training needs no loss scale); add --fp16 or drop it")
+    if o.loss_scale is not None and not o.loss_scale > 0:
+        raise ConfigError(f"--loss-scale must be positive, got {o.loss_scale}; omit it for dynamic loss scaling")
+    if not 0 < o.min_loss_scale <= o.initial_loss_scale:
+        raise ConfigError(f"--min-loss-scale {o.min_loss_scale} must be positive and at most --initial-loss-scale "
+                          f"{o.initial_loss_scale}")
+    if o.loss_scale_window < 1 or o.hysteresis < 1:
+        raise ConfigError(f"--loss-scale-window ({o.loss_scale_window}) and --hysteresis ({o.hysteresis}) must be at "
+                          f"least 1")
+    if m.fp16 and o.loss_scale is None:
+        # Megatron-LM: under dynamic loss scaling an Inf/NaN gradient is the scaler's signal to back off
+        # (the step is skipped), not an error.
+        t.check_for_nan_in_loss_and_grad = False
+
+
+def _validate_rerun_state_machine(cfg: ConfigContainer) -> None:
+    """Settings of the rerun state machine that can do what they say (megatron-core's RerunStateMachine)."""
+    r, t = cfg.rerun_state_machine, cfg.train
+    r.check_for_nan_in_loss = r.check_for_nan_in_loss and t.check_for_nan_in_loss_and_grad
+    if not r.spiky_loss_factor > 1:
+        raise ConfigError(f"--spiky-loss-factor must be greater than 1 (a loss that many times the largest seen), "
+                          f"got {r.spiky_loss_factor}")
+    if r.error_injection_rate < 0:
+        raise ConfigError(f"--error-injection-rate must be non-negative, got {r.error_injection_rate}")
+    if r.error_injection_rate and r.rerun_mode != "validate_results":
+        raise ConfigError(f"--error-injection-rate tests the reruns of --rerun-mode validate_results, not "
+                          f"{r.rerun_mode}; add --rerun-mode validate_results")
+    if r.rerun_mode == "validate_results" and not (r.check_for_nan_in_loss or r.check_for_spiky_loss):
+        raise ConfigError("--rerun-mode validate_results has nothing to validate: the NaN check is off "
+                          "(--no-check-for-nan-in-loss-and-grad, or --fp16's dynamic loss scaling); add "
+                          "--check-for-spiky-loss or use --rerun-mode disabled")
+
+
+def _validate_training_scheduler_compatibility(cfg: ConfigContainer) -> None:
+    """Bridge's `_validate_training_scheduler_compatibility` and `SchedulerConfig.finalize` (Megatron-LM's
+    validate_args): iteration-based training takes the *-iters schedule flags, sample-based training the
+    *-samples ones; --lr-warmup-fraction replaces either warmup length."""
+    t, s = cfg.train, cfg.scheduler
+    iters = [(s.lr_decay_iters, "--lr-decay-iters"), (s.lr_warmup_iters, "--lr-warmup-iters"),
+             (s.lr_wsd_decay_iters, "--lr-wsd-decay-iters")]
+    samples = [(s.lr_decay_samples, "--lr-decay-samples"), (s.lr_warmup_samples or None, "--lr-warmup-samples"),
+               (s.lr_wsd_decay_samples, "--lr-wsd-decay-samples")]
+    for value, flag in iters + samples:  # a warmup may be 0 (none), a decay may not
+        if not (value is None or value > 0 or (value == 0 and "warmup" in flag)):
+            raise ConfigError(f"{flag} must be positive, got {value}")
+    for value, flag in iters if t.train_samples is not None else ():
+        if value:
+            raise ConfigError(f"{flag} is for iteration-based training; with --train-samples use "
+                              f"{flag.replace('-iters', '-samples')}")
+    for value, flag in samples if t.train_samples is None else ():
+        if not (value is None):
+            raise ConfigError(f"{flag} is for sample-based training (--train-samples); with --train-iters use "
+                              f"{flag.replace('-samples', '-iters')}")
+    if s.lr_warmup_fraction is not None:
+        if not (0 <= s.lr_warmup_fraction <= 1):
+            raise ConfigError(f"--lr-warmup-fraction must be between 0 and 1, got {s.lr_warmup_fraction}")
+        if s.lr_warmup_iters or s.lr_warmup_samples:
+            raise ConfigError("--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are exclusive; give one")
 
 
 def _calculate_scheduler_steps(cfg: ConfigContainer) -> None:
@@ -1291,213 +1479,6 @@ def _calculate_scheduler_steps(cfg: ConfigContainer) -> None:
         raise ConfigError(f"--lr-warmup-init {s.lr_warmup_init} is above --lr {o.lr}; warmup rises to --lr")
 
 
-# --------------------------------------------------------------------------------------------------
-# Compatibility checks (Bridge's ConfigContainer._validate_* and Megatron-LM's validate_args),
-# the config summary, and the NVIDIA service configs
-# --------------------------------------------------------------------------------------------------
-
-
-def need(ok: bool, msg: str) -> None:
-    """validate()'s one-line error: raise ConfigError(msg) unless ok."""
-    if not ok:
-        raise ConfigError(msg)
-
-
-def _validate_training_scheduler_compatibility(cfg: ConfigContainer) -> None:
-    """Bridge's `_validate_training_scheduler_compatibility` and `SchedulerConfig.finalize` (Megatron-LM's
-    validate_args): iteration-based training takes the *-iters schedule flags, sample-based training the
-    *-samples ones; --lr-warmup-fraction replaces either warmup length."""
-    t, s = cfg.train, cfg.scheduler
-    iters = [(s.lr_decay_iters, "--lr-decay-iters"), (s.lr_warmup_iters, "--lr-warmup-iters"),
-             (s.lr_wsd_decay_iters, "--lr-wsd-decay-iters")]
-    samples = [(s.lr_decay_samples, "--lr-decay-samples"), (s.lr_warmup_samples or None, "--lr-warmup-samples"),
-               (s.lr_wsd_decay_samples, "--lr-wsd-decay-samples")]
-    for value, flag in iters + samples:  # a warmup may be 0 (none), a decay may not
-        need(value is None or value > 0 or (value == 0 and "warmup" in flag), f"{flag} must be positive, got {value}")
-    for value, flag in iters if t.train_samples is not None else ():
-        need(not value, f"{flag} is for iteration-based training; with --train-samples use "
-                        f"{flag.replace('-iters', '-samples')}")
-    for value, flag in samples if t.train_samples is None else ():
-        need(value is None, f"{flag} is for sample-based training (--train-samples); with --train-iters use "
-                            f"{flag.replace('-samples', '-iters')}")
-    if s.lr_warmup_fraction is not None:
-        need(0 <= s.lr_warmup_fraction <= 1, f"--lr-warmup-fraction must be between 0 and 1, got {s.lr_warmup_fraction}")
-        need(not (s.lr_warmup_iters or s.lr_warmup_samples),
-             "--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are exclusive; give one")
-
-
-def _validate_context_parallel(cfg: ConfigContainer) -> None:
-    """Bridge's `_validate_cp_comm_type` and the context-parallel checks of `validate` (Megatron-LM's
-    validate_args): each rank holds two chunks of the sequence (to balance causal attention), and
-    a2a+p2p needs the hierarchy of context-parallel groups it communicates over."""
-    m = cfg.model
-    cp, kinds, sizes = m.context_parallel_size, m.cp_comm_type, m.hierarchical_context_parallel_sizes
-    known = ("p2p", "all_gather", "a2a", "a2a+p2p")
-    bad = [k for k in kinds if k not in known]
-    need(kinds and not bad, f"--cp-comm-type {' '.join(bad or kinds)}: expected {', '.join(known)}")
-    need(len(kinds) in (1, m.num_layers), f"--cp-comm-type gives {len(kinds)} types; give one for all layers or one "
-                                          f"per layer (--num-layers {m.num_layers})")
-    need(cp == 1 or m.seq_length % (2 * cp) == 0, f"--seq-length {m.seq_length} must be a multiple of 2 x "
-                                                  f"--context-parallel-size = {2 * cp} (each rank holds two chunks)")
-    need(cp == 1 or "a2a+p2p" not in kinds or sizes,
-         "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes (e.g. 8 2 for 16 ranks over 2 nodes); "
-         "without it context parallelism would not communicate")
-    need(not sizes or math.prod(sizes) == cp, f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes or []))}"
-                                              f" multiply to {math.prod(sizes or [])}, not --context-parallel-size {cp}")
-
-
-# Megatron-LM `megatron/training/determinism.py`: the environment a bitwise-reproducible run needs.
-DETERMINISM_ENV_DEFAULTS = {"NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
-                            "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-DETERMINISM_ENV_ACCEPTED = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": ("0",), "CUBLAS_WORKSPACE_CONFIG": (":4096:8", ":16:8")}
-DETERMINISTIC_NCCL_ALGOS = ("Ring", "CollnetDirect", "CollnetChain", "^NVLS")  # Tree's reduction order can vary
-
-
-def _validate_deterministic_mode(cfg: ConfigContainer, env=None) -> None:
-    """Bridge's `_validate_and_apply_deterministic_mode`, Megatron-LM's `apply_determinism_to_args`: refuse
-    what cannot be deterministic rather than silently change it. Applying the mode (environment defaults,
-    `torch.use_deterministic_algorithms`) is `train.apply_deterministic_mode`."""
-    if not cfg.model.deterministic_mode:
-        return
-    env = os.environ if env is None else env
-    need(not cfg.model.cross_entropy_loss_fusion,
-         "--deterministic-mode: --cross-entropy-loss-fusion is not deterministic; drop it")
-    algo = env.get("NCCL_ALGO")
-    need(algo is None or all(a.strip() in DETERMINISTIC_NCCL_ALGOS for a in algo.split(",") if a.strip()),
-         f"--deterministic-mode: NCCL_ALGO={algo} may reduce in a varying order; unset it or use one of "
-         f"{', '.join(DETERMINISTIC_NCCL_ALGOS)}")
-    for name, accepted in DETERMINISM_ENV_ACCEPTED.items():
-        need(env.get(name) is None or env[name] in accepted,
-             f"--deterministic-mode: {name}={env.get(name)} is not deterministic; unset it or use {' or '.join(accepted)}")
-
-
-def _package_installed(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
-
-
-def _require_service(setting: str, service: str, package: str) -> None:
-    """An enabled NVIDIA service: name the package it needs; this training loop does not run it either way."""
-    need(_package_installed(package.replace("-", "_")),
-         f"{setting}: {service} needs the {package} package, which is not installed (pip install {package}); "
-         f"this training loop does not run it either, so drop the setting")
-    need(False, f"{setting}: {package} is installed, but this training loop does not run {service} "
-                f"(see README, 'NVIDIA service configs'); drop the setting")
-
-
-def _validate_services(cfg: ConfigContainer) -> None:
-    """The NVIDIA service configs: their documented constraints (Bridge's `finalize` methods, Megatron-LM's
-    --inprocess-* flags), then the service's package. Disabled sections are only checked for consistency."""
-    ft, nv, ipr, ti = cfg.ft, cfg.nvrx_straggler, cfg.inprocess_restart, cfg.tensor_inspect
-    need(ft.enable_ft_package or not (ft.calc_ft_timeouts or ft.simulate_fault),
-         "ft.calc_ft_timeouts and ft.simulate_fault need --enable-ft-package")  # they act inside the FT package
-    need(ft.simulated_fault_type in ("rank_hung", "rank_killed", "random"),
-         f"ft.simulated_fault_type {ft.simulated_fault_type}: expected rank_hung, rank_killed or random")
-    need(ft.simulated_fault_rank is None or 0 <= ft.simulated_fault_rank < cfg.world_size,
-         f"ft.simulated_fault_rank {ft.simulated_fault_rank} is not a rank of this world (size {cfg.world_size})")
-    need(ft.simulated_fault_base_delay >= 0, "ft.simulated_fault_base_delay must be non-negative")
-    if ft.enable_ft_package:
-        _require_service("--enable-ft-package", "fault tolerance", "nvidia-resiliency-ext")
-    if nv.enabled:
-        need(nv.calc_relative_gpu_perf or nv.calc_individual_gpu_perf,
-             "nvrx_straggler: set calc_relative_gpu_perf or calc_individual_gpu_perf (or both)")
-        need(nv.report_time_interval > 0, f"nvrx_straggler.report_time_interval must be positive, got "
-                                          f"{nv.report_time_interval}")
-        for name in ("gpu_relative_perf_threshold", "gpu_individual_perf_threshold"):
-            need(0 <= getattr(nv, name) <= 1, f"nvrx_straggler.{name} must be between 0 and 1, got {getattr(nv, name)}")
-        need(nv.profiling_interval >= 1 and nv.num_gpu_perf_scores_to_print >= 0,
-             "nvrx_straggler.profiling_interval must be at least 1 and num_gpu_perf_scores_to_print non-negative")
-        _require_service("nvrx_straggler.enabled", "NVRx straggler detection", "nvidia-resiliency-ext")
-    if ipr.enabled:
-        for f in dataclasses.fields(ipr):
-            if f.type == "float":  # the intervals and timeouts
-                need(getattr(ipr, f.name) > 0, f"{f.metadata['flag']} must be positive, got {getattr(ipr, f.name)}")
-        need(ipr.soft_timeout < ipr.hard_timeout, f"--inprocess-soft-timeout {ipr.soft_timeout} must be below "
-                                                  f"--inprocess-hard-timeout {ipr.hard_timeout}")
-        need(ipr.granularity in ("node", "rank"), f"--inprocess-granularity {ipr.granularity}: expected node or rank")
-        need(ipr.active_world_size is None or 1 <= ipr.active_world_size <= cfg.world_size,
-             f"--inprocess-active-world-size {ipr.active_world_size} must be between 1 and the world size "
-             f"{cfg.world_size}")
-        need(ipr.max_iterations is None or ipr.max_iterations >= 1, "--inprocess-max-iterations must be positive")
-        _require_service("--inprocess-restart", "in-process restart", "nvidia-resiliency-ext")
-    if ti.enabled:
-        need(not isinstance(ti.features, str) or os.path.isfile(ti.features),
-             f"tensor_inspect.features {ti.features}: no such file; give a YAML file or a mapping")
-        need(ti.init_training_step >= 0, "tensor_inspect.init_training_step must be non-negative")
-        if ti.log_dir is None:  # Bridge's defaults
-            ti.log_dir = cfg.checkpoint.save or "."
-        if ti.init_training_step == 0 and cfg.checkpoint.ckpt_step is not None:
-            ti.init_training_step = int(cfg.checkpoint.ckpt_step)
-        _require_service("tensor_inspect.enabled", "tensor inspection", "nvdlfw-inspect")
-
-
-def _get_non_default_values(config_obj: Any, default_class: type) -> dict:
-    """Bridge's `_get_non_default_values`: {field: (value, default)} for the fields of config_obj whose value
-    differs from default_class's default. Fields without a default, callables, private fields and values
-    derived during validation (they have no default to differ from) are left out."""
-    defaults = {}
-    for f in dataclasses.fields(default_class):
-        if f.default is not dataclasses.MISSING:
-            defaults[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            defaults[f.name] = f.default_factory()
-    changed = {}
-    for f in dataclasses.fields(config_obj):
-        if f.name.startswith("_") or f.name not in defaults or f.metadata.get("derived"):
-            continue
-        value, default = getattr(config_obj, f.name), defaults[f.name]
-        if callable(value) or callable(default):
-            continue
-        if value != default:
-            changed[f.name] = (value, default)
-    return changed
-
-
-def _get_key_config_values(config_obj: Any) -> dict:
-    """Bridge's `_get_key_config_values`: {field: value} of a config object, leaving out None values,
-    callables, private fields and nested configs (the container's sub-configs)."""
-    if not dataclasses.is_dataclass(config_obj):
-        return {}
-    values = {}
-    for f in dataclasses.fields(config_obj):
-        value = getattr(config_obj, f.name)
-        if f.name.startswith("_") or value is None or callable(value) or dataclasses.is_dataclass(value):
-            continue
-        values[f.name] = value
-    return values
-
-
-def _validate_rampup(cfg: ConfigContainer) -> None:
-    """--rampup-batch-size START INCR SAMPLES, checked so megatron-core's RampupBatchsizeNumMicroBatchesCalculator
-    never fails mid-run: every batch size on the way (START, START + INCR, ..., --global-batch-size) must split
-    into microbatches on each data-parallel rank. Iteration-based only, as Megatron Bridge's TrainingConfig."""
-    t, dp = cfg.train, cfg.data_parallel_size
-    if t.rampup_batch_size is None:
-        return
-    unit, gbs = t.micro_batch_size * dp, t.global_batch_size
-    if len(t.rampup_batch_size) != 3:
-        raise ConfigError("--rampup-batch-size takes three numbers, START INCR SAMPLES (e.g. --rampup-batch-size 8 8 10000)")
-    start, incr, samples = t.rampup_batch_size
-    if start <= 0 or incr <= 0 or samples < 0:
-        raise ConfigError(f"--rampup-batch-size {start} {incr} {samples}: START and INCR must be positive, SAMPLES non-negative")
-    if start >= gbs:
-        raise ConfigError(f"--rampup-batch-size START {start} must be less than --global-batch-size {gbs}, the batch it "
-                          f"ramps up to; drop --rampup-batch-size for a constant batch")
-    if (gbs - start) % incr:
-        raise ConfigError(f"--rampup-batch-size INCR {incr} does not divide --global-batch-size {gbs} - START {start} "
-                          f"= {gbs - start}; pick an INCR that does")
-    if start % unit or incr % unit:
-        raise ConfigError(f"--rampup-batch-size START {start} and INCR {incr} must be multiples of --micro-batch-size "
-                          f"{t.micro_batch_size} x data-parallel size {dp} = {unit}")
-    if t.train_samples is not None:
-        raise ConfigError("--rampup-batch-size counts --train-iters iterations (as Megatron Bridge); use --train-iters "
-                          "instead of --train-samples")
-    if getattr(cfg.dataset, "sft", False) or getattr(cfg.dataset, "dataloader_type", None) == "batch":
-        raise ConfigError("--rampup-batch-size does not work with the batch dataloader (--sft pads each fixed-size "
-                          "global batch); drop one")
-
-
 def _validate_and_sync_distributed_optimizer_settings(cfg: ConfigContainer) -> None:
     """Megatron Bridge's: the distributed-optimizer setting lives in both the DDP and the optimizer config
     (megatron-core reads it from each); if either asks for it, both get it. --use-distributed-optimizer sets
@@ -1508,85 +1489,6 @@ def _validate_and_sync_distributed_optimizer_settings(cfg: ConfigContainer) -> N
             print(f"train.py: note: ddp.use_distributed_optimizer={ddp_setting} and optimizer.use_distributed_optimizer="
                   f"{optimizer_setting} disagreed; using the distributed optimizer for both", file=sys.stderr)
         cfg.ddp.use_distributed_optimizer = cfg.optimizer.use_distributed_optimizer = True
-
-
-def _validate_peft(cfg: ConfigContainer) -> None:
-    p, c = cfg.peft, cfg.checkpoint
-    if p.peft == "none":
-        return
-    if not c.pretrained_checkpoint:
-        raise ConfigError(f"--peft {p.peft} trains adapters on base weights: give them with --pretrained-checkpoint "
-                          f"(a checkpoint of train.py; --load then resumes the {p.peft} run itself)")
-    if c.ckpt_format != "torch_dist":
-        raise ConfigError(f"--peft {p.peft} saves the adapters only, which needs --ckpt-format torch_dist")
-    if not p.lora_target_modules:
-        raise ConfigError("--lora-target-modules is empty: name at least one linear layer (e.g. linear_qkv)")
-
-
-def _validate_recompute(cfg: ConfigContainer) -> None:
-    """Megatron-LM's validate_args and TransformerConfig's checks of the recompute settings."""
-    m = cfg.model
-    if m.recompute_granularity == "selective" and m.recompute_method is not None:
-        raise ConfigError("--recompute-method applies to --recompute-granularity full; selective recomputation "
-                          "recomputes the core attention of every layer")
-    if m.recompute_granularity != "full" and (m.recompute_method or m.recompute_num_layers):
-        raise ConfigError("--recompute-method and --recompute-num-layers need --recompute-granularity full")
-    if m.recompute_granularity == "full":
-        if m.recompute_method is None:
-            raise ConfigError("--recompute-granularity full needs --recompute-method uniform or block")
-        if m.recompute_num_layers is None:
-            m.recompute_num_layers = 1
-        per_stage = max(pipeline_stage_layers(m))
-        most = per_stage if m.recompute_method == "block" else m.num_layers
-        if m.recompute_num_layers > most:
-            raise ConfigError(f"--recompute-num-layers {m.recompute_num_layers} is more than the {most} layers "
-                              f"{'of a pipeline stage' if m.recompute_method == 'block' else 'of the model'}")
-
-
-def pipeline_stage_layers(m: ModelConfig) -> list:
-    """Layers per pipeline stage: --decoder-first/last-pipeline-num-layers where given, the rest evenly
-    (megatron-core's num_layers_in_first/last_pipeline_stage). Uneven leftovers are for the caller to refuse."""
-    pp, first, last = m.pipeline_model_parallel_size, m.decoder_first_pipeline_num_layers, m.decoder_last_pipeline_num_layers
-    if pp == 1:
-        return [m.num_layers]
-    fixed = {0: first, pp - 1: last}
-    middle = [i for i in range(pp) if fixed.get(i) is None]
-    rest = m.num_layers - sum(v for v in fixed.values() if v is not None)
-    even = rest // len(middle) if middle else 0
-    return [fixed[i] if fixed.get(i) is not None else even for i in range(pp)]
-
-
-def _validate_pipeline_split(cfg: ConfigContainer) -> None:
-    m = cfg.model
-    pp, uneven = m.pipeline_model_parallel_size, (m.decoder_first_pipeline_num_layers, m.decoder_last_pipeline_num_layers)
-    if pp == 1 and any(v is not None for v in uneven):
-        raise ConfigError("--decoder-first/last-pipeline-num-layers set a pipeline stage's layers; add "
-                          "--pipeline-model-parallel-size 2 or more")
-    if sum(pipeline_stage_layers(m)) != m.num_layers or min(pipeline_stage_layers(m)) < 0:
-        split = ("the layers the first/last stages leave" if any(v is not None for v in uneven) else "--num-layers")
-        raise ConfigError(f"--pipeline-model-parallel-size {pp} must divide {split} evenly ({m.num_layers} layers); "
-                          f"change --num-layers, --decoder-first-pipeline-num-layers or --decoder-last-pipeline-num-layers")
-    if m.num_layers_per_virtual_pipeline_stage is not None and any(v is not None for v in uneven):
-        raise ConfigError("--num-layers-per-virtual-pipeline-stage needs evenly split pipeline stages; drop "
-                          "--decoder-first/last-pipeline-num-layers")
-
-
-def _validate_virtual_pipeline(cfg: ConfigContainer) -> None:
-    """--num-layers-per-virtual-pipeline-stage as Megatron-LM's validate_args: each pipeline rank holds
-    (layers / pipeline size) / (layers per virtual stage) chunks and runs the interleaved schedule."""
-    m = cfg.model
-    n = m.num_layers_per_virtual_pipeline_stage
-    if n is None:
-        m.virtual_pipeline_model_parallel_size = None
-        return
-    pp = m.pipeline_model_parallel_size
-    if pp == 1:
-        raise ConfigError("--num-layers-per-virtual-pipeline-stage interleaves pipeline stages; add "
-                          "--pipeline-model-parallel-size 2 or more")
-    if n <= 0 or (m.num_layers // pp) % n:
-        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {n} must divide the {m.num_layers // pp} layers of "
-                          f"each pipeline stage (--num-layers {m.num_layers} / --pipeline-model-parallel-size {pp})")
-    m.virtual_pipeline_model_parallel_size = (m.num_layers // pp) // n
 
 
 def _validate_overlap(cfg: ConfigContainer) -> None:
@@ -1600,52 +1502,6 @@ def _validate_overlap(cfg: ConfigContainer) -> None:
                           "optimizer's parameter shards with the forward pass)")
     if not ddp.overlap_grad_reduce:
         raise ConfigError("--overlap-param-gather needs --overlap-grad-reduce; add it")
-
-
-def _validate_mixed_precision_consistency(cfg: ConfigContainer) -> None:
-    """Precision settings that agree with each other (Bridge's `_validate_mixed_precision_consistency`, with
-    Megatron-LM's `validate_args` for the loss-scaling flags): one half-precision type at most, loss-scaling
-    settings only under --fp16 and within megatron-core's DynamicGradScaler's bounds."""
-    m, o, t = cfg.model, cfg.optimizer, cfg.train
-    if m.bf16 and m.fp16:
-        raise ConfigError("--bf16 and --fp16 are exclusive; pick one")
-    defaults = OptimizerConfig()
-    scaling = ["loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis"]
-    changed = [name for name in scaling if getattr(o, name) != getattr(defaults, name)]
-    if changed and not m.fp16:
-        flag = "--" + changed[0].replace("_", "-")
-        raise ConfigError(f"{flag} {getattr(o, changed[0])} sets fp16 loss scaling, but --fp16 is not set "
-                          f"({'bf16' if m.bf16 else 'fp32'} training needs no loss scale); add --fp16 or drop it")
-    if o.loss_scale is not None and not o.loss_scale > 0:
-        raise ConfigError(f"--loss-scale must be positive, got {o.loss_scale}; omit it for dynamic loss scaling")
-    if not 0 < o.min_loss_scale <= o.initial_loss_scale:
-        raise ConfigError(f"--min-loss-scale {o.min_loss_scale} must be positive and at most --initial-loss-scale "
-                          f"{o.initial_loss_scale}")
-    if o.loss_scale_window < 1 or o.hysteresis < 1:
-        raise ConfigError(f"--loss-scale-window ({o.loss_scale_window}) and --hysteresis ({o.hysteresis}) must be at "
-                          f"least 1")
-    if m.fp16 and o.loss_scale is None:
-        # Megatron-LM: under dynamic loss scaling an Inf/NaN gradient is the scaler's signal to back off
-        # (the step is skipped), not an error.
-        t.check_for_nan_in_loss_and_grad = False
-
-
-def _validate_rerun_state_machine(cfg: ConfigContainer) -> None:
-    """Settings of the rerun state machine that can do what they say (megatron-core's RerunStateMachine)."""
-    r, t = cfg.rerun_state_machine, cfg.train
-    r.check_for_nan_in_loss = r.check_for_nan_in_loss and t.check_for_nan_in_loss_and_grad
-    if not r.spiky_loss_factor > 1:
-        raise ConfigError(f"--spiky-loss-factor must be greater than 1 (a loss that many times the largest seen), "
-                          f"got {r.spiky_loss_factor}")
-    if r.error_injection_rate < 0:
-        raise ConfigError(f"--error-injection-rate must be non-negative, got {r.error_injection_rate}")
-    if r.error_injection_rate and r.rerun_mode != "validate_results":
-        raise ConfigError(f"--error-injection-rate tests the reruns of --rerun-mode validate_results, not "
-                          f"{r.rerun_mode}; add --rerun-mode validate_results")
-    if r.rerun_mode == "validate_results" and not (r.check_for_nan_in_loss or r.check_for_spiky_loss):
-        raise ConfigError("--rerun-mode validate_results has nothing to validate: the NaN check is off "
-                          "(--no-check-for-nan-in-loss-and-grad, or --fp16's dynamic loss scaling); add "
-                          "--check-for-spiky-loss or use --rerun-mode disabled")
 
 
 def parse_data_path(paths: list) -> tuple:
@@ -1719,9 +1575,7 @@ def _validate_data(cfg: ConfigContainer) -> None:
         model_file = os.path.join(tk.tokenizer_model, "tokenizer.json") if os.path.isdir(tk.tokenizer_model) else tk.tokenizer_model
         if not os.path.isfile(model_file):
             raise ConfigError(f"--tokenizer-model {tk.tokenizer_model}: no tokenizer.json there")
-        import importlib.util
-
-        if importlib.util.find_spec("tokenizers") is None:
+        if not package_installed("tokenizers"):
             raise ConfigError("--tokenizer-type HuggingFaceTokenizer needs the tokenizers package: pip install tokenizers")
     elif tk.tokenizer_model:
         raise ConfigError("--tokenizer-model is only for --tokenizer-type HuggingFaceTokenizer")
@@ -1751,8 +1605,6 @@ def _validate_fim(cfg: ConfigContainer) -> None:
 
 def _import_logger(module: str, flag: str, pip: str):
     """The tracker's package, imported now, so a missing one is a one-line error before any work."""
-    import importlib
-
     try:
         return importlib.import_module(module)
     except ImportError as e:
@@ -1793,8 +1645,6 @@ def _validate_loggers(cfg: ConfigContainer) -> None:
 def _check_mlflow_store(uri: str) -> None:
     """MLflow 3 opens a file store (a path or file://) only with MLFLOW_ALLOW_FILE_STORE=true, and a database store
     (its default is sqlite:///mlflow.db) only with SQLAlchemy, which mlflow-skinny lacks: say so now, not mid-run."""
-    import importlib.util
-
     scheme = uri.split("://", 1)[0] if "://" in uri else "file"
     if scheme == "file":
         from mlflow import environment_variables
@@ -1803,9 +1653,187 @@ def _check_mlflow_store(uri: str) -> None:
         if allow is not None and not allow.get():
             raise ConfigError(f"MLflow tracking store {uri} is a file store, which MLflow opens only with "
                               f"MLFLOW_ALLOW_FILE_STORE=true; set it, or give --mlflow-tracking-uri http://HOST:PORT")
-    elif scheme.split("+")[0] in ("sqlite", "postgresql", "mysql", "mssql") and importlib.util.find_spec("sqlalchemy") is None:
+    elif scheme.split("+")[0] in ("sqlite", "postgresql", "mysql", "mssql") and not package_installed("sqlalchemy"):
         raise ConfigError(f"MLflow tracking store {uri} is a database, which needs the full mlflow package (pip install "
                           f"mlflow); or give --mlflow-tracking-uri http://HOST:PORT, or file:///DIR with MLFLOW_ALLOW_FILE_STORE=true")
+
+
+def _validate_peft(cfg: ConfigContainer) -> None:
+    p, c = cfg.peft, cfg.checkpoint
+    if p.peft == "none":
+        return
+    if not c.pretrained_checkpoint:
+        raise ConfigError(f"--peft {p.peft} trains adapters on base weights: give them with --pretrained-checkpoint "
+                          f"(a checkpoint of train.py; --load then resumes the {p.peft} run itself)")
+    if c.ckpt_format != "torch_dist":
+        raise ConfigError(f"--peft {p.peft} saves the adapters only, which needs --ckpt-format torch_dist")
+    if not p.lora_target_modules:
+        raise ConfigError("--lora-target-modules is empty: name at least one linear layer (e.g. linear_qkv)")
+
+
+# Megatron-LM `megatron/training/determinism.py`: the environment a bitwise-reproducible run needs.
+DETERMINISM_ENV_DEFAULTS = {"NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
+                            "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+DETERMINISM_ENV_ACCEPTED = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": ("0",), "CUBLAS_WORKSPACE_CONFIG": (":4096:8", ":16:8")}
+DETERMINISTIC_NCCL_ALGOS = ("Ring", "CollnetDirect", "CollnetChain", "^NVLS")  # Tree's reduction order can vary
+
+
+def _validate_deterministic_mode(cfg: ConfigContainer, env=None) -> None:
+    """Bridge's `_validate_and_apply_deterministic_mode`, Megatron-LM's `apply_determinism_to_args`: refuse
+    what cannot be deterministic rather than silently change it. Applying the mode (environment defaults,
+    `torch.use_deterministic_algorithms`) is `train.apply_deterministic_mode`."""
+    if not cfg.model.deterministic_mode:
+        return
+    env = os.environ if env is None else env
+    if cfg.model.cross_entropy_loss_fusion:
+        raise ConfigError("--deterministic-mode: --cross-entropy-loss-fusion is not deterministic; drop it")
+    algo = env.get("NCCL_ALGO")
+    if not (algo is None or all(a.strip() in DETERMINISTIC_NCCL_ALGOS for a in algo.split(",") if a.strip())):
+        raise ConfigError(f"--deterministic-mode: NCCL_ALGO={algo} may reduce in a varying order; unset it or use one of "
+                          f"{', '.join(DETERMINISTIC_NCCL_ALGOS)}")
+    for name, accepted in DETERMINISM_ENV_ACCEPTED.items():
+        if not (env.get(name) is None or env[name] in accepted):
+            raise ConfigError(f"--deterministic-mode: {name}={env.get(name)} is not deterministic; unset it or use {' or '.join(accepted)}")
+
+
+def _validate_callbacks(cfg: ConfigContainer) -> None:
+    """Manual GC, profiling and straggler settings (Megatron-LM's validate_args, Bridge's ProfilingConfig.finalize)."""
+    t, p, st = cfg.train, cfg.profiling, cfg.straggler
+    if t.manual_gc_interval < 0:
+        raise ConfigError(f"--manual-gc-interval must be non-negative, got {t.manual_gc_interval}")
+    if st.straggler_minmax_count < 1:
+        raise ConfigError(f"--straggler-minmax-count must be at least 1, got {st.straggler_minmax_count}")
+    profiling = p.use_pytorch_profiler or p.use_nsys_profiler
+    if profiling or p.record_memory_history:
+        if not 0 <= p.profile_step_start < p.profile_step_end:
+            raise ConfigError(f"--profile-step-start {p.profile_step_start} and --profile-step-end {p.profile_step_end}: "
+                              f"need 0 <= start < end")
+        bad = [r for r in p.profile_ranks if not 0 <= r < cfg.world_size]
+        if bad:
+            raise ConfigError(f"--profile-ranks {' '.join(map(str, bad))}: no such rank in a world of {cfg.world_size}")
+    if p.use_pytorch_profiler and not cfg.logger.tensorboard_dir:
+        raise ConfigError("--use-pytorch-profiler writes its trace to the TensorBoard directory, which --no-tensorboard "
+                          "turned off; drop --no-tensorboard or give --tensorboard-dir DIR")
+    if not cfg.use_gpu:
+        gpu_only = [
+            (p.use_nsys_profiler and not p.use_pytorch_profiler, "--profile alone profiles with Nsight Systems, which"),
+            (p.nvtx_ranges, "--nvtx-ranges marks ranges for Nsight Systems, which"),
+            (p.record_memory_history, "--record-memory-history records the CUDA allocator, which"),
+        ]
+        for bad_setting, what in gpu_only:
+            if bad_setting:
+                raise ConfigError(f"{what} needs a GPU and none is visible; on CPU, profile with "
+                                  f"--use-pytorch-profiler --tensorboard-dir DIR")
+
+
+# --------------------------------------------------------------------------------------------------
+# The NVIDIA service configs: accepted at their defaults, one line when enabled (validate's last
+# check)
+# --------------------------------------------------------------------------------------------------
+
+
+def _validate_services(cfg: ConfigContainer) -> None:
+    """The NVIDIA service configs: their documented constraints (Bridge's `finalize` methods, Megatron-LM's
+    --inprocess-* flags), then the service's package. Disabled sections are only checked for consistency."""
+    ft, nv, ipr, ti = cfg.ft, cfg.nvrx_straggler, cfg.inprocess_restart, cfg.tensor_inspect
+    if not (ft.enable_ft_package or not (ft.calc_ft_timeouts or ft.simulate_fault)):  # they act inside the FT package
+        raise ConfigError("ft.calc_ft_timeouts and ft.simulate_fault need --enable-ft-package")
+    if not (ft.simulated_fault_type in ("rank_hung", "rank_killed", "random")):
+        raise ConfigError(f"ft.simulated_fault_type {ft.simulated_fault_type}: expected rank_hung, rank_killed or random")
+    if not (ft.simulated_fault_rank is None or 0 <= ft.simulated_fault_rank < cfg.world_size):
+        raise ConfigError(f"ft.simulated_fault_rank {ft.simulated_fault_rank} is not a rank of this world (size {cfg.world_size})")
+    if not (ft.simulated_fault_base_delay >= 0):
+        raise ConfigError("ft.simulated_fault_base_delay must be non-negative")
+    if ft.enable_ft_package:
+        _require_service("--enable-ft-package", "fault tolerance", "nvidia-resiliency-ext")
+    if nv.enabled:
+        if not (nv.calc_relative_gpu_perf or nv.calc_individual_gpu_perf):
+            raise ConfigError("nvrx_straggler: set calc_relative_gpu_perf or calc_individual_gpu_perf (or both)")
+        if not (nv.report_time_interval > 0):
+            raise ConfigError(f"nvrx_straggler.report_time_interval must be positive, got "
+                              f"{nv.report_time_interval}")
+        for name in ("gpu_relative_perf_threshold", "gpu_individual_perf_threshold"):
+            if not (0 <= getattr(nv, name) <= 1):
+                raise ConfigError(f"nvrx_straggler.{name} must be between 0 and 1, got {getattr(nv, name)}")
+        if not (nv.profiling_interval >= 1 and nv.num_gpu_perf_scores_to_print >= 0):
+            raise ConfigError("nvrx_straggler.profiling_interval must be at least 1 and num_gpu_perf_scores_to_print non-negative")
+        _require_service("nvrx_straggler.enabled", "NVRx straggler detection", "nvidia-resiliency-ext")
+    if ipr.enabled:
+        for f in dataclasses.fields(ipr):
+            if f.type == "float":  # the intervals and timeouts
+                if not (getattr(ipr, f.name) > 0):
+                    raise ConfigError(f"{f.metadata['flag']} must be positive, got {getattr(ipr, f.name)}")
+        if not (ipr.soft_timeout < ipr.hard_timeout):
+            raise ConfigError(f"--inprocess-soft-timeout {ipr.soft_timeout} must be below "
+                              f"--inprocess-hard-timeout {ipr.hard_timeout}")
+        if not (ipr.granularity in ("node", "rank")):
+            raise ConfigError(f"--inprocess-granularity {ipr.granularity}: expected node or rank")
+        if not (ipr.active_world_size is None or 1 <= ipr.active_world_size <= cfg.world_size):
+            raise ConfigError(f"--inprocess-active-world-size {ipr.active_world_size} must be between 1 and the world size "
+                              f"{cfg.world_size}")
+        if not (ipr.max_iterations is None or ipr.max_iterations >= 1):
+            raise ConfigError("--inprocess-max-iterations must be positive")
+        _require_service("--inprocess-restart", "in-process restart", "nvidia-resiliency-ext")
+    if ti.enabled:
+        if not (not isinstance(ti.features, str) or os.path.isfile(ti.features)):
+            raise ConfigError(f"tensor_inspect.features {ti.features}: no such file; give a YAML file or a mapping")
+        if not (ti.init_training_step >= 0):
+            raise ConfigError("tensor_inspect.init_training_step must be non-negative")
+        if ti.log_dir is None:  # Bridge's defaults
+            ti.log_dir = cfg.checkpoint.save or "."
+        if ti.init_training_step == 0 and cfg.checkpoint.ckpt_step is not None:
+            ti.init_training_step = int(cfg.checkpoint.ckpt_step)
+        _require_service("tensor_inspect.enabled", "tensor inspection", "nvdlfw-inspect")
+
+
+def _require_service(setting: str, service: str, package: str) -> None:
+    """An enabled NVIDIA service: name the package it needs; this training loop does not run it either way."""
+    if not package_installed(package.replace("-", "_")):
+        raise ConfigError(f"{setting}: {service} needs the {package} package, which is not installed (pip install {package}); "
+                          f"this training loop does not run it either, so drop the setting")
+    raise ConfigError(f"{setting}: {package} is installed, but this training loop does not run {service} "
+                          f"(see README, 'NVIDIA service configs'); drop the setting")
+
+
+# --------------------------------------------------------------------------------------------------
+# Printing the config: Megatron's argument list, or Bridge's summary of non-default values
+# --------------------------------------------------------------------------------------------------
+
+
+def _get_non_default_values(config_obj: Any, default_class: type) -> dict:
+    """Bridge's `_get_non_default_values`: {field: (value, default)} for the fields of config_obj whose value
+    differs from default_class's default. Fields without a default, callables, private fields and values
+    derived during validation (they have no default to differ from) are left out."""
+    defaults = {}
+    for f in dataclasses.fields(default_class):
+        if f.default is not dataclasses.MISSING:
+            defaults[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            defaults[f.name] = f.default_factory()
+    changed = {}
+    for f in dataclasses.fields(config_obj):
+        if f.name.startswith("_") or f.name not in defaults or f.metadata.get("derived"):
+            continue
+        value, default = getattr(config_obj, f.name), defaults[f.name]
+        if callable(value) or callable(default):
+            continue
+        if value != default:
+            changed[f.name] = (value, default)
+    return changed
+
+
+def _get_key_config_values(config_obj: Any) -> dict:
+    """Bridge's `_get_key_config_values`: {field: value} of a config object, leaving out None values,
+    callables, private fields and nested configs (the container's sub-configs)."""
+    if not dataclasses.is_dataclass(config_obj):
+        return {}
+    values = {}
+    for f in dataclasses.fields(config_obj):
+        value = getattr(config_obj, f.name)
+        if f.name.startswith("_") or value is None or callable(value) or dataclasses.is_dataclass(value):
+            continue
+        values[f.name] = value
+    return values
 
 
 def print_config(cfg: ConfigContainer, file=sys.stdout) -> None:

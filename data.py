@@ -8,25 +8,24 @@ run reads exactly what an uninterrupted one would have.
 
 import dataclasses
 import functools
+import json
 import os
 import signal
 import sys
 import threading
-import warnings
+import time
 from typing import Dict, Optional
-
-warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed.*")  # as in model.py
 
 import numpy as np
 import torch
+
+import device  # first: it quiets megatron-core's import-time warnings
+from config import ConfigError, DatasetBuildContext, DatasetProvider, parse_data_path
+from device import any_rank
 from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-from config import ConfigError, DatasetBuildContext, DatasetProvider, parse_data_path
-import device
-from device import any_rank
+from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 # --------------------------------------------------------------------------------------------------
 # Tokenizers: what megatron-core's datasets need of one is vocab_size, eod, pad and unique_identifiers.
@@ -228,7 +227,6 @@ def split_document_ranges(num_documents: int, split: str) -> list:
 def check_split_not_empty(prefixes: list, split: str) -> None:
     """megatron-core builds every split with a non-zero share, and a split that gets no documents makes
     its GPTDataset loop forever looking for tokens: refuse it with a clear message instead."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     weights = _split_weights(split)
     for prefix in prefixes:
@@ -481,7 +479,6 @@ class SFTDataset(torch.utils.data.Dataset):
 
 def build_sft_datasets(cfg, tokenizer) -> list:
     """Train/validation/test SFTDatasets from JSONL: per-split paths, or one set of paths cut by --split."""
-    import json
 
     def load(paths):
         examples = []
@@ -673,7 +670,6 @@ def iter_documents(path: str, json_keys: list):
     """(key, text) of every document under path: a JSONL file (one document per line, one text per
     --json-keys key), a plain text file (one document per blank-line-separated block), or a directory
     of them (files in sorted order, recursively)."""
-    import json
 
     files = [path] if os.path.isfile(path) else sorted(
         os.path.join(d, f) for d, _, names in os.walk(path) for f in names
@@ -712,7 +708,6 @@ def preprocess(input_path: str, output_prefix: str, json_keys=("text",), tokeniz
     Reports documents, MB/s and an ETA on stderr every `log_interval` seconds. Returns per-key statistics.
     """
     import multiprocessing
-    import time
 
     if not os.path.exists(input_path):
         raise ConfigError(f"--input {input_path}: no such file or directory")
@@ -762,8 +757,6 @@ def preprocess(input_path: str, output_prefix: str, json_keys=("text",), tokeniz
 
 def _fill(builders, stats, batches, tokenizer, append_eod, pool, total_bytes, start, log_interval):
     """Tokenize batches of (key, text) (in worker processes when there is a pool) into the builders."""
-    import sys
-    import time
 
     last_report, done_bytes = time.time(), 0
     jobs = ((tokenizer, batch) for batch in batches)
@@ -797,14 +790,12 @@ def check_token_ids(prefixes: list, vocab_size: int) -> None:
 
 
 def _index_dtype(prefix: str):
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     return IndexedDataset(prefix).index.dtype
 
 
 def main(argv=None) -> int:
     import argparse
-    import sys
 
     parser = argparse.ArgumentParser(prog="data.py", description="Data tools. `preprocess`: text -> indexed dataset.")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -44,14 +44,31 @@ Beyond the shim, the machines differ in only these, each answered here once:
 
     what                       GPU                                  CPU
     -------------------------  -----------------------------------  ----------------------------------------
+    this process's device      its rank's GPU (LOCAL_RANK)          the CPU              (`bind_local_gpu()`)
     collective backend         nccl                                 gloo                 (`backend()`)
     where a batch lives        the local GPU (copied, non-blocking)  where it is          (`to_device()`)
-    layer implementation       transformer-engine if installed      megatron-core local  (config.py)
+    layer implementation       transformer-engine if installed      megatron-core local  (config.validate)
+    GPU-only features          context/sequence parallelism, TE,    one-line error       (config.validate)
+                               nccl, Nsight, CUDA memory history
+    where the model lives      moved to the local GPU               the CPU              (model.build_model)
+    weight initialisation      each TP rank its slice, in place     the full weight, then (model.transformer_
+                               (the RNG tracker)                    each rank its slice   config: use_cpu_init)
+    Adam's kernel              megatron-core's choice               torch's fused CPU    (model.build_optimizer)
+                                                                    AdamW (same update)
+    straggler timing           wall clock and CUDA events           wall clock           (metrics.StragglerTimer)
+    SDPA under determinism     the math kernel                      (already exact)      (model.SDPAttention)
 """
 
 import contextlib
+import os
+import warnings
 
 import torch
+
+# megatron-core warns at import that it falls back to torch kernels without apex/transformer-engine; that is the
+# intended setup on CPU, so the warnings are noise. Every module imports this one before megatron-core.
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed.*")
+warnings.filterwarnings("ignore", message=r"full scope is deprecated")  # a TransformerConfig default, not ours
 from torch.overrides import TorchFunctionMode
 
 _installed = False
@@ -60,6 +77,19 @@ _installed = False
 def cuda() -> bool:
     """Whether this process trains on a GPU."""
     return torch.cuda.is_available()
+
+
+def bind_local_gpu(gpu_visible: bool) -> None:
+    """Bind this process to its rank's GPU (LOCAL_RANK) when the config saw one (config.gpu_visible, asked
+    without torch); a GPU this torch cannot use (a CPU-only build) is a one-line error. Nothing on a CPU."""
+    if not gpu_visible:
+        return
+    if not cuda():
+        from config import ConfigError
+
+        raise ConfigError("a GPU is visible but this torch cannot use it (a CPU-only build?); install a CUDA build "
+                          "of torch, or train on CPU with CUDA_VISIBLE_DEVICES=''")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def backend() -> str:

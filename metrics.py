@@ -9,12 +9,15 @@ import math
 import os
 import sys
 import time
+import warnings
 from datetime import datetime
 from typing import Optional
 
 import torch
 
-import device
+import device  # first: it quiets megatron-core's import-time warnings
+from config import pipeline_stage_layers
+from megatron.core import parallel_state, tensor_parallel
 
 # --------------------------------------------------------------------------------------------------
 # Printing from the right rank
@@ -238,7 +241,6 @@ def report_throughput(train_config, iteration: int, seq_length: int, history_wct
     window = history_wct[-window_size:]
     elapsed = window[-1] - window[0]
     if elapsed <= 0:
-        import warnings
 
         warnings.warn(f"report_throughput: non-positive elapsed time ({elapsed}) at iteration {iteration}; skipped")
         return {}
@@ -307,7 +309,6 @@ def report_memory(memory_keys=None) -> dict:
         peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux
         rss = psutil.Process().memory_info().rss
         report = {"memory/cpu_rss_mem": rss / GB, "memory/cpu_peak_rss_mem": max(peak_kb * 1024, rss) / GB}
-    from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized() and parallel_state.get_pipeline_model_parallel_world_size() > 1:
         values = torch.tensor(list(report.values()), dtype=torch.float64, device=device.current())
@@ -582,7 +583,7 @@ def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_r
         if report_memory_flag:
             # The estimate beside the measurement, as Bridge prints them; kept on through the second iteration
             # after the start or a resume, so the measured peak includes the optimizer state its first step made.
-            report_theoretical_memory(config, config.num_microbatches, verbose=True)
+            report_theoretical_memory(config, global_state.num_microbatches, verbose=True)
             memory = report_memory()
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             print_rank_last(f"[Rank {rank}] (after {iteration} iterations) memory (GB) | " +
@@ -628,7 +629,6 @@ def param_is_not_shared(param) -> bool:
 def _counted_params(model):
     """(name, param) of every parameter counted once across the model-parallel group: not shared, and
     for tensor-parallel duplicates (norms, row-parallel biases) only on tensor-parallel rank 0."""
-    from megatron.core import tensor_parallel
 
     model = model if isinstance(model, list) else [model]
     for chunk in model:
@@ -652,7 +652,6 @@ def calc_params_l2_norm(model, model_config=None, use_megatron_fsdp: bool = Fals
     by the distributed optimizer (`main_param_sharded`) summed over the data-parallel group too; the
     squares summed over the model-parallel group (tensor and pipeline).
     """
-    from megatron.core import parallel_state
 
     dense, sharded = [], []
     for _, p in _counted_params(model):
@@ -696,7 +695,6 @@ def calc_dtensor_params_l2_norm(params) -> float:
 def reduce_max_stat_across_model_parallel_group(stat):
     """Max of a statistic over the model-parallel group; None-aware: ranks without it pass None, and
     the result is None only if every rank had None (statistics reported here are never negative)."""
-    from megatron.core import parallel_state
 
     group = parallel_state.get_model_parallel_group()
     if torch.distributed.get_world_size(group) == 1:  # nothing to agree on: no tensor, no device round trip
@@ -708,7 +706,6 @@ def reduce_max_stat_across_model_parallel_group(stat):
 
 def logical_and_across_model_parallel_group(input: bool) -> bool:
     """True if `input` is True on every rank of the model-parallel group."""
-    from megatron.core import parallel_state
 
     group = parallel_state.get_model_parallel_group()
     if torch.distributed.get_world_size(group) == 1:
@@ -722,9 +719,7 @@ def report_l2_norm_grad(model) -> dict:
     """`l2_norm/grad/global` and `l2_norm/grad/NAME` per parameter, after the data-parallel reduction
     (and after unscaling): tensor-parallel shards summed, duplicates counted once. Walks every parameter:
     only with --log-l2-norm-grad."""
-    from megatron.core import parallel_state
 
-    from megatron.core import tensor_parallel
 
     # Every tensor-parallel rank lists the same names in the same order (so the per-name sums line up);
     # a duplicate counts as zero except on tensor-parallel rank 0.
@@ -779,7 +774,6 @@ def compute_weight_and_optimizer_memory(config, verbose: bool = False) -> float:
     split over tensor parallelism. Bytes per parameter: bytes_per_parameter(), frozen weights (PEFT,
     `config.trainable_fraction`) at the weight's bytes only.
     """
-    from config import pipeline_stage_layers
 
     m = config.model
     h, L = m.hidden_size, m.num_layers
@@ -830,7 +824,6 @@ def compute_activation_memory(config, num_microbatches, verbose: bool = False) -
     1 + (pp - 1) / (pp x vp) (its penalty). Full recomputation keeps only each recomputed group's input (2sbh per
     layer or group) plus one group recomputed at a time. Plus the embedding's input and dropout mask, and with
     one stage the output layer's input, the logits and the loss."""
-    from config import pipeline_stage_layers
 
     m, t = config.model, config.train
     s, b, h = m.seq_length, t.micro_batch_size, m.hidden_size
@@ -877,7 +870,6 @@ def report_theoretical_memory(config, num_microbatches=None, verbose: bool = Fal
 
 def append_to_progress_log(save: str, line: str, world_size: int) -> None:
     """Megatron-LM's progress.txt line: time, job id, number of devices, then the message."""
-    import os
 
     if not is_rank_0():
         return
@@ -890,7 +882,6 @@ def append_to_progress_log(save: str, line: str, world_size: int) -> None:
 def get_start_time_from_progress_log(cfg):
     """(start time of the earliest job of this world size still running on, FLOPs done before it):
     Megatron-LM's rule: a line with another world size restarts the search."""
-    import os
 
     start_time, start_flops, latest_flops = None, None, 0.0
     with open(os.path.join(cfg.checkpoint.save, "progress.txt")) as fh:
@@ -944,11 +935,13 @@ class StragglerTimer:
 
     def __init__(self, enabled: bool):
         self.enabled, self.use_gpu = enabled, device.cuda()
-        self.seconds, self.calls = 0.0, 0
+        self.seconds, self.reported_at = 0.0, 0
         self._events = []  # (start event, stop event, wall seconds) of GPU calls, read at the next report
 
-    def wrap(self, forward_step_func):
-        """forward_step_func, timed. Evaluation runs under no_grad and is not timed: it is not a training step."""
+    def wrap(self, forward_step_func, iteration: int):
+        """forward_step_func, timed from `iteration` on. Evaluation runs under no_grad and is not timed: it is not a
+        training step."""
+        self.reported_at = iteration
         if not self.enabled:
             return forward_step_func
 
@@ -965,21 +958,20 @@ class StragglerTimer:
                 self._events.append((*events, time.perf_counter() - start))
             else:
                 self.seconds += time.perf_counter() - start
-            self.calls += 1
             return result
 
         return timed_forward_step
 
-    def report(self, total_flops: float, num_microbatches: int, minmax_count: int) -> list:
-        """A collective over all ranks (every rank calls it). Returns rank 0's report lines (empty elsewhere) and
-        starts a new interval. `total_flops`: model FLOPs of the iterations since the last report."""
+    def report(self, total_flops: float, iteration: int, minmax_count: int) -> list:
+        """A collective over all ranks (every rank calls it) at `iteration`. Returns rank 0's report lines (empty
+        elsewhere) and starts a new interval. `total_flops`: model FLOPs of the iterations since the last report."""
         if self._events:
             torch.cuda.synchronize()
             self.seconds += sum(max(a.elapsed_time(b) / 1000, wall) for a, b, wall in self._events)
-        iterations = self.calls / num_microbatches
+        iterations, self.reported_at = iteration - self.reported_at, iteration
         ms = self.seconds * 1000 / iterations if iterations else 0.0
         flops_per_iteration = total_flops / iterations if iterations else 0.0
-        self.seconds, self.calls, self._events = 0.0, 0, []
+        self.seconds, self._events = 0.0, []
         mine = torch.tensor([ms], dtype=torch.float64, device=device.current())
         gathered = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size())]
         torch.distributed.all_gather(gathered, mine)

@@ -17,32 +17,27 @@ On a machine without CUDA, device.py's shim answers megatron-core's CUDA calls o
 lists each one): the CPU runs the GPU's code path, and the tests exercise what a GPU user runs.
 """
 
-import warnings
+import contextlib
+import functools
+import math
+import random
 
-# megatron-core warns at import that it falls back to torch kernels without apex/transformer-engine;
-# that is the intended setup on CPU, so the warnings are noise here.
-warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed.*")
-warnings.filterwarnings("ignore", message=r"full scope is deprecated")  # a TransformerConfig default, not ours
+import numpy as np
+import torch
+import torch.nn.functional as F
 
-import contextlib  # noqa: E402
-import functools  # noqa: E402
-import math  # noqa: E402
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from megatron.core import parallel_state, tensor_parallel  # noqa: E402
-from megatron.core import rerun_state_machine as mcore_rerun  # noqa: E402
-from megatron.core.distributed import DistributedDataParallel, finalize_model_grads  # noqa: E402
-from megatron.core.distributed import DistributedDataParallelConfig as MegatronDDPConfig  # noqa: E402
-from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
-from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig  # noqa: E402
-from megatron.core.optimizer import get_megatron_optimizer  # noqa: E402
-from megatron.core.pipeline_parallel import get_forward_backward_func as mcore_get_forward_backward_func  # noqa: E402
-from megatron.core.transformer import MegatronModule, TransformerConfig  # noqa: E402
-from megatron.core.transformer.module import Float16Module  # noqa: E402
-
-import device  # noqa: E402
+import device  # first: it quiets megatron-core's import-time warnings
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core import rerun_state_machine as mcore_rerun
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.distributed import DistributedDataParallelConfig as MegatronDDPConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func as mcore_get_forward_backward_func
+from megatron.core.transformer import MegatronModule, TransformerConfig
+from megatron.core.transformer.module import Float16Module
 
 device.install_cpu_shim()  # without CUDA: megatron-core's CUDA calls answered on the CPU (device.py); else nothing
 
@@ -382,10 +377,6 @@ def set_random_seed(seed: int) -> None:
     """Seed python, numpy and torch, offset by pipeline rank so stages differ, and megatron-core's RNG
     tracker, whose per-tensor-parallel-rank streams drive dropout inside tensor-parallel regions
     (Megatron-LM's `_set_random_seed`)."""
-    import random
-
-    import numpy as np
-
     seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)

@@ -1,20 +1,31 @@
 """train.py: pretrain a megatron-core GPT: `torchrun --nproc-per-node 2 train.py [Megatron-LM flags]`.
 
 The training loop of Megatron Bridge (`bridge.training.train`, `.pretrain`, `.utils.train_utils`),
-in one file that reads top to bottom in the order things happen:
+in one file. The sections, in file order; a reader who starts at `main` (the last function) follows the
+calls downward through them in the order each runs:
 
-    1. parse and validate the flags            (config.py; before any heavy import)
-    2. state: TrainState and GlobalState
-    3. the forward-step API                     (prepare_forward_step_func and its detection rules)
-    4. setup: distributed init, model-parallel groups, seeds, model, optimizer, scheduler,
-              checkpoint, data iterators
-    5. the default forward step and its loss   (GPT language modelling, token-weighted)
-    6. train_step: one optimizer step over the microbatches of a global batch
-    7. evaluation
-    8. checkpoint-and-exit decisions
-   8b. batch-size ramp-up; megatron DDP's forward pre-hooks (--overlap-param-gather)
-    9. train: the loop
-   10. pretrain / finetune: the entry points
+    1. parse and validate the flags      config.parse_args, before any heavy import
+    2. state                             TrainState, GlobalState (the microbatch count: its calculator)
+    3. the forward-step API              prepare_forward_step_func and its detection rules
+    4. setup                             setup: initialize_distributed, set_random_seed, the tokenizer,
+                                         build_model, wrap_model, build_optimizer, build_scheduler,
+                                         load_checkpoint, the data iterators
+    5. the default forward step          forward_step, masked_token_loss (GPT language modelling)
+    6. one training step                 train_step -> TrainStepResult, reduce_losses
+   6b. result validation                 attach_rerun_state_machine, forward_backward_with_reruns
+    7. evaluation                        evaluate_and_print_results -> evaluate
+    8. checkpoint and exit decisions     checkpoint_and_decide_exit -> save_checkpoint_and_time
+   8b. ramp-up and forward pre-hooks     _follow_batch_size_rampup, enable/disable_forward_pre_hook
+   8c. around each step                  start_manual_gc_and_profiler, post_training_step_callbacks,
+                                         stop_manual_gc_and_profiler
+    9. the loop                          train, and _should_skip_and_handle_iteration
+   10. entry points                      pretrain, finetune, main
+
+    main -> pretrain -> setup (4)
+                     -> train (9) -> per step: _follow_batch_size_rampup (8b), train_step (6, 6b),
+                                     metrics.training_log, evaluate_and_print_results (7),
+                                     post_training_step_callbacks (8c), checkpoint_and_decide_exit (8)
+                     -> final save (8) and evaluation (7)
 
 The same code runs on a GPU and on a CPU: megatron-core's DDP, optimizer, pipeline schedules, RNG
 tracker and dist_checkpointing on both; on a CPU, device.py's shim answers megatron-core's CUDA calls.
@@ -41,7 +52,7 @@ import os  # noqa: E402
 import signal  # noqa: E402
 import time  # noqa: E402
 from datetime import timedelta  # noqa: E402
-from typing import Callable, Optional  # noqa: E402
+from typing import Callable, NamedTuple, Optional  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -102,6 +113,7 @@ class GlobalState:
         self.trainable_summary: Optional[str] = None  # PEFT: "trainable params: 0.52M / 3.85M (13.6%)"
         self.start_floating_point_operations = 0.0
         self.exit_code: Optional[int] = None  # set when the loop stops early (signal, interval, NaN)
+        self.last_saved_step: Optional[int] = None  # the newest checkpoint this job wrote or resumed: not saved twice
         self.async_calls_queue = None  # --async-save: the checkpoint writes in flight (checkpoint.py)
         self.straggler_timer = metrics.StragglerTimer(cfg.straggler.log_straggler)
         self.rerun_state_machine = None  # megatron-core's RerunStateMachine, set at setup
@@ -110,7 +122,9 @@ class GlobalState:
 
     @property
     def num_microbatches(self) -> int:
-        """Microbatches per rank in this iteration (fewer while the batch size ramps up)."""
+        """Microbatches per rank in this iteration, from megatron-core's calculator: fewer while the batch size
+        ramps up. (`cfg.num_microbatches` is the configured count at the full --global-batch-size, which
+        evaluation uses, as Megatron-LM's.) The loop keeps no copy."""
         return self.num_microbatches_calculator.get()
 
     @property
@@ -176,11 +190,7 @@ def prepare_forward_step_func(forward_step_func: Callable, state: GlobalState) -
 def initialize_distributed(cfg: ConfigContainer) -> None:
     """One process per device. torchrun sets RANK/WORLD_SIZE/MASTER_*; a plain `python train.py` is a
     world of one. Then megatron-core's tensor/pipeline/context/data-parallel groups."""
-    if cfg.use_gpu and not torch.cuda.is_available():
-        raise config_lib.ConfigError("a GPU is visible but this torch cannot use it (a CPU-only build?); install a "
-                                     "CUDA build of torch, or train on CPU with CUDA_VISIBLE_DEVICES=''")
-    if cfg.use_gpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device.bind_local_gpu(cfg.use_gpu)
     backend = cfg.dist.distributed_backend or device.backend()
     timeout = timedelta(minutes=cfg.dist.distributed_timeout_minutes)
     if "RANK" in os.environ:
@@ -238,7 +248,8 @@ class DistributedSignalHandler:
     def _handle(self, signum, frame):
         self.received = True
 
-    def signals_received(self, cfg: ConfigContainer) -> bool:
+    def signals_received(self) -> bool:
+        """Whether any rank has received the signal (a collective: every rank asks)."""
         return any_rank(self.received)
 
     def release(self):
@@ -346,7 +357,8 @@ def masked_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(state: GlobalState, data_iterator, model, return_schedule_plan: bool = False):
-    """Bridge's `gpt_step.forward_step`: a batch in, per-token losses out, and the loss function."""
+    """Bridge's `gpt_step.forward_step`: a batch in, per-token losses out, and the loss function.
+    `return_schedule_plan` is the seed's signature (MoE overlap in Bridge); a dense GPT has no plan."""
     timers = state.timers
     timers("batch-generator", log_level=2).start()
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
@@ -360,7 +372,7 @@ def forward_step(state: GlobalState, data_iterator, model, return_schedule_plan:
 # ==================================================================================================
 
 
-def reduce_losses(losses_per_microbatch: list, cfg: ConfigContainer) -> dict:
+def reduce_losses(losses_per_microbatch: list) -> dict:
     """Reduce the loss functions' reports over microbatches and data-parallel ranks (Bridge train_step).
 
     `[sum, count]` pairs: summed over microbatches and ranks, then sum / count (token-weighted mean).
@@ -383,11 +395,20 @@ def reduce_losses(losses_per_microbatch: list, cfg: ConfigContainer) -> dict:
     return reduced
 
 
-def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, global_state: GlobalState):
-    """One optimizer step over the microbatches of a global batch.
+class TrainStepResult(NamedTuple):
+    """What train_step returns: the seed's 7-tuple, with names."""
 
-    Returns (loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm, num_zeros_in_grad).
-    """
+    loss_dict: dict  # reduced losses, on the last pipeline stage ({} elsewhere or when no update was made)
+    skipped_iter: int  # 1 when the optimizer skipped the update (fp16 overflow, a failed step on any rank)
+    should_checkpoint: bool  # the rerun state machine asks for a checkpoint before exiting
+    should_exit: bool
+    exit_code: int
+    grad_norm: Optional[float]
+    num_zeros_in_grad: Optional[int]
+
+
+def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, global_state: GlobalState) -> TrainStepResult:
+    """One optimizer step over the microbatches of a global batch."""
     cfg, timers = global_state.cfg, global_state.timers
     forward_backward_func = get_forward_backward_func(model, optimizer, timers)
     nvtx_range_push("forward-backward")  # NVTX ranges: no-ops unless --nvtx-ranges
@@ -397,7 +418,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
     should_checkpoint, should_exit, exit_code = global_state.rerun_state_machine.should_checkpoint_and_exit()
     if should_exit:  # validate_results mode: a rejected result, rerun and attributed; no update
         report_rerun_verdict(global_state, exit_code)
-        return {}, 1, should_checkpoint, should_exit, exit_code, None, None
+        return TrainStepResult({}, 1, should_checkpoint, should_exit, exit_code, None, None)
     nvtx_range_push("optimizer")
     timers("optimizer", log_level=1).start(barrier=False)
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
@@ -414,7 +435,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
     if update_successful:
         scheduler.step(increment=global_state.current_global_batch_size)
 
-    loss_dict = reduce_losses(losses, cfg) if parallel_state.is_pipeline_last_stage() else {}
+    loss_dict = reduce_losses(losses) if parallel_state.is_pipeline_last_stage() else {}
     should_exit, exit_code = False, 0
     if cfg.train.check_for_nan_in_loss_and_grad:
         bad = [k for k, v in loss_dict.items() if not math.isfinite(float(v))]
@@ -424,7 +445,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
             print_rank_last(f"error: {', '.join(bad)} is NaN or Inf at iteration {global_state.train_state.step + 1}; "
                             f"stopping without saving a checkpoint (lower --lr, raise --clip-grad or check the data)")
             should_exit, exit_code = True, 1
-    return loss_dict, skipped_iter, False, should_exit, exit_code, grad_norm, num_zeros_in_grad
+    return TrainStepResult(loss_dict, skipped_iter, False, should_exit, exit_code, grad_norm, num_zeros_in_grad)
 
 
 # ==================================================================================================
@@ -548,7 +569,7 @@ def save_before_rerun_exit(should_checkpoint: bool, state: GlobalState, model, o
     """When the rerun state machine stops the run, save the last good iteration (the rejected step made no
     update) unless it is saved already, as Megatron does 'if further examination is needed'."""
     ts = state.train_state
-    if should_checkpoint and state.cfg.checkpoint.save and checkpointing_context.get("last_saved_step") != ts.step:
+    if should_checkpoint and state.cfg.checkpoint.save and state.last_saved_step != ts.step:
         save_checkpoint_and_time(state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
                                  checkpointing_context)
 
@@ -560,7 +581,8 @@ def save_before_rerun_exit(should_checkpoint: bool, state: GlobalState, model, o
 
 def evaluate(state: GlobalState, forward_step_func, data_iterator, model, process_non_loss_data_func,
              config: ConfigContainer, verbose: bool = False, non_loss_data_func=None):
-    """Forward-only over --eval-iters global batches. Returns (losses, collected non-loss data, timelimit_hit)."""
+    """Forward-only over --eval-iters global batches of the full --global-batch-size (also during ramp-up, as
+    Megatron-LM's evaluate). Returns (losses, collected non-loss data)."""
     forward_step_func = prepare_forward_step_func(forward_step_func, state)
     for m in model:
         m.eval()
@@ -588,8 +610,8 @@ def evaluate(state: GlobalState, forward_step_func, data_iterator, model, proces
             )
     for m in model:
         m.train()
-    losses = reduce_losses(reports, config) if parallel_state.is_pipeline_last_stage() else {}
-    return {k: float(v) for k, v in losses.items()}, collected, False
+    losses = reduce_losses(reports) if parallel_state.is_pipeline_last_stage() else {}
+    return {k: float(v) for k, v in losses.items()}, collected
 
 
 def evaluate_and_print_results(state: GlobalState, prefix: str, forward_step_func, data_iterator, model,
@@ -598,7 +620,7 @@ def evaluate_and_print_results(state: GlobalState, prefix: str, forward_step_fun
     """Evaluate, then print Megatron's validation block (loss and PPL) and write it to TensorBoard."""
     timers = state.timers
     timers("interval-time").stop()  # evaluation time is not training time
-    losses, collected, _ = evaluate(state, forward_step_func, data_iterator, model, process_non_loss_data_func,
+    losses, collected = evaluate(state, forward_step_func, data_iterator, model, process_non_loss_data_func,
                                     config, verbose, non_loss_data_func)
     writer = state.writers if write_to_tensorboard else None
     ts = state.train_state
@@ -618,14 +640,16 @@ def evaluate_and_print_results(state: GlobalState, prefix: str, forward_step_fun
 def save_checkpoint_and_time(state: GlobalState, model, optimizer, opt_param_scheduler,
                              num_floating_point_operations_so_far: float, checkpointing_context: dict,
                              non_persistent_ckpt: bool = False, train_data_iterator=None) -> None:
-    """Save, timing the save and keeping it out of the iteration time (and so out of throughput)."""
+    """Save, timing the save and keeping it out of the iteration time (and so out of throughput).
+    `checkpointing_context` (Bridge keeps its checkpoint managers there), `non_persistent_ckpt` and
+    `train_data_iterator` are the seed's signature; nothing here needs them."""
     timers = state.timers
     timers("interval-time").stop(barrier=True)
     timers("save-checkpoint", log_level=0).start(barrier=True)
     with forward_pre_hooks_paused(model):  # --overlap-param-gather: save gathered, current parameters
         directory = checkpoint.save_checkpoint(state, model, optimizer, opt_param_scheduler)
     timers("save-checkpoint").stop(barrier=True)
-    checkpointing_context["last_saved_step"] = state.train_state.step
+    state.last_saved_step = state.train_state.step
     metrics.compute_throughputs_and_append_to_progress_log(state, num_floating_point_operations_so_far)
     seconds = timers("save-checkpoint").elapsed()
     if state.cfg.checkpoint.async_save:  # published later, when every rank has written it
@@ -652,10 +676,10 @@ def checkpoint_and_decide_exit(state: GlobalState, model, optimizer, opt_param_s
     args = (state, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far, checkpointing_context)
 
     def save_unless_saved():
-        if save and checkpointing_context.get("last_saved_step") != ts.step:
+        if save and state.last_saved_step != ts.step:
             save_checkpoint_and_time(*args, train_data_iterator=train_data_iterator)
 
-    if state.signal_handler is not None and state.signal_handler.signals_received(cfg):
+    if state.signal_handler is not None and state.signal_handler.signals_received():
         save_unless_saved()
         print_rank_0(f"exiting program after receiving {cfg.train.exit_signal} at iteration {ts.step}.")
         state.exit_code = 0
@@ -700,21 +724,21 @@ def build_num_microbatches_calculator(cfg: ConfigContainer):
 
 
 def _follow_batch_size_rampup(global_state: GlobalState, model, optimizer, scheduler, checkpointing_context: dict,
-                              train_data_iterator, num_microbatches: int) -> int:
+                              train_data_iterator) -> None:
     """Before each iteration (Megatron-LM `training.py::train`, Bridge `training/train.py::train`): set the
-    microbatch count for the samples consumed so far; when it changes (a ramp-up step), first save a
-    checkpoint (with --save), as they do. Returns the count for this iteration."""
+    microbatch count for the samples consumed so far; when it grows (a ramp-up step), first save a
+    checkpoint (with --save), as they do."""
     calculator, ts, cfg = global_state.num_microbatches_calculator, global_state.train_state, global_state.cfg
     before = calculator.get_current_global_batch_size()
     calculator.update(ts.consumed_train_samples, consistency_check=True)
-    if calculator.get() != num_microbatches and ts.step != 0:
-        assert calculator.get() > num_microbatches, "the batch size only grows during ramp-up"
-        print_rank_0(f" ramping up global batch size from {before} to {calculator.get_current_global_batch_size()} "
-                     f"after iteration {ts.step} ({ts.consumed_train_samples} samples consumed)")
-        if cfg.checkpoint.save and checkpointing_context.get("last_saved_step") != ts.step:
+    after = calculator.get_current_global_batch_size()
+    if after != before and ts.step != 0:
+        assert after > before, "the batch size only grows during ramp-up"
+        print_rank_0(f" ramping up global batch size from {before} to {after} after iteration {ts.step} "
+                     f"({ts.consumed_train_samples} samples consumed)")
+        if cfg.checkpoint.save and global_state.last_saved_step != ts.step:
             save_checkpoint_and_time(global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
                                      checkpointing_context, train_data_iterator=train_data_iterator)
-    return calculator.get()
 
 
 def should_disable_forward_pre_hook(use_megatron_fsdp: bool, use_distributed_optimizer: bool,
@@ -773,11 +797,11 @@ def post_training_step_callbacks(model: list, num_floating_point_operations_sinc
     3. every --manual-gc-interval with --manual-gc: a full garbage collection, at the same iteration on every rank.
 
     Returns the FLOPs counted since the last straggler report: 0 after a report (as Megatron-LM's version does, so
-    the caller keeps the reset). `should_toggle_forward_pre_hook` is the seed's: it matters to the weight-hash check
-    of Bridge, which this loop does not run.
+    the caller keeps the reset). `model` and `should_toggle_forward_pre_hook` are the seed's signature: they serve
+    Bridge's weight-hash check, which this loop does not run.
     """
     if config.straggler.log_straggler and iteration % config.logger.log_interval == 0:
-        for line in straggler_timer.report(num_floating_point_operations_since_last_log_event, config.num_microbatches,
+        for line in straggler_timer.report(num_floating_point_operations_since_last_log_event, iteration,
                                            config.straggler.straggler_minmax_count):
             print_rank_0(line)
         num_floating_point_operations_since_last_log_event = 0.0
@@ -787,7 +811,7 @@ def post_training_step_callbacks(model: list, num_floating_point_operations_sinc
     return num_floating_point_operations_since_last_log_event
 
 
-def start_post_training_step_callbacks(state: GlobalState) -> Optional[torch.profiler.profile]:
+def start_manual_gc_and_profiler(state: GlobalState) -> Optional[torch.profiler.profile]:
     """What train() sets up before its first step (Bridge `train`): with --manual-gc, turn the automatic garbage
     collector off and start clean; with --nvtx-ranges, switch on megatron-core's NVTX ranges (and this file's);
     with --use-pytorch-profiler on a profiled rank, start the profiler (returned)."""
@@ -808,7 +832,7 @@ def start_post_training_step_callbacks(state: GlobalState) -> Optional[torch.pro
     return prof
 
 
-def finish_post_training_step_callbacks(state: GlobalState, prof, nsys_nvtx_context) -> None:
+def stop_manual_gc_and_profiler(state: GlobalState, prof, nsys_nvtx_context) -> None:
     """After the loop: close a profiling window the run ended inside (its trace is still written), and give the
     process back its automatic garbage collector and NVTX setting (pretrain() may be called again from Python)."""
     cfg = state.cfg
@@ -842,18 +866,17 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
     saving and exiting as checkpoint_and_decide_exit says."""
     cfg, ts, timers = global_state.cfg, global_state.train_state, global_state.timers
     forward_step_func = prepare_forward_step_func(forward_step_func, global_state)
-    forward_step_func = global_state.straggler_timer.wrap(forward_step_func)  # times it only with --log-straggler
+    forward_step_func = global_state.straggler_timer.wrap(forward_step_func, ts.step)  # only with --log-straggler
     for m in model:
         m.train()
     total_loss_dict, history_wct, report_memory_flag = {}, [], True
-    num_microbatches = global_state.num_microbatches
     # --overlap-param-gather: megatron DDP's forward pre-hooks stay off until a step has succeeded, so a bad
     # checkpoint or initialisation is not spread to every rank by the first all-gather (Megatron-LM, Bridge).
     should_toggle_forward_pre_hook = should_disable_forward_pre_hook(
         False, cfg.optimizer.use_distributed_optimizer, cfg.ddp.overlap_param_gather)
     if should_toggle_forward_pre_hook:
         disable_forward_pre_hook(model, param_sync=False)
-    prof, nsys_nvtx_context, flops_since_last_log = start_post_training_step_callbacks(global_state), None, 0.0
+    prof, nsys_nvtx_context, flops_since_last_log = start_manual_gc_and_profiler(global_state), None, 0.0
     rank = torch.distributed.get_rank()
     print_rank_0(f" training from iteration {ts.step} to {cfg.train.train_iters} ...")
     timers("interval-time", log_level=0).start(barrier=True)
@@ -861,18 +884,17 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
     while ts.step < cfg.train.train_iters:
         if cfg.checkpoint.async_save:  # publish a background save once every rank has written it
             checkpoint.maybe_finalize_async_save(global_state, blocking=False)
-        num_microbatches = _follow_batch_size_rampup(global_state, model, optimizer, scheduler, checkpointing_context,
-                                                     train_data_iterator, num_microbatches)
+        _follow_batch_size_rampup(global_state, model, optimizer, scheduler, checkpointing_context, train_data_iterator)
         nsys_nvtx_context = profiling.handle_profiling_step(cfg.profiling, ts.step, rank, prof) or nsys_nvtx_context
-        if _should_skip_and_handle_iteration(global_state, train_data_iterator):
+        if _should_skip_and_handle_iteration(global_state, train_data_iterator):  # consumes a skipped step's data
             continue
-        loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm, num_zeros_in_grad = \
-            train_step(forward_step_func, train_data_iterator, model, optimizer, scheduler, global_state)
-        if should_exit:  # a NaN: stop before counting the step, so nothing poisoned is saved
-            save_before_rerun_exit(should_checkpoint, global_state, model, optimizer, scheduler, checkpointing_context)
-            global_state.exit_code = exit_code
+        step = train_step(forward_step_func, train_data_iterator, model, optimizer, scheduler, global_state)
+        if step.should_exit:  # a NaN: stop before counting the step, so nothing poisoned is saved
+            save_before_rerun_exit(step.should_checkpoint, global_state, model, optimizer, scheduler,
+                                   checkpointing_context)
+            global_state.exit_code = step.exit_code
             break
-        if should_toggle_forward_pre_hook and not skipped_iter and not forward_pre_hooks_enabled(model):
+        if should_toggle_forward_pre_hook and not step.skipped_iter and not forward_pre_hooks_enabled(model):
             enable_forward_pre_hook(model)  # the first step that succeeded (under fp16 the first ones may not)
         ts.step += 1
         batch_size = global_state.current_global_batch_size
@@ -884,10 +906,11 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
 
         params_norm = metrics.calc_params_l2_norm(model) if cfg.logger.log_params_norm else None
         report_memory_flag = metrics.training_log(
-            loss_dict, total_loss_dict, optimizer.param_groups[0]["lr"], None, float(optimizer.get_loss_scale()),
-            report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros_in_grad, cfg, global_state,
-            history_wct, model,
-        )
+            loss_dict=step.loss_dict, total_loss_dict=total_loss_dict, learning_rate=optimizer.param_groups[0]["lr"],
+            decoupled_learning_rate=None, loss_scale=float(optimizer.get_loss_scale()),
+            report_memory_flag=report_memory_flag, skipped_iter=step.skipped_iter, grad_norm=step.grad_norm,
+            params_norm=params_norm, num_zeros_in_grad=step.num_zeros_in_grad, config=cfg, global_state=global_state,
+            history_wct=history_wct, model=model)
         if cfg.train.eval_iters and valid_data_iterator is not None and ts.step % cfg.train.eval_interval == 0:
             collect_garbage_around_eval(cfg, after=False)
             with forward_pre_hooks_paused(model):  # evaluate the gathered, current parameters
@@ -904,7 +927,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
     timers("interval-time").stop()
     if forward_pre_hooks_enabled(model):
         disable_forward_pre_hook(model)  # gather the final parameters for the final save and evaluation
-    finish_post_training_step_callbacks(global_state, prof, nsys_nvtx_context)
+    stop_manual_gc_and_profiler(global_state, prof, nsys_nvtx_context)
 
 
 def _should_skip_and_handle_iteration(global_state: GlobalState, train_data_iterator) -> bool:
@@ -966,13 +989,14 @@ def pretrain(config: ConfigContainer, forward_step_func: Callable = forward_step
         _destroy_distributed()
         raise
     cfg, ts = state.cfg, state.train_state
-    checkpointing_context: dict = {"last_saved_step": ts.step if ts.step else None}
+    state.last_saved_step = ts.step if ts.step else None  # a resumed checkpoint is not saved again
+    checkpointing_context: dict = {}  # the seed signatures carry it (Bridge's checkpoint managers); unused here
     try:
         if not cfg.train.skip_train and ts.step < cfg.train.train_iters:
             train(forward_step_func, model, optimizer, scheduler, train_it, valid_it, state, checkpointing_context,
                   process_non_loss_data_func, non_loss_data_func)
         if state.exit_code is None:  # ran to the end: final save (unless just saved) and final evaluation
-            if cfg.checkpoint.save and ts.step > 0 and checkpointing_context.get("last_saved_step") != ts.step:
+            if cfg.checkpoint.save and ts.step > 0 and state.last_saved_step != ts.step:
                 save_checkpoint_and_time(state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
                                          checkpointing_context)
             if cfg.train.eval_iters:

@@ -253,7 +253,7 @@ SERVICES = [  # (how it is enabled, the package named)
 
 @pytest.mark.parametrize("argv, yaml_text, package", SERVICES)
 def test_enabling_an_nvidia_service_names_its_package(argv, yaml_text, package, tmp_path, capsys):
-    if config._package_installed(package.replace("-", "_")):
+    if config.package_installed(package.replace("-", "_")):
         pytest.skip(f"{package} is installed here; the message then says this loop does not run the service")
     if yaml_text:
         (tmp_path / "services.yaml").write_text(yaml_text)

@@ -139,7 +139,7 @@ def test_token_weighted_pattern(single_rank_groups):
         return total, n, {"lm loss": torch.stack([total.detach(), n.float()])}
 
     reports, grad = _run(loss_func)
-    reduced = train.reduce_losses(reports, train.config_lib.parse_args([], world_size=1, gpu=False))
+    reduced = train.reduce_losses(reports)
     # Token-weighted: (1+2+3+4+10) / 5 tokens = 4.0, not the mean of per-microbatch means (2.5+10)/2.
     assert reduced["lm loss"].item() == pytest.approx(4.0)
     # Gradient: each microbatch's loss divided by its tokens, averaged over the 2 microbatches.
@@ -152,7 +152,7 @@ def test_legacy_scalar_pattern(single_rank_groups):
         return loss, {"lm loss": loss.detach().clone()}  # the schedule divides `loss` in place
 
     reports, grad = _run(loss_func)
-    reduced = train.reduce_losses(reports, train.config_lib.parse_args([], world_size=1, gpu=False))
+    reduced = train.reduce_losses(reports)
     assert reduced["lm loss"].item() == pytest.approx((2.5 + 10.0) / 2)  # averaged over microbatches
     assert grad.item() == pytest.approx((2.5 + 10.0) / 2)
 

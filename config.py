@@ -1072,18 +1072,43 @@ def _check_bounds(cfg: ConfigContainer) -> None:
 
 
 def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Optional[bool] = None) -> ConfigContainer:
-    """Check the settings against each other and the machine, and fill in derived values.
+    """Check the settings against each other and the machine, and fill in derived values, one concern after
+    another (each check below, in this order, in the sections that follow).
 
     Raises ConfigError with a one-line message. Mirrors the checks of Megatron-LM's `validate_args`
     and Megatron Bridge's `ConfigContainer.validate`.
     """
-    m, t, o, s, c, lg = cfg.model, cfg.train, cfg.optimizer, cfg.scheduler, cfg.checkpoint, cfg.logger
     cfg.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     cfg.use_gpu = gpu_visible() if gpu is None else gpu
     runtime_sections_update(cfg)
     _check_bounds(cfg)
+    _validate_model_sizes(cfg)
+    _validate_parallelism(cfg)
+    _validate_batch_sizes_and_length(cfg)
+    _validate_mixed_precision_consistency(cfg)
+    _validate_rerun_state_machine(cfg)
+    _validate_optimizer_and_schedule(cfg)
+    _validate_data(cfg)
+    _validate_fim(cfg)
+    _validate_loggers(cfg)
+    _validate_checkpointing(cfg)
+    _validate_machine(cfg)
+    _validate_peft(cfg)
+    _validate_deterministic_mode(cfg)
+    _validate_callbacks(cfg)
+    _validate_services(cfg)  # the NVIDIA service configs, last
+    return cfg
 
-    # --- sizes -----------------------------------------------------------------------------------
+
+# --------------------------------------------------------------------------------------------------
+# The checks validate() calls, in the order it calls them (Bridge's ConfigContainer._validate_* and
+# Megatron-LM's validate_args)
+# --------------------------------------------------------------------------------------------------
+
+
+def _validate_model_sizes(cfg: ConfigContainer) -> None:
+    """Sizes of the GPT; derived: kv-channels, query groups, the MLP size, the position table."""
+    m, t = cfg.model, cfg.train
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by"):
         if not (getattr(m, name) > 0):
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(m, name)}")
@@ -1111,7 +1136,11 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
         if not (0.0 <= getattr(m, name) < 1.0):
             raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(m, name)}")
 
-    # --- parallelism -----------------------------------------------------------------------------
+
+
+def _validate_parallelism(cfg: ConfigContainer) -> None:
+    """Tensor, pipeline and context sizes against the world and the model; derived: the data-parallel size."""
+    m = cfg.model
     tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
     if not (min(tp, pp, cp) >= 1):
         raise ConfigError("parallel sizes must be at least 1")
@@ -1130,111 +1159,6 @@ def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Option
     if tp == 1:
         m.sequence_parallel = False  # as Megatron-LM: nothing to parallelise without tensor parallelism
     _validate_context_parallel(cfg)
-
-    # --- batch sizes and length ------------------------------------------------------------------
-    dp = cfg.data_parallel_size
-    if t.global_batch_size is None:
-        t.global_batch_size = t.micro_batch_size * dp
-    if not (t.global_batch_size > 0 and t.global_batch_size % (t.micro_batch_size * dp) == 0):
-        raise ConfigError(f"--global-batch-size {t.global_batch_size} is not a multiple of --micro-batch-size {t.micro_batch_size} "
-                          f"x data-parallel size {dp} = {t.micro_batch_size * dp}; use a multiple of {t.micro_batch_size * dp}")
-    if not (not m.virtual_pipeline_model_parallel_size or cfg.num_microbatches % pp == 0):
-        raise ConfigError(f"the interleaved schedule runs microbatches in groups of --pipeline-model-parallel-size {pp}, but there are "
-                          f"{cfg.num_microbatches} per step; make --global-batch-size / (--micro-batch-size x data-parallel size) a "
-                          f"multiple of {pp}")
-    if not (t.train_iters is None or t.train_samples is None or t.train_iters == t.train_samples // t.global_batch_size):  # equal: a sample-based run_config.yaml
-        raise ConfigError("--train-iters and --train-samples are exclusive; give one")
-    if t.train_samples is not None:
-        if not (t.train_samples >= t.global_batch_size):
-            raise ConfigError(f"--train-samples {t.train_samples} is less than one global batch ({t.global_batch_size})")
-        t.train_iters = t.train_samples // t.global_batch_size
-    elif t.train_iters is None:
-        t.train_iters = 300
-    _validate_rampup(cfg)
-    if not (t.train_iters >= 0):
-        raise ConfigError(f"--train-iters must be non-negative, got {t.train_iters}")
-    if not (t.eval_interval > 0):
-        raise ConfigError(f"--eval-interval must be positive, got {t.eval_interval}")
-    if not (t.eval_iters >= 0):
-        raise ConfigError(f"--eval-iters must be non-negative, got {t.eval_iters}")
-    if not (lg.log_interval > 0):
-        raise ConfigError(f"--log-interval must be positive, got {lg.log_interval}")
-    if not (lg.tensorboard_log_interval > 0):
-        raise ConfigError(f"--tensorboard-log-interval must be positive, got {lg.tensorboard_log_interval}")
-    if not (lg.throughput_window_size >= 2):
-        raise ConfigError(f"--throughput-window-size must be at least 2, got {lg.throughput_window_size}")
-    if not (lg.logging_level is None or lg.logging_level >= 0):
-        raise ConfigError(f"--logging-level must be a logging level like 10 (DEBUG), 20 (INFO) or 30 (WARNING), got {lg.logging_level}")
-    if not (t.exit_interval is None or t.exit_interval > 0):
-        raise ConfigError(f"--exit-interval must be positive, got {t.exit_interval}")
-    if not (t.exit_signal in signal.Signals.__members__):
-        raise ConfigError(f"--exit-signal {t.exit_signal} is not a signal name; use e.g. SIGTERM, SIGINT or SIGUSR1")
-
-    # --- precision and result validation ---------------------------------------------------------
-    _validate_mixed_precision_consistency(cfg)
-    _validate_rerun_state_machine(cfg)
-
-    # --- optimizer and schedule ------------------------------------------------------------------
-    if not (o.lr > 0):
-        raise ConfigError(f"--lr must be positive, got {o.lr}")
-    if not (0 <= o.min_lr <= o.lr):
-        raise ConfigError(f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}")
-    if not (o.clip_grad >= 0):
-        raise ConfigError(f"--clip-grad must be non-negative, got {o.clip_grad}")
-    if s.override_opt_param_scheduler and s.use_checkpoint_opt_param_scheduler:
-        raise ConfigError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are exclusive")
-    _validate_training_scheduler_compatibility(cfg)
-    _calculate_scheduler_steps(cfg)
-    _validate_and_sync_distributed_optimizer_settings(cfg)
-    _validate_overlap(cfg)
-
-    # --- data ------------------------------------------------------------------------------------
-    _validate_data(cfg)
-    _validate_fim(cfg)
-    _validate_loggers(cfg)
-
-    # --- checkpointing ---------------------------------------------------------------------------
-    if not (c.save_interval is None or c.save_interval > 0):
-        raise ConfigError(f"--save-interval must be positive, got {c.save_interval}")
-    if not (c.most_recent_k == -1 or c.most_recent_k > 0):
-        raise ConfigError(f"--most-recent-k must be positive or -1, got {c.most_recent_k}")
-    if not (c.ckpt_format == "torch_dist" or not o.use_distributed_optimizer):
-        raise ConfigError("--ckpt-format torch keeps one copy of the optimizer per tensor/pipeline rank, but --use-distributed-optimizer "
-                          "shards it over data-parallel ranks; use --ckpt-format torch_dist")
-    if c.async_save and not c.save:
-        raise ConfigError("--async-save writes checkpoints in the background but --no-save saves nothing; drop one")
-
-    # --- the machine -----------------------------------------------------------------------------
-    if m.transformer_impl is None:
-        m.transformer_impl = "transformer_engine" if cfg.use_gpu and package_installed("transformer_engine") else "local"
-    if not cfg.use_gpu:
-        gpu_only = [
-            (cp > 1, f"--context-parallel-size {cp}"),
-            (m.sequence_parallel, "--sequence-parallel"),
-            (m.transformer_impl == "transformer_engine", "--transformer-impl transformer_engine"),
-            (cfg.dist.distributed_backend == "nccl", "--distributed-backend nccl"),
-        ]
-        for bad, what in gpu_only:
-            if bad:
-                raise ConfigError(f"{what} needs a GPU and none is visible; drop it to train on CPU "
-                                  f"(tensor, pipeline and data parallelism, the distributed optimizer, --bf16 and --fp16 run on CPU)")
-    elif m.transformer_impl == "transformer_engine":
-        if not package_installed("transformer_engine"):
-            raise ConfigError("--transformer-impl transformer_engine: transformer-engine is not installed; "
-                              "pip install transformer-engine[pytorch] or use --transformer-impl local")
-    if not (cp == 1 or m.transformer_impl == "transformer_engine"):
-        raise ConfigError(f"--context-parallel-size {cp} needs --transformer-impl transformer_engine")
-    _validate_peft(cfg)
-    _validate_deterministic_mode(cfg)
-    _validate_callbacks(cfg)
-    _validate_services(cfg)  # the NVIDIA service configs, last
-    return cfg
-
-
-# --------------------------------------------------------------------------------------------------
-# The checks validate() calls, in the order it calls them (Bridge's ConfigContainer._validate_* and
-# Megatron-LM's validate_args)
-# --------------------------------------------------------------------------------------------------
 
 
 def pipeline_stage_layers(m: ModelConfig) -> list:
@@ -1327,6 +1251,49 @@ def _validate_context_parallel(cfg: ConfigContainer) -> None:
                           f" multiply to {math.prod(sizes or [])}, not --context-parallel-size {cp}")
 
 
+def _validate_batch_sizes_and_length(cfg: ConfigContainer) -> None:
+    """Batch sizes, the run's length, ramp-up and the reporting intervals; derived: the global batch, --train-iters."""
+    m, t, lg = cfg.model, cfg.train, cfg.logger
+    pp = m.pipeline_model_parallel_size
+    dp = cfg.data_parallel_size
+    if t.global_batch_size is None:
+        t.global_batch_size = t.micro_batch_size * dp
+    if not (t.global_batch_size > 0 and t.global_batch_size % (t.micro_batch_size * dp) == 0):
+        raise ConfigError(f"--global-batch-size {t.global_batch_size} is not a multiple of --micro-batch-size {t.micro_batch_size} "
+                          f"x data-parallel size {dp} = {t.micro_batch_size * dp}; use a multiple of {t.micro_batch_size * dp}")
+    if not (not m.virtual_pipeline_model_parallel_size or cfg.num_microbatches % pp == 0):
+        raise ConfigError(f"the interleaved schedule runs microbatches in groups of --pipeline-model-parallel-size {pp}, but there are "
+                          f"{cfg.num_microbatches} per step; make --global-batch-size / (--micro-batch-size x data-parallel size) a "
+                          f"multiple of {pp}")
+    if not (t.train_iters is None or t.train_samples is None or t.train_iters == t.train_samples // t.global_batch_size):  # equal: a sample-based run_config.yaml
+        raise ConfigError("--train-iters and --train-samples are exclusive; give one")
+    if t.train_samples is not None:
+        if not (t.train_samples >= t.global_batch_size):
+            raise ConfigError(f"--train-samples {t.train_samples} is less than one global batch ({t.global_batch_size})")
+        t.train_iters = t.train_samples // t.global_batch_size
+    elif t.train_iters is None:
+        t.train_iters = 300
+    _validate_rampup(cfg)
+    if not (t.train_iters >= 0):
+        raise ConfigError(f"--train-iters must be non-negative, got {t.train_iters}")
+    if not (t.eval_interval > 0):
+        raise ConfigError(f"--eval-interval must be positive, got {t.eval_interval}")
+    if not (t.eval_iters >= 0):
+        raise ConfigError(f"--eval-iters must be non-negative, got {t.eval_iters}")
+    if not (lg.log_interval > 0):
+        raise ConfigError(f"--log-interval must be positive, got {lg.log_interval}")
+    if not (lg.tensorboard_log_interval > 0):
+        raise ConfigError(f"--tensorboard-log-interval must be positive, got {lg.tensorboard_log_interval}")
+    if not (lg.throughput_window_size >= 2):
+        raise ConfigError(f"--throughput-window-size must be at least 2, got {lg.throughput_window_size}")
+    if not (lg.logging_level is None or lg.logging_level >= 0):
+        raise ConfigError(f"--logging-level must be a logging level like 10 (DEBUG), 20 (INFO) or 30 (WARNING), got {lg.logging_level}")
+    if not (t.exit_interval is None or t.exit_interval > 0):
+        raise ConfigError(f"--exit-interval must be positive, got {t.exit_interval}")
+    if not (t.exit_signal in signal.Signals.__members__):
+        raise ConfigError(f"--exit-signal {t.exit_signal} is not a signal name; use e.g. SIGTERM, SIGINT or SIGUSR1")
+
+
 def _validate_rampup(cfg: ConfigContainer) -> None:
     """--rampup-batch-size START INCR SAMPLES, checked so megatron-core's RampupBatchsizeNumMicroBatchesCalculator
     never fails mid-run: every batch size on the way (START, START + INCR, ..., --global-batch-size) must split
@@ -1401,6 +1368,23 @@ def _validate_rerun_state_machine(cfg: ConfigContainer) -> None:
         raise ConfigError("--rerun-mode validate_results has nothing to validate: the NaN check is off "
                           "(--no-check-for-nan-in-loss-and-grad, or --fp16's dynamic loss scaling); add "
                           "--check-for-spiky-loss or use --rerun-mode disabled")
+
+
+def _validate_optimizer_and_schedule(cfg: ConfigContainer) -> None:
+    """The optimizer's numbers and the learning-rate schedule (converted to samples)."""
+    o, s = cfg.optimizer, cfg.scheduler
+    if not (o.lr > 0):
+        raise ConfigError(f"--lr must be positive, got {o.lr}")
+    if not (0 <= o.min_lr <= o.lr):
+        raise ConfigError(f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}")
+    if not (o.clip_grad >= 0):
+        raise ConfigError(f"--clip-grad must be non-negative, got {o.clip_grad}")
+    if s.override_opt_param_scheduler and s.use_checkpoint_opt_param_scheduler:
+        raise ConfigError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are exclusive")
+    _validate_training_scheduler_compatibility(cfg)
+    _calculate_scheduler_steps(cfg)
+    _validate_and_sync_distributed_optimizer_settings(cfg)
+    _validate_overlap(cfg)
 
 
 def _validate_training_scheduler_compatibility(cfg: ConfigContainer) -> None:
@@ -1656,6 +1640,46 @@ def _check_mlflow_store(uri: str) -> None:
     elif scheme.split("+")[0] in ("sqlite", "postgresql", "mysql", "mssql") and not package_installed("sqlalchemy"):
         raise ConfigError(f"MLflow tracking store {uri} is a database, which needs the full mlflow package (pip install "
                           f"mlflow); or give --mlflow-tracking-uri http://HOST:PORT, or file:///DIR with MLFLOW_ALLOW_FILE_STORE=true")
+
+
+def _validate_checkpointing(cfg: ConfigContainer) -> None:
+    """Save intervals and formats."""
+    c, o = cfg.checkpoint, cfg.optimizer
+    if not (c.save_interval is None or c.save_interval > 0):
+        raise ConfigError(f"--save-interval must be positive, got {c.save_interval}")
+    if not (c.most_recent_k == -1 or c.most_recent_k > 0):
+        raise ConfigError(f"--most-recent-k must be positive or -1, got {c.most_recent_k}")
+    if not (c.ckpt_format == "torch_dist" or not o.use_distributed_optimizer):
+        raise ConfigError("--ckpt-format torch keeps one copy of the optimizer per tensor/pipeline rank, but --use-distributed-optimizer "
+                          "shards it over data-parallel ranks; use --ckpt-format torch_dist")
+    if c.async_save and not c.save:
+        raise ConfigError("--async-save writes checkpoints in the background but --no-save saves nothing; drop one")
+
+
+
+def _validate_machine(cfg: ConfigContainer) -> None:
+    """What this machine can run: the layer implementation, and the GPU-only features refused on CPU."""
+    m = cfg.model
+    cp = m.context_parallel_size
+    if m.transformer_impl is None:
+        m.transformer_impl = "transformer_engine" if cfg.use_gpu and package_installed("transformer_engine") else "local"
+    if not cfg.use_gpu:
+        gpu_only = [
+            (cp > 1, f"--context-parallel-size {cp}"),
+            (m.sequence_parallel, "--sequence-parallel"),
+            (m.transformer_impl == "transformer_engine", "--transformer-impl transformer_engine"),
+            (cfg.dist.distributed_backend == "nccl", "--distributed-backend nccl"),
+        ]
+        for bad, what in gpu_only:
+            if bad:
+                raise ConfigError(f"{what} needs a GPU and none is visible; drop it to train on CPU "
+                                  f"(tensor, pipeline and data parallelism, the distributed optimizer, --bf16 and --fp16 run on CPU)")
+    elif m.transformer_impl == "transformer_engine":
+        if not package_installed("transformer_engine"):
+            raise ConfigError("--transformer-impl transformer_engine: transformer-engine is not installed; "
+                              "pip install transformer-engine[pytorch] or use --transformer-impl local")
+    if not (cp == 1 or m.transformer_impl == "transformer_engine"):
+        raise ConfigError(f"--context-parallel-size {cp} needs --transformer-impl transformer_engine")
 
 
 def _validate_peft(cfg: ConfigContainer) -> None:

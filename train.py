@@ -1,8 +1,8 @@
 """train.py: pretrain a megatron-core GPT: `torchrun --nproc-per-node 2 train.py [Megatron-LM flags]`.
 
 The training loop of Megatron Bridge (`bridge.training.train`, `.pretrain`, `.utils.train_utils`),
-in one file. The sections, in file order; a reader who starts at `main` (the last function) follows the
-calls downward through them in the order each runs:
+in one file. Its sections, in file order, with the functions each holds; a reader who starts at `main` (the
+last function) finds every call it makes in the section named here, and the sketch below is the order they run:
 
     1. parse and validate the flags      config.parse_args, before any heavy import
     2. state                             TrainState, GlobalState (the microbatch count: its calculator)

@@ -42,9 +42,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(args, nproc=2, script="train.py", timeout=300, cwd=ROOT):
+def torchrun(args, nproc=2, script="train.py", timeout=300, cwd=None):
     """Run `torchrun --nproc-per-node nproc script args` (script: a path in the repository) in `cwd`, by default
-    the repository root; return the CompletedProcess."""
+    the suite's scratch folder (see repository_outputs_untouched); return the CompletedProcess."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
            os.path.join(ROOT, script), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

@@ -111,18 +111,22 @@ def test_a_prompt_past_the_context_or_a_tokenizer_without_text_is_one_line(mock_
     assert err[-1].startswith("generate.py: error: ") and "NullTokenizer (token ids, no text)" in err[-1]
 
 
-def test_quick_start_outputs_feed_generate_with_no_flag_under_tensor_parallelism(tmp_path):
-    """The quick start's command, shortened, in an empty folder: a checkpoint in checkpoints/ and TensorBoard files
-    in runs/; then `generate.py --prompt` (2 ranks, tensor-parallel) writes what a one-process greedy loop writes."""
+def test_quick_start_outputs_feed_generate_with_no_flag_under_tensor_parallelism(tmp_path, monkeypatch):
+    """The quick start's run, shortened, in an empty folder and with no output flag: a checkpoint in checkpoints/
+    and TensorBoard files in runs/; then `generate.py --prompt` (2 ranks, tensor-parallel) there writes what a
+    one-process greedy loop writes."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    import config
     import generate
+    import train
 
-    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-             "--micro-batch-size", "4", "--train-iters", "20", "--eval-iters", "0", "--log-interval", "10",
-             "--data-cache-path", str(tmp_path / "cache")]
-    proc = torchrun(flags, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    monkeypatch.chdir(tmp_path)
+    cfg = config.parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
+                             "64", "--micro-batch-size", "4", "--train-iters", "20", "--eval-iters", "0", "--num-workers",
+                             "0", "--data-cache-path", str(tmp_path / "cache")], world_size=1, gpu=False)
+    assert (cfg.checkpoint.save, cfg.logger.tensorboard_dir) == ("checkpoints", "runs")
+    train.pretrain(cfg)
     assert open(tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").read() == "20"
     tb = EventAccumulator(str(tmp_path / "runs"), size_guidance={"scalars": 0})
     tb.Reload()
@@ -130,8 +134,17 @@ def test_quick_start_outputs_feed_generate_with_no_flag_under_tensor_parallelism
 
     proc = torchrun(["--prompt", "The Python", "--greedy", "--max-new-tokens", "40"], script="generate.py", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    model, tokenizer, cfg = generate.load_model(str(tmp_path / "checkpoints"))
+    model, tokenizer, cfg = generate.load_model("checkpoints")
     assert cfg.model.tensor_model_parallel_size == 1
     new = generate.generate(model, tokenizer, tokenizer.tokenize("The Python"), max_new_tokens=40)
     assert proc.stdout == "The Python" + tokenizer.detokenize(new) + "\n"
     assert len(new) > 0 and "loaded checkpoint" in proc.stderr
+
+
+def test_the_default_folders_can_be_turned_off():
+    import config
+
+    cfg = config.parse_args(["--no-save", "--no-tensorboard"], world_size=1, gpu=False)
+    assert cfg.checkpoint.save is None and cfg.logger.tensorboard_dir is None
+    cfg = config.parse_args(["--no-save", "--save", "elsewhere", "--tensorboard-dir", "tb"], world_size=1, gpu=False)
+    assert (cfg.checkpoint.save, cfg.logger.tensorboard_dir) == ("elsewhere", "tb")  # the last of the two wins

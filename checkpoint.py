@@ -191,7 +191,7 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
         _shield_write_results_queue()
         metadata = sharded_state_dict_metadata(cfg)
         sharded = model_sharded_state_dict(model, adapters_only=cfg.peft.peft != "none")
-        if ck.save_optim:
+        if ck.save_optim and optimizer is not None:  # None: weights only (hf.py's import)
             _create_optimizer_state(optimizer)
             sharded["optimizer"] = optimizer.sharded_state_dict(dict(sharded), metadata=metadata)
         if scheduler is not None:  # None: weights only (hf.py's import)
@@ -219,7 +219,7 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
             payload = {**_model_keys(model, lambda chunk: unwrap(chunk).state_dict()), "iteration": ts.step}
             if scheduler is not None:
                 payload["opt_param_scheduler"] = scheduler.state_dict()
-            if ck.save_optim:
+            if ck.save_optim and optimizer is not None:
                 payload["optimizer"] = optimizer.state_dict()
             os.makedirs(os.path.dirname(_mp_file(directory)), exist_ok=True)
             files.append((payload, _mp_file(directory)))

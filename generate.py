@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import os
 import sys
+import types
 
 import config as config_lib
 
@@ -120,8 +121,6 @@ def inference_config(directory: str, world_size: int) -> config_lib.ConfigContai
 def load_model(load: str, ckpt_step=None, text: bool = False):
     """(model, tokenizer, cfg): the checkpoint's GPTModel on every rank of this process group (one process
     without torchrun), in eval mode, with the tokenizer it was trained with; `text`: one that decodes to text."""
-    import types
-
     directory = checkpoint.resolve_load_dir(load, ckpt_step)
     if directory is None:
         raise checkpoint.CheckpointError(f"--load {load}: no {checkpoint.TRACKER} and not an iter_* directory")

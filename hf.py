@@ -24,7 +24,9 @@ are read: pickled `.bin` weights can run code when loaded.
 import argparse
 import json
 import os
+import shutil
 import sys
+import types
 
 import config as config_lib
 
@@ -52,9 +54,12 @@ if __name__ == "__main__":
 
 import generate  # noqa: E402  (a checkpoint's model for inference; first: quiets megatron-core's import warnings)
 import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 
 import checkpoint  # noqa: E402
 import data  # noqa: E402
+from model import build_model  # noqa: E402
+from train import TrainState, initialize_distributed  # noqa: E402
 
 # --------------------------------------------------------------------------------------------------
 # Which layout a model has
@@ -112,8 +117,9 @@ def join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, grou
     return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
 
 
-def tensor_names(layout: str, m) -> list:
-    """(transformers name, our name, transposed) for each tensor copied as-is, besides the fused ones."""
+def tensor_names(layout: str, m) -> tuple:
+    """([(transformers name, our name, transposed)] for each tensor copied as-is, besides the fused ones and the
+    embedding; the embedding's transformers name; the output layer's, or None when it is tied)."""
     tied = not m.untie_embeddings_and_output_weights
     if layout == "gpt2":
         names = [("transformer.wpe.weight", "embedding.position_embeddings.weight", False),
@@ -267,8 +273,6 @@ def flags_from_hf(c: dict, where: str) -> tuple:
 
 def export(load: str, out: str, ckpt_step=None) -> str:
     """Write the checkpoint as a transformers directory `out`; returns its layout."""
-    from safetensors.torch import save_file
-
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
         raise config_lib.ConfigError("export runs in one process (python hf.py export ...), not under torchrun")
     model, tokenizer, cfg = generate.load_model(load, ckpt_step)
@@ -281,8 +285,6 @@ def export(load: str, out: str, ckpt_step=None) -> str:
         json.dump(hf_config(cfg.model, layout, vocab, tokenizer.eod, dtype), fh, indent=2)
     save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     if getattr(tokenizer, "file", None):  # a Hugging Face tokenizer: transformers' fast tokenizer reads it as is
-        import shutil
-
         shutil.copyfile(tokenizer.file, os.path.join(out, "tokenizer.json"))
         eos = tokenizer._tokenizer.id_to_token(tokenizer.eod)
         with open(os.path.join(out, "tokenizer_config.json"), "w") as fh:
@@ -293,8 +295,6 @@ def export(load: str, out: str, ckpt_step=None) -> str:
 
 def read_safetensors(directory: str) -> dict:
     """Every tensor of a transformers directory: model.safetensors, or the shards its index names."""
-    from safetensors.torch import load_file
-
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as fh:
@@ -314,11 +314,6 @@ def read_safetensors(directory: str) -> dict:
 
 def import_hf(directory: str, save: str) -> str:
     """A checkpoint (iteration 0, weights only) in `save` from the transformers directory; returns its iter_* path."""
-    import types
-
-    from model import build_model
-    from train import TrainState, initialize_distributed
-
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
         raise config_lib.ConfigError(f"--hf {directory}: no config.json")
@@ -329,8 +324,7 @@ def import_hf(directory: str, save: str) -> str:
         flags += ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", directory]
     else:  # ids only: the rows of the model's vocabulary, the last as end-of-document
         flags += ["--tokenizer-type", "NullTokenizer", "--vocab-size", hf["vocab_size"] - 1]
-    flags += ["--transformer-impl", "local", "--mock-data", "--save", save, "--no-save-optim", "--no-tensorboard",
-              "--train-iters", "0"]
+    flags += ["--transformer-impl", "local", "--mock-data", "--save", save, "--train-iters", "0"]
     cfg = config_lib.config_from_flags([str(f) for f in flags], world_size=1)
     tensors = read_safetensors(directory)
     if not torch.distributed.is_initialized():
@@ -357,7 +351,7 @@ def main(args) -> int:
         else:
             directory = import_hf(args.hf, args.save)
             print(f"hf.py: wrote {directory}: train from it with train.py --config-file {directory}/run_config.yaml "
-                  f"--pretrained-checkpoint {args.save} --save NEW_DIR [--data-path ...]")
+                  f"--pretrained-checkpoint {args.save} --save NEW_DIR --train-iters N [--data-path ...]")
     except (config_lib.ConfigError, checkpoint.CheckpointError) as e:
         sys.stderr.write(f"hf.py: error: {e}\n")
         return 2

@@ -75,12 +75,20 @@ def test_preprocess_a_directory_of_text_files(corpora, tmp_path):
     ('{"text": "a"}\nnot json\n', [], ":2: not a JSON line"),
     ('{"body": "a"}\n', [], "no key 'text' (keys: body); set --json-keys"),
 ])
-def test_preprocess_bad_input_is_one_line(tmp_path, content, args, message):
+def test_preprocess_bad_input_is_one_line(tmp_path, content, args, message, capsys):
+    """The first case through the command line (a process of its own), the others through its main()."""
+    import data
+
     path = tmp_path / "in.jsonl"
     if content is not None:
         path.write_text(content)
-    proc = _preprocess("--input", str(path), "--output-prefix", str(tmp_path / "out"), *args)
-    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+    argv = ["preprocess", "--input", str(path), "--output-prefix", str(tmp_path / "out"), *args]
+    if content is None:
+        proc = _preprocess(*argv[1:])
+        code, err = proc.returncode, proc.stderr
+    else:
+        code, err = data.main(argv), capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err and err.count("\n") == 1, err
     assert not list(tmp_path.glob("out*"))  # nothing half-written left behind
 
 

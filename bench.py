@@ -267,7 +267,7 @@ def bare_seconds_per_iteration(cfg, warmup: int = 3) -> float:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay,
                                   fused=not cfg.use_gpu)
     scheduler = train.build_scheduler(cfg, optimizer)
-    n_micro, gbs = cfg.num_microbatches, cfg.train.global_batch_size
+    n_micro, gbs = state.num_microbatches, cfg.train.global_batch_size
     stamps = []
     try:
         for _ in range(cfg.train.train_iters):
@@ -419,7 +419,8 @@ def _one_size(argv) -> dict:
                 tokens_per_s=cfg.train.global_batch_size * cfg.model.seq_length / run["seconds"], tflops=tflops, mfu=mfu,
                 weights_mb=weights / mb, theory_weights_mb=metrics.compute_weight_and_optimizer_memory(cfg) / mb,
                 activations_mb=activations / mb,
-                theory_activations_mb=metrics.compute_activation_memory(cfg, cfg.num_microbatches) / mb,
+                theory_activations_mb=metrics.compute_activation_memory(
+                    cfg, cfg.train.global_batch_size // (cfg.train.micro_batch_size * cfg.data_parallel_size)) / mb,
                 peak_mb=(torch.cuda.max_memory_allocated() if cfg.use_gpu else rss_peak) / mb)
 
 

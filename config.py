@@ -782,11 +782,6 @@ class ConfigContainer:
         m = self.model
         return world_size // (m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size)
 
-    @property
-    def num_microbatches(self) -> int:
-        """Microbatches per rank per step: global batch / (micro batch x data-parallel size)."""
-        return self.train.global_batch_size // (self.train.micro_batch_size * self.data_parallel_size)
-
     def log_non_default_values(self, file=sys.stdout) -> None:
         """Bridge's `ConfigContainer.log_non_default_values`: the settings that differ from their defaults
         (the defaults `--help` shows), then the values validation derived for this run (sizes, the
@@ -794,7 +789,7 @@ class ConfigContainer:
         every setting of the full config."""
         lines = ["", "=" * 70, "Configuration Summary (Non-Default Values)", "=" * 70]
         derived = _get_key_config_values(self)
-        derived["num_microbatches"] = self.num_microbatches
+        derived["num_microbatches"] = self.train.global_batch_size // (self.train.micro_batch_size * self.data_parallel_size)
         for section, sub in section_configs(self):
             changed = _get_non_default_values(sub, type(sub))
             if changed:
@@ -1261,9 +1256,10 @@ def _validate_batch_sizes_and_length(cfg: ConfigContainer) -> None:
     if not (t.global_batch_size > 0 and t.global_batch_size % (t.micro_batch_size * dp) == 0):
         raise ConfigError(f"--global-batch-size {t.global_batch_size} is not a multiple of --micro-batch-size {t.micro_batch_size} "
                           f"x data-parallel size {dp} = {t.micro_batch_size * dp}; use a multiple of {t.micro_batch_size * dp}")
-    if not (not m.virtual_pipeline_model_parallel_size or cfg.num_microbatches % pp == 0):
+    microbatches = t.global_batch_size // (t.micro_batch_size * dp)  # at the full batch (ramp-up only grows to it)
+    if not (not m.virtual_pipeline_model_parallel_size or microbatches % pp == 0):
         raise ConfigError(f"the interleaved schedule runs microbatches in groups of --pipeline-model-parallel-size {pp}, but there are "
-                          f"{cfg.num_microbatches} per step; make --global-batch-size / (--micro-batch-size x data-parallel size) a "
+                          f"{microbatches} per step; make --global-batch-size / (--micro-batch-size x data-parallel size) a "
                           f"multiple of {pp}")
     if not (t.train_iters is None or t.train_samples is None or t.train_iters == t.train_samples // t.global_batch_size):  # equal: a sample-based run_config.yaml
         raise ConfigError("--train-iters and --train-samples are exclusive; give one")

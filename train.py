@@ -123,8 +123,7 @@ class GlobalState:
     @property
     def num_microbatches(self) -> int:
         """Microbatches per rank in this iteration, from megatron-core's calculator: fewer while the batch size
-        ramps up. (`cfg.num_microbatches` is the configured count at the full --global-batch-size, which
-        evaluation uses, as Megatron-LM's.) The loop keeps no copy."""
+        ramps up. The run's one count: the loop keeps no copy and the config none."""
         return self.num_microbatches_calculator.get()
 
     @property
@@ -588,13 +587,15 @@ def evaluate(state: GlobalState, forward_step_func, data_iterator, model, proces
         m.eval()
     reports = []
     forward_backward_func = get_forward_backward_func(model, None)
+    t = config.train  # Megatron-LM's and Bridge's evaluate: batches of the full global batch size, also during ramp-up
+    eval_num_microbatches = t.global_batch_size // (t.micro_batch_size * config.data_parallel_size)
     with torch.no_grad():
         for i in range(config.train.eval_iters):
             if verbose:
                 print_rank_0(f" evaluating iteration {i + 1}/{config.train.eval_iters}")
             reports += forward_backward_func(
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-                num_microbatches=config.num_microbatches, seq_length=config.model.seq_length,
+                num_microbatches=eval_num_microbatches, seq_length=config.model.seq_length,
                 micro_batch_size=config.train.micro_batch_size, decoder_seq_length=config.model.seq_length,
                 forward_only=True,
             )

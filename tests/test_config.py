@@ -35,7 +35,7 @@ def test_megatron_flags_map_to_their_sections():
     assert (cfg.model.num_layers, cfg.model.num_query_groups, cfg.model.swiglu) == (6, 2, True)
     assert cfg.model.add_bias_linear is False and cfg.model.untie_embeddings_and_output_weights
     assert cfg.model.ffn_hidden_size == 1024  # SwiGLU: 2/3 of 4h, rounded down to a multiple of 64
-    assert cfg.data_parallel_size == 2 and cfg.num_microbatches == 4
+    assert cfg.data_parallel_size == 2 and cfg.train.global_batch_size // (cfg.train.micro_batch_size * 2) == 4
     assert cfg.train.train_iters == 100  # 1600 samples / 16 per step
     assert cfg.checkpoint.save_optim is False and cfg.model.bf16
     # Scheduler lengths are in samples: megatron-core's scheduler is stepped by the global batch size.

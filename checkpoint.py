@@ -28,7 +28,9 @@ import os
 import random
 import shutil
 import signal
+import sys
 import threading
+import types
 from multiprocessing.managers import SyncManager
 
 import numpy as np
@@ -143,23 +145,25 @@ def set_rng_state(state: dict) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def _ignore_job_signals() -> None:
-
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 def _shield_write_results_queue() -> None:
     """megatron-core's torch_dist writer reports through a queue served by a Manager process it starts at the
     first save and keeps (filesystem_async._results_queue). SLURM's scancel, `timeout` and Ctrl-C signal
     every process of the job, that one too: once it is dead, the very save that --exit-signal-handler makes
-    fails with a BrokenPipeError. So the queue is made here, first, by a Manager that ignores SIGTERM and
-    SIGINT; it is shut down with its rank, as megatron-core's own would be."""
+    fails with a BrokenPipeError. So the queue is made here, first, by a Manager that blocks SIGTERM and
+    SIGINT; it is shut down with its rank, as megatron-core's own would be.
 
-
+    The Manager is a spawned interpreter, which would import the launching script (train.py, with torch and
+    megatron-core) before serving a queue: seconds per rank at the first save. It needs none of it, so it is
+    started with a bare __main__ and an initializer from the standard library."""
     if filesystem_async._results_queue is None:
         manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        manager.start(initializer=_ignore_job_signals)
+        block_job_signals = functools.partial(signal.pthread_sigmask, signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        main = sys.modules["__main__"]
+        sys.modules["__main__"] = types.ModuleType("__main__")
+        try:
+            manager.start(initializer=block_job_signals)
+        finally:
+            sys.modules["__main__"] = main
         filesystem_async._results_queue = manager.Queue()
 
 
@@ -255,9 +259,22 @@ def sharded_state_dict_metadata(cfg) -> dict:
     """How the distributed optimizer lays its state out in a torch_dist checkpoint, chosen as Megatron-LM does:
     per data-parallel shard (`dp_reshardable`, fast) unless --dist-ckpt-optim-fully-reshardable. megatron-core
     0.16.1's own default, `fully_sharded_model_space`, is no longer supported by its save. Saved with the
-    checkpoint (content metadata), so a load reads it back in the layout it was written in."""
+    checkpoint (content metadata), so a load reads it back in the layout it was written in. The plain
+    optimizer's state is always per parameter, in model space: no sharding type, as Megatron-LM writes it."""
+    if not cfg.optimizer.use_distributed_optimizer:
+        return {}
     sharding = "fully_reshardable" if cfg.checkpoint.dist_ckpt_optim_fully_reshardable else "dp_reshardable"
     return {"distrib_optim_sharding_type": sharding}
+
+
+def load_metadata(cfg, directory: str) -> dict:
+    """The layout to read a checkpoint's optimizer state in: the one it was saved in. A checkpoint of the plain
+    optimizer (no sharding type) keeps each parameter's state whole, which the distributed optimizer reads as
+    `fully_reshardable`: a run can switch to --use-distributed-optimizer on resume."""
+    saved = dist_checkpointing.load_content_metadata(directory) or {}
+    if cfg.optimizer.use_distributed_optimizer:
+        return {**saved, "distrib_optim_sharding_type": saved.get("distrib_optim_sharding_type", "fully_reshardable")}
+    return saved
 
 
 def _create_optimizer_state(optimizer) -> None:
@@ -286,6 +303,45 @@ def _restore_step_zero(saved: dict) -> None:
             and "common_step" not in inner["state"] and not any("step" in v for v in inner["state"].values()
                                                                 if isinstance(v, dict)):
         inner["state"]["common_step"] = torch.zeros((), dtype=torch.float32)
+
+
+def load_optimizer_state(optimizer, saved) -> None:
+    """`optimizer.load_state_dict(saved)`, except that a distributed optimizer over torch's Adam gets back the
+    saved step, one tensor per parameter (megatron-core 0.16.1 defect, README: defects).
+
+    megatron-core keeps the step in the checkpoint's param groups, and its load hands that value to every
+    parameter as one shared tensor (distrib_optimizer.py:819-825), which torch's Adam then increments once per
+    parameter at each step. Its parameter-state load then overwrites that tensor with the value before the load
+    (dp_reshardable: `step` is a LocalNonpersistentObject, :1664-1667) or fails on the key (fully_reshardable
+    drops it, :2101-2103: KeyError 'step'). So the step is set aside while the parameter state loads, and each
+    parameter gets its own copy afterwards: weights, moments and bias correction all as saved."""
+    from megatron.core.optimizer import DistributedOptimizer
+
+    inners = getattr(optimizer, "chained_optimizers", [optimizer])
+    parts = [saved] if len(inners) == 1 else [saved[k] for k in sorted(saved)]
+    for inner, part in zip(inners, parts):
+        torch_adam = isinstance(getattr(inner, "optimizer", None), torch.optim.Adam)
+        if not (isinstance(inner, DistributedOptimizer) and torch_adam and "param_state" in part):
+            inner.load_state_dict(part)
+            continue
+        part = dict(part)
+        param_state, sharding = part.pop("param_state"), part.pop("param_state_sharding_type")
+        steps = {group["step"] for group in part["optimizer"]["param_groups"]}
+        if len(steps) != 1:
+            raise CheckpointError(f"the optimizer state holds {len(steps)} different Adam steps {sorted(steps)}; "
+                                  f"expected one — load it with --no-load-optim")
+        inner.load_state_dict(part)  # param groups, loss scaler, and the state tensors to load into
+        step = float(steps.pop())
+        adam = inner.optimizer
+        for per_param in adam.state.values():
+            per_param.pop("step", None)
+        getattr(inner, f"load_parameter_state_from_{sharding}")(param_state)
+        for group in adam.param_groups:
+            on_device = group.get("fused") or group.get("capturable")  # where torch's Adam keeps its step
+            for p in group["params"]:
+                adam.state[p]["step"] = torch.tensor(step, dtype=torch.float32, device=p.device if on_device else "cpu")
+    if len(inners) > 1:
+        optimizer._synchronize_steps()
 
 
 def _publish(cfg, tokenizer, train_state: dict, directory: str, announce: bool = False) -> None:
@@ -532,7 +588,7 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
         sharded = model_sharded_state_dict(model, adapters_only=peft_run)
         if load_optim:
             # In the layout it was saved in (its content metadata), whatever this run would save.
-            metadata = dist_checkpointing.load_content_metadata(directory) or sharded_state_dict_metadata(cfg)
+            metadata = load_metadata(cfg, directory)
             _create_optimizer_state(optimizer)
             sharded["optimizer"] = optimizer.sharded_state_dict(dict(sharded), is_loading=True, metadata=metadata)
         if not finetune:
@@ -567,7 +623,7 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
             raise CheckpointError(f"{directory}: saved without optimizer state (--no-save-optim); add --no-load-optim")
         _restore_step_zero(payload["optimizer"])
         with torch.no_grad():  # copied in place into fp32 main parameters, leaves that require grad
-            optimizer.load_state_dict(payload["optimizer"])
+            load_optimizer_state(optimizer, payload["optimizer"])
     if not finetune:
         if "opt_param_scheduler" in payload:
             try:

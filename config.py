@@ -115,6 +115,16 @@ class ModelConfig:
               "runs megatron-core's interleaved 1F1B schedule (smaller pipeline bubble).")
     virtual_pipeline_model_parallel_size: Optional[int] = arg(
         None, "Virtual pipeline stages per pipeline rank, from --num-layers-per-virtual-pipeline-stage.", derived=True)
+    overlap_p2p_comm: bool = arg(
+        True, "Interleaved schedule: overlap the pipeline's sends and receives with compute, each one its own "
+              "isend/irecv. Without virtual stages there is nothing to overlap: set to false.",
+        flag="--no-overlap-p2p-communication")
+    overlap_p2p_comm_warmup_flush: bool = arg(
+        False, "Interleaved schedule with --overlap-p2p-communication: also overlap in the warmup and flush phases.",
+        flag="--overlap-p2p-communication-warmup-flush")
+    batch_p2p_comm: bool = arg(
+        True, "Post each step's pipeline sends and receives as one batch_isend_irecv: the opposite of "
+              "--overlap-p2p-communication, as Megatron-LM sets it.", derived=True)
     context_parallel_size: int = arg(1, "Context-parallel size (splits the sequence). GPU and transformer-engine only.")
     sequence_parallel: bool = arg(False, "Sequence parallelism inside tensor-parallel regions. GPU only.")
     bf16: bool = arg(False, "bfloat16 mixed precision: bf16 weights under Float16Module, fp32 main weights in the "
@@ -719,8 +729,9 @@ class CommOverlapConfig:
                                                    cli=False)
     overlap_grad_reduce: Optional[bool] = arg(None, "ddp.overlap_grad_reduce (--overlap-grad-reduce).", cli=False)
     overlap_param_gather: Optional[bool] = arg(None, "ddp.overlap_param_gather (--overlap-param-gather).", cli=False)
-    overlap_p2p_comm: Optional[bool] = arg(None, "Not supported here: must stay unset.", cli=False)
-    batch_p2p_comm: Optional[bool] = arg(None, "Not supported here: must stay unset.", cli=False)
+    overlap_p2p_comm: Optional[bool] = arg(None, "model.overlap_p2p_comm (--no-overlap-p2p-communication).", cli=False)
+    batch_p2p_comm: Optional[bool] = arg(None, "Derived here from overlap_p2p_comm, as Megatron-LM: must stay unset.",
+                                         cli=False)
     overlap_param_gather_with_optimizer_step: Optional[bool] = arg(None, "Not supported here: must stay unset.",
                                                                    cli=False)
     align_param_gather: Optional[bool] = arg(None, "Not supported here: must stay unset.", cli=False)
@@ -1026,7 +1037,9 @@ def runtime_sections_update(cfg: ConfigContainer) -> None:
                               + ("(none visible here)" if not cfg.use_gpu else
                                  "(transformer-engine is not installed)" if not package_installed("transformer_engine") else
                                  "(this trainer does not set them up)") + "; set it to false")
-        _refuse_set(cfg, "comm_overlap", ["overlap_p2p_comm", "batch_p2p_comm", "overlap_param_gather_with_optimizer_step",
+        if co.overlap_p2p_comm is not None:
+            cfg.model.overlap_p2p_comm = co.overlap_p2p_comm
+        _refuse_set(cfg, "comm_overlap", ["batch_p2p_comm", "overlap_param_gather_with_optimizer_step",
                                           "align_param_gather", "bucket_size", "defer_embedding_wgrad_compute",
                                           "wgrad_deferral_limit"])
         for name in ("overlap_grad_reduce", "overlap_param_gather"):
@@ -1191,6 +1204,9 @@ def _validate_virtual_pipeline(cfg: ConfigContainer) -> None:
     n = m.num_layers_per_virtual_pipeline_stage
     if n is None:
         m.virtual_pipeline_model_parallel_size = None
+        # As Megatron-LM: 1F1B has no p2p to overlap; its sends and receives go in batches.
+        m.overlap_p2p_comm = m.overlap_p2p_comm_warmup_flush = False
+        m.batch_p2p_comm = True
         return
     pp = m.pipeline_model_parallel_size
     if pp == 1:
@@ -1200,6 +1216,17 @@ def _validate_virtual_pipeline(cfg: ConfigContainer) -> None:
         raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {n} must divide the {m.num_layers // pp} layers of "
                           f"each pipeline stage (--num-layers {m.num_layers} / --pipeline-model-parallel-size {pp})")
     m.virtual_pipeline_model_parallel_size = (m.num_layers // pp) // n
+    m.batch_p2p_comm = not m.overlap_p2p_comm  # Megatron-LM's core_transformer_config_from_args
+    if m.overlap_p2p_comm_warmup_flush and not m.overlap_p2p_comm:
+        raise ConfigError("--overlap-p2p-communication-warmup-flush overlaps p2p communication; drop it or "
+                          "--no-overlap-p2p-communication")
+    if pp == 2 and m.batch_p2p_comm:
+        # megatron-core 0.16.1 defect (README: defects): with 2 pipeline ranks the previous and the next rank are
+        # one peer, and a batch of sends and receives to it pairs them in posting order, so activations land in
+        # gradient buffers (p2p_communication.py:16-51). Megatron-LM asks for more than 2 ranks here too.
+        raise ConfigError("--no-overlap-p2p-communication with --pipeline-model-parallel-size 2 and virtual stages "
+                          "swaps activations and gradients (megatron-core 0.16.1 batches both directions to the one "
+                          "peer); drop --no-overlap-p2p-communication or use 3 or more pipeline stages")
 
 
 def _validate_recompute(cfg: ConfigContainer) -> None:

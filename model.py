@@ -112,6 +112,10 @@ def transformer_config(cfg) -> TransformerConfig:
         tensor_model_parallel_size=m.tensor_model_parallel_size,
         pipeline_model_parallel_size=m.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size,
+        # Megatron-LM's p2p settings: overlapped isend/irecv under the interleaved schedule, batched otherwise.
+        overlap_p2p_comm=m.overlap_p2p_comm,
+        batch_p2p_comm=m.batch_p2p_comm,
+        overlap_p2p_comm_warmup_flush=m.overlap_p2p_comm_warmup_flush,
         num_layers_in_first_pipeline_stage=m.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=m.decoder_last_pipeline_num_layers,
         context_parallel_size=m.context_parallel_size,

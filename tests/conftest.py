@@ -56,6 +56,15 @@ def log_lines(stdout: str) -> list:
     return [(int(m[0]), int(m[2]), int(m[3]), float(m[4]), int(m[5]), int(m[6])) for m in LOG_LINE.findall(stdout)]
 
 
+def tensorboard_scalars(path) -> dict:
+    """{tag: {step: value}} of every scalar in a TensorBoard directory, read back as TensorBoard reads it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
 def _listing(folder: str) -> list:
     return sorted((os.path.join(d, f), os.path.getmtime(os.path.join(d, f))) for d, _, fs in os.walk(folder) for f in fs)
 

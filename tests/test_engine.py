@@ -1,88 +1,164 @@
-"""One engine on every machine: megatron-core's DDP, optimizer (distributed too), pipeline schedules (1F1B and
-interleaved) and dist_checkpointing, run on CPU over gloo through device.py's shim, in real torchrun jobs.
+"""One engine on every machine, and every parallel layout gives the one-process answer.
 
-The runs share one starting point: a plain 2-rank data-parallel run saves at iteration 6 and goes on to 12.
-Every other layout resumes from that checkpoint (resharded on load) and must give the same losses."""
+megatron-core's DDP, optimizer (distributed too), pipeline schedules (1F1B and interleaved) and
+dist_checkpointing run on CPU over gloo through device.py's shim, in real torchrun jobs.
+
+The layout matrix: a 1-rank run saves at iteration 6. Every layout continues that checkpoint (resharded on load)
+to 12 and must print the 1-rank run's lm loss and grad norm at every iteration, read back from TensorBoard.
+The 4- and 8-rank layouts also stop at 9 and resume bitwise, and the 8-rank checkpoint goes back to 1 rank.
+Every run is planned for 15 iterations (the schedule a checkpoint holds) and most stop at 12 (--exit-interval)."""
 
 import pytest
 import torch
 
-from conftest import TINY, log_lines, torchrun
+from conftest import TINY, log_lines, tensorboard_scalars, torchrun
 
 # Four layers so two pipeline stages can each hold two virtual stages; no dropout, so layouts compare exactly.
-FLAGS = [*TINY, "--num-layers", "4", "--mock-data", "--global-batch-size", "8", "--train-iters", "12",
+FLAGS = [*TINY, "--num-layers", "4", "--mock-data", "--global-batch-size", "8", "--train-iters", "15", "--exit-interval", "12",
          "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
-         "--num-workers", "0"]
+         "--num-workers", "0", "--lr-decay-style", "constant"]
+DOPT = ["--use-distributed-optimizer"]
+# TP pads the vocabulary to a multiple of 128 x TP by default; 64 x 2 keeps the 1-rank run's 128 rows.
+TP2 = ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"]
+METRICS = ("lm loss", "grad-norm")
 
 
-def losses(proc) -> dict:
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return {it: loss for it, _, _, loss, _, _ in log_lines(proc.stdout)}
+class Runs:
+    """The matrix's torchrun jobs, in one scratch folder and one dataset cache; each is launched once."""
+
+    def __init__(self, out):
+        self.out, self.done = out, {}
+
+    def __call__(self, name, nproc, *flags):
+        if name not in self.done:
+            proc = torchrun([*FLAGS, *flags, "--tensorboard-dir", str(self.out / name / "tb"),
+                             "--data-cache-path", str(self.out / "cache")], nproc=nproc, timeout=600)
+            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+            tb = tensorboard_scalars(self.out / name / "tb")
+            self.done[name] = dict(stdout=proc.stdout, **{m: tb[m] for m in METRICS},
+                                   iterations=[it for it, *_ in log_lines(proc.stdout)])
+        return self.done[name]
+
+    def ckpt(self, name):
+        return str(self.out / name / "ckpt")
+
+    def saving(self, name, every):
+        return ["--save", self.ckpt(name), "--save-interval", str(every)]
+
+    def plain(self):
+        """The reference: one rank, megatron-core's (non-distributed) optimizer, a save at 6."""
+        return self("plain", 1, *self.saving("plain", 6))
+
+    def dopt(self):
+        """One rank with the distributed optimizer (the same arithmetic), saved at 6 in the fully_reshardable
+        format: the checkpoint that distributed-optimizer layouts continue (a plain fp32 optimizer's state has no
+        main weights for them to read)."""
+        return self("dopt", 1, *DOPT, "--dist-ckpt-optim-fully-reshardable", "--exit-interval", "6",
+                    *self.saving("dopt", 6))
+
+    def resume(self, name, nproc, source, step, *flags):
+        return self(name, nproc, *flags, "--load", self.ckpt(source), "--ckpt-step", str(step))
 
 
 @pytest.fixture(scope="module")
-def plain(tmp_path_factory):
-    """The reference: 2 data-parallel ranks, megatron-core's (non-distributed) optimizer, a save at 6."""
-    out = tmp_path_factory.mktemp("engine")
-    proc = torchrun([*FLAGS, "--save", str(out / "plain"), "--save-interval", "6", "--data-cache-path", str(out / "cache")])
-    return dict(dir=out, losses=losses(proc))
+def runs(tmp_path_factory):
+    return Runs(tmp_path_factory.mktemp("engine"))
 
 
-@pytest.fixture(scope="module")
-def dopt(plain):
-    """The same run with --use-distributed-optimizer, saving at 6, and its resume from 6 (one pair of runs for
-    the tests below)."""
-    out = plain["dir"]
-    args = [*FLAGS, "--use-distributed-optimizer", "--data-cache-path", str(out / "cache")]
-    straight = losses(torchrun([*args, "--save", str(out / "dopt"), "--save-interval", "6"]))
-    # dp_reshardable by default: the optimizer state is saved per data-parallel shard, and read back so.
-    resumed_run = torchrun([*args, "--load", str(out / "dopt"), "--ckpt-step", "6"])
-    return dict(straight=straight, resumed=losses(resumed_run), resumed_stdout=resumed_run.stdout)
+def assert_same(run, reference, iterations, rel=1e-5):
+    for metric in METRICS:
+        for it in iterations:
+            assert run[metric][it] == pytest.approx(reference[metric][it], rel=rel), (metric, it)
 
 
-def test_distributed_optimizer_matches_the_plain_optimizer_and_loads_its_weights(plain, dopt):
-    straight, resumed = dopt["straight"], dopt["resumed"]
-    assert sorted(straight) == list(range(1, 13))
-    for it, loss in plain["losses"].items():
-        assert straight[it] == pytest.approx(loss, rel=1e-5), it
-    assert sorted(resumed) == list(range(7, 13))
-    assert resumed[7] == straight[7]  # the loaded weights are the saved ones, bit for bit
+def assert_bitwise(run, reference, iterations):
+    for metric in METRICS:
+        assert [run[metric][it] for it in iterations] == [reference[metric][it] for it in iterations], metric
 
 
-def test_memory_report_covers_the_first_two_iterations_after_a_resume(dopt):
+LAYOUTS = {
+    "dp2": (2, "plain", []),
+    "tp2": (2, "plain", TP2),
+    "pp2": (2, "plain", ["--pipeline-model-parallel-size", "2"]),                                   # 1F1B
+    # Interleaved: Megatron-LM's default --overlap-p2p-communication, one isend/irecv each (README: defects).
+    "pp2_vpp2": (2, "plain", ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
+    # Loads the fully_reshardable checkpoint of 1 rank into 2 shards, saves dp_reshardable at 9 (resumed below).
+    "dp2_dopt": (2, "dopt", [*DOPT, "--save-interval", "9"]),
+    # 4 ranks, with an uneven pipeline split (1 + 3 layers); saves at 9 (resumed below).
+    "tp2_pp2": (4, "plain", [*TP2, "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1",
+                             "--save-interval", "9"]),
+    # 8 ranks: TP 2 x PP 2 x DP 2, the distributed optimizer, fully_reshardable so 1 rank can read it back.
+    "tp2_pp2_dp2": (8, "dopt", [*TP2, "--pipeline-model-parallel-size", "2", *DOPT, "--dist-ckpt-optim-fully-reshardable",
+                                "--save-interval", "9"]),
+}
+
+
+def layout(runs, name):
+    nproc, source, flags = LAYOUTS[name]
+    saving = ["--save", runs.ckpt(name)] if "--save-interval" in flags else []
+    getattr(runs, source)()
+    return runs.resume(name, nproc, source, 6, *flags, *saving)
+
+
+def test_the_distributed_optimizer_on_one_rank_is_the_plain_optimizer(runs):
+    assert runs.plain()["iterations"] == list(range(1, 13))
+    assert_same(runs.dopt(), runs.plain(), range(1, 7))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_every_layout_continues_the_one_rank_checkpoint_with_its_losses_and_grad_norms(runs, name):
+    """The same global batches and the same weights, resharded on load into data-parallel replicas,
+    tensor-parallel shards, pipeline stages (1F1B, interleaved, uneven) or distributed-optimizer shards:
+    the same lm loss and grad norm at every iteration."""
+    run = layout(runs, name)
+    assert run["iterations"] == list(range(7, 13))
+    assert_same(run, runs.plain(), range(7, 13))
+
+
+def test_distributed_optimizer_resumes_bitwise_in_each_checkpoint_format(runs):
+    """Each parameter gets back its own Adam step: a fully_reshardable load (the 1-rank checkpoint, 1 shard into
+    2) and a dp_reshardable one (2 shards into 2) both continue bit for bit. Without the fix the first fails with
+    KeyError 'step' and the second drifts from its second step."""
+    straight = layout(runs, "dp2_dopt")
+    resumed = runs.resume("dp2_dopt_resumed", 2, "dp2_dopt", 9, *DOPT)
+    assert resumed["iterations"] == [10, 11, 12]
+    assert_bitwise(resumed, straight, [10, 11, 12])
+
+
+def stop_and_resume(runs, name):
+    """A layout's run from 6 to 12 (saving at 9 and, on exit, at 12) and its resume from 9; the 8-rank resume
+    goes on to 15: the losses the 8-rank checkpoint of 12 must give on 1 rank."""
+    nproc, _, flags = LAYOUTS[name]
+    kept = [f for f in flags if f not in ("--save-interval", "9")]
+    more = ["--exit-interval", "15"] if nproc == 8 else []
+    return layout(runs, name), runs.resume(name + "_resumed", nproc, name, 9, *kept, *more)
+
+
+@pytest.mark.parametrize("name", ["tp2_pp2", "tp2_pp2_dp2"])
+def test_four_and_eight_rank_layouts_stop_at_9_and_resume_bitwise(runs, name):
+    straight, resumed = stop_and_resume(runs, name)
+    assert resumed["iterations"][:3] == [10, 11, 12]
+    assert_bitwise(resumed, straight, [10, 11, 12])
+
+
+def test_the_eight_rank_checkpoint_continues_on_one_rank(runs):
+    """dist_checkpointing's promise: TP 2 x PP 2 x DP 2 shards of weights and distributed Adam state, read by a
+    single process, continue with the 8-rank run's losses."""
+    _, eight = stop_and_resume(runs, "tp2_pp2_dp2")
+    assert eight["iterations"] == list(range(10, 16))
+    one = runs.resume("one_from_eight", 1, "tp2_pp2_dp2", 12, *DOPT, "--exit-interval", "15")
+    assert one["iterations"] == [13, 14, 15]
+    assert_same(one, eight, [13, 14, 15])
+
+
+def test_memory_report_covers_the_first_two_iterations_after_a_resume(runs):
     """The memory report, with the theoretical estimate beside it, covers the first two iterations after the
     resume (the second holds the optimizer state), as Bridge's; the estimate shards Adam over the 2 ranks."""
-    stdout = dopt["resumed_stdout"]
+    stdout = layout(runs, "dp2_dopt")["stdout"]
     reports = [line for line in stdout.splitlines() if "iterations) memory (GB)" in line]
     assert [line.split("(after ")[1].split(" ")[0] for line in reports] == ["7", "8"]
     assert stdout.count("Theoretical memory footprints: weight and optimizer=") == 2
     assert " 12.00 bytes per trainable parameter" in stdout  # fp32: 4 weight + 4 gradient + 8 Adam / 2 ranks
-
-
-@pytest.mark.xfail(strict=True, reason="known open defect: after a dp_reshardable resume of the distributed optimizer "
-                   "the losses drift from iteration 8 (~7e-4 relative): its Adam state does not come back exactly")
-def test_distributed_optimizer_resume_is_bitwise(dopt):
-    assert all(dopt["resumed"][it] == dopt["straight"][it] for it in dopt["resumed"])
-
-
-@pytest.mark.parametrize("layout", [
-    ["--pipeline-model-parallel-size", "2"],                                                      # 1F1B
-    pytest.param(["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
-                 marks=pytest.mark.xfail(strict=True, reason="known open defect: the interleaved schedule trains, but "
-                                         "its losses differ from PP=1's by ~5e-4 relative from the first resumed step")),
-    ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"],           # uneven: 1 + 3
-    # TP: the vocabulary is padded to a multiple of 128 x TP by default; 64 x 2 keeps the saved embedding's rows.
-    ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"],
-])
-def test_other_layouts_resume_the_plain_checkpoint_with_its_losses(plain, layout):
-    """A data-parallel checkpoint resharded on load into pipeline stages (1F1B, interleaved) or tensor-parallel
-    shards: the same global batches, the same weights, so the same losses."""
-    out = plain["dir"]
-    resumed = losses(torchrun([*FLAGS, *layout, "--load", str(out / "plain"), "--ckpt-step", "6",
-                               "--data-cache-path", str(out / "cache")]))
-    assert sorted(resumed) == list(range(7, 13))
-    for it, loss in resumed.items():
-        assert loss == pytest.approx(plain["losses"][it], rel=1e-5), it
 
 
 def test_megatron_engine_pieces_are_in_use(single_rank_groups):

@@ -12,7 +12,7 @@ import zipfile
 
 import pytest
 
-from conftest import ROOT, TINY, log_lines, torchrun
+from conftest import ROOT, TINY, log_lines, tensorboard_scalars, torchrun
 
 # Periodic evaluations, then the final ones on the validation and test sets, all written as "lm loss validation"
 # at the iteration (as Megatron does): at iteration 12 the last of the three is what a tracker's step holds.
@@ -47,14 +47,6 @@ def tracked_run(tmp_path_factory):
     validation = {int(it): float(v) for it, v in VALIDATION.findall(proc.stdout)}
     assert sorted(validation) == [6, 12]
     return dict(dir=out, stdout=proc.stdout, losses=losses, validation=validation)
-
-
-def tensorboard_scalars(path) -> dict:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
 
 
 def wandb_history(run_file) -> dict:

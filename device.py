@@ -71,7 +71,7 @@ warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not ins
 warnings.filterwarnings("ignore", message=r"full scope is deprecated")  # a TransformerConfig default, not ours
 from torch.overrides import TorchFunctionMode
 
-_installed = False
+_mode = None  # the CudaOnCpu mode, once installed
 
 
 def cuda() -> bool:
@@ -191,8 +191,8 @@ class _Stream:
 def install_cpu_shim() -> None:
     """Answer megatron-core's CUDA calls on the CPU (the table above). Does nothing when CUDA is available,
     or when already installed. Process-wide and permanent: it is how this process talks to megatron-core."""
-    global _installed
-    if _installed or cuda():
+    global _mode
+    if _mode is not None or cuda():
         return
     from megatron.core.tensor_parallel import random as mcore_random
 
@@ -210,8 +210,23 @@ def install_cpu_shim() -> None:
     torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
     mcore_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
     mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
-    CudaOnCpu().__enter__()  # entered for good: the mode stack is per thread, and training runs on this one
-    _installed = True
+    _mode = CudaOnCpu()
+    _mode.__enter__()  # entered for good: the mode stack is per thread, and training runs on this one
+
+
+@contextlib.contextmanager
+def cpu_shim_paused():
+    """The `device=` rewrite off, for a stretch of code that makes no CUDA call: every torch call then skips one
+    Python function, which shows where many tiny ops run (a decode step of a small model). Nothing to do with
+    CUDA, or before the shim is installed."""
+    if _mode is None:
+        yield
+        return
+    _mode.__exit__(None, None, None)
+    try:
+        yield
+    finally:
+        _mode.__enter__()
 
 
 def current() -> torch.device:

@@ -37,6 +37,7 @@ from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func as mcore_get_forward_backward_func
 from megatron.core.transformer import MegatronModule, TransformerConfig
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import Float16Module
 
 device.install_cpu_shim()  # without CUDA: megatron-core's CUDA calls answered on the CPU (device.py); else nothing
@@ -67,6 +68,7 @@ class SDPAttention(MegatronModule):
         super().__init__(config=config)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale  # None: 1/sqrt(head_dim), SDPA's default
+        self.attn_mask_type = attn_mask_type
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -84,7 +86,12 @@ class SDPAttention(MegatronModule):
             kernels = sdpa_kernel(SDPBackend.MATH)
         with kernels:
             if attention_mask is None:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
+                # megatron-core's rule (fused_softmax.py:323): a causal mask only where several query positions
+                # attend to each other. A decode step's one new query (megatron passes no_mask then) sees every
+                # cached key; SDPA's causal mask, aligned top-left, would show it only the first.
+                mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+                causal = mask_type == AttnMaskType.causal and s > 1
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, **kwargs)
             else:  # megatron masks mark positions to drop with True; SDPA's boolean masks mark positions to keep
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, **kwargs)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)

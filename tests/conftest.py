@@ -16,6 +16,10 @@ sys.path.insert(0, ROOT)
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--micro-batch-size", "2", "--lr", "3e-3", "--lr-warmup-iters", "2", "--no-save", "--no-tensorboard"]
 
+# A LLaMA-like model: RoPE, RMSNorm, SwiGLU, grouped-query attention, untied embeddings, no biases.
+LLAMA_FLAGS = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--num-query-groups", "2",
+               "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--rotary-base", "5000"]
+
 LOG_LINE = re.compile(
     r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| (?:skipped samples: +\d+ \| )?"
     r"elapsed time per iteration \(ms\): [\d.]+ \|"
@@ -109,3 +113,17 @@ def single_rank_groups():
     yield
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def llama_ckpt(tmp_path_factory):
+    """A tiny LLaMA-like model trained for a few steps in this process, saved as torch_dist."""
+    import config
+    import train
+
+    out = tmp_path_factory.mktemp("llama")
+    cfg = config.parse_args([*TINY, *LLAMA_FLAGS, "--mock-data", "--train-iters", "4", "--eval-iters", "0",
+                             "--num-workers", "0", "--save", str(out / "ckpt"), "--data-cache-path", str(out / "cache")],
+                            world_size=1, gpu=False)
+    train.pretrain(cfg)
+    return str(out / "ckpt")

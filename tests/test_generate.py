@@ -1,10 +1,16 @@
-"""generate.py: greedy decoding is an argmax loop over the full forward, sampling follows its seed and limits,
-bad input is one line, and the quick start's default folders feed it with no flag under tensor parallelism."""
+"""generate.py: greedy decoding is an argmax loop over the full forward, KV-cached decoding gives the full
+forward's tokens (greedy and sampled, GPT-2-like and LLaMA-like, both core attentions, past the context, TP=2),
+sampling follows its seed and limits, bad input is one line, and the quick start's default folders feed it with
+no flag under tensor parallelism."""
 
 import io
+import shutil
+import types
 
 import pytest
 import torch
+
+import yaml
 
 from conftest import torchrun
 
@@ -38,6 +44,69 @@ def test_greedy_is_deterministic_and_an_argmax_loop_over_the_full_forward(mock_r
             logits = model(window, torch.arange(window.shape[1])[None], attention_mask=None)[0, -1, :tokenizer.vocab_size]
             ids.append(int(logits.argmax()))
     assert len(first) == 70 and ids[len(prompt):] == first
+
+
+def with_attention_backend(load: str, backend: str, tmp_path) -> str:
+    """A copy of a checkpoint whose run_config.yaml asks for another core attention (the weights are the same)."""
+    if backend == "auto":
+        return load
+    copy = str(tmp_path / f"ckpt_{backend}")
+    shutil.copytree(load, copy)
+    for path in (tmp_path / f"ckpt_{backend}").glob("iter_*/run_config.yaml"):
+        saved = yaml.safe_load(path.read_text())
+        saved["model"]["attention_backend"] = backend
+        path.write_text(yaml.safe_dump(saved))
+    return copy
+
+
+@pytest.mark.parametrize("backend", ["auto", "local"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_kv_cached_decoding_gives_the_full_forward_tokens_past_the_context(kind, backend, mock_run, llama_ckpt,
+                                                                          tmp_path, monkeypatch):
+    """300 tokens from a 64-token context, greedy and sampled: the cache serves every token while the sequence
+    fits, the full-forward loop the rest, and the tokens are the --no-kv-cache loop's."""
+    import generate
+
+    load = with_attention_backend(str(mock_run["dir"] / "ckpt") if kind == "gpt2" else llama_ckpt, backend, tmp_path)
+    model, tokenizer, cfg = generate.load_model(load)
+    assert cfg.model.attention_backend == backend and model.max_sequence_length == 64
+    assert (cfg.model.position_embedding_type, cfg.model.num_query_groups) == \
+        (("learned_absolute", 4) if kind == "gpt2" else ("rope", 2))
+    never_stops = types.SimpleNamespace(vocab_size=tokenizer.vocab_size, eod=-1)  # all 300 tokens, no early end
+    prompt = tokenizer.tokenize("import os\n")
+    cached_calls = []
+    cached = generate.cached_next_token_logits
+    monkeypatch.setattr(generate, "cached_next_token_logits", lambda *a: cached_calls.append(1) or cached(*a))
+    for sampling in (dict(), dict(seed=3, temperature=0.8, top_k=50, top_p=0.95)):
+        cached_calls.clear()
+        with_cache = generate.generate(model, never_stops, prompt, 300, **sampling)
+        assert len(cached_calls) == 64 - len(prompt) + 1  # prefill, then one token each until the window is full
+        plain = generate.generate(model, never_stops, prompt, 300, kv_cache=False, **sampling)
+        assert len(with_cache) == 300 and with_cache == plain, sampling
+
+
+def test_tensor_parallel_samples_are_the_one_process_samples(llama_ckpt):
+    """torchrun --nproc-per-node 2 generate.py --num-samples 2: each rank holds half of each matrix (and half
+    of the query groups), the gathered logits give every rank the same draws, and the two samples are what one
+    process draws from one seeded generator."""
+    import generate
+
+    proc = torchrun(["--load", llama_ckpt, "--prompt", "The", "--num-samples", "2", "--max-new-tokens", "30",
+                     "--seed", "5"], script="generate.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model, tokenizer, _ = generate.load_model(llama_ckpt)
+    generator = torch.Generator().manual_seed(5)
+    samples = [generate.generate(model, tokenizer, tokenizer.tokenize("The"), 30, 0.8, 50, 0.95, generator=generator)
+               for _ in range(2)]
+    assert samples[0] != samples[1]
+    texts = []
+    for sample in samples:  # as generate.py streams them (an incomplete trailing character is held back)
+        out = io.StringIO()
+        stream = generate.TextStream(tokenizer, out)
+        for token in sample:
+            stream(token)
+        texts.append("The" + out.getvalue() + "\n")
+    assert proc.stdout == texts[0] + "---------------\n" + texts[1]
 
 
 def test_sampling_follows_its_seed_temperature_top_k_and_top_p():
@@ -79,6 +148,7 @@ def test_text_streams_as_tokens_come_and_waits_for_a_whole_character():
     (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
     (["--top-k", "-1"], "--top-k must be 0 (all tokens) or positive, got -1"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),
+    (["--num-samples", "0"], "--num-samples must be at least 1, got 0"),
     (["--load", "/nonexistent"], "--load /nonexistent: no such directory (train first"),
 ])
 def test_bad_values_are_one_line_before_torch(flags, message, capsys, tmp_path):

@@ -9,12 +9,10 @@ import pytest
 import torch
 
 import config
-from conftest import TINY
+from conftest import LLAMA_FLAGS, TINY
 
 transformers = pytest.importorskip("transformers", reason="transformers is in requirements.txt; this checks the HF layouts")
 
-LLAMA_FLAGS = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--num-query-groups", "2",
-               "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--rotary-base", "5000"]
 TEXT = ("Python is an easy to learn, powerful programming language. It has efficient high-level data structures "
         "and a simple but effective approach to object-oriented programming.")
 
@@ -28,19 +26,6 @@ def one_process_world():
     parallel_state.destroy_model_parallel()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def llama_ckpt(tmp_path_factory):
-    """A tiny LLaMA-layout model trained for a few steps (GQA, untied, no biases), saved as torch_dist."""
-    import train
-
-    out = tmp_path_factory.mktemp("llama")
-    cfg = config.parse_args([*TINY, *LLAMA_FLAGS, "--mock-data", "--train-iters", "4", "--eval-iters", "0",
-                             "--num-workers", "0", "--save", str(out / "ckpt"), "--data-cache-path", str(out / "cache")],
-                            world_size=1, gpu=False)
-    train.pretrain(cfg)
-    return str(out / "ckpt")
 
 
 def _text_batch(tokenizer, length=48):
@@ -75,11 +60,13 @@ def test_export_gives_transformers_our_logits(layout, mock_run, llama_ckpt, tmp_
     assert ours.std() > 0.1  # trained weights, not a constant
 
 
-def test_transformers_greedy_generate_gives_our_tokens(mock_run, tmp_path):
+@pytest.mark.parametrize("layout", ["gpt2", "llama"])
+def test_transformers_greedy_generate_gives_our_tokens(layout, mock_run, llama_ckpt, tmp_path):
+    """Our KV-cached greedy decoding (generate.py's default) and transformers' on the export: the same tokens."""
     import generate
     import hf
 
-    load = str(mock_run["dir"] / "ckpt")
+    load = str(mock_run["dir"] / "ckpt") if layout == "gpt2" else llama_ckpt
     hf.export(load, str(tmp_path / "hf"))
     model, tokenizer, _ = generate.load_model(load)
     prompt = tokenizer.tokenize("def main():")

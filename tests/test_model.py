@@ -34,6 +34,24 @@ def test_sdpa_attention_is_causal_attention_with_gqa(single_rank_groups):
     torch.testing.assert_close(attention(q, k, v, mask), reference_attention(q, k, v), rtol=1e-5, atol=1e-5)
 
 
+def test_one_query_against_cached_keys_is_the_last_row_of_causal_attention(single_rank_groups):
+    """A decode step: megatron-core hands the core attention one new query and every cached key, with
+    attn_mask_type no_mask (attention.py:511-520). It must see all the keys, as the last row of full causal
+    attention does; SDPA's causal mask, aligned top-left, would show it only the first."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from model import SDPAttention, transformer_config
+
+    cfg = config.parse_args(["--attention-dropout", "0", "--num-query-groups", "2"], world_size=1, gpu=False)
+    attention = SDPAttention(transformer_config(cfg), 1, AttnMaskType.causal)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(16, 2, 4, 64), torch.randn(16, 2, 2, 64), torch.randn(16, 2, 2, 64)
+    last_row = reference_attention(q, k, v)[-1:]
+    for mask_type in (AttnMaskType.no_mask, AttnMaskType.causal):  # megatron's rule: causal only when sq > 1
+        torch.testing.assert_close(attention(q[-1:], k, v, None, attn_mask_type=mask_type), last_row,
+                                   rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("flags", [
     ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear"],
     ["--num-query-groups", "2", "--untie-embeddings-and-output-weights", "--attention-backend", "local"],

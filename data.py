@@ -687,7 +687,11 @@ def iter_documents(path: str, json_keys: list):
                     for key in json_keys:
                         if key not in record:
                             raise ConfigError(f"{file}:{n}: no key '{key}' (keys: {', '.join(record)}); set --json-keys")
-                        yield key, str(record[key])
+                        text = record[key]
+                        if isinstance(text, list) and not all(isinstance(t, str) for t in text):
+                            raise ConfigError(f"{file}:{n}: '{key}' is a list with a non-text element; a list holds "
+                                              f"one document's sentences, as strings")
+                        yield key, text if isinstance(text, list) else str(text)
             else:
                 for block in fh.read().split("\n\n"):
                     if block.strip():
@@ -695,10 +699,18 @@ def iter_documents(path: str, json_keys: list):
 
 
 def _tokenize_batch(args):
-    """(key, bytes, token ids) of each (key, text) of a batch: the work a preprocessing worker does."""
+    """(key, bytes, token ids, sequence lengths) of each (key, text) of a batch: the work a preprocessing worker
+    does. A text that is a list (Megatron-LM's sentence-split form) is one document of one sequence per non-empty
+    element, as tools/preprocess_data.py writes it; an empty text is a document with no sequence."""
     tokenizer, batch = args
-    # Arrays, not lists: cheaper to send back from a worker and to hand to the builder.
-    return [(key, len(text.encode("utf-8")), np.asarray(tokenizer.tokenize(text), dtype=np.int64)) for key, text in batch]
+    out = []
+    for key, text in batch:
+        sentences = text if isinstance(text, list) else [text]
+        pieces = [ids for ids in (tokenizer.tokenize(t) for t in sentences) if len(ids)]
+        # Arrays, not lists: cheaper to send back from a worker and to hand to the builder.
+        ids = np.asarray([i for piece in pieces for i in piece], dtype=np.int64)
+        out.append((key, sum(len(t.encode("utf-8")) for t in sentences), ids, [len(piece) for piece in pieces]))
+    return out
 
 
 def preprocess(input_path: str, output_prefix: str, json_keys=("text",), tokenizer=None, append_eod=False,
@@ -745,7 +757,7 @@ def preprocess(input_path: str, output_prefix: str, json_keys=("text",), tokeniz
             pool.join()
     for key, prefix in prefixes.items():
         tmp = prefix + f".bin.tmp{os.getpid()}"
-        if stats[key]["documents"] == 0:
+        if stats[key]["tokens"] == 0:
             os.remove(tmp)
             raise ConfigError(f"--input {input_path}: no documents with text under key '{key}'; the corpus is empty")
         builders[key].finalize(prefix + f".idx.tmp{os.getpid()}")
@@ -761,13 +773,11 @@ def _fill(builders, stats, batches, tokenizer, append_eod, pool, total_bytes, st
     last_report, done_bytes = time.time(), 0
     jobs = ((tokenizer, batch) for batch in batches)
     for items in (pool.imap(_tokenize_batch, jobs, chunksize=4) if pool else map(_tokenize_batch, jobs)):
-        for key, num_bytes, ids in items:
-            if append_eod:
+        for key, num_bytes, ids, lengths in items:
+            if append_eod and len(ids):  # an empty document stays empty, as in Megatron-LM
                 ids = np.append(ids, tokenizer.eod)
-            if not len(ids):
-                continue
-            builders[key].add_item(torch.from_numpy(ids))
-            builders[key].end_document()
+                lengths[-1] += 1
+            builders[key].add_document(torch.from_numpy(ids), lengths)
             stats[key]["documents"] += 1
             stats[key]["tokens"] += len(ids)
             done_bytes += num_bytes

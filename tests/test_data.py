@@ -74,6 +74,7 @@ def test_preprocess_a_directory_of_text_files(corpora, tmp_path):
     ("", [], "the corpus is empty"),
     ('{"text": "a"}\nnot json\n', [], ":2: not a JSON line"),
     ('{"body": "a"}\n', [], "no key 'text' (keys: body); set --json-keys"),
+    ('{"text": ["a", 3]}\n', [], "'text' is a list with a non-text element"),
 ])
 def test_preprocess_bad_input_is_one_line(tmp_path, content, args, message, capsys):
     """The first case through the command line (a process of its own), the others through its main()."""
@@ -90,6 +91,28 @@ def test_preprocess_bad_input_is_one_line(tmp_path, content, args, message, caps
         code, err = data.main(argv), capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err and err.count("\n") == 1, err
     assert not list(tmp_path.glob("out*"))  # nothing half-written left behind
+
+
+@pytest.mark.parametrize("append_eod", [False, True])
+def test_preprocess_list_and_empty_texts_as_megatron_lm(tmp_path, append_eod, capsys):
+    """Megatron-LM's tools/preprocess_data.py (Encoder.encode): a "text" that is a list is one document of one
+    sequence per non-empty element, the end-of-document token appended to its last; an empty text is a document
+    with no sequence, and stays empty with --append-eod."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    import data
+
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(json.dumps({"text": t}) for t in (["Hello world. ", "", "Second one."], "", "plain")))
+    argv = ["preprocess", "--input", str(path), "--output-prefix", str(tmp_path / "out")]
+    assert data.main(argv + (["--append-eod"] if append_eod else [])) == 0, capsys.readouterr().err
+    dataset = IndexedDataset(str(tmp_path / "out_text_document"))
+    eod = int(append_eod)
+    assert dataset.sequence_lengths.tolist() == [13, 11 + eod, 5 + eod]
+    assert dataset.document_indices.tolist() == [0, 2, 2, 3]  # the empty text: a document of no sequence
+    expected = [list(b"Hello world. "), list(b"Second one.") + [data.ByteTokenizer().eod] * eod,
+                list(b"plain") + [data.ByteTokenizer().eod] * eod]
+    assert [dataset[i].tolist() for i in range(3)] == expected
 
 
 @pytest.fixture(scope="module")

@@ -153,6 +153,20 @@ class ModelConfig:
     hierarchical_context_parallel_sizes: Optional[list[int]] = arg(
         None, "Context-parallel group sizes from inner to outer level (their product is --context-parallel-size); "
               "needed by a2a+p2p.")
+    use_cpu_initialization: bool = arg(
+        False, "Build each full weight on the CPU and hand every tensor-parallel rank its slice (the same weights for "
+               "any TP size). Always so without CUDA; on a GPU each rank otherwise initialises its slice in place.")
+    # Megatron-LM's switches that turn off a fused GPU kernel (apex / transformer-engine / megatron's CUDA
+    # extensions). The local layers built here never use these kernels, so the switches change nothing: a CPU or
+    # no-TE Megatron-LM command line carries them, and they are accepted and named once as inert.
+    no_persist_layer_norm: bool = arg(False, "Megatron-LM's switch off apex's persistent LayerNorm kernel: inert here.")
+    no_gradient_accumulation_fusion: bool = arg(
+        False, "Megatron-LM's switch off the fused weight-gradient accumulation (an apex/TE kernel): inert here.")
+    no_masked_softmax_fusion: bool = arg(False, "Megatron-LM's switch off the fused masked softmax: inert here.")
+    no_bias_gelu_fusion: bool = arg(False, "Megatron-LM's switch off the fused bias + GeLU: inert here.")
+    no_bias_swiglu_fusion: bool = arg(False, "Megatron-LM's switch off the fused bias + SwiGLU: inert here.")
+    no_bias_dropout_fusion: bool = arg(False, "Megatron-LM's switch off the fused bias + dropout + add: inert here.")
+    no_rope_fusion: bool = arg(False, "Megatron-LM's switch off the fused rotary embedding kernel: inert here.")
 
 
 @dataclass
@@ -1886,6 +1900,8 @@ def _get_key_config_values(config_obj: Any) -> dict:
 def print_config(cfg: ConfigContainer, file=sys.stdout) -> None:
     """The resolved config, Megatron-style: one dotted line per setting, by section; with
     --log-non-default-values, Bridge's summary of the settings that differ from their defaults."""
+    if inert_flags(cfg):
+        print(f" inert here (fused GPU kernels the local layers never use): {' '.join(inert_flags(cfg))}", file=file)
     if cfg.logger.log_non_default_values:
         cfg.log_non_default_values(file)
         return
@@ -1902,3 +1918,12 @@ def print_config(cfg: ConfigContainer, file=sys.stdout) -> None:
     for name in ("world_size", "data_parallel_size", "use_gpu", "padded_vocab_size"):
         print(f"  {name} {'.' * max(3, 48 - len(name))} {getattr(cfg, name)}", file=file)
     print("-------------------- end of arguments ---------------------", file=file, flush=True)
+
+
+INERT = ("no_persist_layer_norm", "no_gradient_accumulation_fusion", "no_masked_softmax_fusion", "no_bias_gelu_fusion",
+         "no_bias_swiglu_fusion", "no_bias_dropout_fusion", "no_rope_fusion")
+
+
+def inert_flags(cfg: ConfigContainer) -> list:
+    """The Megatron-LM kernel-fusion switches given that change nothing here, as flags."""
+    return ["--" + name.replace("_", "-") for name in INERT if getattr(cfg.model, name)]

@@ -134,7 +134,7 @@ def transformer_config(cfg) -> TransformerConfig:
         pipeline_dtype=dtype,
         # Build each full weight on the CPU and hand every tensor-parallel rank its slice: the same weights
         # for any TP size. On a GPU each rank initialises its slice in place from the RNG tracker, as Megatron-LM.
-        use_cpu_initialization=not device.cuda(),
+        use_cpu_initialization=m.use_cpu_initialization or not device.cuda(),
         # Activation recomputation through megatron-core's checkpoint function (the RNG tracker replays dropout).
         recompute_granularity=m.recompute_granularity,
         recompute_method=m.recompute_method,

@@ -85,6 +85,26 @@ def test_pipeline_p2p_settings_follow_megatron_lm():
     assert p2p(["--pipeline-model-parallel-size", "4", *vpp, "--no-overlap-p2p-communication"], 4) == (False, True)
 
 
+def test_megatron_lm_cpu_command_line_switches_are_accepted_and_named_as_inert(single_rank_groups):
+    """The 7 switches a CPU or no-TE Megatron-LM GPT command line carries: 6 turn off fused GPU kernels the local
+    layers never use (one line names them), and --use-cpu-initialization means what it means in megatron-core."""
+    import io
+
+    from model import transformer_config
+
+    switches = ["--no-persist-layer-norm", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+                "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion"]
+    cfg = config.parse_args([*switches, "--use-cpu-initialization"], world_size=1, gpu=True)
+    out = io.StringIO()
+    config.print_config(cfg, out)
+    assert out.getvalue().count(" inert here (fused GPU kernels the local layers never use): "
+                                + " ".join(switches) + "\n") == 1
+    assert transformer_config(cfg).use_cpu_initialization
+    tc = transformer_config(config.parse_args([], world_size=1, gpu=False))  # the fusions stay off either way
+    assert not (tc.persist_layer_norm or tc.gradient_accumulation_fusion or tc.masked_softmax_fusion
+                or tc.bias_activation_fusion or tc.bias_dropout_fusion or tc.apply_rope_fusion)
+
+
 @pytest.mark.parametrize("argv, world_size, gpu, message", [
     (["--global-batch-size", "10", "--micro-batch-size", "4"], 2, False, "not a multiple of --micro-batch-size 4 x data-parallel size 2"),
     (["--hidden-size", "100", "--num-attention-heads", "3"], 1, False, "does not divide --hidden-size"),

@@ -786,9 +786,11 @@ def compute_weight_and_optimizer_memory(config, verbose: bool = False) -> float:
     embedding = h * config.padded_vocab_size
     untied = m.untie_embeddings_and_output_weights
     total = layers + (2 if untied else 1) * embedding
-    stages = [per_layer * n for n in pipeline_stage_layers(m)]
+    # The final norm is counted in the even split, as Bridge's formula does (it lives on the last stage: 2h
+    # parameters, nothing beside a layer's 12h^2).
+    stages = [per_layer * n + final_norm / len(pipeline_stage_layers(m)) for n in pipeline_stage_layers(m)]
     stages[0] += embedding
-    stages[-1] += final_norm + (embedding if untied or len(stages) > 1 else 0)  # a tied copy on the last stage
+    stages[-1] += embedding if untied or len(stages) > 1 else 0  # the output layer (a tied copy on the last stage)
     most_loaded = max(stages) / m.tensor_model_parallel_size
     trainable, frozen = bytes_per_parameter(config)
     share = config.trainable_fraction
@@ -842,7 +844,9 @@ def compute_activation_memory(config, num_microbatches, verbose: bool = False) -
     else:
         stage = layers * layer
     in_flight = pp if not num_microbatches else min(pp, num_microbatches)
-    activation = (stage + 8 * s * b / cp + s * b * h / cp) * in_flight  # + embedding input ids and dropout mask
+    # The embedding's input ids and dropout mask; sequence parallelism splits them over TP as well (Bridge's).
+    embedding = (8 * s * b + s * b * h) / cp / (tp if m.sequence_parallel else 1)
+    activation = (stage + embedding) * in_flight
     if vp:
         activation *= 1 + (pp - 1) / (pp * vp)
     if pp == 1:

@@ -11,8 +11,8 @@ import metrics
 from conftest import torchrun
 
 
-def _cfg(*flags, world_size=1):
-    cfg = config.parse_args(list(flags), world_size=world_size, gpu=False)
+def _cfg(*flags, world_size=1, gpu=False):
+    cfg = config.parse_args(list(flags), world_size=world_size, gpu=gpu)
     cfg.padded_vocab_size = 384
     return cfg
 
@@ -159,11 +159,44 @@ def test_weight_memory_takes_the_most_loaded_pipeline_stage():
     h, V = 128, 384
     per_layer = 2 * h * h * (2 + 4 + 2 / h)  # attention (q, k, v, out) + MLP 4h + two norms
     even = _cfg(*base, world_size=2)
-    # 4 + 4: the last stage is the larger, by the final norm beside its copy of the (tied) output weights.
-    assert metrics.compute_weight_and_optimizer_memory(even) == pytest.approx(16 * (4 * per_layer + 2 * h + h * V))
-    # 2 + 6: the last stage holds 6 layers, the final norm and its copy of the (tied) output weights.
+    # 4 + 4: the embedding on the first stage, its (tied) copy on the last; the final norm in the even split (Bridge's).
+    assert metrics.compute_weight_and_optimizer_memory(even) == pytest.approx(16 * (4 * per_layer + 2 * h / 2 + h * V))
+    # 2 + 6: the last stage holds 6 layers and its copy of the (tied) output weights.
     uneven = _cfg(*base, "--decoder-first-pipeline-num-layers", "2", world_size=2)
-    assert metrics.compute_weight_and_optimizer_memory(uneven) == pytest.approx(16 * (6 * per_layer + 2 * h + h * V))
+    assert metrics.compute_weight_and_optimizer_memory(uneven) == pytest.approx(16 * (6 * per_layer + 2 * h / 2 + h * V))
+
+
+@pytest.mark.parametrize("layout, world_size, num_microbatches", [
+    (["--pipeline-model-parallel-size", "2"], 4, 8),
+    (["--pipeline-model-parallel-size", "2"], 4, 1),                                    # fewer microbatches than stages
+    (["--untie-embeddings-and-output-weights"], 2, 4),                                  # one stage: the output layer too
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2"], 8, 4),  # interleaved
+])
+def test_theoretical_memory_is_bridges_under_its_assumptions(layout, world_size, num_microbatches):
+    """Bridge's theoretical_memory_utils (the seed page) assumes mixed precision, sequence parallelism and selective
+    recomputation: weights and optimizer = (layers / pp + the embedding) / tp parameters, the final norm counted in
+    the layers (+ the output layer with one untied stage), at 6 + 12 / dp bytes with the distributed optimizer;
+    activations = Korthikanti et al.'s sbh (18 + 4 ffn / h) for all L layers (pp stages, pp microbatches in flight)
+    + the embedding's 8sb + sbh per microbatch in flight, times the interleaving penalty or min(1, microbatches /
+    pp), + the output layer's 4sbh (1 + V / h) with one stage, all over tp. Written out here, the same numbers."""
+    s, b, h, a, L, V, tp = 64, 2, 128, 4, 8, 384, 2
+    cfg = _cfg("--num-layers", str(L), "--hidden-size", str(h), "--num-attention-heads", str(a), "--seq-length", str(s),
+               "--micro-batch-size", str(b), "--bf16", "--use-distributed-optimizer", "--sequence-parallel",
+               "--tensor-model-parallel-size", str(tp), "--recompute-granularity", "selective", "--global-batch-size",
+               "64", *layout, world_size=world_size, gpu=True)
+    m, pp, dp = cfg.model, cfg.model.pipeline_model_parallel_size, cfg.data_parallel_size
+    untied, vp = m.untie_embeddings_and_output_weights, m.virtual_pipeline_model_parallel_size
+    layers = 2 * L * h * h * ((1 + 1) * 1 + 4 + 2 / h + 1 / (L * h))
+    most_loaded = (layers / pp + h * V) / tp + (h * V / tp if untied and pp == 1 else 0)
+    assert metrics.compute_weight_and_optimizer_memory(cfg) == pytest.approx(most_loaded * (6 + 12 / dp), rel=1e-12)
+    activation = s * b * h * (18 + 4 * 4) * L + 8 * s * b * pp + s * b * h * pp
+    if vp:
+        activation *= 1 + (pp - 1) / (pp * vp)
+    elif pp > 1:
+        activation *= min(1, num_microbatches / pp)
+    if pp == 1:
+        activation += s * b * h * 4 * (1 + V / h)
+    assert metrics.compute_activation_memory(cfg, num_microbatches) == pytest.approx(activation / tp, rel=1e-12)
 
 
 def test_activation_memory_is_table_2_of_korthikanti_et_al():

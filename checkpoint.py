@@ -634,5 +634,7 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
         ts.load_state_dict(_load(os.path.join(directory, "train_state.pt"), "training progress"))
         if ck.load_rng:
             _load_rng_state(directory)
-    print_rank_0(f" loaded checkpoint {directory} at iteration {ts.step}" + (" (weights only)" if finetune else ""))
+    name = os.path.basename(os.path.normpath(directory))
+    trained = f", trained for {int(name[5:])} iterations" if name.startswith("iter_") and name[5:].isdigit() else ""
+    print_rank_0(f" loaded checkpoint {directory} at iteration {ts.step}" + (f" (weights only){trained}" if finetune else ""))
     return True

@@ -1700,6 +1700,9 @@ def _validate_machine(cfg: ConfigContainer) -> None:
     cp = m.context_parallel_size
     if m.transformer_impl is None:
         m.transformer_impl = "transformer_engine" if cfg.use_gpu and package_installed("transformer_engine") else "local"
+    if m.transformer_impl == "transformer_engine" and m.attention_backend == "local":
+        raise ConfigError("--attention-backend local picks the core attention of megatron-core's local layers, and "
+                          "transformer-engine layers use TE's own; add --transformer-impl local to use it")
     if not cfg.use_gpu:
         gpu_only = [
             (cp > 1, f"--context-parallel-size {cp}"),

@@ -131,6 +131,9 @@ def test_megatron_lm_cpu_command_line_switches_are_accepted_and_named_as_inert(s
      False, "must divide the 3 layers of each pipeline stage"),
     (["--sequence-parallel", "--tensor-model-parallel-size", "2"], 2, False, "needs a GPU"),
     (["--context-parallel-size", "2"], 2, True, "needs --transformer-impl transformer_engine"),
+    # transformer-engine layers bring their own core attention: the local choice would be silently ignored
+    (["--transformer-impl", "transformer_engine", "--attention-backend", "local"], 1, True,
+     "add --transformer-impl local to use it"),
     (["--bf16", "--fp16"], 1, True, "exclusive"),
     (["--train-iters", "10", "--train-samples", "100"], 1, False, "exclusive"),
     (["--mock-data", "--data-path", "x"], 1, False, "exclusive"),

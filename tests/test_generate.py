@@ -209,6 +209,7 @@ def test_quick_start_outputs_feed_generate_with_no_flag_under_tensor_parallelism
     new = generate.generate(model, tokenizer, tokenizer.tokenize("The Python"), max_new_tokens=40)
     assert proc.stdout == "The Python" + tokenizer.detokenize(new) + "\n"
     assert len(new) > 0 and "loaded checkpoint" in proc.stderr
+    assert "iter_0000020 at iteration 0 (weights only), trained for 20 iterations" in proc.stderr  # the real one
 
 
 def test_the_default_folders_can_be_turned_off():

@@ -94,6 +94,23 @@ def test_preprocess_bad_input_is_one_line(tmp_path, content, args, message, caps
 
 
 @pytest.mark.parametrize("append_eod", [False, True])
+def test_preprocess_is_byte_identical_to_megatron_lms(tmp_path, append_eod, capsys):
+    """The .bin/.idx that Megatron-LM's own tools/preprocess_data.py wrote (tests/fixtures/preprocess/README.md),
+    with a HuggingFace tokenizer, from plain texts, a sentence list with an empty element, an empty text and an
+    empty list: data.py preprocess writes the same bytes."""
+    import data
+
+    fixtures = os.path.join(ROOT, "tests", "fixtures", "preprocess")
+    argv = ["preprocess", "--input", os.path.join(fixtures, "input.jsonl"), "--output-prefix", str(tmp_path / "ours"),
+            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", os.path.join(fixtures, "tokenizer")]
+    assert data.main(argv + (["--append-eod"] if append_eod else [])) == 0, capsys.readouterr().err
+    theirs = os.path.join(fixtures, "megatron_lm_eod" if append_eod else "megatron_lm")
+    for suffix in ("_text_document.bin", "_text_document.idx"):
+        with open(str(tmp_path / "ours") + suffix, "rb") as ours, open(theirs + suffix, "rb") as mlm:
+            assert ours.read() == mlm.read(), suffix
+
+
+@pytest.mark.parametrize("append_eod", [False, True])
 def test_preprocess_list_and_empty_texts_as_megatron_lm(tmp_path, append_eod, capsys):
     """Megatron-LM's tools/preprocess_data.py (Encoder.encode): a "text" that is a list is one document of one
     sequence per non-empty element, the end-of-document token appended to its last; an empty text is a document

@@ -1,15 +1,22 @@
-"""checkpoint.py: save and load a run, in Megatron Bridge's layout.
+"""checkpoint.py: save and load a run, in Megatron Bridge's layout, with what Megatron-LM reads too: a checkpoint
+written here resumes in Megatron-LM's pretrain_gpt.py and Bridge's pretrain(), and theirs resume here.
 
     SAVE/
       iter_0000100/
         run_config.yaml                the resolved config (readable; `--config-file` takes it back)
-        train_state.pt                 step, consumed/skipped samples, FLOPs so far
-        rng/rank_00000.pt ...          each rank's python/numpy/torch/cuda RNG states and RNG-tracker streams
+        train_state.pt                 Bridge's progress: step, consumed/skipped samples, FLOPs, do_train/valid/test
+        tokenizer/                     identity.json (which tokenizer), tokenizer.json for a HuggingFace one
         torch_dist format (default):   megatron-core dist_checkpointing shards (reshardable TP/PP/DP), the
-                                       same files on a GPU and a CPU
-        torch format:                  mp_rank_00/model_optim_rng.pt, one per tensor/pipeline rank
+                                       same files on a GPU and a CPU; common.pt holds Megatron-LM's `args`,
+                                       `iteration`, `checkpoint_version` 3.0 and FLOPs; each (PP, TP) rank's RNG
+                                       states are the `rng_state` object
+        torch format:                  mp_rank_00/model_optim_rng.pt, one per tensor/pipeline rank, with the same
+                                       keys as Megatron-LM's
       latest_train_state.pt            copy of the newest train_state.pt
       latest_checkpointed_iteration.txt
+
+Loading reads the progress from train_state.pt, else from common.pt (Megatron-LM's), and checks the version, the
+model's shape and the tokenizer before any weight.
 
 A checkpoint is complete or invisible: every rank writes its files, all ranks meet at a barrier, and
 only then does rank 0 write the two `latest_*` files (each written aside and renamed into place).
@@ -20,6 +27,7 @@ distributed checkpointing with `pickle`, which can run code: load only checkpoin
 file here is read with `torch.load(weights_only=True)`.
 """
 
+import argparse
 import copy
 import functools
 import json
@@ -42,6 +50,7 @@ import config as config_lib
 import device  # first: it quiets megatron-core's import-time warnings
 from device import any_rank
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from metrics import print_rank_0
 from model import unwrap
@@ -116,28 +125,81 @@ def _check_distcp_files(directory: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# RNG states
+# What Megatron-LM and Bridge read besides the tensors: the RNG states, `args`, the progress
 # --------------------------------------------------------------------------------------------------
+
+CHECKPOINT_VERSION = 3.0  # Megatron-LM's and Bridge's generate_state_dict write 3.0; earlier ones order QKV otherwise
 
 
 def get_rng_state() -> dict:
-    """This rank's generator states, as tensors and plain values (so weights_only loading reads them): python,
-    numpy, torch, CUDA (on a CPU, device.py's shim answers with the CPU generator) and the RNG tracker's streams."""
-
-    np_state = np.random.get_state()
-    return {"random": random.getstate(), "np_keys": torch.from_numpy(np_state[1].astype(np.int64)),
-            "np_pos": int(np_state[2]), "np_gauss": (int(np_state[3]), float(np_state[4])),
-            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(),
-            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    """This rank's generator states under Megatron-LM's keys (checkpointing.py get_rng_state): python, numpy,
+    torch, CUDA (on a CPU, device.py's shim answers with the CPU generator) and the RNG tracker's streams."""
+    return {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.cuda.get_rng_state(),
+            "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
 
 
 def set_rng_state(state: dict) -> None:
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.cuda.set_rng_state(state["cuda_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])  # after: on a CPU the CUDA generator is the CPU's
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    graph_safe = tensor_parallel.is_graph_safe_cuda_rng_tracker(tracker)
+    tracker.set_states({k: tensor_parallel.convert_cuda_rng_state(v, to_graphable=graph_safe)
+                        for k, v in state["rng_tracker_states"].items()})
 
-    random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["random"]))
-    np.random.set_state(("MT19937", state["np_keys"].numpy().astype(np.uint32), state["np_pos"], *state["np_gauss"]))
-    torch.cuda.set_rng_state(state["cuda"])
-    torch.set_rng_state(state["torch"])  # after: on a CPU the CUDA generator is the CPU's
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+def sharded_rng_state() -> ShardedObject:
+    """The `rng_state` object of a torch_dist checkpoint, laid out as Megatron-LM and Bridge lay it out: one list
+    per (pipeline, tensor) rank, written by data-parallel rank 0. Data-parallel replicas seed alike (seed + 100 x
+    pipeline rank, set_random_seed), so their states are the same; a resume with other TP/PP sizes starts them
+    afresh (load_rng_state)."""
+    pp, tp = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
+    shape = (parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_world_size())
+    return ShardedObject("rng_state", [get_rng_state()], shape, (pp, tp),
+                         replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True))
+
+
+def _plain(value):
+    """A value `args` can hold and torch's weights-only loader (with megatron-core's safe globals) reads back."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return str(value)
+
+
+def megatron_lm_args(cfg, ts) -> argparse.Namespace:
+    """The checkpoint's `args`, as Megatron-LM's load_checkpoint reads it (checkpointing.py at core_v0.16.1:
+    check_checkpoint_args compares the model sizes, the TP/PP sizes decide whether RNG and optimizer layouts fit,
+    the counters are the progress; `--use-checkpoint-args` reads the rest). Every setting is under its flag's
+    name, as Megatron-LM's argparse names it (`--no-save-rng` is no_save_rng = not save_rng), plus the sizes it
+    derives."""
+    args = {}
+    for section, f, _ in config_lib._cli_fields():
+        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+        value = getattr(getattr(cfg, section), f.name)
+        dest = flag[2:].replace("-", "_")
+        if dest.startswith("no_") and not f.name.startswith("no_") and isinstance(value, bool):
+            value = not value
+        args[dest] = _plain(value)
+    m = cfg.model
+    args.update(world_size=cfg.world_size, data_parallel_size=cfg.data_parallel_size,
+                padded_vocab_size=getattr(cfg, "padded_vocab_size", None),
+                add_position_embedding=m.position_embedding_type == "learned_absolute",
+                use_dist_ckpt=cfg.checkpoint.ckpt_format == "torch_dist",
+                iteration=ts.step, consumed_train_samples=ts.consumed_train_samples,
+                skipped_train_samples=ts.skipped_train_samples, consumed_valid_samples=ts.consumed_valid_samples)
+    return argparse.Namespace(**args)
+
+
+def common_state(cfg, ts) -> dict:
+    """What Megatron-LM and Bridge keep beside the tensors (common.pt, or each torch-format file)."""
+    return {"args": megatron_lm_args(cfg, ts), "checkpoint_version": CHECKPOINT_VERSION, "iteration": ts.step,
+            "num_floating_point_operations_so_far": ts.floating_point_operations_so_far}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -185,46 +247,41 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
         os.makedirs(directory)
     torch.distributed.barrier()
     # What the tracker files will say is fixed now: training moves on while an async save is written.
-    publish = functools.partial(_publish, cfg, state.tokenizer, dict(ts.state_dict()), directory, announce=ck.async_save)
-    rng_file = os.path.join(directory, "rng", f"rank_{rank:05d}.pt")
-    rng_state = get_rng_state() if ck.save_rng else None
-    make_dirs = functools.partial(os.makedirs, os.path.dirname(rng_file), exist_ok=True)  # after megatron's check
+    publish = functools.partial(_publish, cfg, state.tokenizer, ts.state_dict(), directory, announce=ck.async_save)
+    common = common_state(cfg, ts)
 
     if ck.ckpt_format == "torch_dist":
-
         _shield_write_results_queue()
         metadata = sharded_state_dict_metadata(cfg)
-        sharded = model_sharded_state_dict(model, adapters_only=cfg.peft.peft != "none")
+        sharded = {**model_sharded_state_dict(model, adapters_only=cfg.peft.peft != "none"), **common}
         if ck.save_optim and optimizer is not None:  # None: weights only (hf.py's import)
             _create_optimizer_state(optimizer)
             sharded["optimizer"] = optimizer.sharded_state_dict(dict(sharded), metadata=metadata)
         if scheduler is not None:  # None: weights only (hf.py's import)
             sharded["opt_param_scheduler"] = scheduler.state_dict()
-        # The rng files after megatron-core's save call: it checks that the directory is empty (else it
-        # warns of an "old incomplete / corrupted checkpoint").
-        files = [(rng_state, rng_file)] if rng_state is not None else []
+        if ck.save_rng:
+            sharded["rng_state"] = sharded_rng_state()
         if ck.async_save:
             # megatron-core copies the shards to host memory now and writes them in a background
             # process; its own finalize step (metadata) runs first, then our publish, on every rank.
             request = dist_checkpointing.save(sharded, directory, async_sharded_save=True, content_metadata=metadata)
-            make_dirs()
-            for obj, path in files:
-                _atomic_save(obj, path)
             request.add_finalize_fn(publish)
             _async_queue(state).schedule_async_request(request)
             return directory
         dist_checkpointing.save(sharded, directory, content_metadata=metadata)
-        make_dirs()
+        files = []
     else:
-        make_dirs()
-        files = [(rng_state, rng_file)] if rng_state is not None else []
+        files = []
         if parallel_state.get_data_parallel_rank() == 0:
-            # Data-parallel replicas hold identical weights and optimizer state: one copy per TP/PP rank.
-            payload = {**_model_keys(model, lambda chunk: unwrap(chunk).state_dict()), "iteration": ts.step}
+            # Data-parallel replicas hold identical weights, optimizer and RNG states: one file per TP/PP rank,
+            # with Megatron-LM's keys.
+            payload = {**_model_keys(model, lambda chunk: unwrap(chunk).state_dict()), **common}
             if scheduler is not None:
                 payload["opt_param_scheduler"] = scheduler.state_dict()
             if ck.save_optim and optimizer is not None:
                 payload["optimizer"] = optimizer.state_dict()
+            if ck.save_rng:
+                payload["rng_state"] = [get_rng_state()]
             os.makedirs(os.path.dirname(_mp_file(directory)), exist_ok=True)
             files.append((payload, _mp_file(directory)))
         if ck.async_save:
@@ -261,10 +318,11 @@ def sharded_state_dict_metadata(cfg) -> dict:
     0.16.1's own default, `fully_sharded_model_space`, is no longer supported by its save. Saved with the
     checkpoint (content metadata), so a load reads it back in the layout it was written in. The plain
     optimizer's state is always per parameter, in model space: no sharding type, as Megatron-LM writes it."""
+    layout = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}  # Megatron-LM's, as it saves
     if not cfg.optimizer.use_distributed_optimizer:
-        return {}
+        return layout
     sharding = "fully_reshardable" if cfg.checkpoint.dist_ckpt_optim_fully_reshardable else "dp_reshardable"
-    return {"distrib_optim_sharding_type": sharding}
+    return {**layout, "distrib_optim_sharding_type": sharding}
 
 
 def load_metadata(cfg, directory: str) -> dict:
@@ -353,11 +411,12 @@ def _publish(cfg, tokenizer, train_state: dict, directory: str, announce: bool =
         save_tokenizer(tokenizer, directory)
         _atomic_save(train_state, os.path.join(directory, "train_state.pt"))
         _atomic_save(train_state, os.path.join(ck.save, LATEST_TRAIN_STATE))
-        _atomic_write_text(str(train_state["step"]), os.path.join(ck.save, TRACKER))  # published: last write
+        step = int(train_state["step"])
+        _atomic_write_text(str(step), os.path.join(ck.save, TRACKER))  # published: last write
         if ck.most_recent_k > 0:
-            prune_old_checkpoints(ck.save, train_state["step"], ck.most_recent_k)
+            prune_old_checkpoints(ck.save, step, ck.most_recent_k)
         if announce:  # an async save: its completion is news (a sync save is reported by the caller)
-            print(f" successfully saved checkpoint from iteration {train_state['step']:7d} to {directory} (async)",
+            print(f" successfully saved checkpoint from iteration {step:7d} to {directory} (async)",
                   flush=True)
     torch.distributed.barrier()
 
@@ -463,33 +522,56 @@ def prune_old_checkpoints(save: str, latest: int, keep: int) -> None:
         shutil.rmtree(doomed)
 
 
+TOKENIZER_DIR = "tokenizer"  # iter_N/tokenizer/, Bridge's place for the tokenizer's files
+TOKENIZER_IDENTITY = "identity.json"  # which tokenizer (class, vocabulary size, file digest): what a load compares
+
+
 def save_tokenizer(tokenizer, directory: str) -> None:
-    """The tokenizer travels with the weights: its identity (tokenizer_config.json) and, for a HuggingFace
-    tokenizer, its tokenizer.json, so a checkpoint can be used without the original files."""
+    """The tokenizer travels with the weights, in iter_N/tokenizer/ as Bridge puts it: its identity and, for a
+    HuggingFace tokenizer, its tokenizer.json, so a checkpoint can be used without the original files."""
     if tokenizer is None:
         return
-    _atomic_write_text(json.dumps(tokenizer.unique_identifiers, sort_keys=True), os.path.join(directory, "tokenizer_config.json"))
+    out = os.path.join(directory, TOKENIZER_DIR)
+    os.makedirs(out, exist_ok=True)
+    _atomic_write_text(json.dumps(tokenizer.unique_identifiers, sort_keys=True), os.path.join(out, TOKENIZER_IDENTITY))
     if getattr(tokenizer, "file", None):
-        shutil.copyfile(tokenizer.file, os.path.join(directory, "tokenizer.json"))
+        shutil.copyfile(tokenizer.file, os.path.join(out, "tokenizer.json"))
 
 
-def check_tokenizer(tokenizer, directory: str) -> None:
-    """The run's tokenizer is the one the weights were trained with (a different one reads other token ids)."""
-    path = os.path.join(directory, "tokenizer_config.json")
+def saved_tokenizer(directory: str, common: dict):
+    """(what the checkpoint says of its tokenizer, the file that says it), or (None, None) when it says nothing:
+    ours and Bridge's name it in tokenizer/; Megatron-LM's only in `args` (type, and the vocabulary size of a
+    NullTokenizer, the only one whose ids it fixes)."""
+    path = os.path.join(directory, TOKENIZER_DIR, TOKENIZER_IDENTITY)
+    if os.path.isfile(path):
+        try:
+            with open(path) as fh:
+                return json.load(fh), path
+        except ValueError as e:
+            raise CheckpointError(f"{path}: cannot be read ({_first_line(e)}); copy it from another checkpoint of the "
+                                  f"run, or load an older iteration with --ckpt-step") from None
+    args = common.get("args")
+    if getattr(args, "tokenizer_type", None):
+        said = {"class": args.tokenizer_type}
+        if args.tokenizer_type == "NullTokenizer":
+            said["vocab_size"] = args.vocab_size
+        return said, os.path.join(directory, "common.pt")
+    return None, None
+
+
+def check_tokenizer(tokenizer, directory: str, common: dict) -> None:
+    """The run's tokenizer is the one the weights were trained with (another one reads other token ids). A
+    checkpoint that names none (Bridge's NullTokenizer leaves tokenizer/ empty) is read with the flags' one, said once."""
     if tokenizer is None:
         return
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: missing, so the tokenizer the weights were trained with is unknown; copy it from "
-                              f"another checkpoint of the run, or load an older iteration with --ckpt-step")
-    try:
-        with open(path) as fh:
-            saved = json.load(fh)
-    except ValueError as e:
-        raise CheckpointError(f"{path}: cannot be read ({_first_line(e)}); copy it from another checkpoint of the run, "
-                              f"or load an older iteration with --ckpt-step") from None
-    if saved != json.loads(json.dumps(tokenizer.unique_identifiers)):
-        raise CheckpointError(f"{directory} was trained with tokenizer {saved} but this run uses "
-                              f"{tokenizer.unique_identifiers}; use the checkpoint's tokenizer (see its tokenizer_config.json)")
+    said, path = saved_tokenizer(directory, common)
+    ours = json.loads(json.dumps(tokenizer.unique_identifiers))
+    if said is None:
+        print_rank_0(f" {directory} names no tokenizer: reading it with the flags' {ours}")
+        return
+    if {k: ours.get(k) for k in said} != said or ("sha256" in ours) != ("sha256" in said):
+        raise CheckpointError(f"{path}: the weights were trained with tokenizer {said} but the flags give {ours}; "
+                              f"pass the checkpoint's tokenizer flags (--tokenizer-type, --vocab-size, --tokenizer-model)")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -544,26 +626,82 @@ def load_checkpoint(state, model: list, optimizer, scheduler, path: str, finetun
     return loaded
 
 
-def _load_rng_state(directory: str) -> None:
-    """This rank's random states from rng/rank_NNNNN.pt. Saved by another number of ranks: the streams start
-    afresh from --seed, said once. Missing (or some ranks' files missing): an error naming --no-load-rng, as
-    Megatron-LM stops, since the resume would otherwise silently stop being exact."""
+def _read_common(directory: str, saved_format: str) -> dict:
+    """What the checkpoint keeps beside the tensors, read before any weight: torch_dist's common.pt, or this
+    rank's torch-format file (the whole of it: it is small next to the model)."""
+    if saved_format == "torch":
+        return _load(_mp_file(directory), "model and optimizer of this tensor/pipeline rank")
+    path = os.path.join(directory, "common.pt")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: missing; the checkpoint is incomplete — load an older iteration with --ckpt-step")
+    try:
+        return dist_checkpointing.load_common_state_dict(directory)
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot be read ({_first_line(e)}); the checkpoint is corrupt — load an older "
+                              f"iteration with --ckpt-step") from None
 
-    rng_dir, world = os.path.join(directory, "rng"), torch.distributed.get_world_size()
-    saved = sorted(os.listdir(rng_dir)) if os.path.isdir(rng_dir) else []
-    if not saved:
-        raise CheckpointError(f"{rng_dir}: missing (random states); the resume would not be exact — restore it, or "
-                              f"pass --no-load-rng to start the random streams afresh from --seed")
-    contiguous = saved == [f"rank_{r:05d}.pt" for r in range(len(saved))]
-    if contiguous and len(saved) != world:
-        print_rank_0(f" {directory} was saved by {len(saved)} ranks, this run has {world}: random states start afresh "
-                     f"from --seed")
-        return
-    rng_file = os.path.join(rng_dir, f"rank_{torch.distributed.get_rank():05d}.pt")
-    if not os.path.isfile(rng_file):
-        raise CheckpointError(f"{rng_file}: missing (random states of this rank); the resume would not be exact — "
-                              f"load an older iteration with --ckpt-step, or pass --no-load-rng")
-    set_rng_state(_load(rng_file, "random number generator state"))
+
+def _run_config(directory: str) -> dict:
+    """The saving run's run_config.yaml (ours or Bridge's), or {} (Megatron-LM writes none)."""
+    import yaml
+
+    try:
+        with open(os.path.join(directory, "run_config.yaml")) as fh:
+            saved = yaml.safe_load(fh)
+    except (OSError, yaml.YAMLError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
+SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size")  # what makes another model
+
+
+def check_saved_model(cfg, directory: str, common: dict, finetune: bool) -> None:
+    """Before any weight loads: the checkpoint is a version this code reads, of this model's shape. The saving
+    run's settings come from `args` (Megatron-LM's and ours) or run_config.yaml (Bridge's)."""
+    path = os.path.join(directory, "common.pt" if os.path.isfile(os.path.join(directory, "common.pt")) else "")
+    version = common.get("checkpoint_version")
+    if version is None and not finetune:
+        raise CheckpointError(f"{path}: no checkpoint_version (written by an older train.py); load its weights "
+                              f"with --finetune, or resume it with that version")
+    if version is not None and version != CHECKPOINT_VERSION:
+        raise CheckpointError(f"{path}: checkpoint_version {version} is not {CHECKPOINT_VERSION}, the one this code "
+                              f"reads; convert it with Megatron-LM's tools/checkpoint/convert.py first")
+    args = common.get("args")
+    saved = vars(args) if args is not None else _run_config(directory).get("model", {})
+    where = path if args is not None else os.path.join(directory, "run_config.yaml")
+    differ = [f"--{k.replace('_', '-')} {saved[k]} (this run: {getattr(cfg.model, k)})" for k in SHAPE
+              if saved.get(k) is not None and getattr(cfg.model, k, None) is not None and saved[k] != getattr(cfg.model, k)]
+    if differ:
+        raise CheckpointError(f"{where}: saved by another model shape: {', '.join(differ)}; pass the checkpoint's sizes")
+
+
+def saved_parallel_sizes(directory: str, common: dict) -> tuple:
+    """(TP, PP) of the saving run, as Megatron-LM (`args`) and Bridge (run_config.yaml) record them."""
+    args = common.get("args")
+    saved = vars(args) if args is not None else _run_config(directory).get("model", {})
+    return saved.get("tensor_model_parallel_size", 1), saved.get("pipeline_model_parallel_size", 1)
+
+
+def saved_with_rng(directory: str, common: dict) -> bool:
+    args = common.get("args")
+    if args is not None:
+        return not getattr(args, "no_save_rng", False)
+    return _run_config(directory).get("checkpoint", {}).get("save_rng", True)
+
+
+def progress_from(directory: str, common: dict) -> dict:
+    """The run's progress: train_state.pt (ours and Bridge's), else common.pt (Megatron-LM keeps it there: the
+    iteration, the FLOPs, and the sample counters inside `args`)."""
+    path = os.path.join(directory, "train_state.pt")
+    if os.path.isfile(path) or "iteration" not in common:
+        return _load(path, "training progress")
+    args = common.get("args")
+    return {"step": common["iteration"],
+            "consumed_train_samples": getattr(args, "consumed_train_samples", 0),
+            "skipped_train_samples": getattr(args, "skipped_train_samples", 0),
+            "consumed_valid_samples": getattr(args, "consumed_valid_samples", 0),
+            "floating_point_operations_so_far": common.get("num_floating_point_operations_so_far", 0)}
 
 
 def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
@@ -576,39 +714,88 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
             raise CheckpointError(f"--pretrained-checkpoint {path}: no {TRACKER} and not an iter_* directory")
         print_rank_0(f" no checkpoint to resume in {path} (no {TRACKER}): training from scratch")
         return False
-    check_tokenizer(getattr(state, "tokenizer", None), directory)
-    load_optim = ck.load_optim and not finetune
     saved_format = "torch_dist" if os.path.isfile(os.path.join(directory, "metadata.json")) else "torch"
     if saved_format != ck.ckpt_format:
         raise CheckpointError(f"{directory}: saved in {saved_format} format but this run uses --ckpt-format "
                               f"{ck.ckpt_format}; pass --ckpt-format {saved_format}")
+    common = _read_common(directory, saved_format)
+    check_saved_model(cfg, directory, common, finetune)
+    check_tokenizer(getattr(state, "tokenizer", None), directory, common)
+    # As Megatron-LM: --no-load-optim skips the optimizer and its schedule, --finetune everything but the weights.
+    load_optim = ck.load_optim and not finetune and optimizer is not None
+    load_rng = ck.load_rng and not finetune
+    if load_rng and saved_parallel_sizes(directory, common) != (cfg.model.tensor_model_parallel_size,
+                                                                cfg.model.pipeline_model_parallel_size):
+        print_rank_0(f" {directory} was saved with (TP, PP) = {saved_parallel_sizes(directory, common)}: random "
+                     f"states start afresh from --seed")
+        load_rng = False
+    if load_rng and not saved_with_rng(directory, common):
+        print_rank_0(f" {directory} was saved without random states (--no-save-rng): they start afresh from --seed")
+        load_rng = False
     peft_run = cfg.peft.peft != "none" and not finetune  # a PEFT run's own checkpoint: adapters only
     if saved_format == "torch_dist":
-
-        sharded = model_sharded_state_dict(model, adapters_only=peft_run)
-        if load_optim:
-            # In the layout it was saved in (its content metadata), whatever this run would save.
-            metadata = load_metadata(cfg, directory)
-            _create_optimizer_state(optimizer)
-            sharded["optimizer"] = optimizer.sharded_state_dict(dict(sharded), is_loading=True, metadata=metadata)
-        if not finetune:
-            sharded["opt_param_scheduler"] = scheduler.state_dict()
-        _check_distcp_files(directory)
-        try:
-            payload = dist_checkpointing.load(sharded, directory)
-        except (Exception, CheckpointException) as e:  # torch wraps each rank's failure in a BaseException
-            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-            why = next((line for line in reversed(lines) if "mismatch" in line or "Missing" in line), None)
-            if why is None:  # not a shape or key problem: a file megatron-core could not read
-                raise CheckpointError(f"{directory}: cannot be read ({lines[-1][:200] if lines else type(e).__name__}); "
-                                      f"the checkpoint is corrupt — load an older iteration with --ckpt-step") from None
-            raise CheckpointError(f"{directory}: weights do not fit this model ({why[:300]}); check --num-layers/"
-                                  f"--hidden-size/... against {directory}/run_config.yaml") from None
+        payload = _load_sharded(cfg, directory, model, optimizer, scheduler, peft_run, load_optim, load_rng)
     else:
-        payload = _load(_mp_file(directory), "model and optimizer of this tensor/pipeline rank")
+        payload = common
+    _load_weights(model, payload, directory, partial=saved_format == "torch_dist" and peft_run)
+    if load_optim:
+        if "optimizer" not in payload:
+            raise CheckpointError(f"{directory}: saved without optimizer state (--no-save-optim); add --no-load-optim")
+        _restore_step_zero(payload["optimizer"])
+        with torch.no_grad():  # copied in place into fp32 main parameters, leaves that require grad
+            load_optimizer_state(optimizer, payload["optimizer"])
+        if "opt_param_scheduler" in payload:
+            try:
+                scheduler.load_state_dict(payload["opt_param_scheduler"])
+            except AssertionError as e:  # megatron-core asserts that the flags' schedule matches the saved one
+                raise CheckpointError(f"{directory}: {e}; pass --override-opt-param-scheduler to follow the flags, or "
+                                      f"--use-checkpoint-opt-param-scheduler to keep the saved schedule") from None
+    elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
+        optimizer.reload_model_params()  # fp16/bf16: the fp32 main copies take the loaded weights, as Megatron-LM
+    if not finetune:
+        ts.load_state_dict(progress_from(directory, common))
+        if load_rng:
+            if "rng_state" not in payload:
+                raise CheckpointError(f"{directory}: holds no random states (rng_state); pass --no-load-rng to start "
+                                      f"them afresh from --seed")
+            set_rng_state(payload["rng_state"][0])
+    name = os.path.basename(os.path.normpath(directory))
+    trained = f", trained for {int(name[5:])} iterations" if name.startswith("iter_") and name[5:].isdigit() else ""
+    print_rank_0(f" loaded checkpoint {directory} at iteration {ts.step}" + (f" (weights only){trained}" if finetune else ""))
+    return True
+
+
+def _load_sharded(cfg, directory, model, optimizer, scheduler, peft_run, load_optim, load_rng) -> dict:
+    """The torch_dist checkpoint's tensors and objects that this run reads, in any TP/PP/DP layout."""
+    sharded = model_sharded_state_dict(model, adapters_only=peft_run)
+    if load_optim:
+        # In the layout it was saved in (its content metadata), whatever this run would save.
+        metadata = load_metadata(cfg, directory)
+        _create_optimizer_state(optimizer)
+        sharded["optimizer"] = optimizer.sharded_state_dict(dict(sharded), is_loading=True, metadata=metadata)
+        sharded["opt_param_scheduler"] = scheduler.state_dict()
+    if load_rng:
+        sharded["rng_state"] = sharded_rng_state()
+    _check_distcp_files(directory)
+    try:
+        return dist_checkpointing.load(sharded, directory)
+    except (Exception, CheckpointException) as e:  # torch wraps each rank's failure in a BaseException
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        why = next((line for line in reversed(lines) if "mismatch" in line or "Missing" in line), None)
+        if why is None:  # not a shape or key problem: a file megatron-core could not read
+            raise CheckpointError(f"{directory}: cannot be read ({lines[-1][:200] if lines else type(e).__name__}); "
+                                  f"the checkpoint is corrupt — load an older iteration with --ckpt-step") from None
+        if "rng_state" in why:
+            raise CheckpointError(f"{directory}: holds no random states (rng_state); pass --no-load-rng to start them "
+                                  f"afresh from --seed") from None
+        raise CheckpointError(f"{directory}: weights do not fit this model ({why[:300]}); check --num-layers/"
+                              f"--hidden-size/... against the checkpoint's run_config.yaml or common.pt") from None
+
+
+def _load_weights(model, payload, directory, partial: bool) -> None:
     try:
         for chunk, key in zip(model, _model_keys(model, lambda chunk: None)):  # "model", or "model0", "model1", ...
-            if saved_format == "torch_dist" and peft_run:
+            if partial:
                 missing = unwrap(chunk).load_state_dict(payload[key], strict=False).missing_keys
                 if any(".adapter." in name for name in missing):
                     raise RuntimeError(f"adapters missing from the checkpoint:\n{missing[0]}")
@@ -617,24 +804,4 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
     except RuntimeError as e:
         first = [line.strip() for line in str(e).splitlines() if line.strip()][1:2]
         raise CheckpointError(f"{directory}: weights do not fit this model ({first[0] if first else e}); "
-                              f"check --num-layers/--hidden-size/... against {directory}/run_config.yaml") from None
-    if load_optim:
-        if "optimizer" not in payload:
-            raise CheckpointError(f"{directory}: saved without optimizer state (--no-save-optim); add --no-load-optim")
-        _restore_step_zero(payload["optimizer"])
-        with torch.no_grad():  # copied in place into fp32 main parameters, leaves that require grad
-            load_optimizer_state(optimizer, payload["optimizer"])
-    if not finetune:
-        if "opt_param_scheduler" in payload:
-            try:
-                scheduler.load_state_dict(payload["opt_param_scheduler"])
-            except AssertionError as e:  # megatron-core asserts that the flags' schedule matches the saved one
-                raise CheckpointError(f"{directory}: {e}; pass --override-opt-param-scheduler to follow the flags, or "
-                                      f"--use-checkpoint-opt-param-scheduler to keep the saved schedule") from None
-        ts.load_state_dict(_load(os.path.join(directory, "train_state.pt"), "training progress"))
-        if ck.load_rng:
-            _load_rng_state(directory)
-    name = os.path.basename(os.path.normpath(directory))
-    trained = f", trained for {int(name[5:])} iterations" if name.startswith("iter_") and name[5:].isdigit() else ""
-    print_rank_0(f" loaded checkpoint {directory} at iteration {ts.step}" + (f" (weights only){trained}" if finetune else ""))
-    return True
+                              f"check --num-layers/--hidden-size/... against the checkpoint's run_config.yaml") from None

@@ -81,21 +81,27 @@ from metrics import print_rank_0, print_rank_last  # noqa: E402
 
 @dataclasses.dataclass
 class TrainState:
-    """Progress of the run: what a checkpoint must carry to resume exactly."""
+    """Progress of the run: what a checkpoint must carry to resume exactly. Saved as Bridge's train_state.pt,
+    one 0-d tensor per field (counts as int64 where Bridge writes int32: a count of samples can pass 2**31)."""
 
     step: int = 0
     consumed_train_samples: int = 0
     skipped_train_samples: int = 0
     consumed_valid_samples: int = 0
     floating_point_operations_so_far: float = 0.0
+    do_train: bool = False  # the run has training / validation / test data
+    do_valid: bool = False
+    do_test: bool = False
 
     def state_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        dtypes = {bool: torch.bool, int: torch.int64, float: torch.float64}
+        return {f.name: torch.tensor(getattr(self, f.name), dtype=dtypes[type(f.default)]) for f in dataclasses.fields(self)}
 
     def load_state_dict(self, state: dict) -> None:
         for f in dataclasses.fields(self):
             if f.name in state:
-                setattr(self, f.name, type(f.default)(state[f.name]))
+                value = state[f.name]
+                setattr(self, f.name, type(f.default)(value.item() if isinstance(value, torch.Tensor) else value))
 
 
 class GlobalState:
@@ -316,6 +322,9 @@ def setup(cfg: ConfigContainer):
     if ck.save:
         metrics.append_to_progress_log(ck.save, "Starting job", cfg.world_size)
     iterators = data.build_data_iterators(cfg, tokenizer, state.train_state)
+    ts = state.train_state
+    ts.do_train = iterators[0] is not None and cfg.train.train_iters > 0  # what Bridge's train_state.pt records
+    ts.do_valid, ts.do_test = (it is not None and cfg.train.eval_iters > 0 for it in iterators[1:])
     iterators = [one_iterator_per_chunk(it, len(model)) for it in iterators]
     iterators[0] = attach_rerun_state_machine(state, iterators[0])
     return state, model, optimizer, scheduler, iterators

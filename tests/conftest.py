@@ -60,6 +60,13 @@ def log_lines(stdout: str) -> list:
     return [(int(m[0]), int(m[2]), int(m[3]), float(m[4]), int(m[5]), int(m[6])) for m in LOG_LINE.findall(stdout)]
 
 
+def checkpoint_keys(directory) -> set:
+    """The names a torch_dist checkpoint holds (its .metadata): tensors, and objects such as rng_state/shard_0.0_1.1."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return set(FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
+
+
 def tensorboard_scalars(path) -> dict:
     """{tag: {step: value}} of every scalar in a TensorBoard directory, read back as TensorBoard reads it."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -13,7 +13,7 @@ import torch
 
 import checkpoint
 import config
-from conftest import ROOT, TINY, config_error, free_port, log_lines, torchrun
+from conftest import ROOT, TINY, checkpoint_keys, config_error, free_port, log_lines, torchrun
 
 
 def _cfg(tmp_path, *extra, world_size=1):
@@ -117,6 +117,34 @@ def test_finetune_loads_weights_only_and_starts_at_zero(mock_run, tmp_path, caps
     assert lines[0][3] < log_lines(mock_run["stdout"])[0][3]  # starts from trained weights
 
 
+@pytest.mark.parametrize("flag", [None, "--no-load-optim", "--no-load-rng", "--finetune"])
+def test_load_flags_mean_what_they_mean_in_megatron_lm(mock_run, tmp_path, flag):
+    """Megatron-LM's load_checkpoint: --no-load-optim keeps the weights and progress and starts the optimizer and
+    its schedule afresh; --no-load-rng starts the random streams from --seed; --finetune keeps only the weights."""
+    import random
+
+    import train
+
+    ckpt = _copy_ckpt(mock_run, tmp_path)
+    flags = ["--train-iters", "40", "--global-batch-size", "8", "--use-checkpoint-opt-param-scheduler"]
+    state = train.setup(_cfg(tmp_path, *flags))[0]  # no checkpoint: the random streams --seed gives
+    fresh = (random.random(), torch.rand(1))
+    train._finish_train(state)
+    state, model, optimizer, scheduler, _ = train.setup(_cfg(tmp_path, *flags, "--load", str(ckpt), *([flag] if flag else [])))
+    try:
+        saved = torch.load(ckpt / "iter_0000030" / "common.pt", weights_only=False)
+        adam = optimizer.optimizer.state
+        assert state.train_state.step == (0 if flag == "--finetune" else 30)
+        assert state.train_state.consumed_train_samples == (0 if flag == "--finetune" else 240)
+        assert scheduler.num_steps == (0 if flag in ("--finetune", "--no-load-optim") else saved["opt_param_scheduler"]["num_steps"])
+        assert bool(adam) == (flag not in ("--finetune", "--no-load-optim"))  # Adam's moments: loaded or none yet
+        # The python and torch generators: the checkpoint's states, or --seed's.
+        now = (random.random(), torch.rand(1))
+        assert (now[0] == fresh[0] and torch.equal(now[1], fresh[1])) == (flag in ("--finetune", "--no-load-rng"))
+    finally:
+        train._finish_train(state)
+
+
 def test_finetune_without_weights_is_refused(tmp_path):
     import train
 
@@ -127,56 +155,80 @@ def test_finetune_without_weights_is_refused(tmp_path):
 # --- bad checkpoints: a clear error naming the path, on every rank, no hang ------------------------------------
 
 
+def _rewrite_common(directory, **changes):
+    """common.pt with some keys changed (None: removed), as another program could have written it."""
+    path = directory / "common.pt"
+    common = torch.load(path, weights_only=False)
+    for key, value in changes.items():
+        common.pop(key) if value is None else common.__setitem__(key, value)
+    torch.save(common, path)
+
+
 @pytest.mark.parametrize("damage, flags, message", [
     ("tracker", [], "names iteration 30 but"),
     ("tracker_text", [], "expected an iteration number"),
-    ("missing_train_state", [], "train_state.pt: missing"),
     ("empty_train_state", [], r"train_state.pt: cannot be read \(EOFError\)"),
     ("empty_model", [], r"__0_0.distcp: empty; the checkpoint is damaged"),
     ("truncated_model", [], r"__0_1.distcp: truncated \(\d+ of \d+ bytes\)"),
     ("missing_model", [], r"__0_1.distcp: missing"),
-    ("missing_rng", [], r"rng: missing .*pass --no-load-rng"),
-    ("missing_rank_rng", [], r"rank_00000.pt: missing .*--no-load-rng"),
-    ("missing_tokenizer", [], r"tokenizer_config.json: missing"),
-    ("none", ["--hidden-size", "128"], "weights do not fit this model"),
+    ("missing_common", [], r"common.pt: missing; the checkpoint is incomplete"),
+    ("old_version", [], r"common.pt: checkpoint_version 2.0 is not 3.0, .*convert"),
+    ("no_version", [], r"common.pt: no checkpoint_version .*--finetune"),
+    ("no_rng", [], r"holds no random states \(rng_state\); pass --no-load-rng"),
+    ("corrupt_tokenizer", [], r"tokenizer/identity.json: cannot be read"),
+    ("none", ["--tokenizer-type", "NullTokenizer", "--vocab-size", "300"],
+     r"identity.json: the weights were trained with tokenizer .*ByteTokenizer.* pass the checkpoint's tokenizer flags"),
+    ("none", ["--hidden-size", "128"], r"common.pt: saved by another model shape: --hidden-size 64 \(this run: 128\)"),
     ("none", ["--ckpt-step", "20"], "--ckpt-step 20:"),
     ("none", ["--train-iters", "40"], "pass --override-opt-param-scheduler"),
 ])
 def test_bad_checkpoints_give_clear_errors(mock_run, tmp_path, damage, flags, message):
+    """Each is one line naming the file and the way out; the version, shape and tokenizer before any weight loads."""
     import train
 
     ckpt = _copy_ckpt(mock_run, tmp_path)
+    it = ckpt / "iter_0000030"
     if damage == "tracker":
-        shutil.rmtree(ckpt / "iter_0000030")
+        shutil.rmtree(it)
     elif damage == "tracker_text":
         (ckpt / "latest_checkpointed_iteration.txt").write_text("thirty")
-    elif damage == "missing_train_state":
-        os.remove(ckpt / "iter_0000030" / "train_state.pt")
     elif damage == "empty_train_state":
-        (ckpt / "iter_0000030" / "train_state.pt").write_bytes(b"")
+        (it / "train_state.pt").write_bytes(b"")
     elif damage == "empty_model":
-        (ckpt / "iter_0000030" / "__0_0.distcp").write_bytes(b"")
+        (it / "__0_0.distcp").write_bytes(b"")
     elif damage == "truncated_model":
-        target = ckpt / "iter_0000030" / "__0_1.distcp"
+        target = it / "__0_1.distcp"
         target.write_bytes(target.read_bytes()[:-100])
     elif damage == "missing_model":
-        os.remove(ckpt / "iter_0000030" / "__0_1.distcp")
-    elif damage == "missing_rng":
-        shutil.rmtree(ckpt / "iter_0000030" / "rng")
-    elif damage == "missing_rank_rng":
-        os.remove(ckpt / "iter_0000030" / "rng" / "rank_00000.pt")
-    elif damage == "missing_tokenizer":
-        os.remove(ckpt / "iter_0000030" / "tokenizer_config.json")
+        os.remove(it / "__0_1.distcp")
+    elif damage == "missing_common":
+        os.remove(it / "common.pt")
+    elif damage == "old_version":
+        _rewrite_common(it, checkpoint_version=2.0)
+    elif damage == "no_version":
+        _rewrite_common(it, checkpoint_version=None)
+    elif damage == "no_rng":  # the rng_state object taken out of the index: a program that did not write it
+        import pickle
+
+        with open(it / ".metadata", "rb") as fh:
+            index = pickle.load(fh)
+        index.state_dict_metadata = {k: v for k, v in index.state_dict_metadata.items() if not k.startswith("rng_state")}
+        index.storage_data = {k: v for k, v in index.storage_data.items() if not k.fqn.startswith("rng_state")}
+        with open(it / ".metadata", "wb") as fh:
+            pickle.dump(index, fh)
+    elif damage == "corrupt_tokenizer":
+        (it / "tokenizer" / "identity.json").write_text("{")
     cfg = _cfg(tmp_path, "--train-iters", "30", "--global-batch-size", "8", "--load", str(ckpt), *flags)
     with pytest.raises(checkpoint.CheckpointError, match=message) as e:
         train.pretrain(cfg)
     assert str(ckpt) in str(e.value) or "--ckpt-step" in str(e.value)
+    assert "\n" not in str(e.value)
     assert not torch.distributed.is_initialized()
 
 
 def test_truncated_file_stops_every_rank_with_one_line(mock_run, tmp_path):
     ckpt = _copy_ckpt(mock_run, tmp_path)
-    target = ckpt / "iter_0000030" / "rng" / "rank_00001.pt"  # one rank's file: only that rank can see it
+    target = ckpt / "iter_0000030" / "__0_1.distcp"
     target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
     args = [a for a in mock_run["args"]]
     args[args.index("--save") + 1] = str(tmp_path / "new")
@@ -184,7 +236,7 @@ def test_truncated_file_stops_every_rank_with_one_line(mock_run, tmp_path):
     assert proc.returncode != 0
     errors = [l for l in proc.stderr.splitlines() if l.startswith("train.py: error:")]
     # Every rank raises (whichever prints first, torchrun then stops the other): no rank waits for the rest.
-    assert errors and all("rank_00001.pt: cannot be read" in e or "another rank could not load" in e for e in errors)
+    assert errors and all("__0_1.distcp: truncated" in e or "another rank could not load" in e for e in errors)
     assert not (tmp_path / "new").exists()
 
 
@@ -241,7 +293,7 @@ def test_sigterm_on_one_rank_saves_and_stops_all_ranks(tmp_path):
     assert "exiting program after receiving SIGTERM" in out
     step = int((tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text())
     assert step >= 3 and f"iteration {step:8d}/" in out
-    assert sorted(os.listdir(tmp_path / "ck" / f"iter_{step:07d}" / "rng")) == ["rank_00000.pt", "rank_00001.pt"]
+    assert "rng_state/shard_0.0_1.1" in checkpoint_keys(tmp_path / "ck" / f"iter_{step:07d}")
 
 
 def _signal_the_job(args, log, sig, after="iteration        3/"):
@@ -268,7 +320,7 @@ def test_a_signal_to_the_whole_job_saves_and_the_run_resumes(tmp_path, sig):
     assert "DataLoader worker" not in out and "[rank0]: Traceback" not in out and "[rank1]: Traceback" not in out
     step = int((ck / "latest_checkpointed_iteration.txt").read_text())
     assert step >= 3 and f"iteration {step:8d}/" in out
-    assert sorted(os.listdir(ck / f"iter_{step:07d}" / "rng")) == ["rank_00000.pt", "rank_00001.pt"]
+    assert "rng_state/shard_0.0_1.1" in checkpoint_keys(ck / f"iter_{step:07d}")
     if sig == "SIGTERM":  # the run goes on from the checkpoint the signal left
         resumed = torchrun([*args, "--load", str(ck), "--exit-interval", str(step + 2)])
         assert resumed.returncode == 0, resumed.stderr[-2000:]

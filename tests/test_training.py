@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import config
-from conftest import TINY, log_lines, torchrun
+from conftest import TINY, checkpoint_keys, log_lines, torchrun
 
 
 # --- one shared 2-rank run on mock data (see conftest.mock_run) -----------------------------------------------
@@ -64,7 +64,7 @@ def test_checkpoint_layout(mock_run):
         # torch_dist: megatron-core dist_checkpointing's shards (one per rank) beside its metadata
         assert (d / "metadata.json").is_file() and (d / "common.pt").is_file() and (d / ".metadata").is_file()
         assert sorted(p for p in os.listdir(d) if p.endswith(".distcp")) == ["__0_0.distcp", "__0_1.distcp"]
-        assert sorted(os.listdir(d / "rng")) == ["rank_00000.pt", "rank_00001.pt"]
+        assert "rng_state/shard_0.0_1.1" in checkpoint_keys(d)  # each (PP, TP) rank's RNG states, as Megatron-LM's
         state = torch.load(d / "train_state.pt", weights_only=True)
         assert state["step"] == it and state["consumed_train_samples"] == it * 8
     # Only the interval saves: the final save at 30 is not written twice.

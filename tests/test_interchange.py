@@ -1,0 +1,98 @@
+"""Megatron-LM's and Bridge's checkpoints resume here, and ours holds what their loaders read.
+
+The fixtures (tests/fixtures/interchange/, its README says how they were made) are tiny checkpoints written by
+Megatron-LM's own pretrain_gpt.py and Bridge's own pretrain() at iteration 5, each with the losses its program
+printed when it went on from that checkpoint to iteration 10. train.py loads each as it is, with the program's
+command line, and must print the same losses (rel <= 1e-6).
+"""
+
+import argparse
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import yaml
+
+from conftest import ROOT, checkpoint_keys, tensorboard_scalars, torchrun
+
+FIXTURES = os.path.join(ROOT, "tests", "fixtures", "interchange")
+
+
+def _printed(program):
+    with open(os.path.join(FIXTURES, program, "printed.json")) as fh:
+        return json.load(fh)
+
+
+@pytest.fixture(scope="module", params=["megatron_lm", "bridge"])
+def continued(request, tmp_path_factory):
+    """train.py going on from the program's checkpoint with the program's own flags, saving at iteration 10."""
+    program, out = request.param, tmp_path_factory.mktemp(request.param)
+    printed = _printed(program)
+    shutil.copytree(os.path.join(FIXTURES, program, "ckpt"), out / "theirs")
+    proc = torchrun([*printed["flags"], "--load", str(out / "theirs"), "--save", str(out / "ours"),
+                     "--tensorboard-dir", str(out / "tb"), "--data-cache-path", str(out / "cache")])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return dict(program=program, printed=printed, out=out, stdout=proc.stdout, tb=tensorboard_scalars(out / "tb"))
+
+
+def test_their_checkpoint_continues_with_their_losses(continued):
+    theirs, ours = continued["printed"]["continued"], continued["tb"]
+    assert sorted(map(int, theirs)) == sorted(ours["lm loss"]) == [6, 7, 8, 9, 10]
+    for step in range(6, 11):
+        want = float(theirs[str(step)]["lm loss"])
+        got = ours["lm loss"][step]
+        if continued["program"] == "megatron_lm" and step == 7:
+            # Megatron-LM 0.16.1 prints the first iteration of a run on its own, then the mean of the interval
+            # since the start, that first iteration included: with --log-interval 1, iteration 7 is mean(6, 7).
+            got = (ours["lm loss"][6] + ours["lm loss"][7]) / 2
+        assert got == pytest.approx(want, rel=1e-6), (step, got, want)
+        assert f"{ours['grad-norm'][step]:.3f}" == theirs[str(step)]["grad norm"], step
+
+
+def test_their_progress_and_tokenizer_are_read(continued):
+    out = continued["stdout"]
+    assert f"loaded checkpoint {continued['out'] / 'theirs' / 'iter_0000005'} at iteration 5" in out
+    assert " iteration        6/      10 | consumed samples:           48 |" in out
+    if continued["program"] == "bridge":  # its NullTokenizer leaves tokenizer/ empty (and git keeps no empty folder)
+        assert "names no tokenizer: reading it with the flags' {'class': 'NullTokenizer', 'vocab_size': 60}" in out
+    else:
+        assert "names no tokenizer" not in out  # Megatron-LM's `args` name it, and it matches the flags
+
+
+def test_our_checkpoint_holds_what_their_loaders_read(continued):
+    """What Megatron-LM's load_checkpoint (checkpointing.py, core_v0.16.1) and Bridge's (training/checkpointing.py,
+    0.3.1) read, each of the type they read it as."""
+    import megatron.core  # noqa: F401  (its safe globals: what their torch.load accepts in common.pt)
+
+    save = continued["out"] / "ours"
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "10"
+    it = save / "iter_0000010"
+    common = torch.load(it / "common.pt")  # weights_only, as theirs loads it
+    assert common["iteration"] == 10 and common["checkpoint_version"] == 3.0
+    assert isinstance(common["num_floating_point_operations_so_far"], float)
+    args = common["args"]
+    assert isinstance(args, argparse.Namespace)
+    for name, value in {"num_layers": 2, "hidden_size": 16, "num_attention_heads": 2, "tensor_model_parallel_size": 1,
+                        "pipeline_model_parallel_size": 1, "world_size": 2, "data_parallel_size": 2,
+                        "consumed_train_samples": 80, "skipped_train_samples": 0, "consumed_valid_samples": 0,
+                        "no_save_rng": False, "no_save_optim": False, "add_position_embedding": True,
+                        "tokenizer_type": "NullTokenizer", "vocab_size": 60, "padded_vocab_size": 64 if
+                        continued["program"] == "megatron_lm" else 128}.items():
+        assert getattr(args, name) == value and type(getattr(args, name)) is type(value), name
+    # The random states as both keep them: one object per (PP, TP) rank, here (1, 1).
+    assert "rng_state/shard_0.0_1.1" in checkpoint_keys(it)
+    assert "opt_param_scheduler" in common and any(k.startswith("optimizer.") for k in checkpoint_keys(it))
+    # Bridge's train_state.pt: 0-d tensors under its eight names.
+    state = torch.load(it / "train_state.pt")
+    assert set(state) == {"step", "consumed_train_samples", "skipped_train_samples", "consumed_valid_samples",
+                          "floating_point_operations_so_far", "do_train", "do_valid", "do_test"}
+    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in state.values())
+    assert state["step"].item() == 10 and state["do_train"].item() is True and state["do_valid"].item() is False
+    assert torch.load(save / "latest_train_state.pt")["step"].item() == 10
+    # Bridge's run_config.yaml reads: the TP/PP sizes and what was saved.
+    run_config = yaml.safe_load((it / "run_config.yaml").read_text())
+    assert run_config["model"]["tensor_model_parallel_size"] == 1 and run_config["model"]["pipeline_model_parallel_size"] == 1
+    assert run_config["checkpoint"]["save_rng"] is True and run_config["checkpoint"]["save_optim"] is True
+    assert json.loads((it / "tokenizer" / "identity.json").read_text()) == {"class": "NullTokenizer", "vocab_size": 60}

@@ -100,8 +100,10 @@ class ModelConfig:
     )
     attention_backend: str = arg(
         "auto", "Core attention of the local layers: auto (PyTorch's scaled_dot_product_attention, flash kernels on a "
-        "GPU) or local (megatron-core's DotProductAttention). transformer-engine layers use TE's.",
-        choices=["auto", "local"])
+        "GPU) or local (megatron-core's DotProductAttention). transformer-engine layers use TE's, whose kernel "
+        "flash, fused or unfused picks (Megatron-LM's choices; with the local layers they are inert: SDPA picks its "
+        "own kernel).",
+        choices=["auto", "local", "flash", "fused", "unfused"])
     tensor_model_parallel_size: int = arg(1, "Tensor model-parallel size (splits each layer's matrices).")
     pipeline_model_parallel_size: int = arg(1, "Pipeline model-parallel size (splits the layers into stages).")
     decoder_first_pipeline_num_layers: Optional[int] = arg(
@@ -137,6 +139,8 @@ class ModelConfig:
               "in the backward pass; 'selective' recomputes only the core attention (its s x s scores), the cheap "
               "part that holds the most memory (Korthikanti et al. 2022). Default: none.",
         choices=["full", "selective"])
+    recompute_activations: bool = arg(
+        False, "Megatron-LM's shorthand for --recompute-granularity selective.")
     recompute_method: Optional[str] = arg(
         None, "With --recompute-granularity full: 'uniform' recomputes groups of --recompute-num-layers layers "
               "(only each group's input kept); 'block' recomputes the first --recompute-num-layers layers of each "
@@ -167,6 +171,32 @@ class ModelConfig:
     no_bias_swiglu_fusion: bool = arg(False, "Megatron-LM's switch off the fused bias + SwiGLU: inert here.")
     no_bias_dropout_fusion: bool = arg(False, "Megatron-LM's switch off the fused bias + dropout + add: inert here.")
     no_rope_fusion: bool = arg(False, "Megatron-LM's switch off the fused rotary embedding kernel: inert here.")
+    # More of Megatron-LM's GPT flags (arguments.py, core_v0.16.1).
+    use_mcore_models: bool = arg(False, "Megatron-LM's deprecated switch for megatron-core models: megatron-core's "
+                                        "GPTModel is the only model here, so it is inert.")
+    group_query_attention: bool = arg(
+        False, "Grouped-query attention, as Megatron-LM's switch: --num-query-groups key/value groups, one group "
+               "(Megatron-LM's default for --num-query-groups) when that is not given. Here --num-query-groups alone "
+               "also turns it on.")
+    apply_layernorm_1p: bool = arg(
+        False, "LayerNorm with zero-centred gamma (weight = 1 + gamma, gamma starting at 0): megatron-core's "
+               "layernorm_zero_centered_gamma. transformer-engine layers only (megatron-core's local layers build a "
+               "torch LayerNorm, which has none).")
+    calculate_per_token_loss: bool = arg(
+        False, "Average the loss over all tokens of the global batch (each microbatch weighted by its tokens) instead "
+               "of averaging each microbatch's mean: megatron-core's calculate_per_token_loss (the gradient is divided "
+               "by the batch's token count when gradients are finalized).")
+    # FP8 through transformer-engine (Megatron-LM's --fp8-* flags): accepted, refused by validation.
+    fp8_format: Optional[str] = arg(None, "FP8 training through transformer-engine: e4m3 or hybrid (e4m3 forward, "
+                                          "e5m2 backward). Refused here: this trainer does not drive FP8.",
+                                    choices=["e4m3", "hybrid"])
+    fp8_recipe: str = arg("delayed", "FP8 scaling recipe (with --fp8-format).",
+                          choices=["delayed", "tensorwise", "mxfp8", "blockwise", "custom"])
+    fp8_margin: int = arg(0, "FP8 scaling-factor margin (with --fp8-format).")
+    fp8_amax_history_len: int = arg(1, "FP8 amax history window (with --fp8-format).")
+    fp8_amax_compute_algo: str = arg("most_recent", "FP8 amax from the history: most_recent or max (with --fp8-format).",
+                                     choices=["most_recent", "max"])
+    fp8_param_gather: bool = arg(False, "Keep the compute weights in FP8 and all-gather them so (with --fp8-format).")
 
 
 @dataclass
@@ -210,6 +240,10 @@ class TrainingConfig:
                                      "between steps, only around evaluation).")
     manual_gc_eval: bool = arg(True, "With --manual-gc: do not collect garbage before and after each evaluation.",
                                flag="--no-manual-gc-eval")
+    empty_unused_memory_level: int = arg(
+        0, "Megatron-LM: call torch.cuda.empty_cache() after each step (1) and also after each forward-backward (2), "
+           "against fragmentation. This loop does not: inert here (it changes memory, not results).",
+        choices=[0, 1, 2])
 
 
 @dataclass
@@ -218,7 +252,7 @@ class OptimizerConfig:
 
     optimizer: str = arg("adam", "Optimizer.", choices=["adam", "sgd"])
     lr: float = arg(1e-3, "Peak learning rate.")
-    min_lr: float = arg(1e-4, "Learning rate at the end of the decay.")
+    min_lr: float = arg(0.0, "Learning rate at the end of the decay.")
     weight_decay: float = arg(0.01, "Decoupled weight decay (not applied to biases and 1-D parameters).", bounds="[0, inf)")
     adam_beta1: float = arg(0.9, "Adam beta1.", bounds="[0, 1)")
     adam_beta2: float = arg(0.999, "Adam beta2.", bounds="[0, 1)")
@@ -248,8 +282,13 @@ class DistributedDataParallelConfig:
     use_distributed_optimizer: bool = arg(
         False, "Kept in sync with --use-distributed-optimizer: either turns both on.", cli=False)
     grad_reduce_in_fp32: Optional[bool] = arg(
-        None, "Accumulate and reduce gradients in fp32 (Megatron-LM's --accumulate-allreduce-grads-in-fp32). "
-              "Default: on with --bf16/--fp16.", cli=False)
+        None, "Accumulate and reduce gradients in fp32. Default, as Megatron-LM: on with --bf16 (off with "
+              "--grad-reduce-in-bf16), off otherwise (--fp16 reduces in fp16; fp32 gradients are fp32 anyway) unless "
+              "--accumulate-allreduce-grads-in-fp32.", cli=False)
+    accumulate_allreduce_grads_in_fp32: bool = arg(
+        False, "Accumulate and reduce gradients in fp32 (megatron-core DDP's grad_reduce_in_fp32), e.g. with --fp16. "
+               "Implied by --bf16.")
+    grad_reduce_in_bf16: bool = arg(False, "With --bf16: accumulate and reduce gradients in bf16 instead of fp32.")
 
 
 @dataclass(frozen=True)
@@ -268,9 +307,11 @@ class OptimizerConfigOverrideProvider:
     `ParamKey`s to `ParamGroupOverride`s (lr: `max_lr`/`min_lr`, weight decay: `wd_mult`/`start_wd`/`end_wd`).
     Parameters with the same overrides share a parameter group, on CPU and GPU alike.
 
-    The default skips weight decay on biases and 1-D parameters (norms), as Megatron does. Subclass it
-    and put an instance in `cfg.optimizer_config_override_provider` to change that; return {} for no
-    overrides at all (weight decay on everything)."""
+    The default skips weight decay on biases and 1-D parameters (norms), as Megatron does, and with
+    --decoupled-lr gives the input embedding and the output layer their own peak and final learning rates
+    (megatron-core's `get_standard_config_overrides`). Subclass it and put an instance in
+    `cfg.optimizer_config_override_provider` to change that; return {} for no overrides at all (weight decay
+    on everything)."""
 
     def build_config_overrides(self, context: OptimizerConfigOverrideProviderContext) -> Optional[dict]:
         from megatron.core.optimizer import ParamGroupOverride, ParamKey
@@ -278,7 +319,15 @@ class OptimizerConfigOverrideProvider:
         chunks = context.model if isinstance(context.model, list) else [context.model]
         no_wd = [name for chunk in chunks for name, p in chunk.named_parameters()
                  if name.endswith(".bias") or p.ndim == 1]
-        return {ParamKey(name=tuple(no_wd)): ParamGroupOverride(wd_mult=0.0)} if no_wd else None
+        overrides = {ParamKey(name=tuple(no_wd)): ParamGroupOverride(wd_mult=0.0)} if no_wd else {}
+        s = context.scheduler_config
+        if getattr(s, "decoupled_lr", None) is not None:
+            # megatron-core marks the word embeddings and the output layer with is_embedding_or_output_parameter.
+            decoupled = ParamGroupOverride(max_lr=s.decoupled_lr)
+            if s.decoupled_min_lr is not None:
+                decoupled["min_lr"] = s.decoupled_min_lr
+            overrides[ParamKey(attr="is_embedding_or_output_parameter")] = decoupled
+        return overrides or None
 
 
 @dataclass
@@ -286,16 +335,21 @@ class SchedulerConfig:
     """Learning-rate and weight-decay schedules (megatron-core's OptimizerParamScheduler), counted in samples."""
 
     lr_decay_style: str = arg(
-        "cosine", "Learning-rate decay.", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"]
+        "linear", "Learning-rate decay.", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"]
     )
     lr_decay_iters: Optional[int] = arg(None, "Iterations to decay over. Default: --train-iters.")
     lr_decay_samples: Optional[int] = arg(None, "Samples to decay over (sample-based training). Default: --train-samples.")
-    lr_warmup_iters: Optional[int] = arg(
-        None, "Iterations of linear warmup (iteration-based training). Default: 20, none with --lr-warmup-fraction.")
+    lr_warmup_iters: int = arg(0, "Iterations of linear warmup (iteration-based training).")
     lr_warmup_samples: int = arg(0, "Samples of linear warmup (sample-based training).")
     lr_warmup_fraction: Optional[float] = arg(
         None, "Warmup as a fraction of the decay length, instead of --lr-warmup-iters/--lr-warmup-samples.")
     lr_warmup_init: float = arg(0.0, "Learning rate at the start of warmup.", bounds="[0, inf)")
+    decoupled_lr: Optional[float] = arg(
+        None, "Peak learning rate of the input embedding and the output layer (their own schedule, from "
+              "--decoupled-lr to --decoupled-min-lr); megatron-core's decoupled_lr.", bounds="(0, inf)")
+    decoupled_min_lr: Optional[float] = arg(
+        None, "Learning rate of the input embedding and output layer at the end of the decay (with --decoupled-lr). "
+              "Default: --min-lr.", bounds="[0, inf)")
     lr_wsd_decay_style: str = arg("exponential", "Decay of the WSD schedule's last phase.", choices=["exponential", "linear", "cosine"])
     lr_wsd_decay_iters: Optional[int] = arg(None, "Iterations of the WSD schedule's decay phase. Default: the whole decay.")
     lr_wsd_decay_samples: Optional[int] = arg(
@@ -343,6 +397,13 @@ class DatasetConfig(DataloaderConfig):
     reset_position_ids: bool = arg(False, "Restart position ids after each end-of-document token.")
     reset_attention_mask: bool = arg(False, "Do not attend across end-of-document tokens.")
     eod_mask_loss: bool = arg(False, "Exclude end-of-document tokens from the loss.")
+    mmap_bin_files: bool = arg(
+        True, "Megatron-LM's switch to read the .bin files instead of memory-mapping them: the same tokens either way; "
+              "inert here.", flag="--no-mmap-bin-files")
+    create_attention_mask_in_dataloader: bool = arg(
+        True, "Megatron-LM's switch to build no attention mask in the dataloader (causal attention without one). "
+              "Here a mask is built only for --reset-attention-mask, so alone it is inert.",
+        flag="--no-create-attention-mask-in-dataloader")
     # Fill-in-the-Middle (Megatron-LM's GPTFIMDataset flags; Bridge's GPTFIMDatasetConfig).
     fim_data: bool = arg(False, "Fill-in-the-Middle samples: cut documents into prefix/middle/suffix and reorder them "
                                 "around sentinel tokens (PSM or SPM), so the model learns to infill.")
@@ -402,18 +463,30 @@ class DatasetProvider(abc.ABC):
         """Return (train, validation, test) datasets; any may be None."""
 
 
+# Megatron-LM's --tokenizer-type choices with no tokenizer here: accepted by the parser, refused by validation.
+MEGATRON_LM_TOKENIZERS = ["GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer",
+                          "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer", "MultimodalTokenizer",
+                          "NullMultimodalTokenizer", "SFTTokenizer"]
+
+
 @dataclass
 class TokenizerConfig:
     """How text becomes token ids."""
 
     tokenizer_type: str = arg(
         "ByteTokenizer",
-        "ByteTokenizer: UTF-8 bytes, 256 ids + end-of-document. NullTokenizer: ids given as-is, --vocab-size ids + end-of-document.",
-        choices=["ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer"],
+        "ByteTokenizer: UTF-8 bytes, 256 ids + end-of-document. NullTokenizer: ids given as-is, --vocab-size ids + "
+        "end-of-document. HuggingFaceTokenizer: a tokenizer.json. Megatron-LM's other types are accepted and refused "
+        "with what to use instead.",
+        choices=["ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer", *MEGATRON_LM_TOKENIZERS],
     )
     vocab_size: Optional[int] = arg(None, "Vocabulary size of the NullTokenizer.")
     tokenizer_model: Optional[str] = arg(
         None, "HuggingFaceTokenizer: a local tokenizer.json, or a directory holding one (needs `pip install tokenizers`).")
+    vocab_file: Optional[str] = arg(None, "GPT2BPETokenizer's vocab.json (refused: convert it, see --tokenizer-type).")
+    merge_file: Optional[str] = arg(None, "GPT2BPETokenizer's merges.txt (refused: convert it, see --tokenizer-type).")
+    tiktoken_pattern: Optional[str] = arg(None, "TikTokenizer's pre-tokenization pattern; Megatron-LM ignores it for "
+                                                "other tokenizers, and so it is inert here.", choices=["v1", "v2"])
 
 
 @dataclass
@@ -947,11 +1020,77 @@ def parse_args(argv: Optional[list] = None, world_size: Optional[int] = None, gp
         parser.exit(2, f"{parser.prog}: error: {e}\n")
 
 
+# Megatron-LM flags (arguments.py, core_v0.16.1) of machinery this trainer does not have: a name ending in "-" is a
+# prefix. Given one, the error names the flag and the machinery instead of argparse's "unrecognized arguments".
+UNSUPPORTED_FLAGS = [
+    (("--moe-", "--num-experts", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
+      "--overlap-moe-expert-parallel-comm", "--ep-overlap-early-attn-memory-release", "--use-fused-weighted-squared-relu"),
+     "Mixture-of-Experts layers"),
+    (("--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
+      "--v-head-dim", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim", "--cache-mla-latents"),
+     "multi-latent attention (MLA)"),
+    (("--mtp-",), "multi-token prediction"),
+    (("--mamba-", "--hybrid-", "--is-hybrid-model", "--disable-mamba-mem-eff-path", "--linear-conv-kernel-dim",
+      "--linear-key-head-dim", "--linear-value-head-dim", "--linear-num-key-heads", "--linear-num-value-heads",
+      "--linear-attention-freq", "--experimental-attention-variant", "--dsa-", "--heterogeneous-layers-config-"),
+     "Mamba, hybrid and experimental attention layers"),
+    (("--perform-rl-step", "--rl-", "--grpo-", "--langrl-", "--refit-method"), "reinforcement learning (GRPO)"),
+    (("--inference-", "--max-tokens-to-oom", "--use-legacy-static-engine", "--decode-only-cuda-graphs",
+      "--nccl-all-reduce-for-prefill", "--enable-chunked-prefill", "--disable-chunked-prefill", "--flash-decode",
+      "--mlp-chunks-for-prefill", "--output-bert-embeddings", "--bert-embedder-type"),
+     "the inference server (generate.py samples from a checkpoint)"),
+    (("--num-classes", "--img-h", "--img-w", "--num-channels", "--patch-dim", "--classes-fraction",
+      "--data-per-class-fraction", "--no-data-sharding", "--head-lr-mult", "--vision-", "--swin-backbone-type",
+      "--mask-type", "--mask-factor", "--iter-per-epoch", "--dino-", "--mrope-section"), "vision models"),
+    (("--encoder-num-layers", "--decoder-num-layers", "--encoder-seq-length", "--decoder-seq-length", "--bert-",
+      "--t5-", "--retro-", "--mask-prob", "--short-seq-prob", "--vocab-extra-ids", "--ict-", "--biencoder-",
+      "--titles-data-path", "--query-in-block-prob", "--use-one-sent-docs", "--evidence-data-path", "--retriever-",
+      "--block-data-path", "--embedding-path", "--indexer-batch-size", "--indexer-log-interval",
+      "--relative-attention-num-buckets", "--relative-attention-max-distance"), "T5, BERT, retro and retriever models"),
+    (("--fp4-",), "FP4 training (transformer-engine's)"),
+    (("--cuda-graph-", "--enable-cuda-graph", "--external-cuda-graph"), "CUDA graphs"),
+    (("--tp-comm-", "--no-tp-comm-", "--disable-tp-comm-"), "transformer-engine's userbuffer communication overlap"),
+    (("--use-megatron-fsdp", "--use-torch-fsdp2", "--torch-fsdp2-", "--fsdp-", "--data-parallel-sharding-strategy",
+      "--outer-dp-sharding-strategy", "--enable-full-sharding-in-hsdp", "--suggested-communication-unit-size",
+      "--keep-fp8-transpose-cache"), "FSDP (megatron-core DDP and the distributed optimizer shard here)"),
+    (("--use-legacy-models",), "Megatron-LM's legacy models (megatron-core's GPTModel is the only model)"),
+    (("--optimizer-cpu-offload", "--optimizer-offload-fraction", "--use-torch-optimizer-for-cpu-offload",
+      "--overlap-cpu-optimizer-d2h-h2d", "--cpu-offloading-num-layers", "--fine-grained-activation-offloading",
+      "--offload-modules", "--min-offloaded-tensor-size"), "CPU offloading of optimizer states or activations"),
+    (("--one-logger-", "--no-one-logger", "--app-tag-run-"), "NVIDIA's one-logger"),
+    (("--use-kitchen-", "--kitchen-"), "the kitchen extension"),
+    (("--muon-",), "the Muon optimizer (--optimizer adam or sgd here)"),
+    (("--use-precision-aware-optimizer", "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype",
+      "--exp-avg-sq-dtype"), "transformer-engine's precision-aware optimizer"),
+    (("--non-persistent-", "--replication", "--replication-"), "non-persistent and local (replicated) checkpoints"),
+    (("--ckpt-convert-",), "checkpoint conversion (hf.py converts to and from Hugging Face)"),
+    (("--adlr-autoresume",), "ADLR autoresume (--exit-signal-handler saves and exits on a signal)"),
+    (("--run-workload-inspector-server",), "the workload inspector server"),
+]
+
+
+def unsupported_flag(token: str) -> Optional[str]:
+    """The one-line reason a Megatron-LM flag is refused here, or None for a flag not in UNSUPPORTED_FLAGS."""
+    name = token.split("=", 1)[0]
+    for names, machinery in UNSUPPORTED_FLAGS:
+        if any(name == n or (n.endswith("-") and name.startswith(n)) for n in names):
+            return (f"{name} is a Megatron-LM setting of {machinery}, which this trainer does not have (it trains dense "
+                    f"GPT models); drop it")
+    return None
+
+
 def config_from_flags(argv: list, world_size: Optional[int] = None, gpu: Optional[bool] = None,
                       parser: Optional[argparse.ArgumentParser] = None) -> ConfigContainer:
     """parse_args without the exit: an impossible combination raises ConfigError (for callers that are not the
     command line, such as hf.py's import)."""
-    ns = vars((parser or build_parser()).parse_args(argv))
+    parser = parser or build_parser()
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        reasons = [unsupported_flag(t) for t in unknown if t.startswith("--")]
+        if any(reasons):
+            raise ConfigError(next(r for r in reasons if r))
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    ns = vars(ns)
     cfg = ConfigContainer()
     if "config_file" in ns:
         apply_overrides(cfg, _load_yaml(ns.pop("config_file")), source="--config-file")
@@ -1142,7 +1281,8 @@ def _validate_model_sizes(cfg: ConfigContainer) -> None:
     if m.kv_channels is None:
         m.kv_channels = m.hidden_size // m.num_attention_heads
     if m.num_query_groups is None:
-        m.num_query_groups = m.num_attention_heads
+        # Megatron-LM: --group-query-attention alone means its --num-query-groups default, 1 (multi-query attention).
+        m.num_query_groups = 1 if m.group_query_attention else m.num_attention_heads
     if not (m.num_query_groups > 0 and m.num_attention_heads % m.num_query_groups == 0):
         raise ConfigError(f"--num-query-groups {m.num_query_groups} must divide --num-attention-heads {m.num_attention_heads}")
     if m.swiglu and m.openai_gelu:
@@ -1246,6 +1386,10 @@ def _validate_virtual_pipeline(cfg: ConfigContainer) -> None:
 def _validate_recompute(cfg: ConfigContainer) -> None:
     """Megatron-LM's validate_args and TransformerConfig's checks of the recompute settings."""
     m = cfg.model
+    if m.recompute_activations:
+        if m.recompute_granularity == "full":
+            raise ConfigError("--recompute-activations means --recompute-granularity selective, not full; give one")
+        m.recompute_granularity = "selective"
     if m.recompute_granularity == "selective" and m.recompute_method is not None:
         raise ConfigError("--recompute-method applies to --recompute-granularity full; selective recomputation "
                           "recomputes the core attention of every layer")
@@ -1387,6 +1531,56 @@ def _validate_mixed_precision_consistency(cfg: ConfigContainer) -> None:
         # Megatron-LM: under dynamic loss scaling an Inf/NaN gradient is the scaler's signal to back off
         # (the step is skipped), not an error.
         t.check_for_nan_in_loss_and_grad = False
+    _validate_fp8(cfg)
+    _resolve_grad_reduce_dtype(cfg)
+
+
+FP8_FIELDS = ("fp8_format", "fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_param_gather")
+
+
+def _validate_fp8(cfg: ConfigContainer) -> None:
+    """Megatron-LM's --fp8-* flags: FP8 runs inside transformer-engine's layers under megatron-core's fp8 contexts,
+    which this trainer does not set up; without transformer-engine there is nothing to run it at all. Refused by
+    name, before any work (--bf16 runs the same command line without them)."""
+    m, defaults = cfg.model, ModelConfig()
+    given = [name for name in FP8_FIELDS if getattr(m, name) != getattr(defaults, name)]
+    if not given:
+        return
+    if m.fp8_format is None:
+        flag = "--" + given[0].replace("_", "-")
+        raise ConfigError(f"{flag} {_flag_value(getattr(m, given[0]))}sets FP8 training, but --fp8-format is not set; "
+                          f"drop it")
+    what = f"--fp8-format {m.fp8_format}"
+    if not package_installed("transformer_engine"):
+        raise ConfigError(f"{what}: FP8 runs in transformer-engine's layers, and transformer-engine is not installed; "
+                          f"drop the --fp8-* flags (--bf16 trains without them)")
+    raise ConfigError(f"{what}: this trainer does not drive transformer-engine's FP8 (megatron-core's fp8 contexts "
+                      f"and FP8 weights); drop the --fp8-* flags (--bf16 trains without them)")
+
+
+def _flag_value(value) -> str:
+    """A flag's value as it follows the flag in a message: nothing for a switch."""
+    return "" if isinstance(value, bool) else f"{value} "
+
+
+def _resolve_grad_reduce_dtype(cfg: ConfigContainer) -> None:
+    """The dtype of megatron-core DDP's gradient buffer, as Megatron-LM's validate_args sets
+    accumulate_allreduce_grads_in_fp32: fp32 with --bf16 (unless --grad-reduce-in-bf16), the parameters' dtype
+    otherwise (fp16 gradients under --fp16) unless --accumulate-allreduce-grads-in-fp32. A value set in YAML or by
+    a mixed_precision recipe stands unless one of the two flags says otherwise."""
+    m, d = cfg.model, cfg.ddp
+    if d.accumulate_allreduce_grads_in_fp32 and d.grad_reduce_in_bf16:
+        raise ConfigError("--accumulate-allreduce-grads-in-fp32 and --grad-reduce-in-bf16 are exclusive; pick one")
+    if d.grad_reduce_in_bf16 and not m.bf16:
+        raise ConfigError("--grad-reduce-in-bf16 reduces the gradients of --bf16 training in bf16; add --bf16 or drop it")
+    if d.grad_reduce_in_bf16:
+        d.grad_reduce_in_fp32 = False
+    elif d.accumulate_allreduce_grads_in_fp32:
+        d.grad_reduce_in_fp32 = True
+    elif d.grad_reduce_in_fp32 is None and m.fp16:
+        d.grad_reduce_in_fp32 = False
+    # otherwise None: model.megatron_ddp_config reduces in fp32 exactly when the weights are bf16 (or fp16, when set so
+    # after validation)
 
 
 def _validate_rerun_state_machine(cfg: ConfigContainer) -> None:
@@ -1416,6 +1610,14 @@ def _validate_optimizer_and_schedule(cfg: ConfigContainer) -> None:
         raise ConfigError(f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}")
     if not (o.clip_grad >= 0):
         raise ConfigError(f"--clip-grad must be non-negative, got {o.clip_grad}")
+    if s.decoupled_min_lr is not None and s.decoupled_lr is None:
+        raise ConfigError("--decoupled-min-lr ends the schedule of --decoupled-lr; add --decoupled-lr or drop it")
+    if s.decoupled_lr is not None:
+        low = o.min_lr if s.decoupled_min_lr is None else s.decoupled_min_lr
+        if not (low <= s.decoupled_lr):
+            raise ConfigError(f"--decoupled-lr {s.decoupled_lr} is below its minimum {low} "
+                              f"({'--min-lr' if s.decoupled_min_lr is None else '--decoupled-min-lr'}); "
+                              f"give --decoupled-min-lr at most --decoupled-lr")
     if s.override_opt_param_scheduler and s.use_checkpoint_opt_param_scheduler:
         raise ConfigError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are exclusive")
     _validate_training_scheduler_compatibility(cfg)
@@ -1458,7 +1660,7 @@ def _calculate_scheduler_steps(cfg: ConfigContainer) -> None:
     are multiplied by it and sample counts are taken as they are.
 
     iteration-based: decay = (--lr-decay-iters or --train-iters) x batch, weight decay over --train-iters x batch,
-                     warmup = --lr-warmup-fraction x decay, else (--lr-warmup-iters, default 20) x batch
+                     warmup = --lr-warmup-fraction x decay, else --lr-warmup-iters x batch
     sample-based:    decay = --lr-decay-samples or --train-samples, weight decay over --train-samples,
                      warmup = --lr-warmup-fraction x decay, else --lr-warmup-samples
     WSD: the decay phase is --lr-wsd-decay-iters x batch / --lr-wsd-decay-samples, by default the whole decay
@@ -1470,7 +1672,7 @@ def _calculate_scheduler_steps(cfg: ConfigContainer) -> None:
         s.lr_decay_steps = (s.lr_decay_iters or t.train_iters) * gbs
         s.wd_incr_steps = t.train_iters * gbs
         s.wsd_decay_steps = s.lr_wsd_decay_iters * gbs if s.lr_wsd_decay_iters else None
-        warmup = (20 if s.lr_warmup_iters is None else s.lr_warmup_iters) * gbs
+        warmup = (s.lr_warmup_iters or 0) * gbs  # None: a run_config.yaml of before the default became 0
     else:
         s.lr_decay_steps = s.lr_decay_samples or t.train_samples
         s.wd_incr_steps = t.train_samples
@@ -1585,7 +1787,11 @@ def _validate_data(cfg: ConfigContainer) -> None:
                 if not os.path.isfile(prefix + ext):
                     raise ConfigError(f"{flag}: {prefix}{ext} not found; give the prefix of an indexed dataset "
                                       f"(PREFIX.bin and PREFIX.idx, e.g. from `python data.py preprocess`)")
+    if not getattr(d, "create_attention_mask_in_dataloader", True) and d.reset_attention_mask:
+        raise ConfigError("--reset-attention-mask is an attention mask the dataloader builds, and "
+                          "--no-create-attention-mask-in-dataloader builds none; drop one")
     tk = cfg.tokenizer
+    _validate_megatron_lm_tokenizer(tk)
     if tk.tokenizer_type == "NullTokenizer" and not tk.vocab_size:
         raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size")
     if tk.tokenizer_type != "NullTokenizer" and tk.vocab_size is not None:
@@ -1602,6 +1808,19 @@ def _validate_data(cfg: ConfigContainer) -> None:
         raise ConfigError("--tokenizer-model is only for --tokenizer-type HuggingFaceTokenizer")
     if not (d.mock_data or d.data_path or any(split_paths)) and tk.tokenizer_type != "ByteTokenizer":
         raise ConfigError("the built-in corpus is byte-level text; use --tokenizer-type ByteTokenizer or give --data-path/--mock-data")
+
+
+def _validate_megatron_lm_tokenizer(tk: TokenizerConfig) -> None:
+    """Megatron-LM's tokenizer types that have no tokenizer here, and their files: one line saying what to use."""
+    if tk.tokenizer_type in MEGATRON_LM_TOKENIZERS and tk.tokenizer_type != "GPT2BPETokenizer":
+        raise ConfigError(f"--tokenizer-type {tk.tokenizer_type} is Megatron-LM's and not built in here; use "
+                          f"HuggingFaceTokenizer with the model's tokenizer.json, NullTokenizer or ByteTokenizer")
+    if tk.tokenizer_type == "GPT2BPETokenizer" or tk.vocab_file or tk.merge_file:  # GPT-2's files, whatever the type
+        vocab, merges = tk.vocab_file or "gpt2-vocab.json", tk.merge_file or "gpt2-merges.txt"
+        raise ConfigError(f"--tokenizer-type GPT2BPETokenizer (--vocab-file, --merge-file) is not built in here; convert "
+                          f"the two files once with python -c \"from tokenizers import ByteLevelBPETokenizer as T; "
+                          f"T('{vocab}', '{merges}').save('tokenizer.json')\" and give --tokenizer-type "
+                          f"HuggingFaceTokenizer --tokenizer-model tokenizer.json")
 
 
 def _validate_fim(cfg: ConfigContainer) -> None:
@@ -1720,6 +1939,10 @@ def _validate_machine(cfg: ConfigContainer) -> None:
                               "pip install transformer-engine[pytorch] or use --transformer-impl local")
     if not (cp == 1 or m.transformer_impl == "transformer_engine"):
         raise ConfigError(f"--context-parallel-size {cp} needs --transformer-impl transformer_engine")
+    if m.apply_layernorm_1p and m.transformer_impl != "transformer_engine":
+        raise ConfigError("--apply-layernorm-1p (zero-centred gamma) needs transformer-engine layers: megatron-core's "
+                          "local layers build a torch LayerNorm, which has none (as in Megatron-LM without apex); "
+                          "add --transformer-impl transformer_engine on a GPU with transformer-engine, or drop it")
 
 
 def _validate_peft(cfg: ConfigContainer) -> None:
@@ -1903,8 +2126,13 @@ def _get_key_config_values(config_obj: Any) -> dict:
 def print_config(cfg: ConfigContainer, file=sys.stdout) -> None:
     """The resolved config, Megatron-style: one dotted line per setting, by section; with
     --log-non-default-values, Bridge's summary of the settings that differ from their defaults."""
-    if inert_flags(cfg):
-        print(f" inert here (fused GPU kernels the local layers never use): {' '.join(inert_flags(cfg))}", file=file)
+    fused = inert_flags(cfg, fused_only=True)
+    if fused:
+        print(f" inert here (fused GPU kernels the local layers never use): {' '.join(fused)}", file=file)
+    other = inert_flags(cfg)[len(fused):]
+    if other:
+        print(f" inert here (Megatron-LM placement, memory and deprecated switches with no effect in this trainer): "
+              f"{' '.join(other)}", file=file)
     if cfg.logger.log_non_default_values:
         cfg.log_non_default_values(file)
         return
@@ -1925,8 +2153,50 @@ def print_config(cfg: ConfigContainer, file=sys.stdout) -> None:
 
 INERT = ("no_persist_layer_norm", "no_gradient_accumulation_fusion", "no_masked_softmax_fusion", "no_bias_gelu_fusion",
          "no_bias_swiglu_fusion", "no_bias_dropout_fusion", "no_rope_fusion")
+# Megatron-LM's other settings accepted with no effect here (placement, memory and deprecated switches), by section:
+# each is inert when it differs from its default, or when `when(cfg)` says so.
+INERT_SETTINGS = {
+    ("model", "use_mcore_models"): None,
+    ("model", "attention_backend"): lambda cfg: (cfg.model.attention_backend in ("flash", "fused", "unfused")
+                                                 and cfg.model.transformer_impl != "transformer_engine"),
+    ("train", "empty_unused_memory_level"): None,
+    ("dataset", "mmap_bin_files"): None,
+    ("dataset", "create_attention_mask_in_dataloader"): None,
+    ("tokenizer", "tiktoken_pattern"): None,
+}
 
 
-def inert_flags(cfg: ConfigContainer) -> list:
-    """The Megatron-LM kernel-fusion switches given that change nothing here, as flags."""
-    return ["--" + name.replace("_", "-") for name in INERT if getattr(cfg.model, name)]
+def _setting_flag(cfg: ConfigContainer, section: str, name: str) -> Optional[str]:
+    """The flag (with its value, for a non-switch) of a setting that differs from its default; None if it does not."""
+    sub = getattr(cfg, section)
+    f = next((f for f in dataclasses.fields(sub) if f.name == name), None)
+    if f is None or getattr(sub, name) == (f.default_factory() if f.default is dataclasses.MISSING else f.default):
+        return None
+    value = getattr(sub, name)
+    flag = f.metadata["flag"] or "--" + name.replace("_", "-")
+    return flag if isinstance(value, bool) else f"{flag} {value}"
+
+
+def inert_flags(cfg: ConfigContainer, fused_only: bool = False) -> list:
+    """The Megatron-LM flags given that change nothing here, as flags: the kernel-fusion switches, then (unless
+    fused_only) INERT_SETTINGS."""
+    flags = ["--" + name.replace("_", "-") for name in INERT if getattr(cfg.model, name)]
+    for (section, name), when in ([] if fused_only else INERT_SETTINGS.items()):
+        flag = _setting_flag(cfg, section, name)
+        if flag and (when is None or when(cfg)):
+            flags.append(flag)
+    return flags
+
+
+def transformer_config_extras(cfg: ConfigContainer) -> dict:
+    """megatron-core TransformerConfig fields set by Megatron-LM's flags beyond model.transformer_config's own
+    (Megatron-LM's core_transformer_config_from_args): `TransformerConfig(..., **transformer_config_extras(cfg))`.
+    Imports megatron-core: call it when building the model, not during validation."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    m = cfg.model
+    extras = dict(calculate_per_token_loss=m.calculate_per_token_loss,
+                  layernorm_zero_centered_gamma=m.apply_layernorm_1p)
+    if m.transformer_impl == "transformer_engine":  # TE's kernel choice; the local layers keep their own
+        extras["attention_backend"] = AttnBackend[m.attention_backend]
+    return extras

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import device  # first: it quiets megatron-core's import-time warnings
+from config import transformer_config_extras
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core import rerun_state_machine as mcore_rerun
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
@@ -142,6 +143,7 @@ def transformer_config(cfg) -> TransformerConfig:
         deterministic_mode=m.deterministic_mode,  # e.g. an embedding backward without atomics
         cross_entropy_loss_fusion=m.cross_entropy_loss_fusion,
         cp_comm_type=m.cp_comm_type[0] if len(m.cp_comm_type) == 1 else m.cp_comm_type,
+        **transformer_config_extras(cfg),  # --calculate-per-token-loss, --apply-layernorm-1p, TE's attention kernel
     )
 
 

@@ -61,7 +61,7 @@ from model import (build_model, build_optimizer, build_rerun_state_machine,  # n
                    zero_grad)  # first: quiets megatron-core's import warnings
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core import rerun_state_machine as mcore_rerun  # noqa: E402
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler, get_canonical_lr_for_logging  # noqa: E402
 from megatron.core.utils import configure_nvtx_profiling, nvtx_range_pop, nvtx_range_push  # noqa: E402
 
 import checkpoint  # noqa: E402
@@ -328,6 +328,15 @@ def setup(cfg: ConfigContainer):
     iterators = [one_iterator_per_chunk(it, len(model)) for it in iterators]
     iterators[0] = attach_rerun_state_machine(state, iterators[0])
     return state, model, optimizer, scheduler, iterators
+
+
+def logged_learning_rates(cfg, optimizer) -> tuple:
+    """(the learning rate, the --decoupled-lr groups' or None): megatron-core's canonical one is the first group
+    of the default schedule (get_canonical_lr_for_logging, as Megatron-LM logs it), whichever order the groups are in."""
+    groups = optimizer.param_groups
+    canonical = get_canonical_lr_for_logging(groups)
+    decoupled = next((g["lr"] for g in groups if not g.get("default_config", True)), None)
+    return (groups[0]["lr"] if canonical is None else canonical), (decoupled if cfg.scheduler.decoupled_lr else None)
 
 
 def one_iterator_per_chunk(iterator, num_chunks: int):
@@ -915,9 +924,10 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
         history_wct.append(time.time() - global_state.start_time)  # this job's wall clock, per iteration
 
         params_norm = metrics.calc_params_l2_norm(model) if cfg.logger.log_params_norm else None
+        learning_rate, decoupled_learning_rate = logged_learning_rates(cfg, optimizer)
         report_memory_flag = metrics.training_log(
-            loss_dict=step.loss_dict, total_loss_dict=total_loss_dict, learning_rate=optimizer.param_groups[0]["lr"],
-            decoupled_learning_rate=None, loss_scale=float(optimizer.get_loss_scale()),
+            loss_dict=step.loss_dict, total_loss_dict=total_loss_dict, learning_rate=learning_rate,
+            decoupled_learning_rate=decoupled_learning_rate, loss_scale=float(optimizer.get_loss_scale()),
             report_memory_flag=report_memory_flag, skipped_iter=step.skipped_iter, grad_norm=step.grad_norm,
             params_norm=params_norm, num_zeros_in_grad=step.num_zeros_in_grad, config=cfg, global_state=global_state,
             history_wct=history_wct, model=model)

@@ -210,13 +210,13 @@ def test_out_of_range_numbers_stop_before_torch_loads():
 
 
 @pytest.mark.parametrize("argv, expected", [
-    # iteration-based: lengths are iterations x global batch (8); warmup defaults to 20 iterations
-    ([], dict(lr_decay_steps=800, lr_warmup_steps=160, wd_incr_steps=800, wsd_decay_steps=None)),
+    # iteration-based: lengths are iterations x global batch (8); no warmup by default, as Megatron-LM
+    ([], dict(lr_decay_steps=800, lr_warmup_steps=0, wd_incr_steps=800, wsd_decay_steps=None)),
     (["--lr-decay-iters", "50", "--lr-warmup-iters", "5"], dict(lr_decay_steps=400, lr_warmup_steps=40, wd_incr_steps=800)),
     (["--lr-warmup-fraction", "0.15"], dict(lr_decay_steps=800, lr_warmup_steps=120.0, wd_incr_steps=800)),
     (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "10"], dict(lr_decay_steps=800, wsd_decay_steps=80)),
     (["--lr-decay-style", "WSD"], dict(wsd_decay_steps=800)),  # the whole decay, as Bridge
-    (["--train-iters", "2"], dict(lr_decay_steps=16, lr_warmup_steps=15, wd_incr_steps=16)),  # warmup capped
+    (["--train-iters", "2", "--lr-warmup-iters", "20"], dict(lr_decay_steps=16, lr_warmup_steps=15, wd_incr_steps=16)),  # warmup capped
     # sample-based: sample counts as given
     (["--train-samples", "1000"], dict(lr_decay_steps=1000, lr_warmup_steps=0, wd_incr_steps=1000)),
     (["--train-samples", "1000", "--lr-decay-samples", "600", "--lr-warmup-samples", "64"],
@@ -373,7 +373,9 @@ def test_mixed_precision_as_fields_and_the_fp16_recipe(tmp_path):
     assert cfg.model.fp16 and cfg.optimizer.initial_loss_scale == 1024 and cfg.optimizer.hysteresis == 3
     recipe = _yaml(tmp_path, "mixed_precision: fp16-mixed\n")  # Bridge's hyphen alias
     assert recipe.model.fp16 and megatron_ddp_config(recipe).grad_reduce_in_fp32 is False  # as Bridge's fp16_mixed
-    assert megatron_ddp_config(_yaml(tmp_path, "model:\n  fp16: true\n")).grad_reduce_in_fp32 is True
+    # Megatron-LM reduces fp16 gradients in fp16 unless --accumulate-allreduce-grads-in-fp32 (bf16: in fp32).
+    assert megatron_ddp_config(_yaml(tmp_path, "model:\n  fp16: true\n")).grad_reduce_in_fp32 is False
+    assert megatron_ddp_config(_yaml(tmp_path, "model:\n  bf16: true\n")).grad_reduce_in_fp32 is True
 
 
 @pytest.mark.parametrize("text, message", [

@@ -293,10 +293,10 @@ def test_huggingface_tokenizer_preprocess_train_and_checkpoint(corpora, hf_token
                                                       str(hf_tokenizer)], world_size=1, gpu=False))
     assert state.train_state.step == 4
     saved = tmp_path / "ck" / "iter_0000004"
-    assert (saved / "tokenizer.json").read_bytes() == hf_tokenizer.read_bytes()
-    assert json.loads((saved / "tokenizer_config.json").read_text())["class"] == "HuggingFaceTokenizer"
+    assert (saved / "tokenizer" / "tokenizer.json").read_bytes() == hf_tokenizer.read_bytes()
+    assert json.loads((saved / "tokenizer" / "identity.json").read_text())["class"] == "HuggingFaceTokenizer"
     # Resuming with another tokenizer is refused, naming both.
-    with pytest.raises(checkpoint.CheckpointError, match="was trained with tokenizer .*HuggingFaceTokenizer.* but this run uses"):
+    with pytest.raises(checkpoint.CheckpointError, match="were trained with tokenizer .*HuggingFaceTokenizer.* but the flags give"):
         train.pretrain(config.parse_args(flags + ["--load", str(tmp_path / "ck"), "--train-iters", "4",
                                                   "--data-path", str(tmp_path / "hf_text_document")],
                                          world_size=1, gpu=False))

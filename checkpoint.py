@@ -659,7 +659,8 @@ SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size") 
 def check_saved_model(cfg, directory: str, common: dict, finetune: bool) -> None:
     """Before any weight loads: the checkpoint is a version this code reads, of this model's shape. The saving
     run's settings come from `args` (Megatron-LM's and ours) or run_config.yaml (Bridge's)."""
-    path = os.path.join(directory, "common.pt" if os.path.isfile(os.path.join(directory, "common.pt")) else "")
+    path = os.path.join(directory, "common.pt")
+    path = path if os.path.isfile(path) else _mp_file(directory)  # the torch format keeps it in each file
     version = common.get("checkpoint_version")
     if version is None and not finetune:
         raise CheckpointError(f"{path}: no checkpoint_version (written by an older train.py); load its weights "

@@ -498,7 +498,7 @@ def bench_generate(argv) -> list:
     import generate
     import hf
     from model import build_model, set_random_seed
-    from train import initialize_distributed
+    from model import initialize_distributed
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = config_lib.parse_args(["--mock-data", "--no-save", "--no-tensorboard", "--hidden-dropout", "0",

@@ -29,6 +29,7 @@ file here is read with `torch.load(weights_only=True)`.
 
 import argparse
 import copy
+import dataclasses
 import functools
 import json
 import multiprocessing
@@ -57,6 +58,31 @@ from model import unwrap
 
 TRACKER = "latest_checkpointed_iteration.txt"
 LATEST_TRAIN_STATE = "latest_train_state.pt"
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Progress of the run: what a checkpoint must carry to resume exactly. Saved as Bridge's train_state.pt,
+    one 0-d tensor per field (counts as int64 where Bridge writes int32: a count of samples can pass 2**31)."""
+
+    step: int = 0
+    consumed_train_samples: int = 0
+    skipped_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    floating_point_operations_so_far: float = 0.0
+    do_train: bool = False  # the run has training / validation / test data
+    do_valid: bool = False
+    do_test: bool = False
+
+    def state_dict(self) -> dict:
+        dtypes = {bool: torch.bool, int: torch.int64, float: torch.float64}
+        return {f.name: torch.tensor(getattr(self, f.name), dtype=dtypes[type(f.default)]) for f in dataclasses.fields(self)}
+
+    def load_state_dict(self, state: dict) -> None:
+        for f in dataclasses.fields(self):
+            if f.name in state:
+                value = state[f.name]
+                setattr(self, f.name, type(f.default)(value.item() if isinstance(value, torch.Tensor) else value))
 
 
 class CheckpointError(RuntimeError):
@@ -302,12 +328,18 @@ def _model_keys(model: list, state_dict_of) -> dict:
     return {f"model{i}": state_dict_of(chunk) for i, chunk in enumerate(model)}
 
 
+ADAPTER_KEY = ".adapter."  # in the name of every LoRA/DoRA adapter tensor (peft.py's LoRALinear.adapter)
+
+
+def keep_adapters(sharded: dict) -> dict:
+    """A model's sharded state dict, keeping the adapters: what a PEFT checkpoint saves and loads."""
+    return {key: value for key, value in sharded.items() if ADAPTER_KEY in f".{key}"}
+
+
 def model_sharded_state_dict(model: list, adapters_only: bool = False) -> dict:
     """The model chunks' sharded state dicts under Megatron-LM's keys: each tensor named by its place in the
     whole model (global layer numbers, full shapes), so any tensor/pipeline layout can read it back. A PEFT
     run's keeps its adapters only (the base weights are the pretrained checkpoint's)."""
-    from peft import adapters_only as keep_adapters
-
     return _model_keys(model, lambda chunk: keep_adapters(unwrap(chunk).sharded_state_dict()) if adapters_only
                        else unwrap(chunk).sharded_state_dict())
 

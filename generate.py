@@ -86,7 +86,8 @@ import device  # noqa: E402
 
 import checkpoint  # noqa: E402
 import data  # noqa: E402
-from train import TrainState, initialize_distributed  # noqa: E402  (the same process groups as training)
+from checkpoint import TrainState  # noqa: E402
+from model import initialize_distributed  # noqa: E402  (the same process groups as training)
 
 # torch's deprecation notices from inside megatron-core's checkpoint loading: not the user's to act on.
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"(megatron|torch|device)")

@@ -58,8 +58,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 import checkpoint  # noqa: E402
 import data  # noqa: E402
-from model import build_model  # noqa: E402
-from train import TrainState, initialize_distributed  # noqa: E402
+from checkpoint import TrainState  # noqa: E402
+from model import build_model, initialize_distributed  # noqa: E402
 
 # --------------------------------------------------------------------------------------------------
 # Which layout a model has

@@ -230,7 +230,7 @@ def device_name():
 
 
 def report_throughput(train_config, iteration: int, seq_length: int, history_wct: list, window_size: int) -> dict:
-    """Rolling throughput over the last `window_size` iterations (the seed's `throughput/*` keys).
+    """Rolling throughput over the last `window_size` iterations (Bridge's `throughput/*` keys).
 
     `history_wct` holds, per iteration of this job, the wall-clock seconds since the job started, at
     the end of that iteration. Only this job's iterations are in it, so a resumed run never divides the
@@ -259,7 +259,7 @@ _TIME_UNITS = {"seconds": 1, "minutes": 60, "hours": 3600, "days": 86400}
 def report_runtime(train_state, start_time: float, seq_length: int, train_iters: int, time_unit: str = "seconds",
                    start_step: int = 0) -> dict:
     """Elapsed time and an estimate of the time left, from this job's rate (iterations since
-    `start_step`, the step this job resumed at) (the seed's `time/*` keys)."""
+    `start_step`, the step this job resumed at) (Bridge's `time/*` keys)."""
     if time_unit not in _TIME_UNITS:
         raise ValueError(f"time_unit must be one of {', '.join(_TIME_UNITS)}, got {time_unit}")
     divisor = _TIME_UNITS[time_unit]
@@ -275,7 +275,7 @@ def report_runtime(train_state, start_time: float, seq_length: int, train_iters:
 # Memory
 # --------------------------------------------------------------------------------------------------
 
-# torch.cuda.memory_stats() key -> reported name (the seed's ten statistics).
+# torch.cuda.memory_stats() key -> reported name (Bridge's ten statistics).
 MEMORY_KEYS = {
     "allocated_bytes.all.current": "current_allocated_mem",
     "active_bytes.all.current": "current_active_mem",

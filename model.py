@@ -20,7 +20,9 @@ lists each one): the CPU runs the GPU's code path, and the tests exercise what a
 import contextlib
 import functools
 import math
+import os
 import random
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -384,6 +386,31 @@ def zero_grad(model: list, optimizer) -> None:
     for m in model:
         m.zero_grad_buffer()
     optimizer.zero_grad()
+
+
+def initialize_distributed(cfg) -> None:
+    """One process per device. torchrun sets RANK/WORLD_SIZE/MASTER_*; a plain `python train.py` is a
+    world of one. Then megatron-core's tensor/pipeline/context/data-parallel groups."""
+    device.bind_local_gpu(cfg.use_gpu)
+    backend = cfg.dist.distributed_backend or device.backend()
+    timeout = timedelta(minutes=cfg.dist.distributed_timeout_minutes)
+    if "RANK" in os.environ:
+        torch.distributed.init_process_group(backend, timeout=timeout)
+    else:
+        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1,
+                                             timeout=timeout)
+    m = cfg.model
+    parallel_state.initialize_model_parallel(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
+                                             m.virtual_pipeline_model_parallel_size,
+                                             context_parallel_size=m.context_parallel_size,
+                                             hierarchical_context_parallel_sizes=m.hierarchical_context_parallel_sizes)
+
+
+def destroy_distributed() -> None:
+    """Tear down what initialize_distributed set up: the process can start another run."""
+    parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def set_random_seed(seed: int) -> None:

@@ -31,7 +31,6 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                            gather_from_tensor_model_parallel_region)
 
-ADAPTER_KEY = ".adapter."
 
 
 def module_matches(full_name: str, name: str, pattern: str) -> bool:
@@ -178,11 +177,6 @@ def trainable_summary(trainable: int, total: int) -> str:
     return f"trainable params: {trainable / 1e6:.2f}M / {total / 1e6:.2f}M ({100 * trainable / total:.1f}%)"
 
 
-def adapters_only(sharded: dict) -> dict:
-    """A model's sharded state dict, keeping the adapters: what a PEFT checkpoint saves and loads."""
-    return {key: value for key, value in sharded.items() if ADAPTER_KEY in f".{key}"}
-
-
 def merge_adapters(model: list) -> int:
     """Fold each adapter into its base weight in place and put the base layer back. Returns how many."""
     merged = 0
@@ -235,21 +229,30 @@ def main(argv) -> int:
 
 
 def merge_checkpoint(cfg) -> int:
-    """Set up the PEFT run as train.py would (base weights, then its adapters), fold, and save plainly."""
-    import checkpoint
-    import train
-    from model import unwrap
+    """Build the PEFT run's model as train.py's setup does (base weights, then the adapters and the progress of its
+    checkpoint), fold, and save it plainly: weights only, no optimizer."""
+    import types
 
-    state, model, optimizer, scheduler, _ = train.setup(cfg)
+    import checkpoint
+    import data
+    from model import build_model, destroy_distributed, initialize_distributed, unwrap
+
+    initialize_distributed(cfg)
     try:
+        tokenizer = data.build_tokenizer(cfg)
+        model = build_model(cfg, data.embedding_rows(tokenizer))
+        state = types.SimpleNamespace(cfg=cfg, train_state=checkpoint.TrainState(), tokenizer=tokenizer)
+        checkpoint.load_checkpoint(state, model, None, None, cfg.checkpoint.pretrained_checkpoint, finetune=True)
+        apply_peft(cfg, model)
+        checkpoint.load_checkpoint(state, model, None, None, cfg.checkpoint.load)
         n = merge_adapters([unwrap(chunk) for chunk in model])
         cfg.peft.peft = "none"  # what run_config.yaml will say: a plain model, standing on its own
         cfg.checkpoint.load = cfg.checkpoint.pretrained_checkpoint = None
         cfg.train.train_iters = state.train_state.step
-        directory = checkpoint.save_checkpoint(state, model, optimizer, scheduler)
+        directory = checkpoint.save_checkpoint(state, model, None, None)
         print(f" merged {n} adapters into the base weights: {directory}", flush=True)
     finally:
-        train._finish_train(state)
+        destroy_distributed()
     return 0
 
 

@@ -51,13 +51,12 @@ import math  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import time  # noqa: E402
-from datetime import timedelta  # noqa: E402
 from typing import Callable, NamedTuple, Optional  # noqa: E402
 
 import torch  # noqa: E402
 
-from model import (build_model, build_optimizer, build_rerun_state_machine,  # noqa: E402
-                   get_forward_backward_func, padded_vocab_size, set_random_seed, wrap_model,
+from model import (build_model, build_optimizer, build_rerun_state_machine, destroy_distributed,  # noqa: E402
+                   get_forward_backward_func, initialize_distributed, padded_vocab_size, set_random_seed, wrap_model,
                    zero_grad)  # first: quiets megatron-core's import warnings
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core import rerun_state_machine as mcore_rerun  # noqa: E402
@@ -70,6 +69,7 @@ import device  # noqa: E402
 import metrics  # noqa: E402
 import peft  # noqa: E402
 import profiling  # noqa: E402
+from checkpoint import TrainState  # noqa: E402  (what a checkpoint carries of the run's progress)
 from config import ConfigContainer  # noqa: E402
 from device import any_rank  # noqa: E402
 from metrics import print_rank_0, print_rank_last  # noqa: E402
@@ -77,31 +77,6 @@ from metrics import print_rank_0, print_rank_last  # noqa: E402
 # ==================================================================================================
 # 2. State
 # ==================================================================================================
-
-
-@dataclasses.dataclass
-class TrainState:
-    """Progress of the run: what a checkpoint must carry to resume exactly. Saved as Bridge's train_state.pt,
-    one 0-d tensor per field (counts as int64 where Bridge writes int32: a count of samples can pass 2**31)."""
-
-    step: int = 0
-    consumed_train_samples: int = 0
-    skipped_train_samples: int = 0
-    consumed_valid_samples: int = 0
-    floating_point_operations_so_far: float = 0.0
-    do_train: bool = False  # the run has training / validation / test data
-    do_valid: bool = False
-    do_test: bool = False
-
-    def state_dict(self) -> dict:
-        dtypes = {bool: torch.bool, int: torch.int64, float: torch.float64}
-        return {f.name: torch.tensor(getattr(self, f.name), dtype=dtypes[type(f.default)]) for f in dataclasses.fields(self)}
-
-    def load_state_dict(self, state: dict) -> None:
-        for f in dataclasses.fields(self):
-            if f.name in state:
-                value = state[f.name]
-                setattr(self, f.name, type(f.default)(value.item() if isinstance(value, torch.Tensor) else value))
 
 
 class GlobalState:
@@ -190,24 +165,6 @@ def prepare_forward_step_func(forward_step_func: Callable, state: GlobalState) -
 # ==================================================================================================
 # 4. Setup
 # ==================================================================================================
-
-
-def initialize_distributed(cfg: ConfigContainer) -> None:
-    """One process per device. torchrun sets RANK/WORLD_SIZE/MASTER_*; a plain `python train.py` is a
-    world of one. Then megatron-core's tensor/pipeline/context/data-parallel groups."""
-    device.bind_local_gpu(cfg.use_gpu)
-    backend = cfg.dist.distributed_backend or device.backend()
-    timeout = timedelta(minutes=cfg.dist.distributed_timeout_minutes)
-    if "RANK" in os.environ:
-        torch.distributed.init_process_group(backend, timeout=timeout)
-    else:
-        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1,
-                                             timeout=timeout)
-    m = cfg.model
-    parallel_state.initialize_model_parallel(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
-                                             m.virtual_pipeline_model_parallel_size,
-                                             context_parallel_size=m.context_parallel_size,
-                                             hierarchical_context_parallel_sizes=m.hierarchical_context_parallel_sizes)
 
 
 def setup_logging(logging_level: Optional[int]) -> None:
@@ -375,7 +332,7 @@ def masked_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def forward_step(state: GlobalState, data_iterator, model, return_schedule_plan: bool = False):
     """Bridge's `gpt_step.forward_step`: a batch in, per-token losses out, and the loss function.
-    `return_schedule_plan` is the seed's signature (MoE overlap in Bridge); a dense GPT has no plan."""
+    `return_schedule_plan` is Bridge's signature (MoE overlap in Bridge); a dense GPT has no plan."""
     timers = state.timers
     timers("batch-generator", log_level=2).start()
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
@@ -413,7 +370,7 @@ def reduce_losses(losses_per_microbatch: list) -> dict:
 
 
 class TrainStepResult(NamedTuple):
-    """What train_step returns: the seed's 7-tuple, with names."""
+    """What train_step returns: Bridge's 7-tuple, with names."""
 
     loss_dict: dict  # reduced losses, on the last pipeline stage ({} elsewhere or when no update was made)
     skipped_iter: int  # 1 when the optimizer skipped the update (fp16 overflow, a failed step on any rank)
@@ -581,14 +538,12 @@ def report_rerun_verdict(global_state: GlobalState, exit_code: int) -> None:
     print(f"{what}; {verdict}; stopping with exit code {exit_code}", flush=True)
 
 
-def save_before_rerun_exit(should_checkpoint: bool, state: GlobalState, model, optimizer, scheduler,
-                           checkpointing_context: dict) -> None:
+def save_before_rerun_exit(should_checkpoint: bool, state: GlobalState, model, optimizer, scheduler) -> None:
     """When the rerun state machine stops the run, save the last good iteration (the rejected step made no
     update) unless it is saved already, as Megatron does 'if further examination is needed'."""
     ts = state.train_state
     if should_checkpoint and state.cfg.checkpoint.save and state.last_saved_step != ts.step:
-        save_checkpoint_and_time(state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
-                                 checkpointing_context)
+        save_checkpoint_and_time(state, model, optimizer, scheduler, ts.floating_point_operations_so_far)
 
 
 # ==================================================================================================
@@ -657,11 +612,11 @@ def evaluate_and_print_results(state: GlobalState, prefix: str, forward_step_fun
 
 
 def save_checkpoint_and_time(state: GlobalState, model, optimizer, opt_param_scheduler,
-                             num_floating_point_operations_so_far: float, checkpointing_context: dict,
+                             num_floating_point_operations_so_far: float, checkpointing_context: Optional[dict] = None,
                              non_persistent_ckpt: bool = False, train_data_iterator=None) -> None:
     """Save, timing the save and keeping it out of the iteration time (and so out of throughput).
-    `checkpointing_context` (Bridge keeps its checkpoint managers there), `non_persistent_ckpt` and
-    `train_data_iterator` are the seed's signature; nothing here needs them."""
+    `checkpointing_context`, `non_persistent_ckpt` and `train_data_iterator` are Bridge's signature (its checkpoint
+    managers, local checkpoints, a stateful data loader); nothing here needs them."""
     timers = state.timers
     timers("interval-time").stop(barrier=True)
     timers("save-checkpoint", log_level=0).start(barrier=True)
@@ -681,9 +636,9 @@ def save_checkpoint_and_time(state: GlobalState, model, optimizer, opt_param_sch
 
 
 def checkpoint_and_decide_exit(state: GlobalState, model, optimizer, opt_param_scheduler,
-                               num_floating_point_operations_so_far: float, checkpointing_context: dict,
+                               num_floating_point_operations_so_far: float, checkpointing_context: Optional[dict],
                                train_data_iterator) -> bool:
-    """After each step: save and/or stop, in Megatron's order.
+    """After each step: save and/or stop, in Megatron's order (`checkpointing_context`: Bridge's signature, unused).
 
     1. a signal (--exit-signal-handler) on any rank: save, stop with exit code 0;
     2. --save-interval: save;
@@ -692,7 +647,7 @@ def checkpoint_and_decide_exit(state: GlobalState, model, optimizer, opt_param_s
     """
     cfg, ts = state.cfg, state.train_state
     save = cfg.checkpoint.save
-    args = (state, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far, checkpointing_context)
+    args = (state, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far)
 
     def save_unless_saved():
         if save and state.last_saved_step != ts.step:
@@ -742,8 +697,7 @@ def build_num_microbatches_calculator(cfg: ConfigContainer):
                                                     start, increment, samples)
 
 
-def _follow_batch_size_rampup(global_state: GlobalState, model, optimizer, scheduler, checkpointing_context: dict,
-                              train_data_iterator) -> None:
+def _follow_batch_size_rampup(global_state: GlobalState, model, optimizer, scheduler, train_data_iterator) -> None:
     """Before each iteration (Megatron-LM `training.py::train`, Bridge `training/train.py::train`): set the
     microbatch count for the samples consumed so far; when it grows (a ramp-up step), first save a
     checkpoint (with --save), as they do."""
@@ -757,7 +711,7 @@ def _follow_batch_size_rampup(global_state: GlobalState, model, optimizer, sched
                      f"({ts.consumed_train_samples} samples consumed)")
         if cfg.checkpoint.save and global_state.last_saved_step != ts.step:
             save_checkpoint_and_time(global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
-                                     checkpointing_context, train_data_iterator=train_data_iterator)
+                                     train_data_iterator=train_data_iterator)
 
 
 def should_disable_forward_pre_hook(use_megatron_fsdp: bool, use_distributed_optimizer: bool,
@@ -816,7 +770,7 @@ def post_training_step_callbacks(model: list, num_floating_point_operations_sinc
     3. every --manual-gc-interval with --manual-gc: a full garbage collection, at the same iteration on every rank.
 
     Returns the FLOPs counted since the last straggler report: 0 after a report (as Megatron-LM's version does, so
-    the caller keeps the reset). `model` and `should_toggle_forward_pre_hook` are the seed's signature: they serve
+    the caller keeps the reset). `model` and `should_toggle_forward_pre_hook` are Bridge's signature: they serve
     Bridge's weight-hash check, which this loop does not run.
     """
     if config.straggler.log_straggler and iteration % config.logger.log_interval == 0:
@@ -879,10 +833,11 @@ def collect_garbage_around_eval(cfg: ConfigContainer, after: bool) -> None:
 
 
 def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, valid_data_iterator,
-          global_state: GlobalState, checkpointing_context: dict, process_non_loss_data_func=None,
+          global_state: GlobalState, checkpointing_context: Optional[dict] = None, process_non_loss_data_func=None,
           non_loss_data_func=None) -> None:
     """Train until --train-iters, evaluating every --eval-interval, logging every --log-interval,
-    saving and exiting as checkpoint_and_decide_exit says."""
+    saving and exiting as checkpoint_and_decide_exit says. `checkpointing_context` is Bridge's signature (its
+    checkpoint managers); nothing here reads it."""
     cfg, ts, timers = global_state.cfg, global_state.train_state, global_state.timers
     forward_step_func = prepare_forward_step_func(forward_step_func, global_state)
     forward_step_func = global_state.straggler_timer.wrap(forward_step_func, ts.step)  # only with --log-straggler
@@ -903,14 +858,13 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
     while ts.step < cfg.train.train_iters:
         if cfg.checkpoint.async_save:  # publish a background save once every rank has written it
             checkpoint.maybe_finalize_async_save(global_state, blocking=False)
-        _follow_batch_size_rampup(global_state, model, optimizer, scheduler, checkpointing_context, train_data_iterator)
+        _follow_batch_size_rampup(global_state, model, optimizer, scheduler, train_data_iterator)
         nsys_nvtx_context = profiling.handle_profiling_step(cfg.profiling, ts.step, rank, prof) or nsys_nvtx_context
         if _should_skip_and_handle_iteration(global_state, train_data_iterator):  # consumes a skipped step's data
             continue
         step = train_step(forward_step_func, train_data_iterator, model, optimizer, scheduler, global_state)
         if step.should_exit:  # a NaN: stop before counting the step, so nothing poisoned is saved
-            save_before_rerun_exit(step.should_checkpoint, global_state, model, optimizer, scheduler,
-                                   checkpointing_context)
+            save_before_rerun_exit(step.should_checkpoint, global_state, model, optimizer, scheduler)
             global_state.exit_code = step.exit_code
             break
         if should_toggle_forward_pre_hook and not step.skipped_iter and not forward_pre_hooks_enabled(model):
@@ -942,7 +896,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
                                                             ts.step, prof, cfg, should_toggle_forward_pre_hook,
                                                             nsys_nvtx_context)
         if checkpoint_and_decide_exit(global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
-                                      checkpointing_context, train_data_iterator):
+                                      None, train_data_iterator):
             break
     timers("interval-time").stop()
     if forward_pre_hooks_enabled(model):
@@ -981,13 +935,7 @@ def _finish_train(global_state: GlobalState) -> None:
     if global_state.signal_handler is not None:
         global_state.signal_handler.release()
     mcore_rerun.destroy_rerun_state_machine()
-    _destroy_distributed()
-
-
-def _destroy_distributed() -> None:
-    parallel_state.destroy_model_parallel()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    destroy_distributed()
 
 
 # ==================================================================================================
@@ -1006,19 +954,17 @@ def pretrain(config: ConfigContainer, forward_step_func: Callable = forward_step
     try:
         state, model, optimizer, scheduler, (train_it, valid_it, test_it) = setup(config)
     except BaseException:  # a bad checkpoint or data path: leave no process group behind
-        _destroy_distributed()
+        destroy_distributed()
         raise
     cfg, ts = state.cfg, state.train_state
     state.last_saved_step = ts.step if ts.step else None  # a resumed checkpoint is not saved again
-    checkpointing_context: dict = {}  # the seed signatures carry it (Bridge's checkpoint managers); unused here
     try:
         if not cfg.train.skip_train and ts.step < cfg.train.train_iters:
-            train(forward_step_func, model, optimizer, scheduler, train_it, valid_it, state, checkpointing_context,
-                  process_non_loss_data_func, non_loss_data_func)
+            train(forward_step_func, model, optimizer, scheduler, train_it, valid_it, state,
+                  process_non_loss_data_func=process_non_loss_data_func, non_loss_data_func=non_loss_data_func)
         if state.exit_code is None:  # ran to the end: final save (unless just saved) and final evaluation
             if cfg.checkpoint.save and ts.step > 0 and state.last_saved_step != ts.step:
-                save_checkpoint_and_time(state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
-                                         checkpointing_context)
+                save_checkpoint_and_time(state, model, optimizer, scheduler, ts.floating_point_operations_so_far)
             if cfg.train.eval_iters:
                 for name, iterator in (("validation", valid_it), ("test", test_it)):
                     if iterator is not None:

@@ -27,6 +27,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import schedules  # the learning-rate schedules of your own: their names are --lr-decay-style choices
+
 
 class ConfigError(ValueError):
     """An impossible or inconsistent setting. The message is one line saying what and how to fix it."""
@@ -335,7 +337,8 @@ class SchedulerConfig:
     """Learning-rate and weight-decay schedules (megatron-core's OptimizerParamScheduler), counted in samples."""
 
     lr_decay_style: str = arg(
-        "linear", "Learning-rate decay.", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"]
+        "linear", "Learning-rate decay: megatron-core's styles, or one of schedules.py's (LR_SCHEDULES).",
+        choices=["constant", "linear", "cosine", "inverse-square-root", "WSD", *schedules.LR_SCHEDULES]
     )
     lr_decay_iters: Optional[int] = arg(None, "Iterations to decay over. Default: --train-iters.")
     lr_decay_samples: Optional[int] = arg(None, "Samples to decay over (sample-based training). Default: --train-samples.")

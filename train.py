@@ -69,6 +69,7 @@ import device  # noqa: E402
 import metrics  # noqa: E402
 import peft  # noqa: E402
 import profiling  # noqa: E402
+import schedules  # noqa: E402
 from checkpoint import TrainState  # noqa: E402  (what a checkpoint carries of the run's progress)
 from config import ConfigContainer  # noqa: E402
 from device import any_rank  # noqa: E402
@@ -218,10 +219,22 @@ class DistributedSignalHandler:
         signal.signal(self.sig, self._previous)
 
 
+class Scheduler(OptimizerParamScheduler):
+    """megatron-core's scheduler, whose learning rate comes from schedules.LR_SCHEDULES when --lr-decay-style names
+    one there: the seam for a schedule of your own (schedules.py says how)."""
+
+    def get_lr(self, param_group: dict) -> float:
+        schedule = schedules.LR_SCHEDULES.get(self.lr_decay_style)
+        if schedule is None:
+            return super().get_lr(param_group)
+        return schedule(self.num_steps, self.lr_warmup_steps, self.lr_decay_steps, param_group.get("max_lr", self.max_lr),
+                        param_group.get("min_lr", self.min_lr), self.init_lr)
+
+
 def build_scheduler(cfg: ConfigContainer, optimizer) -> OptimizerParamScheduler:
     """megatron-core's scheduler; lengths are in samples (validate() converted them), stepped by the global batch."""
     s, o = cfg.scheduler, cfg.optimizer
-    return OptimizerParamScheduler(
+    return Scheduler(
         optimizer, init_lr=s.lr_warmup_init, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=s.lr_warmup_steps,
         lr_decay_steps=s.lr_decay_steps, lr_decay_style=s.lr_decay_style, start_wd=s.start_weight_decay,
         end_wd=s.end_weight_decay, wd_incr_steps=s.wd_incr_steps, wd_incr_style=s.weight_decay_incr_style,

@@ -4,6 +4,7 @@ Nothing here holds training state: functions take the state they report on. Each
 pure function whose docstring says where it comes from.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -11,7 +12,7 @@ import sys
 import time
 import warnings
 from datetime import datetime
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -480,121 +481,170 @@ TIMERS_TO_LOG = [
 ]
 
 
+@dataclasses.dataclass
+class Scalar:
+    """One value of an iteration's report: `label: value` (formatted with `fmt`) on the console line and `tag` in
+    TensorBoard and every tracker (with a "<tag> vs samples" twin). An empty label or tag leaves that output out;
+    None as the value leaves both out. A loss (`is_loss`) is checked for NaN and averaged over the log interval
+    on the console (and gets a perplexity at validation); any other value is shown as of the logged iteration."""
+
+    label: str
+    tag: str
+    value: Any
+    fmt: str = ".6E"
+    is_loss: bool = False
+
+
+def step_report(loss_dict: dict, learning_rate, decoupled_learning_rate, batch_size: int, loss_scale: float,
+                grad_norm, num_zeros_in_grad, params_norm) -> list:
+    """The iteration's scalars, in the console line's order: Megatron's names on the console, Megatron's
+    TensorBoard tags. A new scalar is one more line here."""
+    return [
+        Scalar("learning rate", "learning-rate", learning_rate),
+        Scalar("", "decoupled-learning-rate", decoupled_learning_rate),
+        Scalar("global batch size", "batch-size", batch_size, "5d"),
+        *(Scalar(key, key, value, is_loss=True) for key, value in loss_dict.items()),
+        Scalar("loss scale", "loss-scale", loss_scale, ".1f"),
+        Scalar("grad norm", "grad-norm", grad_norm, ".3f"),
+        Scalar("num zeros", "num-zeros", num_zeros_in_grad, ".1f"),
+        Scalar("params norm", "params-norm", params_norm, ".3f"),
+    ]
+
+
 def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_rate, loss_scale,
                  report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros_in_grad,
                  config, global_state, history_wct, model) -> bool:
-    """Accumulate this iteration's losses; every --tensorboard-log-interval write Megatron's TensorBoard
-    scalars; every --log-interval print Megatron's log line on the last rank. Returns report_memory_flag
-    (True until the first memory report has been printed).
+    """Bridge's signature for log_step: the scalars as separate arguments. Returns report_memory_flag."""
+    report = step_report(loss_dict, learning_rate, decoupled_learning_rate, global_state.current_global_batch_size,
+                         loss_scale, grad_norm, num_zeros_in_grad, params_norm)
+    return log_step(report, total_loss_dict, report_memory_flag, skipped_iter, global_state, history_wct, model)
+
+
+def log_step(report: list, total_loss_dict: dict, report_memory_flag: bool, skipped_iter: int, global_state,
+             history_wct: list, model) -> bool:
+    """Accumulate the report's losses; every --tensorboard-log-interval write the report (and the extra reports
+    that are asked for) to TensorBoard and the trackers; every --log-interval print Megatron's log line on the last
+    rank. Returns report_memory_flag (True until the first memory report has been printed).
 
     Losses are averaged over the iterations of the interval that were not skipped; NaN/Inf losses are
     counted as nan iterations, not averaged in. What walks all parameters (norms, per-layer gradient
-    norms) runs only when its flag asks.
-    """
+    norms) runs only when its flag asks."""
+    config = global_state.cfg
     ts, lg = global_state.train_state, config.logger
-    iteration = ts.step
-    batch_size = global_state.current_global_batch_size  # smaller while --rampup-batch-size ramps it up
+    accumulate_losses(report, total_loss_dict, skipped_iter)
+    if writers_configured(lg) and ts.step % lg.tensorboard_log_interval == 0:
+        write_report(report, extra_reports(global_state, history_wct, model), global_state)
+    if ts.step % lg.log_interval == 0:
+        report_memory_flag = print_log_line(report, total_loss_dict, report_memory_flag, global_state)
+    return report_memory_flag
 
-    # Accumulate. One host sync per iteration for the NaN count, as Megatron-LM does.
+
+def accumulate_losses(report: list, total_loss_dict: dict, skipped_iter: int) -> None:
+    """Sum each loss over the interval's iterations; count advanced, skipped and NaN iterations. One host sync
+    per iteration for the NaN count, as Megatron-LM does."""
     total_loss_dict[ADVANCED] = total_loss_dict.get(ADVANCED, 0) + (0 if skipped_iter else 1)
     total_loss_dict[SKIPPED] = total_loss_dict.get(SKIPPED, 0) + skipped_iter
     got_nan = False
-    for key, value in loss_dict.items():
-        v = float(value)
+    for scalar in report:
+        if not scalar.is_loss:
+            continue
+        v = float(scalar.value)
         if not math.isfinite(v):
             got_nan = True
         elif not skipped_iter:
-            total_loss_dict[key] = total_loss_dict.get(key, 0.0) + v
+            total_loss_dict[scalar.label] = total_loss_dict.get(scalar.label, 0.0) + v
     total_loss_dict[NAN] = total_loss_dict.get(NAN, 0) + int(got_nan)
 
-    writer = global_state.writers
-    flops = num_floating_point_operations(config, batch_size, config.padded_vocab_size)
-    if writers_configured(lg) and iteration % lg.tensorboard_log_interval == 0:
-        scalars = {"learning-rate": learning_rate, "decoupled-learning-rate": decoupled_learning_rate,
-                   "batch-size": batch_size, "loss-scale": loss_scale, "grad-norm": grad_norm,
-                   "num-zeros": num_zeros_in_grad, "params-norm": params_norm}
-        scalars.update({k: float(v) for k, v in loss_dict.items()})
-        extra = {}  # written without a "vs samples" twin
-        # Collectives first, on every rank; only the last rank holds a writer.
-        if lg.log_memory_to_tensorboard:
-            extra.update(report_memory())
-        if lg.log_l2_norm_grad:
-            extra.update(report_l2_norm_grad(model))
-        if lg.log_runtime_to_tensorboard:
-            extra.update(report_runtime(ts, global_state.start_time, config.model.seq_length,
-                                        config.train.train_iters, start_step=global_state.start_step))
-        if lg.log_throughput:
-            extra.update(report_throughput(config.train, iteration, config.model.seq_length, history_wct,
-                                           lg.throughput_window_size))
-        if lg.log_timers_to_tensorboard:
-            # Seconds per iteration, the max over ranks, as megatron-core's Timers.write: over the iterations
-            # since the log line last read (and reset) the timers.
-            window = iteration % lg.log_interval or lg.log_interval
-            for name, (_, hi) in global_state.timers.elapsed_per_rank(TIMERS_TO_LOG, window, reset=False).items():
-                extra[f"{name}-time"] = hi / 1000.0
-        if ts.skipped_train_samples > 0:
-            extra["skipped-train-samples"] = ts.skipped_train_samples
-        if writer is not None:
-            for name, value in scalars.items():
-                if value is not None:
-                    writer.add_scalar(name, value, iteration)
-                    writer.add_scalar(name + " vs samples", value, ts.consumed_train_samples)
-            for name, value in extra.items():
-                writer.add_scalar(name, value, iteration)
 
-    if iteration % lg.log_interval == 0:
-        elapsed = global_state.timers("interval-time").elapsed(barrier=True)
-        per_iteration = elapsed / lg.log_interval
-        timers = global_state.timers.elapsed_per_rank(TIMERS_TO_LOG, normalizer=lg.log_interval) \
-            if lg.timing_log_level > 0 else {}
-        line = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
-        line += f" iteration {iteration:8d}/{config.train.train_iters:8d} |"
-        line += f" consumed samples: {ts.consumed_train_samples:12d} |"
-        if ts.skipped_train_samples > 0:  # --iterations-to-skip
-            line += f" skipped samples: {ts.skipped_train_samples:12d} |"
-        line += f" elapsed time per iteration (ms): {per_iteration * 1000.0:.1f} |"
+def extra_reports(global_state, history_wct: list, model) -> dict:
+    """What the --log-*-to-tensorboard flags add, written without a "vs samples" twin. Collectives run on every
+    rank (only the last one holds a writer)."""
+    config, ts = global_state.cfg, global_state.train_state
+    lg, iteration = config.logger, ts.step
+    extra = {}
+    if lg.log_memory_to_tensorboard:
+        extra.update(report_memory())
+    if lg.log_l2_norm_grad:
+        extra.update(report_l2_norm_grad(model))
+    if lg.log_runtime_to_tensorboard:
+        extra.update(report_runtime(ts, global_state.start_time, config.model.seq_length,
+                                    config.train.train_iters, start_step=global_state.start_step))
+    if lg.log_throughput:
+        extra.update(report_throughput(config.train, iteration, config.model.seq_length, history_wct,
+                                       lg.throughput_window_size))
+    if lg.log_timers_to_tensorboard:
+        # Seconds per iteration, the max over ranks, as megatron-core's Timers.write: over the iterations
+        # since the log line last read (and reset) the timers.
+        window = iteration % lg.log_interval or lg.log_interval
+        for name, (_, hi) in global_state.timers.elapsed_per_rank(TIMERS_TO_LOG, window, reset=False).items():
+            extra[f"{name}-time"] = hi / 1000.0
+    if ts.skipped_train_samples > 0:
+        extra["skipped-train-samples"] = ts.skipped_train_samples
+    return extra
+
+
+def write_report(report: list, extra: dict, global_state) -> None:
+    """The report to TensorBoard and every tracker, by iteration and by samples consumed."""
+    writer, ts = global_state.writers, global_state.train_state
+    if writer is None:
+        return
+    for scalar in report:
+        if scalar.tag and scalar.value is not None:
+            writer.add_scalar(scalar.tag, float(scalar.value), ts.step)
+            writer.add_scalar(scalar.tag + " vs samples", float(scalar.value), ts.consumed_train_samples)
+    for name, value in extra.items():
+        writer.add_scalar(name, value, ts.step)
+
+
+def print_log_line(report: list, total_loss_dict: dict, report_memory_flag: bool, global_state) -> bool:
+    """Megatron's log line, on the last rank: the frame (time, iteration, samples, speed), the report's scalars
+    (losses averaged over the interval), the skipped and NaN counts. Then the timers, and the first memory report."""
+    config, ts, lg = global_state.cfg, global_state.train_state, global_state.cfg.logger
+    elapsed = global_state.timers("interval-time").elapsed(barrier=True)
+    per_iteration = elapsed / lg.log_interval
+    timers = global_state.timers.elapsed_per_rank(TIMERS_TO_LOG, normalizer=lg.log_interval) \
+        if lg.timing_log_level > 0 else {}
+    flops = num_floating_point_operations(config, global_state.current_global_batch_size, config.padded_vocab_size)
+    tflops = throughput_tflops_per_device(flops, per_iteration, config.world_size)
+    line = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
+    line += f" iteration {ts.step:8d}/{config.train.train_iters:8d} |"
+    line += f" consumed samples: {ts.consumed_train_samples:12d} |"
+    if ts.skipped_train_samples > 0:  # --iterations-to-skip
+        line += f" skipped samples: {ts.skipped_train_samples:12d} |"
+    line += f" elapsed time per iteration (ms): {per_iteration * 1000.0:.1f} |"
+    if lg.log_throughput:
+        dtype = "bf16" if config.model.bf16 else "fp16" if config.model.fp16 else "fp32"
+        line += f" throughput per GPU (TFLOP/s/GPU): {tflops:.1f} |"
+        line += f" MFU: {mfu(tflops, peak_tflops(device_name(), dtype))} |"
+    advanced = max(1, total_loss_dict[ADVANCED])
+    for scalar in report:
+        value = total_loss_dict.get(scalar.label, 0.0) / advanced if scalar.is_loss else scalar.value
+        if scalar.label and (value is not None) and not (scalar.is_loss and scalar.label not in total_loss_dict):
+            line += f" {scalar.label}: {value:{scalar.fmt}} |"
+    if global_state.trainable_summary:  # PEFT
+        line += f" {global_state.trainable_summary} |"
+    line += f" number of skipped iterations: {total_loss_dict[SKIPPED]:3d} |"
+    line += f" number of nan iterations: {total_loss_dict[NAN]:3d} |"
+    total_loss_dict.clear()
+    print_rank_last(line)
+    if timers:
+        print_rank_last("(min, max) time across ranks (ms):" + "".join(
+            f"\n    {name} {'.' * max(3, 40 - len(name))}: ({lo:.2f}, {hi:.2f})" for name, (lo, hi) in timers.items()))
+    if report_memory_flag:
+        # The estimate beside the measurement, as Bridge prints them; kept on through the second iteration
+        # after the start or a resume, so the measured peak includes the optimizer state its first step made.
+        report_theoretical_memory(config, global_state.num_microbatches, verbose=True)
+        memory = report_memory()
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        print_rank_last(f"[Rank {rank}] (after {ts.step} iterations) memory (GB) | " +
+                        " | ".join(f"{k.removeprefix('memory/')}: {v:.3f}" for k, v in memory.items()))
+        report_memory_flag = ts.step <= global_state.start_step + 1
+    writer = global_state.writers
+    if writer is not None:
+        writer.add_scalar("iteration-time", per_iteration, ts.step)
         if lg.log_throughput:
-            tflops = throughput_tflops_per_device(flops, per_iteration, config.world_size)
-            dtype = "bf16" if config.model.bf16 else "fp16" if config.model.fp16 else "fp32"
-            line += f" throughput per GPU (TFLOP/s/GPU): {tflops:.1f} |"
-            line += f" MFU: {mfu(tflops, peak_tflops(device_name(), dtype))} |"
-        line += f" learning rate: {learning_rate:.6E} |"
-        line += f" global batch size: {batch_size:5d} |"
-        advanced = max(1, total_loss_dict[ADVANCED])
-        for key, value in total_loss_dict.items():
-            if key not in (ADVANCED, SKIPPED, NAN):
-                line += f" {key}: {value / advanced:.6E} |"
-        line += f" loss scale: {loss_scale:.1f} |"
-        if grad_norm is not None:
-            line += f" grad norm: {grad_norm:.3f} |"
-        if num_zeros_in_grad is not None:
-            line += f" num zeros: {num_zeros_in_grad:.1f} |"
-        if params_norm is not None:
-            line += f" params norm: {params_norm:.3f} |"
-        if global_state.trainable_summary:  # PEFT
-            line += f" {global_state.trainable_summary} |"
-        line += f" number of skipped iterations: {total_loss_dict[SKIPPED]:3d} |"
-        line += f" number of nan iterations: {total_loss_dict[NAN]:3d} |"
-        total_loss_dict.clear()
-        print_rank_last(line)
-        if timers:
-            print_rank_last("(min, max) time across ranks (ms):" + "".join(
-                f"\n    {name} {'.' * max(3, 40 - len(name))}: ({lo:.2f}, {hi:.2f})" for name, (lo, hi) in timers.items()))
-        if report_memory_flag:
-            # The estimate beside the measurement, as Bridge prints them; kept on through the second iteration
-            # after the start or a resume, so the measured peak includes the optimizer state its first step made.
-            report_theoretical_memory(config, global_state.num_microbatches, verbose=True)
-            memory = report_memory()
-            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-            print_rank_last(f"[Rank {rank}] (after {iteration} iterations) memory (GB) | " +
-                            " | ".join(f"{k.removeprefix('memory/')}: {v:.3f}" for k, v in memory.items()))
-            report_memory_flag = iteration <= global_state.start_step + 1
-        if writer is not None:
-            writer.add_scalar("iteration-time", per_iteration, iteration)
-            if lg.log_throughput:
-                writer.add_scalar("throughput", throughput_tflops_per_device(flops, per_iteration, config.world_size),
-                                  iteration)
-            writer.flush()
+            writer.add_scalar("throughput", tflops, ts.step)
+        writer.flush()
     return report_memory_flag
 
 

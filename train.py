@@ -890,14 +890,13 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
         flops_since_last_log += step_flops
         history_wct.append(time.time() - global_state.start_time)  # this job's wall clock, per iteration
 
-        params_norm = metrics.calc_params_l2_norm(model) if cfg.logger.log_params_norm else None
-        learning_rate, decoupled_learning_rate = logged_learning_rates(cfg, optimizer)
-        report_memory_flag = metrics.training_log(
-            loss_dict=step.loss_dict, total_loss_dict=total_loss_dict, learning_rate=learning_rate,
-            decoupled_learning_rate=decoupled_learning_rate, loss_scale=float(optimizer.get_loss_scale()),
-            report_memory_flag=report_memory_flag, skipped_iter=step.skipped_iter, grad_norm=step.grad_norm,
-            params_norm=params_norm, num_zeros_in_grad=step.num_zeros_in_grad, config=cfg, global_state=global_state,
-            history_wct=history_wct, model=model)
+        # One report per iteration: the log line, TensorBoard and the trackers all read it (metrics.step_report).
+        report = metrics.step_report(
+            step.loss_dict, *logged_learning_rates(cfg, optimizer), batch_size, float(optimizer.get_loss_scale()),
+            step.grad_norm, step.num_zeros_in_grad,
+            metrics.calc_params_l2_norm(model) if cfg.logger.log_params_norm else None)
+        report_memory_flag = metrics.log_step(report, total_loss_dict, report_memory_flag, step.skipped_iter,
+                                              global_state, history_wct, model)
         if cfg.train.eval_iters and valid_data_iterator is not None and ts.step % cfg.train.eval_interval == 0:
             collect_garbage_around_eval(cfg, after=False)
             with forward_pre_hooks_paused(model):  # evaluate the gathered, current parameters

@@ -27,3 +27,29 @@ def test_a_schedule_of_ones_own_is_one_function_and_one_choice(tmp_path, capsys)
     # Warmup, then the peak, a tenth and a hundredth: its own shape, not a megatron-core style.
     assert logged[:2] == pytest.approx([lr / 2, lr]) and logged[2] == pytest.approx(lr)
     assert logged[-1] == pytest.approx(lr / 100) and lr / 10 == pytest.approx(logged[4])
+
+
+def test_a_new_scalar_is_one_line_of_the_step_report(tmp_path, capsys, monkeypatch):
+    """The fork guide's example: one more Scalar in metrics.step_report reaches the log line, TensorBoard (with its
+    samples twin) and every tracker; declared as not a loss, a NaN in it is not counted as a NaN iteration."""
+    import metrics
+    import train
+    from conftest import tensorboard_scalars
+
+    original = metrics.step_report
+
+    def with_tokens_per_sample(*args):
+        return [*original(*args), metrics.Scalar("seq len", "seq-len", 64, "d"),
+                metrics.Scalar("not a number", "not-a-number", float("nan"), ".1f")]
+
+    monkeypatch.setattr(metrics, "step_report", with_tokens_per_sample)
+    flags = [a for a in TINY if a != "--no-tensorboard"]
+    cfg = config.parse_args([*flags, "--mock-data", "--num-workers", "0", "--eval-iters", "0", "--log-interval", "2",
+                             "--global-batch-size", "4", "--train-iters", "4", "--tensorboard-dir", str(tmp_path / "tb"),
+                             "--data-cache-path", str(tmp_path / "cache")], world_size=1, gpu=False)
+    train.pretrain(cfg)
+    lines = [l for l in capsys.readouterr().out.splitlines() if " iteration " in l and "/       4 |" in l]
+    assert len(lines) == 2 and all("| seq len: 64 | not a number: nan |" in l for l in lines)
+    assert all("number of nan iterations:   0 |" in l for l in lines)
+    tb = tensorboard_scalars(tmp_path / "tb")
+    assert tb["seq-len"] == {1: 64.0, 2: 64.0, 3: 64.0, 4: 64.0} and tb["seq-len vs samples"] == {4: 64.0, 8: 64.0, 12: 64.0, 16: 64.0}

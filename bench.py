@@ -1,7 +1,7 @@
 """bench.py: what the machinery costs, measured side by side in one run. Prints one table.
 
     python bench.py checkpoint [--num-layers 16 --hidden-size 768 ...]   # save/load vs torch.save/torch.load
-    python bench.py logging [train.py flags]                             # training_log's share of a step
+    python bench.py logging [train.py flags]                             # log_step's share of a step
     python bench.py data                                                 # preprocessing and sample fetch speed
     python bench.py overhead [train.py flags]                            # train.py's loop vs a bare loop
     python bench.py ladder                                               # tokens/s, TFLOP/s, MFU, memory by size
@@ -107,7 +107,7 @@ def bench_checkpoint(argv) -> list:
 
 
 def bench_logging(argv) -> list:
-    """Time spent in metrics.training_log (accumulating, TensorBoard, the log line) beside the whole
+    """Time spent in metrics.log_step (accumulating, TensorBoard, the log line) beside the whole
     iteration, over a real single-process run of the default model at the default --log-interval."""
     cfg = config_lib.parse_args(["--mock-data", "--train-iters", "60", "--eval-iters", "0", "--num-workers", "0"] + argv,
                                 world_size=1)
@@ -118,7 +118,7 @@ def bench_logging(argv) -> list:
     import train
 
     spent = []
-    original = metrics.training_log
+    original = metrics.log_step
 
     def timed(*args, **kwargs):
         t = time.perf_counter()
@@ -126,17 +126,17 @@ def bench_logging(argv) -> list:
         spent.append(time.perf_counter() - t)
         return result
 
-    metrics.training_log = timed  # measured from the outside; train.py is unchanged
+    metrics.log_step = timed  # measured from the outside; train.py is unchanged
     t = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()):
         state = train.pretrain(cfg)
     total = time.perf_counter() - t
-    metrics.training_log = original
+    metrics.log_step = original
     iters = state.train_state.step
     log_s = sum(spent)
     per_iter_ms = 1000 * total / iters
     return [("logging", f"default model, --log-interval {cfg.logger.log_interval}, {iters} iterations",
-             "training_log per iteration", f"{1000 * log_s / iters:.3f} ms", f"{100 * log_s / total:.2f}% of the run"),
+             "log_step per iteration", f"{1000 * log_s / iters:.3f} ms", f"{100 * log_s / total:.2f}% of the run"),
             ("", "", "whole run per iteration (setup included)", f"{per_iter_ms:.1f} ms", "")]
 
 
@@ -221,8 +221,8 @@ def _seconds_per_iteration(stamps: list, warmup: int) -> float:
 
 
 def train_py_run(cfg, warmup: int = 3) -> dict:
-    """train.pretrain as a user runs it. An iteration is timed from one training_log call to the next
-    (training_log runs once per iteration, after the step), so everything the loop does is counted.
+    """train.pretrain as a user runs it. An iteration is timed from one log_step call to the next
+    (log_step runs once per iteration, after the step), so everything the loop does is counted.
     Also returns the parameter count and the memory in use right after the first step (weights,
     gradients and optimizer state live; activations freed): CPU resident set, or CUDA allocated."""
     import psutil
@@ -231,7 +231,7 @@ def train_py_run(cfg, warmup: int = 3) -> dict:
     import metrics
     import train
 
-    stamps, seen, original_log, original_opt = [], {}, metrics.training_log, train.build_optimizer
+    stamps, seen, original_log, original_opt = [], {}, metrics.log_step, train.build_optimizer
 
     def stamped(*args, **kwargs):
         stamps.append(time.perf_counter())
@@ -245,11 +245,11 @@ def train_py_run(cfg, warmup: int = 3) -> dict:
         seen["optimizer"] = original_opt(cfg_, model, timers)
         return seen["optimizer"]
 
-    metrics.training_log, train.build_optimizer = stamped, counted
+    metrics.log_step, train.build_optimizer = stamped, counted
     try:
         _quiet(train.pretrain, cfg)
     finally:
-        metrics.training_log, train.build_optimizer = original_log, original_opt
+        metrics.log_step, train.build_optimizer = original_log, original_opt
     return dict(seconds=_seconds_per_iteration(stamps, warmup), **seen)
 
 

@@ -16,6 +16,8 @@ tokens; the cache, whose positions are fixed, then gives way to that loop. `pyth
 both beside transformers' generate().
 """
 
+# ruff: noqa: E402  (the flags are parsed before the heavy imports, so most imports follow code)
+
 import argparse
 import contextlib
 import os
@@ -72,22 +74,22 @@ def parse_args(argv=None) -> argparse.Namespace:
 if __name__ == "__main__":
     ARGS = parse_args(sys.argv[1:])  # before the heavy imports below, as train.py
 
-import warnings  # noqa: E402
+import warnings
 
-import torch  # noqa: E402
-import yaml  # noqa: E402
+import torch
+import yaml
 
-from model import build_model, set_random_seed, unwrap  # noqa: E402  (first: quiets megatron-core's import warnings)
-from megatron.core import parallel_state, tensor_parallel  # noqa: E402
-from megatron.core.inference.contexts import StaticInferenceContext  # noqa: E402
-from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
+from model import build_model, set_random_seed, unwrap  # (first: quiets megatron-core's import warnings)
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-import device  # noqa: E402
+import device
 
-import checkpoint  # noqa: E402
-import data  # noqa: E402
-from checkpoint import TrainState  # noqa: E402
-from model import initialize_distributed  # noqa: E402  (the same process groups as training)
+import checkpoint
+import data
+from checkpoint import TrainState
+from model import initialize_distributed  # (the same process groups as training)
 
 # torch's deprecation notices from inside megatron-core's checkpoint loading: not the user's to act on.
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"(megatron|torch|device)")

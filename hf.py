@@ -21,6 +21,8 @@ rows past it, padding for tensor parallelism, are dropped; an import pads them w
 are read: pickled `.bin` weights can run code when loaded.
 """
 
+# ruff: noqa: E402  (the flags are parsed before the heavy imports, so most imports follow code)
+
 import argparse
 import json
 import os
@@ -52,14 +54,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 if __name__ == "__main__":
     ARGS = parse_args(sys.argv[1:])  # before torch loads, as train.py
 
-import generate  # noqa: E402  (a checkpoint's model for inference; first: quiets megatron-core's import warnings)
-import torch  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
+import generate  # (a checkpoint's model for inference; first: quiets megatron-core's import warnings)
+import torch
+from safetensors.torch import load_file, save_file
 
-import checkpoint  # noqa: E402
-import data  # noqa: E402
-from checkpoint import TrainState  # noqa: E402
-from model import build_model, initialize_distributed  # noqa: E402
+import checkpoint
+import data
+from checkpoint import TrainState
+from model import build_model, initialize_distributed
 
 # --------------------------------------------------------------------------------------------------
 # Which layout a model has

@@ -1,35 +1,29 @@
 """train.py: pretrain a megatron-core GPT: `torchrun --nproc-per-node 2 train.py [Megatron-LM flags]`.
 
 The training loop of Megatron Bridge (`bridge.training.train`, `.pretrain`, `.utils.train_utils`),
-in one file. Its sections, in file order, with the functions each holds; a reader who starts at `main` (the
-last function) finds every call it makes in the section named here, and the sketch below is the order they run:
+in one file, in the order it runs: the entry points, setup, the loop, the step, then the helpers in the order
+they are first called.
 
-    1. parse and validate the flags      config.parse_args, before any heavy import
-    2. state                             TrainState, GlobalState (the microbatch count: its calculator)
-    3. the forward-step API              prepare_forward_step_func and its detection rules
-    4. setup                             setup: initialize_distributed, set_random_seed, the tokenizer,
-                                         build_model, wrap_model, build_optimizer, build_scheduler,
-                                         load_checkpoint, the data iterators
-    5. the default forward step          forward_step, masked_token_loss (GPT language modelling)
-    6. one training step                 train_step -> TrainStepResult, reduce_losses
-   6b. result validation                 attach_rerun_state_machine, forward_backward_with_reruns
-    7. evaluation                        evaluate_and_print_results -> evaluate
-    8. checkpoint and exit decisions     checkpoint_and_decide_exit -> save_checkpoint_and_time
-   8b. ramp-up and forward pre-hooks     _follow_batch_size_rampup, enable/disable_forward_pre_hook
-   8c. around each step                  start_manual_gc_and_profiler, post_training_step_callbacks,
-                                         stop_manual_gc_and_profiler
-    9. the loop                          train, and _should_skip_and_handle_iteration
-   10. entry points                      pretrain, finetune, main
+    1. entry points        main -> pretrain (setup, train, the final save and evaluation); finetune
+    2. setup               setup: distributed groups, seeds, GlobalState, tokenizer, model, optimizer, scheduler,
+                           checkpoint, data iterators
+    3. the run's state     GlobalState (TrainState, the progress a checkpoint carries, is checkpoint.py's)
+    4. the loop            train: per iteration ramp-up, train_step, one report to the log line and the
+                           writers (metrics.step_report, metrics.log_step), evaluation, checkpoint_and_decide_exit
+    5. around each step    batch-size ramp-up, DDP's forward pre-hooks, garbage collection, profiling
+    6. one training step   train_step -> TrainStepResult; 6b. result validation (the rerun state machine)
+    7. the forward step    prepare_forward_step_func (the API), forward_step (the default GPT step)
+    8. evaluation          evaluate_and_print_results -> evaluate
+    9. checkpoint and exit checkpoint_and_decide_exit -> save_checkpoint_and_time
 
-    main -> pretrain -> setup (4)
-                     -> train (9) -> per step: _follow_batch_size_rampup (8b), train_step (6, 6b),
-                                     metrics.training_log, evaluate_and_print_results (7),
-                                     post_training_step_callbacks (8c), checkpoint_and_decide_exit (8)
-                     -> final save (8) and evaluation (7)
-
+Before any of it, the flags are parsed and validated (a bad flag answers before megatron-core's import).
 The same code runs on a GPU and on a CPU: megatron-core's DDP, optimizer, pipeline schedules, RNG
 tracker and dist_checkpointing on both; on a CPU, device.py's shim answers megatron-core's CUDA calls.
 """
+
+# ruff: noqa: E402  (the flags are parsed before the heavy imports, so most imports follow code)
+
+from __future__ import annotations
 
 import sys
 
@@ -40,132 +34,187 @@ if __name__ == "__main__":
     # second instead of after megatron-core's ~8 s import, and no process starts work it cannot finish.
     CLI_CONFIG = config_lib.parse_args(sys.argv[1:])
 
-import contextlib  # noqa: E402
-import dataclasses  # noqa: E402
-import functools  # noqa: E402
-import gc  # noqa: E402
-import inspect  # noqa: E402
-import itertools  # noqa: E402
-import logging  # noqa: E402
-import math  # noqa: E402
-import os  # noqa: E402
-import signal  # noqa: E402
-import time  # noqa: E402
-from typing import Callable, NamedTuple, Optional  # noqa: E402
+import contextlib
+import dataclasses
+import functools
+import gc
+import inspect
+import itertools
+import logging
+import math
+import os
+import signal
+import time
+from typing import Callable, NamedTuple, Optional
 
-import torch  # noqa: E402
+import torch
 
-from model import (build_model, build_optimizer, build_rerun_state_machine, destroy_distributed,  # noqa: E402
+from model import (build_model, build_optimizer, build_rerun_state_machine, destroy_distributed,
                    get_forward_backward_func, initialize_distributed, padded_vocab_size, set_random_seed, wrap_model,
-                   zero_grad)  # first: quiets megatron-core's import warnings
-from megatron.core import parallel_state  # noqa: E402
-from megatron.core import rerun_state_machine as mcore_rerun  # noqa: E402
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler, get_canonical_lr_for_logging  # noqa: E402
-from megatron.core.utils import configure_nvtx_profiling, nvtx_range_pop, nvtx_range_push  # noqa: E402
+                   zero_grad)  # first: on a machine without CUDA, importing model.py installs device.py's CPU shim
+#                                  before megatron-core runs (and quiets its import-time warnings)
+from megatron.core import parallel_state
+from megatron.core import rerun_state_machine as mcore_rerun
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler, get_canonical_lr_for_logging
+from megatron.core.utils import configure_nvtx_profiling, nvtx_range_pop, nvtx_range_push
 
-import checkpoint  # noqa: E402
-import data  # noqa: E402
-import device  # noqa: E402
-import metrics  # noqa: E402
-import peft  # noqa: E402
-import profiling  # noqa: E402
-import schedules  # noqa: E402
-from checkpoint import TrainState  # noqa: E402  (what a checkpoint carries of the run's progress)
-from config import ConfigContainer  # noqa: E402
-from device import any_rank  # noqa: E402
-from metrics import print_rank_0, print_rank_last  # noqa: E402
-
-# ==================================================================================================
-# 2. State
-# ==================================================================================================
-
-
-class GlobalState:
-    """Everything a run carries, passed explicitly (no process-global state): the config, the progress,
-    the timers, the metric writers (created on first use, on the last rank only), the signal handler."""
-
-    def __init__(self, cfg: ConfigContainer):
-        self.cfg = cfg
-        self.train_state = TrainState()
-        self.timers = metrics.Timers(cfg.logger.timing_log_level)
-        self.start_time = time.time()
-        self.signal_handler: Optional[DistributedSignalHandler] = None
-        self.tokenizer = None  # set at setup; saved with every checkpoint
-        self.start_step = 0  # where this job began (after a resume): throughput counts from here
-        self.trainable_summary: Optional[str] = None  # PEFT: "trainable params: 0.52M / 3.85M (13.6%)"
-        self.start_floating_point_operations = 0.0
-        self.exit_code: Optional[int] = None  # set when the loop stops early (signal, interval, NaN)
-        self.last_saved_step: Optional[int] = None  # the newest checkpoint this job wrote or resumed: not saved twice
-        self.async_calls_queue = None  # --async-save: the checkpoint writes in flight (checkpoint.py)
-        self.straggler_timer = metrics.StragglerTimer(cfg.straggler.log_straggler)
-        self.rerun_state_machine = None  # megatron-core's RerunStateMachine, set at setup
-        self._writers = None
-        self.num_microbatches_calculator = build_num_microbatches_calculator(cfg)  # follows --rampup-batch-size
-
-    @property
-    def num_microbatches(self) -> int:
-        """Microbatches per rank in this iteration, from megatron-core's calculator: fewer while the batch size
-        ramps up. The run's one count: the loop keeps no copy and the config none."""
-        return self.num_microbatches_calculator.get()
-
-    @property
-    def current_global_batch_size(self) -> int:
-        """The global batch size of this iteration: --global-batch-size, or less while it ramps up."""
-        return self.num_microbatches_calculator.get_current_global_batch_size()
-
-    @property
-    def writers(self):
-        """TensorBoard, W&B, MLflow and Comet behind one add_scalar (metrics.Writers), opened on first use on
-        the last rank; None on other ranks and when none is configured."""
-        if self._writers is None:
-            self._writers = metrics.build_writers(self.cfg)
-        return self._writers
-
-    @property
-    def tensorboard_logger(self):
-        """The TensorBoard SummaryWriter itself, or None."""
-        return self.writers.tensorboard if self.writers is not None else None
-
+import checkpoint
+import data
+import device
+import metrics
+import peft
+import profiling
+import schedules
+from checkpoint import TrainState  # (what a checkpoint carries of the run's progress)
+from config import ConfigContainer
+from device import any_rank
+from metrics import print_rank_0, print_rank_last
 
 # ==================================================================================================
-# 3. The forward-step API (Megatron Bridge `train_utils`)
+# 1. Entry points
 # ==================================================================================================
 
 
-def needs_global_state_injection(forward_step_func: Callable) -> bool:
-    """Whether forward_step_func wants the GlobalState as its first argument.
+def main(cfg: ConfigContainer) -> int:
+    """The command line's run: a config or checkpoint error, or a signal the run does not handle, ends it
+    with one line per rank instead of a traceback (SLURM, `timeout` and Ctrl-C signal every rank)."""
+    handled = {signal.Signals[cfg.train.exit_signal]} if cfg.train.exit_signal_handler else set()
+    for sig in {signal.SIGTERM, signal.SIGINT} - handled:
+        signal.signal(sig, _raise_job_signal)
+    try:
+        state = pretrain(cfg)
+    except (config_lib.ConfigError, checkpoint.CheckpointError) as e:
+        _say(f"train.py: error: {e}")
+        return 2
+    except JobSignal as e:
+        name = signal.Signals(e.args[0]).name
+        _say(f"train.py: stopped by {name}; nothing saved at the signal (--exit-signal-handler --exit-signal {name} "
+             f"saves a checkpoint and exits 0)")
+        return 128 + e.args[0]
+    return state.exit_code or 0
 
-    1. Any parameter annotated `GlobalState` (the class, or the string under postponed annotations).
-    2. Otherwise, a first parameter named `state` or `global_state`.
-    Functors are inspected through their `__call__` (inspect.signature does that and drops `self`).
+
+class JobSignal(BaseException):
+    """SIGTERM or SIGINT arrived without --exit-signal-handler: the run stops where it is."""
+
+
+def _raise_job_signal(signum, frame):
+    for sig in (signal.SIGTERM, signal.SIGINT):  # once: torchrun passes the signal on again while the rank stops
+        signal.signal(sig, signal.SIG_IGN)
+    data.quiet_broken_connections()
+    raise JobSignal(signum)
+
+
+def _say(line: str) -> None:
+    """One line to stderr in one write, so the ranks' lines do not interleave in a shared log."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def pretrain(config: ConfigContainer, forward_step_func: Optional[Callable] = None,
+             process_non_loss_data_func=None, non_loss_data_func=None) -> GlobalState:
+    """Set up, train, save the final checkpoint, and evaluate on the validation and test sets.
+
+    `forward_step_func(data_iterator, model)` returns (output, loss_func); it may take the GlobalState
+    first (see needs_global_state_injection); None is the default GPT step, `forward_step`. Returns the
+    GlobalState; `.exit_code` is non-zero if the run stopped on a NaN.
     """
-    params = list(inspect.signature(forward_step_func).parameters.values())
-    for p in params:
-        annotation = p.annotation
-        name = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
-        if annotation is GlobalState or name.split(".")[-1] == "GlobalState":
-            return True
-    return bool(params) and params[0].name in ("state", "global_state")
+    forward_step_func = forward_step_func or forward_step
+    try:
+        state, model, optimizer, scheduler, (train_it, valid_it, test_it) = setup(config)
+    except BaseException:  # a bad checkpoint or data path: leave no process group behind
+        destroy_distributed()
+        raise
+    cfg, ts = state.cfg, state.train_state
+    state.last_saved_step = ts.step if ts.step else None  # a resumed checkpoint is not saved again
+    try:
+        if not cfg.train.skip_train and ts.step < cfg.train.train_iters:
+            train(forward_step_func, model, optimizer, scheduler, train_it, valid_it, state,
+                  process_non_loss_data_func=process_non_loss_data_func, non_loss_data_func=non_loss_data_func)
+        if state.exit_code is None:  # ran to the end: final save (unless just saved) and final evaluation
+            if cfg.checkpoint.save and ts.step > 0 and state.last_saved_step != ts.step:
+                save_checkpoint_and_time(state, model, optimizer, scheduler, ts.floating_point_operations_so_far)
+            if cfg.train.eval_iters:
+                for name, iterator in (("validation", valid_it), ("test", test_it)):
+                    if iterator is not None:
+                        evaluate_and_print_results(state, f"iteration {ts.step} on {name} set", forward_step_func,
+                                                   iterator, model, cfg, process_non_loss_data_func=process_non_loss_data_func,
+                                                   non_loss_data_func=non_loss_data_func)
+        checkpoint.close_async_save(state)  # an async save in flight is published before the run ends
+    finally:
+        _finish_train(state)
+    return state
 
 
-def maybe_inject_state(forward_step_func: Callable, state: GlobalState, needs_injection: Optional[bool] = None) -> Callable:
-    """`functools.partial(forward_step_func, state)` if it wants the state, else forward_step_func itself.
-
-    The partial keeps a reference to the state, not a copy: later changes (the step count) are seen.
-    """
-    if needs_injection is None:
-        needs_injection = needs_global_state_injection(forward_step_func)
-    return functools.partial(forward_step_func, state) if needs_injection else forward_step_func
-
-
-def prepare_forward_step_func(forward_step_func: Callable, state: GlobalState) -> Callable:
-    """Inspect once and inject if needed: call at the start of train() or evaluate(), not per step."""
-    return maybe_inject_state(forward_step_func, state, needs_global_state_injection(forward_step_func))
+def finetune(config: ConfigContainer, forward_step_func: Optional[Callable] = None,
+             process_non_loss_data_func=None, non_loss_data_func=None) -> GlobalState:
+    """pretrain() from a pretrained checkpoint: weights only, iteration 0 (as --finetune), unless
+    --load already holds this finetuning run's own checkpoint, which is then resumed."""
+    ck = config.checkpoint
+    if not ck.load and not ck.pretrained_checkpoint:
+        raise config_lib.ConfigError("finetune() needs --pretrained-checkpoint (weights to start from) or --load")
+    return pretrain(config, forward_step_func, process_non_loss_data_func, non_loss_data_func)
 
 
 # ==================================================================================================
-# 4. Setup
+# 2. Setup
 # ==================================================================================================
+
+
+def setup(cfg: ConfigContainer):
+    """Everything before the first step. Returns (state, model, optimizer, scheduler, iterators)."""
+    setup_logging(cfg.logger.logging_level)
+    apply_deterministic_mode(cfg)
+    initialize_distributed(cfg)
+    set_random_seed(cfg.rng.seed)
+    state = GlobalState(cfg)
+    if state.writers is not None:  # opened now, as Megatron does: a tracker that cannot start fails before the model
+        print(f"> writing metrics to {', '.join(type(w).__name__ for w in state.writers.writers)}", flush=True)
+    tokenizer = state.tokenizer = data.build_tokenizer(cfg)
+    m = cfg.model
+    vocab_size = data.embedding_rows(tokenizer)
+    cfg.padded_vocab_size = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, m.tensor_model_parallel_size)
+    if metrics.is_rank_0():
+        config_lib.print_config(cfg)
+    if cfg.train.exit_signal_handler:
+        state.signal_handler = DistributedSignalHandler(signal.Signals[cfg.train.exit_signal])
+    profiling.start_memory_history_recording(cfg.profiling)  # before the model, so its allocations are in the history
+    model = build_model(cfg, vocab_size)
+    if parallel_state.get_data_parallel_rank() == 0:
+        print(f" > number of parameters on (tensor, pipeline) model parallel rank "
+              f"({parallel_state.get_tensor_model_parallel_rank()}, {parallel_state.get_pipeline_model_parallel_rank()}):"
+              f" {sum(p.numel() for chunk in model for p in chunk.parameters())}", flush=True)
+    ck = cfg.checkpoint
+    if cfg.peft.peft != "none":
+        # Bridge's order: the base weights into the bare model, then the adapters (all else frozen), then DDP
+        # and the optimizer, which see the adapters only.
+        checkpoint.load_checkpoint(state, model, None, None, ck.pretrained_checkpoint, finetune=True)
+        peft.apply_peft(cfg, model)
+        trainable, total = peft.parameter_counts(model)
+        cfg.trainable_fraction = trainable / total
+        state.trainable_summary = peft.trainable_summary(trainable, total)
+        print_rank_0(f" > {cfg.peft.peft}: {state.trainable_summary}, adapters of rank "
+                     f"{cfg.peft.lora_dim} on {', '.join(cfg.peft.lora_target_modules)}")
+    model = wrap_model(cfg, model)
+    optimizer = build_optimizer(cfg, model, state.timers)
+    scheduler = build_scheduler(cfg, optimizer)
+
+    # Resume this run's own checkpoint if --load holds one; otherwise start from pretrained weights if given.
+    resumed = bool(ck.load) and checkpoint.load_checkpoint(state, model, optimizer, scheduler, ck.load, ck.finetune)
+    if not resumed and ck.pretrained_checkpoint and cfg.peft.peft == "none":
+        checkpoint.load_checkpoint(state, model, optimizer, scheduler, ck.pretrained_checkpoint, finetune=True)
+    state.start_step = state.train_state.step
+    state.num_microbatches_calculator.update(state.train_state.consumed_train_samples, consistency_check=True)
+    state.start_floating_point_operations = state.train_state.floating_point_operations_so_far
+    if ck.save:
+        metrics.append_to_progress_log(ck.save, "Starting job", cfg.world_size)
+    iterators = data.build_data_iterators(cfg, tokenizer, state.train_state)
+    ts = state.train_state
+    ts.do_train = iterators[0] is not None and cfg.train.train_iters > 0  # what Bridge's train_state.pt records
+    ts.do_valid, ts.do_test = (it is not None and cfg.train.eval_iters > 0 for it in iterators[1:])
+    iterators = [one_iterator_per_chunk(it, len(model)) for it in iterators]
+    iterators[0] = attach_rerun_state_machine(state, iterators[0])
+    return state, model, optimizer, scheduler, iterators
 
 
 def setup_logging(logging_level: Optional[int]) -> None:
@@ -244,60 +293,141 @@ def build_scheduler(cfg: ConfigContainer, optimizer) -> OptimizerParamScheduler:
     )
 
 
-def setup(cfg: ConfigContainer):
-    """Everything before the first step. Returns (state, model, optimizer, scheduler, iterators)."""
-    setup_logging(cfg.logger.logging_level)
-    apply_deterministic_mode(cfg)
-    initialize_distributed(cfg)
-    set_random_seed(cfg.rng.seed)
-    state = GlobalState(cfg)
-    if state.writers is not None:  # opened now, as Megatron does: a tracker that cannot start fails before the model
-        print(f"> writing metrics to {', '.join(type(w).__name__ for w in state.writers.writers)}", flush=True)
-    tokenizer = state.tokenizer = data.build_tokenizer(cfg)
-    m = cfg.model
-    vocab_size = data.embedding_rows(tokenizer)
-    cfg.padded_vocab_size = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, m.tensor_model_parallel_size)
-    if metrics.is_rank_0():
-        config_lib.print_config(cfg)
-    if cfg.train.exit_signal_handler:
-        state.signal_handler = DistributedSignalHandler(signal.Signals[cfg.train.exit_signal])
-    profiling.start_memory_history_recording(cfg.profiling)  # before the model, so its allocations are in the history
-    model = build_model(cfg, vocab_size)
-    if parallel_state.get_data_parallel_rank() == 0:
-        print(f" > number of parameters on (tensor, pipeline) model parallel rank "
-              f"({parallel_state.get_tensor_model_parallel_rank()}, {parallel_state.get_pipeline_model_parallel_rank()}):"
-              f" {sum(p.numel() for chunk in model for p in chunk.parameters())}", flush=True)
-    ck = cfg.checkpoint
-    if cfg.peft.peft != "none":
-        # Bridge's order: the base weights into the bare model, then the adapters (all else frozen), then DDP
-        # and the optimizer, which see the adapters only.
-        checkpoint.load_checkpoint(state, model, None, None, ck.pretrained_checkpoint, finetune=True)
-        peft.apply_peft(cfg, model)
-        trainable, total = peft.parameter_counts(model)
-        cfg.trainable_fraction = trainable / total
-        state.trainable_summary = peft.trainable_summary(trainable, total)
-        print_rank_0(f" > {cfg.peft.peft}: {state.trainable_summary}, adapters of rank "
-                     f"{cfg.peft.lora_dim} on {', '.join(cfg.peft.lora_target_modules)}")
-    model = wrap_model(cfg, model)
-    optimizer = build_optimizer(cfg, model, state.timers)
-    scheduler = build_scheduler(cfg, optimizer)
+def one_iterator_per_chunk(iterator, num_chunks: int):
+    """The interleaved schedule reads one data iterator per model chunk (virtual stage), each the same stream
+    of microbatches: Megatron-LM builds one per chunk; here `itertools.tee` gives each chunk its own view of
+    the one loader (every chunk reads every microbatch, so little is buffered)."""
+    if num_chunks == 1 or iterator is None:
+        return iterator
+    return list(itertools.tee(iterator, num_chunks))
 
-    # Resume this run's own checkpoint if --load holds one; otherwise start from pretrained weights if given.
-    resumed = bool(ck.load) and checkpoint.load_checkpoint(state, model, optimizer, scheduler, ck.load, ck.finetune)
-    if not resumed and ck.pretrained_checkpoint and cfg.peft.peft == "none":
-        checkpoint.load_checkpoint(state, model, optimizer, scheduler, ck.pretrained_checkpoint, finetune=True)
-    state.start_step = state.train_state.step
-    state.num_microbatches_calculator.update(state.train_state.consumed_train_samples, consistency_check=True)
-    state.start_floating_point_operations = state.train_state.floating_point_operations_so_far
-    if ck.save:
-        metrics.append_to_progress_log(ck.save, "Starting job", cfg.world_size)
-    iterators = data.build_data_iterators(cfg, tokenizer, state.train_state)
-    ts = state.train_state
-    ts.do_train = iterators[0] is not None and cfg.train.train_iters > 0  # what Bridge's train_state.pt records
-    ts.do_valid, ts.do_test = (it is not None and cfg.train.eval_iters > 0 for it in iterators[1:])
-    iterators = [one_iterator_per_chunk(it, len(model)) for it in iterators]
-    iterators[0] = attach_rerun_state_machine(state, iterators[0])
-    return state, model, optimizer, scheduler, iterators
+
+# ==================================================================================================
+# 3. The run's state
+# ==================================================================================================
+
+
+class GlobalState:
+    """Everything a run carries, passed explicitly (no process-global state): the config, the progress,
+    the timers, the metric writers (created on first use, on the last rank only), the signal handler."""
+
+    def __init__(self, cfg: ConfigContainer):
+        self.cfg = cfg
+        self.train_state = TrainState()
+        self.timers = metrics.Timers(cfg.logger.timing_log_level)
+        self.start_time = time.time()
+        self.signal_handler: Optional[DistributedSignalHandler] = None
+        self.tokenizer = None  # set at setup; saved with every checkpoint
+        self.start_step = 0  # where this job began (after a resume): throughput counts from here
+        self.trainable_summary: Optional[str] = None  # PEFT: "trainable params: 0.52M / 3.85M (13.6%)"
+        self.start_floating_point_operations = 0.0
+        self.exit_code: Optional[int] = None  # set when the loop stops early (signal, interval, NaN)
+        self.last_saved_step: Optional[int] = None  # the newest checkpoint this job wrote or resumed: not saved twice
+        self.async_calls_queue = None  # --async-save: the checkpoint writes in flight (checkpoint.py)
+        self.straggler_timer = metrics.StragglerTimer(cfg.straggler.log_straggler)
+        self.rerun_state_machine = None  # megatron-core's RerunStateMachine, set at setup
+        self._writers = None
+        self.num_microbatches_calculator = build_num_microbatches_calculator(cfg)  # follows --rampup-batch-size
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches per rank in this iteration, from megatron-core's calculator: fewer while the batch size
+        ramps up. The run's one count: the loop keeps no copy and the config none."""
+        return self.num_microbatches_calculator.get()
+
+    @property
+    def current_global_batch_size(self) -> int:
+        """The global batch size of this iteration: --global-batch-size, or less while it ramps up."""
+        return self.num_microbatches_calculator.get_current_global_batch_size()
+
+    @property
+    def writers(self):
+        """TensorBoard, W&B, MLflow and Comet behind one add_scalar (metrics.Writers), opened on first use on
+        the last rank; None on other ranks and when none is configured."""
+        if self._writers is None:
+            self._writers = metrics.build_writers(self.cfg)
+        return self._writers
+
+    @property
+    def tensorboard_logger(self):
+        """The TensorBoard SummaryWriter itself, or None."""
+        return self.writers.tensorboard if self.writers is not None else None
+
+
+# ==================================================================================================
+# 4. The loop
+# ==================================================================================================
+
+
+def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, valid_data_iterator,
+          global_state: GlobalState, checkpointing_context: Optional[dict] = None, process_non_loss_data_func=None,
+          non_loss_data_func=None) -> None:
+    """Train until --train-iters, evaluating every --eval-interval, logging every --log-interval,
+    saving and exiting as checkpoint_and_decide_exit says. `checkpointing_context` is Bridge's signature (its
+    checkpoint managers); nothing here reads it."""
+    cfg, ts, timers = global_state.cfg, global_state.train_state, global_state.timers
+    forward_step_func = prepare_forward_step_func(forward_step_func, global_state)
+    forward_step_func = global_state.straggler_timer.wrap(forward_step_func, ts.step)  # only with --log-straggler
+    for m in model:
+        m.train()
+    total_loss_dict, history_wct, report_memory_flag = {}, [], True
+    # --overlap-param-gather: megatron DDP's forward pre-hooks stay off until a step has succeeded, so a bad
+    # checkpoint or initialisation is not spread to every rank by the first all-gather (Megatron-LM, Bridge).
+    should_toggle_forward_pre_hook = should_disable_forward_pre_hook(
+        False, cfg.optimizer.use_distributed_optimizer, cfg.ddp.overlap_param_gather)
+    if should_toggle_forward_pre_hook:
+        disable_forward_pre_hook(model, param_sync=False)
+    prof, nsys_nvtx_context, flops_since_last_log = start_manual_gc_and_profiler(global_state), None, 0.0
+    rank = torch.distributed.get_rank()
+    print_rank_0(f" training from iteration {ts.step} to {cfg.train.train_iters} ...")
+    timers("interval-time", log_level=0).start(barrier=True)
+
+    while ts.step < cfg.train.train_iters:
+        if cfg.checkpoint.async_save:  # publish a background save once every rank has written it
+            checkpoint.maybe_finalize_async_save(global_state, blocking=False)
+        _follow_batch_size_rampup(global_state, model, optimizer, scheduler, train_data_iterator)
+        nsys_nvtx_context = profiling.handle_profiling_step(cfg.profiling, ts.step, rank, prof) or nsys_nvtx_context
+        if _should_skip_and_handle_iteration(global_state, train_data_iterator):  # consumes a skipped step's data
+            continue
+        step = train_step(forward_step_func, train_data_iterator, model, optimizer, scheduler, global_state)
+        if step.should_exit:  # a NaN: stop before counting the step, so nothing poisoned is saved
+            save_before_rerun_exit(step.should_checkpoint, global_state, model, optimizer, scheduler)
+            global_state.exit_code = step.exit_code
+            break
+        if should_toggle_forward_pre_hook and not step.skipped_iter and not forward_pre_hooks_enabled(model):
+            enable_forward_pre_hook(model)  # the first step that succeeded (under fp16 the first ones may not)
+        ts.step += 1
+        batch_size = global_state.current_global_batch_size
+        step_flops = metrics.num_floating_point_operations(cfg, batch_size, cfg.padded_vocab_size)
+        ts.consumed_train_samples += batch_size
+        ts.floating_point_operations_so_far += step_flops
+        flops_since_last_log += step_flops
+        history_wct.append(time.time() - global_state.start_time)  # this job's wall clock, per iteration
+
+        # One report per iteration: the log line, TensorBoard and the trackers all read it (metrics.step_report).
+        report = metrics.step_report(
+            step.loss_dict, *logged_learning_rates(cfg, optimizer), batch_size, float(optimizer.get_loss_scale()),
+            step.grad_norm, step.num_zeros_in_grad,
+            metrics.calc_params_l2_norm(model) if cfg.logger.log_params_norm else None)
+        report_memory_flag = metrics.log_step(report, total_loss_dict, report_memory_flag, step.skipped_iter,
+                                              global_state, history_wct, model)
+        if cfg.train.eval_iters and valid_data_iterator is not None and ts.step % cfg.train.eval_interval == 0:
+            collect_garbage_around_eval(cfg, after=False)
+            with forward_pre_hooks_paused(model):  # evaluate the gathered, current parameters
+                evaluate_and_print_results(global_state, f"iteration {ts.step}", forward_step_func, valid_data_iterator,
+                                           model, cfg, process_non_loss_data_func=process_non_loss_data_func,
+                                           non_loss_data_func=non_loss_data_func)
+            collect_garbage_around_eval(cfg, after=True)
+        flops_since_last_log = post_training_step_callbacks(model, flops_since_last_log, global_state.straggler_timer,
+                                                            ts.step, prof, cfg, should_toggle_forward_pre_hook,
+                                                            nsys_nvtx_context)
+        if checkpoint_and_decide_exit(global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
+                                      None, train_data_iterator):
+            break
+    timers("interval-time").stop()
+    if forward_pre_hooks_enabled(model):
+        disable_forward_pre_hook(model)  # gather the final parameters for the final save and evaluation
+    stop_manual_gc_and_profiler(global_state, prof, nsys_nvtx_context)
 
 
 def logged_learning_rates(cfg, optimizer) -> tuple:
@@ -309,89 +439,189 @@ def logged_learning_rates(cfg, optimizer) -> tuple:
     return (groups[0]["lr"] if canonical is None else canonical), (decoupled if cfg.scheduler.decoupled_lr else None)
 
 
-def one_iterator_per_chunk(iterator, num_chunks: int):
-    """The interleaved schedule reads one data iterator per model chunk (virtual stage), each the same stream
-    of microbatches: Megatron-LM builds one per chunk; here `itertools.tee` gives each chunk its own view of
-    the one loader (every chunk reads every microbatch, so little is buffered)."""
-    if num_chunks == 1 or iterator is None:
-        return iterator
-    return list(itertools.tee(iterator, num_chunks))
+def _should_skip_and_handle_iteration(global_state: GlobalState, train_data_iterator) -> bool:
+    """If the next iteration is in --iterations-to-skip (numbered as in the log line), consume its data
+    without a step and count it as skipped, so the samples after it stay where they would have been."""
+    cfg, ts = global_state.cfg, global_state.train_state
+    if ts.step + 1 not in (cfg.train.iterations_to_skip or ()):
+        return False
+    _dummy_train_step(global_state, train_data_iterator)
+    ts.step += 1
+    ts.consumed_train_samples += global_state.current_global_batch_size
+    ts.skipped_train_samples += global_state.current_global_batch_size
+    print_rank_0(f" skipped iteration {ts.step} as asked (--iterations-to-skip): its data consumed, no step taken")
+    return True
+
+
+def _dummy_train_step(global_state: GlobalState, train_data_iterator) -> None:
+    """Draw (and drop) this rank's microbatches of one global batch, inside the rerun state machine's loop
+    as Bridge does (a RerunDataIterator still replaying the last step moves on to fresh data)."""
+    iterators = train_data_iterator if isinstance(train_data_iterator, list) else [train_data_iterator]
+    while global_state.rerun_state_machine.should_run_forward_backward(train_data_iterator):
+        for _ in range(global_state.num_microbatches):
+            for iterator in iterators:
+                next(iterator)
+
+
+def _finish_train(global_state: GlobalState) -> None:
+    """Flush and close what the run opened; leave the process able to start another run."""
+    if global_state._writers is not None:
+        global_state._writers.close()
+    if global_state.signal_handler is not None:
+        global_state.signal_handler.release()
+    mcore_rerun.destroy_rerun_state_machine()
+    destroy_distributed()
 
 
 # ==================================================================================================
-# 5. The default forward step: GPT language modelling
+# 5. Around each step: batch-size ramp-up, forward pre-hooks, garbage collection, profiling
 # ==================================================================================================
 
 
-def get_batch(data_iterator):
-    """Next microbatch, on this rank's device: tokens, labels, loss mask, attention mask (None: causal), position ids."""
-    batch = device.to_device(next(data_iterator))
-    return batch["tokens"], batch["labels"], batch["loss_mask"], batch.get("attention_mask"), batch["position_ids"]
+def build_num_microbatches_calculator(cfg: ConfigContainer):
+    """megatron-core's microbatch calculator (`num_microbatches_calculator`): constant, or ramping up with
+    --rampup-batch-size START INCR SAMPLES. The GlobalState holds it; megatron-core's
+    `init_num_microbatches_calculator` would keep it in a module global instead."""
+    from megatron.core.num_microbatches_calculator import (ConstantNumMicroBatchesCalculator,
+                                                           RampupBatchsizeNumMicroBatchesCalculator)
+
+    t, dp = cfg.train, cfg.data_parallel_size
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if t.rampup_batch_size is None:
+        return ConstantNumMicroBatchesCalculator(t.global_batch_size, t.micro_batch_size, dp, False, rank)
+    start, increment, samples = t.rampup_batch_size
+    return RampupBatchsizeNumMicroBatchesCalculator(t.global_batch_size, t.micro_batch_size, dp, False, rank,
+                                                    start, increment, samples)
 
 
-def masked_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Bridge's `losses.masked_token_loss`: the token-aware pattern (loss_sum, num_tokens, report).
+def _follow_batch_size_rampup(global_state: GlobalState, model, optimizer, scheduler, train_data_iterator) -> None:
+    """Before each iteration (Megatron-LM `training.py::train`, Bridge `training/train.py::train`): set the
+    microbatch count for the samples consumed so far; when it grows (a ramp-up step), first save a
+    checkpoint (with --save), as they do."""
+    calculator, ts, cfg = global_state.num_microbatches_calculator, global_state.train_state, global_state.cfg
+    before = calculator.get_current_global_batch_size()
+    calculator.update(ts.consumed_train_samples, consistency_check=True)
+    after = calculator.get_current_global_batch_size()
+    if after != before and ts.step != 0:
+        assert after > before, "the batch size only grows during ramp-up"
+        print_rank_0(f" ramping up global batch size from {before} to {after} after iteration {ts.step} "
+                     f"({ts.consumed_train_samples} samples consumed)")
+        if cfg.checkpoint.save and global_state.last_saved_step != ts.step:
+            save_checkpoint_and_time(global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
+                                     train_data_iterator=train_data_iterator)
 
-    The report is a `[sum, count]` pair, so train_step can average over every token of every
-    microbatch and data-parallel rank, weighting each by its number of tokens.
+
+def should_disable_forward_pre_hook(use_megatron_fsdp: bool, use_distributed_optimizer: bool,
+                                    overlap_param_gather: bool) -> bool:
+    """Bridge `training/train.py`: whether megatron DDP's forward pre-hooks are in play and must be switched off for the first
+    step, evaluation and saves: with the distributed optimizer and --overlap-param-gather (not under FSDP)."""
+    return not use_megatron_fsdp and use_distributed_optimizer and overlap_param_gather
+
+
+def enable_forward_pre_hook(model: list) -> None:
+    """Bridge `training/train.py`: turn on each megatron DDP chunk's forward pre-hooks (they wait for each module's parameter
+    all-gather just before its forward, overlapping the gather with compute)."""
+    for chunk in model:
+        chunk.enable_forward_pre_hook()
+
+
+def disable_forward_pre_hook(model: list, param_sync: bool = True) -> None:
+    """Bridge `training/train.py`: turn off each megatron DDP chunk's forward pre-hooks; with param_sync, all-gather the
+    updated parameters now (synchronously), so what follows sees them."""
+    for chunk in model:
+        chunk.disable_forward_pre_hook(param_sync=param_sync)
+
+
+def forward_pre_hooks_enabled(model: list) -> bool:
+    """Whether megatron DDP's forward pre-hooks are on (its own record of their handles)."""
+    return any(chunk.remove_forward_pre_hook_handles for chunk in model)
+
+
+@contextlib.contextmanager
+def forward_pre_hooks_paused(model: list):
+    """Forward pre-hooks off (parameters gathered) for the duration of an evaluation or save, then back on;
+    nothing to do when they are not on (no --overlap-param-gather, before the first step, after train)."""
+    paused = forward_pre_hooks_enabled(model)
+    if paused:
+        disable_forward_pre_hook(model)
+    try:
+        yield
+    finally:
+        if paused:
+            enable_forward_pre_hook(model)
+
+
+def post_training_step_callbacks(model: list, num_floating_point_operations_since_last_log_event: float,
+                                 straggler_timer: metrics.StragglerTimer, iteration: int,
+                                 prof: Optional[torch.profiler.profile], config: ConfigContainer,
+                                 should_toggle_forward_pre_hook: bool, nsys_nvtx_context=None) -> float:
+    """Run all post-training-step functions (Bridge `train.post_training_step_callbacks`), in its order:
+
+    1. every --log-interval with --log-straggler: every rank's forward-step time, gathered; rank 0 prints the report;
+    2. at --profile-step-end: stop the profiler (and dump the CUDA memory snapshot of --record-memory-history);
+    3. every --manual-gc-interval with --manual-gc: a full garbage collection, at the same iteration on every rank.
+
+    Returns the FLOPs counted since the last straggler report: 0 after a report (as Megatron-LM's version does, so
+    the caller keeps the reset). `model` and `should_toggle_forward_pre_hook` are Bridge's signature: they serve
+    Bridge's weight-hash check, which this loop does not run.
     """
-    losses = output_tensor.float().view(-1)
-    mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask)
-    num_tokens = mask.sum().to(torch.int)
-    report = torch.cat([loss.detach().view(1), num_tokens.detach().float().view(1)])
-    return loss, num_tokens, {"lm loss": report}
+    if config.straggler.log_straggler and iteration % config.logger.log_interval == 0:
+        for line in straggler_timer.report(num_floating_point_operations_since_last_log_event, iteration,
+                                           config.straggler.straggler_minmax_count):
+            print_rank_0(line)
+        num_floating_point_operations_since_last_log_event = 0.0
+    profiling.handle_profiling_stop(config.profiling, iteration, torch.distributed.get_rank(), prof, nsys_nvtx_context)
+    if config.train.manual_gc and config.train.manual_gc_interval and iteration % config.train.manual_gc_interval == 0:
+        gc.collect()
+    return num_floating_point_operations_since_last_log_event
 
 
-def forward_step(state: GlobalState, data_iterator, model, return_schedule_plan: bool = False):
-    """Bridge's `gpt_step.forward_step`: a batch in, per-token losses out, and the loss function.
-    `return_schedule_plan` is Bridge's signature (MoE overlap in Bridge); a dense GPT has no plan."""
-    timers = state.timers
-    timers("batch-generator", log_level=2).start()
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
-    timers("batch-generator").stop()
-    output = model(tokens, position_ids, attention_mask, labels=labels)  # GPTModel returns losses given labels
-    return output, functools.partial(masked_token_loss, loss_mask)
+def start_manual_gc_and_profiler(state: GlobalState) -> Optional[torch.profiler.profile]:
+    """What train() sets up before its first step (Bridge `train`): with --manual-gc, turn the automatic garbage
+    collector off and start clean; with --nvtx-ranges, switch on megatron-core's NVTX ranges (and this file's);
+    with --use-pytorch-profiler on a profiled rank, start the profiler (returned)."""
+    cfg = state.cfg
+    if cfg.train.manual_gc:
+        # Python collects when allocation counts cross a threshold: at a different moment on each rank, and a rank
+        # paused in a full collection makes all others wait at the next collective. By hand, every rank pauses together.
+        gc.disable()
+        gc.collect()
+    if cfg.profiling.nvtx_ranges:
+        configure_nvtx_profiling(True)
+    p = cfg.profiling
+    if not (p.use_pytorch_profiler and profiling.should_profile_rank(p, torch.distributed.get_rank())):
+        return None
+    prof = profiling.initialize_pytorch_profiler(p, cfg.logger.tensorboard_dir, state.train_state.step)
+    if prof is not None:
+        prof.start()
+    return prof
+
+
+def stop_manual_gc_and_profiler(state: GlobalState, prof, nsys_nvtx_context) -> None:
+    """After the loop: close a profiling window the run ended inside (its trace is still written), and give the
+    process back its automatic garbage collector and NVTX setting (pretrain() may be called again from Python)."""
+    cfg = state.cfg
+    if state.train_state.step < cfg.profiling.profile_step_end:
+        profiling.handle_profiling_stop(cfg.profiling, cfg.profiling.profile_step_end, torch.distributed.get_rank(), prof,
+                              nsys_nvtx_context)
+    if cfg.profiling.nvtx_ranges:
+        configure_nvtx_profiling(False)
+    if cfg.profiling.record_memory_history and profiling.should_profile_rank(cfg.profiling, torch.distributed.get_rank()):
+        torch.cuda.memory._record_memory_history(enabled=None)
+    if cfg.train.manual_gc:
+        gc.enable()
+
+
+def collect_garbage_around_eval(cfg: ConfigContainer, after: bool) -> None:
+    """With --manual-gc (and no --no-manual-gc-eval), Megatron-LM's train(): a full collection before each
+    evaluation, and after it a collection of the youngest generation, where what evaluation made lives."""
+    if cfg.train.manual_gc and cfg.train.manual_gc_eval:
+        gc.collect(generation=0 if after else 2)
 
 
 # ==================================================================================================
 # 6. One training step
 # ==================================================================================================
-
-
-def reduce_losses(losses_per_microbatch: list) -> dict:
-    """Reduce the loss functions' reports over microbatches and data-parallel ranks (Bridge train_step).
-
-    `[sum, count]` pairs: summed over microbatches and ranks, then sum / count (token-weighted mean).
-    Scalars (the legacy pattern): averaged over microbatches and ranks.
-    """
-    if not losses_per_microbatch:
-        return {}
-    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    reduced = {}
-    for key in losses_per_microbatch[0]:
-        values = [torch.as_tensor(x[key], device=device.current()).detach().float().view(-1) for x in losses_per_microbatch]
-        if values[0].numel() == 2:
-            total = torch.stack(values).sum(dim=0)
-            torch.distributed.all_reduce(total, group=group)
-            reduced[key] = total[0] / total[1]
-        else:
-            mean = torch.cat(values).mean()
-            torch.distributed.all_reduce(mean, group=group)
-            reduced[key] = mean / torch.distributed.get_world_size(group)
-    return reduced
-
-
-class TrainStepResult(NamedTuple):
-    """What train_step returns: Bridge's 7-tuple, with names."""
-
-    loss_dict: dict  # reduced losses, on the last pipeline stage ({} elsewhere or when no update was made)
-    skipped_iter: int  # 1 when the optimizer skipped the update (fp16 overflow, a failed step on any rank)
-    should_checkpoint: bool  # the rerun state machine asks for a checkpoint before exiting
-    should_exit: bool
-    exit_code: int
-    grad_norm: Optional[float]
-    num_zeros_in_grad: Optional[int]
 
 
 def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, global_state: GlobalState) -> TrainStepResult:
@@ -433,6 +663,41 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
                             f"stopping without saving a checkpoint (lower --lr, raise --clip-grad or check the data)")
             should_exit, exit_code = True, 1
     return TrainStepResult(loss_dict, skipped_iter, False, should_exit, exit_code, grad_norm, num_zeros_in_grad)
+
+
+class TrainStepResult(NamedTuple):
+    """What train_step returns: Bridge's 7-tuple, with names."""
+
+    loss_dict: dict  # reduced losses, on the last pipeline stage ({} elsewhere or when no update was made)
+    skipped_iter: int  # 1 when the optimizer skipped the update (fp16 overflow, a failed step on any rank)
+    should_checkpoint: bool  # the rerun state machine asks for a checkpoint before exiting
+    should_exit: bool
+    exit_code: int
+    grad_norm: Optional[float]
+    num_zeros_in_grad: Optional[int]
+
+
+def reduce_losses(losses_per_microbatch: list) -> dict:
+    """Reduce the loss functions' reports over microbatches and data-parallel ranks (Bridge train_step).
+
+    `[sum, count]` pairs: summed over microbatches and ranks, then sum / count (token-weighted mean).
+    Scalars (the legacy pattern): averaged over microbatches and ranks.
+    """
+    if not losses_per_microbatch:
+        return {}
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    reduced = {}
+    for key in losses_per_microbatch[0]:
+        values = [torch.as_tensor(x[key], device=device.current()).detach().float().view(-1) for x in losses_per_microbatch]
+        if values[0].numel() == 2:
+            total = torch.stack(values).sum(dim=0)
+            torch.distributed.all_reduce(total, group=group)
+            reduced[key] = total[0] / total[1]
+        else:
+            mean = torch.cat(values).mean()
+            torch.distributed.all_reduce(mean, group=group)
+            reduced[key] = mean / torch.distributed.get_world_size(group)
+    return reduced
 
 
 # ==================================================================================================
@@ -560,8 +825,93 @@ def save_before_rerun_exit(should_checkpoint: bool, state: GlobalState, model, o
 
 
 # ==================================================================================================
-# 7. Evaluation
+# 7. The forward step: the API (Megatron Bridge `train_utils`) and the default, GPT language modelling
 # ==================================================================================================
+
+
+def needs_global_state_injection(forward_step_func: Callable) -> bool:
+    """Whether forward_step_func wants the GlobalState as its first argument.
+
+    1. Any parameter annotated `GlobalState` (the class, or the string under postponed annotations).
+    2. Otherwise, a first parameter named `state` or `global_state`.
+    Functors are inspected through their `__call__` (inspect.signature does that and drops `self`).
+    """
+    params = list(inspect.signature(forward_step_func).parameters.values())
+    for p in params:
+        annotation = p.annotation
+        name = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+        if annotation is GlobalState or name.split(".")[-1] == "GlobalState":
+            return True
+    return bool(params) and params[0].name in ("state", "global_state")
+
+
+def maybe_inject_state(forward_step_func: Callable, state: GlobalState, needs_injection: Optional[bool] = None) -> Callable:
+    """`functools.partial(forward_step_func, state)` if it wants the state, else forward_step_func itself.
+
+    The partial keeps a reference to the state, not a copy: later changes (the step count) are seen.
+    """
+    if needs_injection is None:
+        needs_injection = needs_global_state_injection(forward_step_func)
+    return functools.partial(forward_step_func, state) if needs_injection else forward_step_func
+
+
+def prepare_forward_step_func(forward_step_func: Callable, state: GlobalState) -> Callable:
+    """Inspect once and inject if needed: call at the start of train() or evaluate(), not per step."""
+    return maybe_inject_state(forward_step_func, state, needs_global_state_injection(forward_step_func))
+
+
+def get_batch(data_iterator):
+    """Next microbatch, on this rank's device: tokens, labels, loss mask, attention mask (None: causal), position ids."""
+    batch = device.to_device(next(data_iterator))
+    return batch["tokens"], batch["labels"], batch["loss_mask"], batch.get("attention_mask"), batch["position_ids"]
+
+
+def masked_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Bridge's `losses.masked_token_loss`: the token-aware pattern (loss_sum, num_tokens, report).
+
+    The report is a `[sum, count]` pair, so train_step can average over every token of every
+    microbatch and data-parallel rank, weighting each by its number of tokens.
+    """
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.cat([loss.detach().view(1), num_tokens.detach().float().view(1)])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(state: GlobalState, data_iterator, model, return_schedule_plan: bool = False):
+    """Bridge's `gpt_step.forward_step`: a batch in, per-token losses out, and the loss function.
+    `return_schedule_plan` is Bridge's signature (MoE overlap in Bridge); a dense GPT has no plan."""
+    timers = state.timers
+    timers("batch-generator", log_level=2).start()
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    timers("batch-generator").stop()
+    output = model(tokens, position_ids, attention_mask, labels=labels)  # GPTModel returns losses given labels
+    return output, functools.partial(masked_token_loss, loss_mask)
+
+
+# ==================================================================================================
+# 8. Evaluation
+# ==================================================================================================
+
+
+def evaluate_and_print_results(state: GlobalState, prefix: str, forward_step_func, data_iterator, model,
+                               config: ConfigContainer, verbose: bool = False, write_to_tensorboard: bool = True,
+                               process_non_loss_data_func=None, non_loss_data_func=None) -> dict:
+    """Evaluate, then print Megatron's validation block (loss and PPL) and write it to TensorBoard."""
+    timers = state.timers
+    timers("interval-time").stop()  # evaluation time is not training time
+    losses, collected = evaluate(state, forward_step_func, data_iterator, model, process_non_loss_data_func,
+                                    config, verbose, non_loss_data_func)
+    writer = state.writers if write_to_tensorboard else None
+    ts = state.train_state
+    metrics.log_evaluation(prefix, losses, ts.step, ts.consumed_train_samples, writer,
+                           config.logger.log_validation_ppl_to_tensorboard)
+    if process_non_loss_data_func is not None and collected is not None and metrics.is_last_rank():
+        process_non_loss_data_func(collected, ts.step, state.tensorboard_logger if write_to_tensorboard else None)
+    timers("interval-time").start()
+    return losses
 
 
 def evaluate(state: GlobalState, forward_step_func, data_iterator, model, process_non_loss_data_func,
@@ -601,51 +951,9 @@ def evaluate(state: GlobalState, forward_step_func, data_iterator, model, proces
     return {k: float(v) for k, v in losses.items()}, collected
 
 
-def evaluate_and_print_results(state: GlobalState, prefix: str, forward_step_func, data_iterator, model,
-                               config: ConfigContainer, verbose: bool = False, write_to_tensorboard: bool = True,
-                               process_non_loss_data_func=None, non_loss_data_func=None) -> dict:
-    """Evaluate, then print Megatron's validation block (loss and PPL) and write it to TensorBoard."""
-    timers = state.timers
-    timers("interval-time").stop()  # evaluation time is not training time
-    losses, collected = evaluate(state, forward_step_func, data_iterator, model, process_non_loss_data_func,
-                                    config, verbose, non_loss_data_func)
-    writer = state.writers if write_to_tensorboard else None
-    ts = state.train_state
-    metrics.log_evaluation(prefix, losses, ts.step, ts.consumed_train_samples, writer,
-                           config.logger.log_validation_ppl_to_tensorboard)
-    if process_non_loss_data_func is not None and collected is not None and metrics.is_last_rank():
-        process_non_loss_data_func(collected, ts.step, state.tensorboard_logger if write_to_tensorboard else None)
-    timers("interval-time").start()
-    return losses
-
-
 # ==================================================================================================
-# 8. Checkpoint and exit decisions
+# 9. Checkpoint and exit decisions
 # ==================================================================================================
-
-
-def save_checkpoint_and_time(state: GlobalState, model, optimizer, opt_param_scheduler,
-                             num_floating_point_operations_so_far: float, checkpointing_context: Optional[dict] = None,
-                             non_persistent_ckpt: bool = False, train_data_iterator=None) -> None:
-    """Save, timing the save and keeping it out of the iteration time (and so out of throughput).
-    `checkpointing_context`, `non_persistent_ckpt` and `train_data_iterator` are Bridge's signature (its checkpoint
-    managers, local checkpoints, a stateful data loader); nothing here needs them."""
-    timers = state.timers
-    timers("interval-time").stop(barrier=True)
-    timers("save-checkpoint", log_level=0).start(barrier=True)
-    with forward_pre_hooks_paused(model):  # --overlap-param-gather: save gathered, current parameters
-        directory = checkpoint.save_checkpoint(state, model, optimizer, opt_param_scheduler)
-    timers("save-checkpoint").stop(barrier=True)
-    state.last_saved_step = state.train_state.step
-    metrics.compute_throughputs_and_append_to_progress_log(state, num_floating_point_operations_so_far)
-    seconds = timers("save-checkpoint").elapsed()
-    if state.cfg.checkpoint.async_save:  # published later, when every rank has written it
-        print_rank_0(f" scheduled async save of iteration {state.train_state.step:7d} to {directory} "
-                     f"[ {seconds * 1000:.1f} ms blocking ]")
-    else:
-        print_rank_0(f" successfully saved checkpoint from iteration {state.train_state.step:7d} to {directory} "
-                     f"[ {seconds * 1000:.1f} ms ]")
-    timers("interval-time").start(barrier=True)
 
 
 def checkpoint_and_decide_exit(state: GlobalState, model, optimizer, opt_param_scheduler,
@@ -689,350 +997,28 @@ def checkpoint_and_decide_exit(state: GlobalState, model, optimizer, opt_param_s
     return False
 
 
-# ==================================================================================================
-# 8b. Batch-size ramp-up and megatron DDP's forward pre-hooks
-# ==================================================================================================
-
-
-def build_num_microbatches_calculator(cfg: ConfigContainer):
-    """megatron-core's microbatch calculator (`num_microbatches_calculator`): constant, or ramping up with
-    --rampup-batch-size START INCR SAMPLES. The GlobalState holds it; megatron-core's
-    `init_num_microbatches_calculator` would keep it in a module global instead."""
-    from megatron.core.num_microbatches_calculator import (ConstantNumMicroBatchesCalculator,
-                                                           RampupBatchsizeNumMicroBatchesCalculator)
-
-    t, dp = cfg.train, cfg.data_parallel_size
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    if t.rampup_batch_size is None:
-        return ConstantNumMicroBatchesCalculator(t.global_batch_size, t.micro_batch_size, dp, False, rank)
-    start, increment, samples = t.rampup_batch_size
-    return RampupBatchsizeNumMicroBatchesCalculator(t.global_batch_size, t.micro_batch_size, dp, False, rank,
-                                                    start, increment, samples)
-
-
-def _follow_batch_size_rampup(global_state: GlobalState, model, optimizer, scheduler, train_data_iterator) -> None:
-    """Before each iteration (Megatron-LM `training.py::train`, Bridge `training/train.py::train`): set the
-    microbatch count for the samples consumed so far; when it grows (a ramp-up step), first save a
-    checkpoint (with --save), as they do."""
-    calculator, ts, cfg = global_state.num_microbatches_calculator, global_state.train_state, global_state.cfg
-    before = calculator.get_current_global_batch_size()
-    calculator.update(ts.consumed_train_samples, consistency_check=True)
-    after = calculator.get_current_global_batch_size()
-    if after != before and ts.step != 0:
-        assert after > before, "the batch size only grows during ramp-up"
-        print_rank_0(f" ramping up global batch size from {before} to {after} after iteration {ts.step} "
-                     f"({ts.consumed_train_samples} samples consumed)")
-        if cfg.checkpoint.save and global_state.last_saved_step != ts.step:
-            save_checkpoint_and_time(global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
-                                     train_data_iterator=train_data_iterator)
-
-
-def should_disable_forward_pre_hook(use_megatron_fsdp: bool, use_distributed_optimizer: bool,
-                                    overlap_param_gather: bool) -> bool:
-    """Bridge `training/train.py`: whether megatron DDP's forward pre-hooks are in play and must be switched off for the first
-    step, evaluation and saves: with the distributed optimizer and --overlap-param-gather (not under FSDP)."""
-    return not use_megatron_fsdp and use_distributed_optimizer and overlap_param_gather
-
-
-def enable_forward_pre_hook(model: list) -> None:
-    """Bridge `training/train.py`: turn on each megatron DDP chunk's forward pre-hooks (they wait for each module's parameter
-    all-gather just before its forward, overlapping the gather with compute)."""
-    for chunk in model:
-        chunk.enable_forward_pre_hook()
-
-
-def disable_forward_pre_hook(model: list, param_sync: bool = True) -> None:
-    """Bridge `training/train.py`: turn off each megatron DDP chunk's forward pre-hooks; with param_sync, all-gather the
-    updated parameters now (synchronously), so what follows sees them."""
-    for chunk in model:
-        chunk.disable_forward_pre_hook(param_sync=param_sync)
-
-
-def forward_pre_hooks_enabled(model: list) -> bool:
-    """Whether megatron DDP's forward pre-hooks are on (its own record of their handles)."""
-    return any(chunk.remove_forward_pre_hook_handles for chunk in model)
-
-
-@contextlib.contextmanager
-def forward_pre_hooks_paused(model: list):
-    """Forward pre-hooks off (parameters gathered) for the duration of an evaluation or save, then back on;
-    nothing to do when they are not on (no --overlap-param-gather, before the first step, after train)."""
-    paused = forward_pre_hooks_enabled(model)
-    if paused:
-        disable_forward_pre_hook(model)
-    try:
-        yield
-    finally:
-        if paused:
-            enable_forward_pre_hook(model)
-
-
-# ==================================================================================================
-# 8c. After each step: garbage collection, profiling, the straggler report
-# ==================================================================================================
-
-
-def post_training_step_callbacks(model: list, num_floating_point_operations_since_last_log_event: float,
-                                 straggler_timer: metrics.StragglerTimer, iteration: int,
-                                 prof: Optional[torch.profiler.profile], config: ConfigContainer,
-                                 should_toggle_forward_pre_hook: bool, nsys_nvtx_context=None) -> float:
-    """Run all post-training-step functions (Bridge `train.post_training_step_callbacks`), in its order:
-
-    1. every --log-interval with --log-straggler: every rank's forward-step time, gathered; rank 0 prints the report;
-    2. at --profile-step-end: stop the profiler (and dump the CUDA memory snapshot of --record-memory-history);
-    3. every --manual-gc-interval with --manual-gc: a full garbage collection, at the same iteration on every rank.
-
-    Returns the FLOPs counted since the last straggler report: 0 after a report (as Megatron-LM's version does, so
-    the caller keeps the reset). `model` and `should_toggle_forward_pre_hook` are Bridge's signature: they serve
-    Bridge's weight-hash check, which this loop does not run.
-    """
-    if config.straggler.log_straggler and iteration % config.logger.log_interval == 0:
-        for line in straggler_timer.report(num_floating_point_operations_since_last_log_event, iteration,
-                                           config.straggler.straggler_minmax_count):
-            print_rank_0(line)
-        num_floating_point_operations_since_last_log_event = 0.0
-    profiling.handle_profiling_stop(config.profiling, iteration, torch.distributed.get_rank(), prof, nsys_nvtx_context)
-    if config.train.manual_gc and config.train.manual_gc_interval and iteration % config.train.manual_gc_interval == 0:
-        gc.collect()
-    return num_floating_point_operations_since_last_log_event
-
-
-def start_manual_gc_and_profiler(state: GlobalState) -> Optional[torch.profiler.profile]:
-    """What train() sets up before its first step (Bridge `train`): with --manual-gc, turn the automatic garbage
-    collector off and start clean; with --nvtx-ranges, switch on megatron-core's NVTX ranges (and this file's);
-    with --use-pytorch-profiler on a profiled rank, start the profiler (returned)."""
-    cfg = state.cfg
-    if cfg.train.manual_gc:
-        # Python collects when allocation counts cross a threshold: at a different moment on each rank, and a rank
-        # paused in a full collection makes all others wait at the next collective. By hand, every rank pauses together.
-        gc.disable()
-        gc.collect()
-    if cfg.profiling.nvtx_ranges:
-        configure_nvtx_profiling(True)
-    p = cfg.profiling
-    if not (p.use_pytorch_profiler and profiling.should_profile_rank(p, torch.distributed.get_rank())):
-        return None
-    prof = profiling.initialize_pytorch_profiler(p, cfg.logger.tensorboard_dir, state.train_state.step)
-    if prof is not None:
-        prof.start()
-    return prof
-
-
-def stop_manual_gc_and_profiler(state: GlobalState, prof, nsys_nvtx_context) -> None:
-    """After the loop: close a profiling window the run ended inside (its trace is still written), and give the
-    process back its automatic garbage collector and NVTX setting (pretrain() may be called again from Python)."""
-    cfg = state.cfg
-    if state.train_state.step < cfg.profiling.profile_step_end:
-        profiling.handle_profiling_stop(cfg.profiling, cfg.profiling.profile_step_end, torch.distributed.get_rank(), prof,
-                              nsys_nvtx_context)
-    if cfg.profiling.nvtx_ranges:
-        configure_nvtx_profiling(False)
-    if cfg.profiling.record_memory_history and profiling.should_profile_rank(cfg.profiling, torch.distributed.get_rank()):
-        torch.cuda.memory._record_memory_history(enabled=None)
-    if cfg.train.manual_gc:
-        gc.enable()
-
-
-def collect_garbage_around_eval(cfg: ConfigContainer, after: bool) -> None:
-    """With --manual-gc (and no --no-manual-gc-eval), Megatron-LM's train(): a full collection before each
-    evaluation, and after it a collection of the youngest generation, where what evaluation made lives."""
-    if cfg.train.manual_gc and cfg.train.manual_gc_eval:
-        gc.collect(generation=0 if after else 2)
-
-
-# ==================================================================================================
-# 9. The loop
-# ==================================================================================================
-
-
-def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, valid_data_iterator,
-          global_state: GlobalState, checkpointing_context: Optional[dict] = None, process_non_loss_data_func=None,
-          non_loss_data_func=None) -> None:
-    """Train until --train-iters, evaluating every --eval-interval, logging every --log-interval,
-    saving and exiting as checkpoint_and_decide_exit says. `checkpointing_context` is Bridge's signature (its
-    checkpoint managers); nothing here reads it."""
-    cfg, ts, timers = global_state.cfg, global_state.train_state, global_state.timers
-    forward_step_func = prepare_forward_step_func(forward_step_func, global_state)
-    forward_step_func = global_state.straggler_timer.wrap(forward_step_func, ts.step)  # only with --log-straggler
-    for m in model:
-        m.train()
-    total_loss_dict, history_wct, report_memory_flag = {}, [], True
-    # --overlap-param-gather: megatron DDP's forward pre-hooks stay off until a step has succeeded, so a bad
-    # checkpoint or initialisation is not spread to every rank by the first all-gather (Megatron-LM, Bridge).
-    should_toggle_forward_pre_hook = should_disable_forward_pre_hook(
-        False, cfg.optimizer.use_distributed_optimizer, cfg.ddp.overlap_param_gather)
-    if should_toggle_forward_pre_hook:
-        disable_forward_pre_hook(model, param_sync=False)
-    prof, nsys_nvtx_context, flops_since_last_log = start_manual_gc_and_profiler(global_state), None, 0.0
-    rank = torch.distributed.get_rank()
-    print_rank_0(f" training from iteration {ts.step} to {cfg.train.train_iters} ...")
-    timers("interval-time", log_level=0).start(barrier=True)
-
-    while ts.step < cfg.train.train_iters:
-        if cfg.checkpoint.async_save:  # publish a background save once every rank has written it
-            checkpoint.maybe_finalize_async_save(global_state, blocking=False)
-        _follow_batch_size_rampup(global_state, model, optimizer, scheduler, train_data_iterator)
-        nsys_nvtx_context = profiling.handle_profiling_step(cfg.profiling, ts.step, rank, prof) or nsys_nvtx_context
-        if _should_skip_and_handle_iteration(global_state, train_data_iterator):  # consumes a skipped step's data
-            continue
-        step = train_step(forward_step_func, train_data_iterator, model, optimizer, scheduler, global_state)
-        if step.should_exit:  # a NaN: stop before counting the step, so nothing poisoned is saved
-            save_before_rerun_exit(step.should_checkpoint, global_state, model, optimizer, scheduler)
-            global_state.exit_code = step.exit_code
-            break
-        if should_toggle_forward_pre_hook and not step.skipped_iter and not forward_pre_hooks_enabled(model):
-            enable_forward_pre_hook(model)  # the first step that succeeded (under fp16 the first ones may not)
-        ts.step += 1
-        batch_size = global_state.current_global_batch_size
-        step_flops = metrics.num_floating_point_operations(cfg, batch_size, cfg.padded_vocab_size)
-        ts.consumed_train_samples += batch_size
-        ts.floating_point_operations_so_far += step_flops
-        flops_since_last_log += step_flops
-        history_wct.append(time.time() - global_state.start_time)  # this job's wall clock, per iteration
-
-        # One report per iteration: the log line, TensorBoard and the trackers all read it (metrics.step_report).
-        report = metrics.step_report(
-            step.loss_dict, *logged_learning_rates(cfg, optimizer), batch_size, float(optimizer.get_loss_scale()),
-            step.grad_norm, step.num_zeros_in_grad,
-            metrics.calc_params_l2_norm(model) if cfg.logger.log_params_norm else None)
-        report_memory_flag = metrics.log_step(report, total_loss_dict, report_memory_flag, step.skipped_iter,
-                                              global_state, history_wct, model)
-        if cfg.train.eval_iters and valid_data_iterator is not None and ts.step % cfg.train.eval_interval == 0:
-            collect_garbage_around_eval(cfg, after=False)
-            with forward_pre_hooks_paused(model):  # evaluate the gathered, current parameters
-                evaluate_and_print_results(global_state, f"iteration {ts.step}", forward_step_func, valid_data_iterator,
-                                           model, cfg, process_non_loss_data_func=process_non_loss_data_func,
-                                           non_loss_data_func=non_loss_data_func)
-            collect_garbage_around_eval(cfg, after=True)
-        flops_since_last_log = post_training_step_callbacks(model, flops_since_last_log, global_state.straggler_timer,
-                                                            ts.step, prof, cfg, should_toggle_forward_pre_hook,
-                                                            nsys_nvtx_context)
-        if checkpoint_and_decide_exit(global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
-                                      None, train_data_iterator):
-            break
-    timers("interval-time").stop()
-    if forward_pre_hooks_enabled(model):
-        disable_forward_pre_hook(model)  # gather the final parameters for the final save and evaluation
-    stop_manual_gc_and_profiler(global_state, prof, nsys_nvtx_context)
-
-
-def _should_skip_and_handle_iteration(global_state: GlobalState, train_data_iterator) -> bool:
-    """If the next iteration is in --iterations-to-skip (numbered as in the log line), consume its data
-    without a step and count it as skipped, so the samples after it stay where they would have been."""
-    cfg, ts = global_state.cfg, global_state.train_state
-    if ts.step + 1 not in (cfg.train.iterations_to_skip or ()):
-        return False
-    _dummy_train_step(global_state, train_data_iterator)
-    ts.step += 1
-    ts.consumed_train_samples += global_state.current_global_batch_size
-    ts.skipped_train_samples += global_state.current_global_batch_size
-    print_rank_0(f" skipped iteration {ts.step} as asked (--iterations-to-skip): its data consumed, no step taken")
-    return True
-
-
-def _dummy_train_step(global_state: GlobalState, train_data_iterator) -> None:
-    """Draw (and drop) this rank's microbatches of one global batch, inside the rerun state machine's loop
-    as Bridge does (a RerunDataIterator still replaying the last step moves on to fresh data)."""
-    iterators = train_data_iterator if isinstance(train_data_iterator, list) else [train_data_iterator]
-    while global_state.rerun_state_machine.should_run_forward_backward(train_data_iterator):
-        for _ in range(global_state.num_microbatches):
-            for iterator in iterators:
-                next(iterator)
-
-
-def _finish_train(global_state: GlobalState) -> None:
-    """Flush and close what the run opened; leave the process able to start another run."""
-    if global_state._writers is not None:
-        global_state._writers.close()
-    if global_state.signal_handler is not None:
-        global_state.signal_handler.release()
-    mcore_rerun.destroy_rerun_state_machine()
-    destroy_distributed()
-
-
-# ==================================================================================================
-# 10. Entry points
-# ==================================================================================================
-
-
-def pretrain(config: ConfigContainer, forward_step_func: Callable = forward_step,
-             process_non_loss_data_func=None, non_loss_data_func=None) -> GlobalState:
-    """Set up, train, save the final checkpoint, and evaluate on the validation and test sets.
-
-    `forward_step_func(data_iterator, model)` returns (output, loss_func); it may take the GlobalState
-    first (see needs_global_state_injection). Returns the GlobalState; `.exit_code` is non-zero if the
-    run stopped on a NaN.
-    """
-    try:
-        state, model, optimizer, scheduler, (train_it, valid_it, test_it) = setup(config)
-    except BaseException:  # a bad checkpoint or data path: leave no process group behind
-        destroy_distributed()
-        raise
-    cfg, ts = state.cfg, state.train_state
-    state.last_saved_step = ts.step if ts.step else None  # a resumed checkpoint is not saved again
-    try:
-        if not cfg.train.skip_train and ts.step < cfg.train.train_iters:
-            train(forward_step_func, model, optimizer, scheduler, train_it, valid_it, state,
-                  process_non_loss_data_func=process_non_loss_data_func, non_loss_data_func=non_loss_data_func)
-        if state.exit_code is None:  # ran to the end: final save (unless just saved) and final evaluation
-            if cfg.checkpoint.save and ts.step > 0 and state.last_saved_step != ts.step:
-                save_checkpoint_and_time(state, model, optimizer, scheduler, ts.floating_point_operations_so_far)
-            if cfg.train.eval_iters:
-                for name, iterator in (("validation", valid_it), ("test", test_it)):
-                    if iterator is not None:
-                        evaluate_and_print_results(state, f"iteration {ts.step} on {name} set", forward_step_func,
-                                                   iterator, model, cfg, process_non_loss_data_func=process_non_loss_data_func,
-                                                   non_loss_data_func=non_loss_data_func)
-        checkpoint.close_async_save(state)  # an async save in flight is published before the run ends
-    finally:
-        _finish_train(state)
-    return state
-
-
-def finetune(config: ConfigContainer, forward_step_func: Callable = forward_step,
-             process_non_loss_data_func=None, non_loss_data_func=None) -> GlobalState:
-    """pretrain() from a pretrained checkpoint: weights only, iteration 0 (as --finetune), unless
-    --load already holds this finetuning run's own checkpoint, which is then resumed."""
-    ck = config.checkpoint
-    if not ck.load and not ck.pretrained_checkpoint:
-        raise config_lib.ConfigError("finetune() needs --pretrained-checkpoint (weights to start from) or --load")
-    return pretrain(config, forward_step_func, process_non_loss_data_func, non_loss_data_func)
-
-
-class JobSignal(BaseException):
-    """SIGTERM or SIGINT arrived without --exit-signal-handler: the run stops where it is."""
-
-
-def _raise_job_signal(signum, frame):
-    for sig in (signal.SIGTERM, signal.SIGINT):  # once: torchrun passes the signal on again while the rank stops
-        signal.signal(sig, signal.SIG_IGN)
-    data.quiet_broken_connections()
-    raise JobSignal(signum)
-
-
-def _say(line: str) -> None:
-    """One line to stderr in one write, so the ranks' lines do not interleave in a shared log."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
-
-
-def main(cfg: ConfigContainer) -> int:
-    """The command line's run: a config or checkpoint error, or a signal the run does not handle, ends it
-    with one line per rank instead of a traceback (SLURM, `timeout` and Ctrl-C signal every rank)."""
-    handled = {signal.Signals[cfg.train.exit_signal]} if cfg.train.exit_signal_handler else set()
-    for sig in {signal.SIGTERM, signal.SIGINT} - handled:
-        signal.signal(sig, _raise_job_signal)
-    try:
-        state = pretrain(cfg)
-    except (config_lib.ConfigError, checkpoint.CheckpointError) as e:
-        _say(f"train.py: error: {e}")
-        return 2
-    except JobSignal as e:
-        name = signal.Signals(e.args[0]).name
-        _say(f"train.py: stopped by {name}; nothing saved at the signal (--exit-signal-handler --exit-signal {name} "
-             f"saves a checkpoint and exits 0)")
-        return 128 + e.args[0]
-    return state.exit_code or 0
+def save_checkpoint_and_time(state: GlobalState, model, optimizer, opt_param_scheduler,
+                             num_floating_point_operations_so_far: float, checkpointing_context: Optional[dict] = None,
+                             non_persistent_ckpt: bool = False, train_data_iterator=None) -> None:
+    """Save, timing the save and keeping it out of the iteration time (and so out of throughput).
+    `checkpointing_context`, `non_persistent_ckpt` and `train_data_iterator` are Bridge's signature (its checkpoint
+    managers, local checkpoints, a stateful data loader); nothing here needs them."""
+    timers = state.timers
+    timers("interval-time").stop(barrier=True)
+    timers("save-checkpoint", log_level=0).start(barrier=True)
+    with forward_pre_hooks_paused(model):  # --overlap-param-gather: save gathered, current parameters
+        directory = checkpoint.save_checkpoint(state, model, optimizer, opt_param_scheduler)
+    timers("save-checkpoint").stop(barrier=True)
+    state.last_saved_step = state.train_state.step
+    metrics.compute_throughputs_and_append_to_progress_log(state, num_floating_point_operations_so_far)
+    seconds = timers("save-checkpoint").elapsed()
+    if state.cfg.checkpoint.async_save:  # published later, when every rank has written it
+        print_rank_0(f" scheduled async save of iteration {state.train_state.step:7d} to {directory} "
+                     f"[ {seconds * 1000:.1f} ms blocking ]")
+    else:
+        print_rank_0(f" successfully saved checkpoint from iteration {state.train_state.step:7d} to {directory} "
+                     f"[ {seconds * 1000:.1f} ms ]")
+    timers("interval-time").start(barrier=True)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import argparse
+import ast
 import dataclasses
 import glob
 import importlib
@@ -188,6 +189,73 @@ class ModelConfig:
         False, "Average the loss over all tokens of the global batch (each microbatch weighted by its tokens) instead "
                "of averaging each microbatch's mean: megatron-core's calculate_per_token_loss (the gradient is divided "
                "by the batch's token count when gradients are finalized).")
+    # Megatron-LM's architecture flags that are megatron-core TransformerConfig fields (transformer_config_extras),
+    # some also layer-spec arguments (model.layer_spec). Where megatron-core's local layers or this trainer's SDPA
+    # core attention cannot give a flag its meaning, validation says so in one line.
+    add_qkv_bias: bool = arg(False, "Biases in the query/key/value projection even with --disable-bias-linear "
+                                    "(Qwen2-style): megatron-core's add_qkv_bias.")
+    qk_layernorm: bool = arg(False, "Normalize each head's queries and keys (with --normalization's kind) before "
+                                    "the dot product: megatron-core's qk_layernorm.")
+    qk_l2_norm: bool = arg(False, "L2-normalize each head's queries and keys before the dot product (Llama 4): "
+                                  "megatron-core's qk_l2_norm.")
+    attention_softmax_in_fp32: bool = arg(
+        False, "Under --bf16/--fp16: attention masking and softmax in fp32, in megatron-core's own core attention "
+               "(--attention-backend local; PyTorch's SDPA and transformer-engine pick their own precision).")
+    apply_query_key_layer_scaling: bool = arg(
+        False, "Divide Q.K^T by the layer number before the softmax and multiply it back inside (the same result, "
+               "safer in fp16); implies --attention-softmax-in-fp32. In megatron-core's own core attention "
+               "(--attention-backend local) or transformer-engine's (which reads NVTE_APPLY_QK_LAYER_SCALING=1); "
+               "SDPA has nothing to rescale (inert).")
+    fp32_residual_connection: bool = arg(
+        False, "Under --bf16/--fp16: keep the residual stream in fp32 (transformer-engine layers only: the local "
+               "layers' torch norms refuse fp32 inputs with half-precision weights). Inert in fp32 training.")
+    squared_relu: bool = arg(False, "Squared ReLU, relu(x)^2, as the MLP activation instead of GeLU.")
+    quick_geglu: bool = arg(False, "Quick-GeGLU MLP: gated, with x * sigmoid(1.702 x) as the gate's activation.")
+    glu_linear_offset: float = arg(0.0, "Gated MLPs (--swiglu, --quick-geglu): act(gate) * (linear + this offset).")
+    activation_func_clamp_value: Optional[float] = arg(
+        None, "With --quick-geglu: clamp the gate half from above at this value and the linear half to [-value, value].",
+        bounds="(0, inf)")
+    rotary_interleaved: bool = arg(False, "Rotary embedding rotates pairs of even and odd dimensions (RoFormer, GPT-J) "
+                                          "instead of the first and second halves of each head (Llama).")
+    no_rope_freq: Optional[str] = arg(
+        None, "Layers without rotary embedding (Llama 4's NoPE layers): N skips it on every Nth layer, or a 0/1 list "
+              "with one entry per layer such as '([0]*3+[1])*2' (1: no rotary embedding).")
+    rope_type: Optional[str] = arg(
+        None, "Megatron-LM's rotary kind: rope is what dense attention uses (inert here); yarn is multi-latent "
+              "attention's (refused).", choices=["rope", "yarn"])
+    add_position_embedding: bool = arg(
+        True, "Megatron-LM's deprecated switch off the position embedding: with --position-embedding-type rope it "
+              "changes nothing (inert); otherwise Megatron-LM refuses it, and so does this trainer (use "
+              "--position-embedding-type none).", flag="--no-position-embedding")
+    embedding_init_method_std: Optional[float] = arg(
+        None, "Standard deviation of the normal initialisation of the embeddings. Default: --init-method-std.",
+        bounds="[0, inf)")
+    init_method_xavier_uniform: bool = arg(
+        False, "Xavier-uniform initialisation of every weight matrix (the output projections included) instead of "
+               "the normal one.")
+    perform_initialization: bool = arg(
+        True, "Leave the weights uninitialised, for weights that a checkpoint (--load, --pretrained-checkpoint) then "
+              "overwrites; without one the run trains whatever memory held.", flag="--no-initialization")
+    window_size: Optional[str] = arg(
+        None, "Sliding-window attention: 'LEFT,RIGHT', the tokens each query sees before and after itself (-1: all; "
+              "causal attention sees none after). megatron-core's own core attention (--attention-backend local) or "
+              "transformer-engine's.")
+    window_attn_skip_freq: Optional[str] = arg(
+        None, "With --window-size: N makes every Nth layer full attention and the others windowed, or a 0/1 list with "
+              "one entry per layer such as '([1]*3+[0])*2' (1: windowed).")
+    softmax_type: str = arg(
+        "vanilla", "Attention softmax: vanilla, off-by-one (a zero logit beside the keys) or learnable (a learned "
+                   "logit per head: attention sinks). megatron-core's own core attention (--attention-backend local) "
+                   "or transformer-engine's.", choices=["vanilla", "off-by-one", "learnable"])
+    attention_output_gate: bool = arg(
+        False, "Gate the attention output with a sigmoid of a per-head projection of the layer input (Qwen3-Next): "
+               "megatron-core's attention_output_gate.")
+    disable_bf16_reduced_precision_matmul: bool = arg(
+        False, "With --bf16 on a GPU: no reduced-precision reductions in bf16 matmuls (megatron-core sets "
+               "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False). Inert on the CPU.")
+    num_virtual_stages_per_pipeline_rank: Optional[int] = arg(
+        None, "Virtual pipeline stages per pipeline rank, instead of --num-layers-per-virtual-pipeline-stage (the "
+              "layers split evenly over them).", bounds="(0, inf)")
     # FP8 through transformer-engine (Megatron-LM's --fp8-* flags): accepted, refused by validation.
     fp8_format: Optional[str] = arg(None, "FP8 training through transformer-engine: e4m3 or hybrid (e4m3 forward, "
                                           "e5m2 backward). Refused here: this trainer does not drive FP8.",
@@ -291,6 +359,21 @@ class DistributedDataParallelConfig:
         False, "Accumulate and reduce gradients in fp32 (megatron-core DDP's grad_reduce_in_fp32), e.g. with --fp16. "
                "Implied by --bf16.")
     grad_reduce_in_bf16: bool = arg(False, "With --bf16: accumulate and reduce gradients in bf16 instead of fp32.")
+    # Megatron-LM's --ddp-* flags and its other megatron-core DistributedDataParallelConfig fields.
+    ddp_bucket_size: Optional[int] = arg(
+        None, "With --overlap-grad-reduce: parameters per gradient-reduction bucket. Default: megatron-core's, "
+              "max(40M, 1M x data-parallel size).", bounds="(0, inf)")
+    ddp_pad_buckets_for_high_nccl_busbw: bool = arg(
+        False, "Pad each bucket to a multiple of 2^16 elements (NCCL's bus bandwidth at large data-parallel sizes).")
+    ddp_average_in_collective: bool = arg(
+        False, "Average the gradients in the data-parallel collective (ReduceOp.AVG) instead of scaling them by "
+               "1/data-parallel size before a sum.")
+    check_for_large_grads: bool = arg(
+        False, "Before each reduction, check each bucket's local gradient norm against 10 times the largest of its "
+               "first 100 (megatron-core DDP's check, reported through the rerun state machine).")
+    num_distributed_optimizer_instances: int = arg(
+        1, "Megatron-LM's partial distributed optimizer: copies of the distributed optimizer across the data-parallel "
+           "ranks. Only 1 here (more needs process groups this trainer does not create).")
 
 
 @dataclass(frozen=True)
@@ -866,6 +949,8 @@ class ConfigContainer:
     use_gpu: bool = False
     padded_vocab_size: int = 0  # set at setup, from the tokenizer
     trainable_fraction: float = 1.0  # of the parameters; below 1 with PEFT's frozen weights (memory estimate)
+    # The flags of MEGATRON_LM_INERT_FLAGS given on the command line, as given (set by config_from_flags).
+    megatron_lm_inert: Optional[list] = None
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -953,6 +1038,73 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+# Megatron-LM's other spellings of flags declared by the dataclasses above (arguments.py, core_v0.16.1): each does
+# what the flag does.
+FLAG_ALIASES = {
+    "--no-manual-gc-eval": ("--disable-manual-gc-eval",),
+    "--save-interval": ("--persistent-save-interval",),
+    "--override-opt-param-scheduler": ("--override-opt_param-scheduler",),
+    "--use-checkpoint-opt-param-scheduler": ("--use-checkpoint-opt_param-scheduler",),
+}
+# Megatron-LM switches that set one of those settings to one value: (switch, section, field, value, help).
+FLAG_SWITCHES = [
+    ("--use-rotary-position-embeddings", "model", "position_embedding_type", "rope",
+     "Megatron-LM's deprecated switch for --position-embedding-type rope."),
+    ("--use-persistent-ckpt-worker", "checkpoint", "use_persistent_ckpt_worker", True,
+     "Megatron-LM's switch on for the persistent checkpoint writer, which is on by default here."),
+]
+
+# Megatron-LM flags (arguments.py, core_v0.16.1) accepted with no effect here and named once as inert in the printed
+# config: (why, ((flag, what it takes), ...)). What a flag takes: None for a switch, a type for one value, "*" for
+# any number of words, a list for its choices. The first group's are printed with the fused-kernel switches.
+MEGATRON_LM_INERT_FLAGS = [
+    ("a GPU kernel choice the local layers never use", (
+        ("--disable-jit-fuser", None), ("--use-te-activation-func", None),
+        ("--cross-entropy-fusion-impl", ["native", "te"]))),
+    ("no effect in Megatron-LM's own megatron-core GPT either (deprecated, or never read by megatron-core's "
+     "GPTModel and layers)", (
+        ("--use-flash-attn", None), ("--no-async-tensor-model-parallel-allreduce", None),
+        ("--disable-async-tensor-model-parallel-allreduce", None), ("--use-dist-ckpt", None),
+        ("--dist-ckpt-format", str), ("--ckpt-fully-parallel-save", None), ("--apply-residual-connection-post-layernorm", None),
+        ("--rotary-seq-len-interpolation-factor", int), ("--rope-scaling-factor", float), ("--onnx-safe", str),
+        ("--no-use-tokenizer-model-from-checkpoint-args", None),  # with --use-checkpoint-args only
+        ("--disable-use-tokenizer-model-from-checkpoint-args", None))),
+    ("a GPU placement, overlap, memory or launcher setting: it changes speed and memory, not what is computed", (
+        ("--local-rank", int),  # torchrun sets LOCAL_RANK, which is what is read here
+        ("--delay-wgrad-compute", None), ("--use-ring-exchange-p2p", None), ("--defer-embedding-wgrad-compute", None),
+        ("--wgrad-deferral-limit", int), ("--microbatch-group-size-per-virtual-pipeline-stage", int),
+        ("--account-for-embedding-in-pipeline-split", None), ("--account-for-loss-in-pipeline-split", None),
+        ("--pipeline-model-parallel-comm-backend", str), ("--max-seqlen-per-dp-cp-rank", int),
+        ("--distribute-saved-activations", None), ("--recompute-modules", "*"),
+        ("--no-clone-scatter-output-in-embedding", None), ("--disable-clone-scatter-output-in-embedding", None),
+        ("--symmetric-ar-type", str), ("--train-sync-interval", int), ("--no-pin-cpu-grads", None),
+        ("--no-pin-cpu-params", None), ("--high-priority-stream-groups", "*"), ("--disable-gloo-process-groups", None),
+        ("--no-scatter-gather-tensors-in-pipeline", None), ("--no-align-grad-reduce", None),
+        ("--no-align-param-gather", None), ("--no-gradient-reduce-div-fusion", None),
+        ("--use-nccl-ub", None), ("--disable-symmetric-registration", None), ("--use-sharp", None),
+        ("--sharp-enabled-group", ["dp", "dp_replica"]), ("--create-all-gather-group", None),
+        ("--nccl-communicator-config-path", str), ("--use-tp-pp-dp-mapping", None),
+        ("--distributed-timeout-seconds-after-init", int), ("--inprocess-empty-cuda-cache", None),
+        ("--exit-signal-handler-for-dataloader", None), ("--no-ckpt-fully-parallel-save", None),
+        ("--disable-ckpt-fully-parallel-save", None), ("--ckpt-fully-parallel-load", None),
+        ("--ckpt-assume-constant-structure", None), ("--distrib-optim-fully-reshardable-mem-efficient", None),
+        ("--dataloader-fast-cache-load", None), ("--dataloader-defer-npy-index-mmap", None),
+        ("--num-dataset-builder-threads", int), ("--per-dataset-sequences-path", str), ("--disable-msc", None))),
+    ("a tokenizer-library choice with no effect on the tokenizers here", (
+        ("--legacy-tokenizer", None), ("--tokenizer-hf-use-fast", None), ("--trust-remote-code", None),
+        ("--tiktoken-num-special-tokens", int), ("--tiktoken-special-tokens", "*"),
+        ("--tokenizer-sentencepiece-legacy", None), ("--sft-tokenizer-prompt-format", str))),
+    ("a logging setting of Megatron-LM's", (
+        ("--log-progress", None), ("--timing-log-option", ["max", "minmax", "all"]), ("--tensorboard-queue-size", int),
+        ("--no-log-loss-scale-to-tensorboard", None), ("--disable-log-loss-scale-to-tensorboard", None),
+        ("--log-memory-interval", int), ("--log-device-memory-used", None), ("--log-max-attention-logit", None),
+        ("--no-barrier-with-level-1-timing", None), ("--log-world-size-to-tensorboard", None), ("--log-energy", None),
+        ("--straggler-ctrlr-port", int), ("--disable-straggler-on-startup", None),
+        ("--result-rejected-tracker-filename", str), ("--config-logger-dir", str), ("--ft-num-warmup-iters", int))),
+]
+INERT_DEST = "megatron_lm_inert."  # argparse dest prefix of MEGATRON_LM_INERT_FLAGS
+
+
 def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
     """The argparse parser: one argument group per config section, one flag per field."""
     parser = OneLineParser(
@@ -968,22 +1120,31 @@ def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
         flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
         dest = f"{section}.{f.name}"
         help_text = f.metadata["help"]
+        flags = (flag, *FLAG_ALIASES.get(flag, ()))
         if tp is bool:
             action = "store_false" if f.default else "store_true"
-            group.add_argument(flag, dest=dest, action=action, help=help_text)
+            group.add_argument(*flags, dest=dest, action=action, help=help_text)
         elif isinstance(tp, tuple):  # a list of values
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-            group.add_argument(flag, dest=dest, nargs="+", type=tp[1], metavar=f.name.upper().split("_")[-1],
+            group.add_argument(*flags, dest=dest, nargs="+", type=tp[1], metavar=f.name.upper().split("_")[-1],
                                help=help_text + " (default: %s)" % default)
         else:
             group.add_argument(
-                flag, dest=dest, type=tp, choices=f.metadata["choices"],
+                *flags, dest=dest, type=tp, choices=f.metadata["choices"],
                 metavar=None if f.metadata["choices"] else f.name.upper(),
                 help=help_text + " (default: %s)" % (f.default,),
             )
         if f.metadata["off"]:
             group.add_argument(f.metadata["off"], dest=dest, action="store_const", const=None,
                                help=f"Unset {flag} (the last of the two given wins).")
+    for switch, section, name, value, help_text in FLAG_SWITCHES:
+        groups[section].add_argument(switch, dest=f"{section}.{name}", action="store_const", const=value, help=help_text)
+    inert = parser.add_argument_group("Megatron-LM flags with no effect here (accepted, named once in the printed config)")
+    for why, flags in MEGATRON_LM_INERT_FLAGS:
+        for flag, takes in flags:
+            kwargs = (dict(action="store_true") if takes is None else dict(nargs="*") if takes == "*" else
+                      dict(choices=takes) if isinstance(takes, list) else dict(type=takes, metavar=takes.__name__.upper()))
+            inert.add_argument(flag, dest=INERT_DEST + flag, help=f"Megatron-LM's; inert here: {why}.", **kwargs)
     return parser
 
 
@@ -1037,8 +1198,9 @@ UNSUPPORTED_FLAGS = [
       "--linear-key-head-dim", "--linear-value-head-dim", "--linear-num-key-heads", "--linear-num-value-heads",
       "--linear-attention-freq", "--experimental-attention-variant", "--dsa-", "--heterogeneous-layers-config-"),
      "Mamba, hybrid and experimental attention layers"),
-    (("--perform-rl-step", "--rl-", "--grpo-", "--langrl-", "--refit-method"), "reinforcement learning (GRPO)"),
-    (("--inference-", "--max-tokens-to-oom", "--use-legacy-static-engine", "--decode-only-cuda-graphs",
+    (("--perform-rl-step", "--rl-", "--no-rl-", "--grpo-", "--langrl-", "--no-langrl-", "--refit-method"),
+     "reinforcement learning (GRPO)"),
+    (("--inference-", "--no-inference-", "--max-tokens-to-oom", "--use-legacy-static-engine", "--decode-only-cuda-graphs",
       "--nccl-all-reduce-for-prefill", "--enable-chunked-prefill", "--disable-chunked-prefill", "--flash-decode",
       "--mlp-chunks-for-prefill", "--output-bert-embeddings", "--bert-embedder-type"),
      "the inference server (generate.py samples from a checkpoint)"),
@@ -1051,34 +1213,120 @@ UNSUPPORTED_FLAGS = [
       "--block-data-path", "--embedding-path", "--indexer-batch-size", "--indexer-log-interval",
       "--relative-attention-num-buckets", "--relative-attention-max-distance"), "T5, BERT, retro and retriever models"),
     (("--fp4-",), "FP4 training (transformer-engine's)"),
-    (("--cuda-graph-", "--enable-cuda-graph", "--external-cuda-graph"), "CUDA graphs"),
+    (("--cuda-graph-", "--enable-cuda-graph", "--external-cuda-graph", "--te-rng-tracker"),
+     "CUDA graphs (and transformer-engine's RNG tracker they need)"),
     (("--tp-comm-", "--no-tp-comm-", "--disable-tp-comm-"), "transformer-engine's userbuffer communication overlap"),
     (("--use-megatron-fsdp", "--use-torch-fsdp2", "--torch-fsdp2-", "--fsdp-", "--data-parallel-sharding-strategy",
       "--outer-dp-sharding-strategy", "--enable-full-sharding-in-hsdp", "--suggested-communication-unit-size",
-      "--keep-fp8-transpose-cache"), "FSDP (megatron-core DDP and the distributed optimizer shard here)"),
+      "--keep-fp8-transpose-cache", "--no-strict-fsdp-dtensor-load", "--disable-strict-fsdp-dtensor-load",
+      "--init-model-with-meta-device"), "FSDP (megatron-core DDP and the distributed optimizer shard here)"),
     (("--use-legacy-models",), "Megatron-LM's legacy models (megatron-core's GPTModel is the only model)"),
     (("--optimizer-cpu-offload", "--optimizer-offload-fraction", "--use-torch-optimizer-for-cpu-offload",
       "--overlap-cpu-optimizer-d2h-h2d", "--cpu-offloading-num-layers", "--fine-grained-activation-offloading",
       "--offload-modules", "--min-offloaded-tensor-size"), "CPU offloading of optimizer states or activations"),
     (("--one-logger-", "--no-one-logger", "--app-tag-run-"), "NVIDIA's one-logger"),
     (("--use-kitchen-", "--kitchen-"), "the kitchen extension"),
-    (("--muon-",), "the Muon optimizer (--optimizer adam or sgd here)"),
+    (("--muon-", "--qk-clip", "--qk-clip-"), "the Muon optimizer and its QK-clip (--optimizer adam or sgd here)"),
     (("--use-precision-aware-optimizer", "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype",
       "--exp-avg-sq-dtype"), "transformer-engine's precision-aware optimizer"),
     (("--non-persistent-", "--replication", "--replication-"), "non-persistent and local (replicated) checkpoints"),
     (("--ckpt-convert-",), "checkpoint conversion (hf.py converts to and from Hugging Face)"),
-    (("--adlr-autoresume",), "ADLR autoresume (--exit-signal-handler saves and exits on a signal)"),
+    (("--adlr-autoresume", "--adlr-autoresume-"), "ADLR autoresume (--exit-signal-handler saves and exits on a signal)"),
     (("--run-workload-inspector-server",), "the workload inspector server"),
 ]
 
 
+_NO_FP8 = "is a setting of transformer-engine's FP8 training, which this trainer does not drive; drop it (--bf16 trains " \
+          "without FP8)"
+# Megatron-LM flags (arguments.py, core_v0.16.1) refused for a reason of their own: deprecated ones Megatron-LM refuses
+# too, and settings whose meaning this trainer cannot give. (flags, the rest of the one-line error after the flag).
+MEGATRON_LM_REFUSED_FLAGS = [
+    (("--batch-size",), "is no longer valid in Megatron-LM either; use --micro-batch-size"),
+    (("--warmup",), "is no longer valid in Megatron-LM either; use --lr-warmup-fraction (or --lr-warmup-iters)"),
+    (("--model-parallel-size",), "is no longer valid in Megatron-LM either; use --tensor-model-parallel-size"),
+    (("--checkpoint-activations",), "is no longer valid in Megatron-LM either; use --recompute-activations, or "
+                                    "--recompute-granularity full with --recompute-method"),
+    (("--use-rope-scaling",), "(Llama 3.x RoPE frequency scaling) is a megatron-core GPTModel argument that this "
+                              "trainer's model builder does not pass; drop it"),
+    (("--fp16-lm-cross-entropy",), "(the cross entropy in fp16) is a megatron-core GPTModel argument that this trainer's "
+                                   "model builder does not pass; the loss is computed in fp32 here: drop it"),
+    (("--data-parallel-random-init",), "seeds each data-parallel rank differently (its dropout too); this trainer "
+                                       "seeds every data-parallel rank alike: drop it"),
+    (("--ddp-num-buckets",), "sizes buckets from the parameter count, which the DDP config here is built without; "
+                             "give --ddp-bucket-size (parameters per bucket) instead"),
+    (("--ddp-reduce-scatter-with-fp32-accumulation",), "(megatron-core's all-to-all reduce-scatter) is not wired into "
+                                                       "this trainer's gradient reduction; drop it"),
+    (("--overlap-param-gather-with-optimizer-step",), "needs a training loop that starts the parameter all-gather "
+                                                      "inside the optimizer step, which this one does not; drop it"),
+    (("--pipeline-model-parallel-layout",), "(a custom layout of layers over pipeline stages) is not supported; use "
+                                            "--decoder-first/last-pipeline-num-layers or --num-virtual-stages-per-"
+                                            "pipeline-rank"),
+    (("--batch-invariant-mode",), "(batch-invariant kernels) is not built here; --deterministic-mode makes runs "
+                                  "reproducible for a given batch size"),
+    (("--decrease-batch-size-if-needed",), "is not supported: the global batch must be a multiple of micro batch x "
+                                           "data-parallel size here; set --global-batch-size so"),
+    (("--check-weight-hash-across-dp-replicas-interval",), "is not checked by this trainer; drop it"),
+    (("--use-checkpoint-args", "--use-mp-args-from-checkpoint-args"),
+     "is not supported: settings come from the command line or --config-file (a checkpoint's run_config.yaml is "
+     "one)"),
+    (("--load-main-params-from-ckpt",), "is not supported: the fp32 main weights are made from the loaded weights; "
+                                        "drop it"),
+    (("--exit-on-missing-checkpoint",), "is not supported: a --load directory without a checkpoint trains from "
+                                        "scratch here, as Megatron-LM without the flag; check the path instead"),
+    (("--auto-detect-ckpt-format",), "is not supported: the loader detects the saved format and, when it differs, "
+                                     "names the --ckpt-format to pass"),
+    (("--dist-ckpt-strictness",), "is not supported: the loader matches the checkpoint's keys as checkpoint.py "
+                                  "does; drop it"),
+    (("--dist-ckpt-save-pre-mcore-014",), "is not supported: checkpoints are saved in megatron-core 0.16's format"),
+    (("--save-wgrads-interval", "--save-dgrads-interval"), "(gradient dumps) is not written by this trainer; drop it"),
+    (("--save-retain-interval",), "is not supported; --most-recent-k keeps the newest K checkpoints"),
+    (("--test-mode",), "(Megatron-LM's functional-test hooks) is not supported; drop it"),
+    (("--full-validation", "--multiple-validation-sets"), "is not supported: evaluation runs --eval-iters batches of "
+                                                          "the one validation split; drop it"),
+    (("--phase-transition-iterations",), "(training phases) is not supported; drop it"),
+    (("--data-args-path", "--per-split-data-args-path"), "is not read here; give the prefixes with --data-path (or "
+                                                         "--train-data-path, --valid-data-path, --test-data-path)"),
+    (("--sample-rate",), "(subsampling the training data) is not supported; drop it"),
+    (("--object-storage-cache-path",), "is not supported: datasets are read from the local file system"),
+    (("--mid-level-dataset-surplus",), "is not supported: blended datasets use megatron-core's default surplus; drop it"),
+    (("--allow-ambiguous-pad-tokens",), "is not supported: pad tokens are masked as megatron-core's GPTDataset does by "
+                                        "default; drop it"),
+    (("--fim-eod-token",), "is not supported: FIM samples end with the tokenizer's end-of-document token; drop it"),
+    (("--padded-vocab-size",), "is not supported: the vocabulary is padded from the tokenizer's size with "
+                               "--make-vocab-size-divisible-by"),
+    (("--tokenizer-metadata", "--tokenizer-special-tokens"), "is not read by the tokenizers here (HuggingFaceTokenizer: "
+                                                             "put special tokens in its tokenizer.json)"),
+    (("--tokenizer-hf-include-special-tokens",), "is not supported: the HuggingFace tokenizer here encodes without "
+                                                 "adding special tokens; drop it"),
+    (("--lazy-mpu-init",), "is for programs that call Megatron-LM's initialize_megatron themselves; drop it"),
+    (("--fake-process-group",), "(training without collectives, for benchmarks) is not supported; drop it"),
+    (("--spec",), "is not supported: this trainer builds its own layer spec from --transformer-impl, --normalization, "
+                  "--qk-layernorm and --qk-l2-norm"),
+    (("--yaml-cfg",), "is not read (Megatron-LM's YAML layout); --config-file takes this trainer's YAML, one mapping "
+                      "per section"),
+    (("--enable-experimental",), "is not supported: megatron-core's experimental features are not used here; drop it"),
+    (("--dump-param-to-param-group-map",), "is not supported: parameter groups come from "
+                                           "cfg.optimizer_config_override_provider"),
+    (("--apply-wd-to-qk-layernorm", "--no-weight-decay-cond-type"),
+     "is not supported: 1-D parameters (norms) get no weight decay here; subclass OptimizerConfigOverrideProvider to "
+     "change that"),
+    (("--fp8-quantizer-factory", "--fp8-interval", "--no-fp8-wgrad", "--disable-fp8-wgrad", "--first-last-layers-bf16",
+      "--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16", "--te-precision-config-file",
+      "--reuse-grad-buf-for-mxfp8-param-ag"), _NO_FP8),
+]
+
+
 def unsupported_flag(token: str) -> Optional[str]:
-    """The one-line reason a Megatron-LM flag is refused here, or None for a flag not in UNSUPPORTED_FLAGS."""
+    """The one-line reason a Megatron-LM flag is refused here, or None for a flag not in UNSUPPORTED_FLAGS or
+    MEGATRON_LM_REFUSED_FLAGS."""
     name = token.split("=", 1)[0]
     for names, machinery in UNSUPPORTED_FLAGS:
         if any(name == n or (n.endswith("-") and name.startswith(n)) for n in names):
             return (f"{name} is a Megatron-LM setting of {machinery}, which this trainer does not have (it trains dense "
                     f"GPT models); drop it")
+    for names, reason in MEGATRON_LM_REFUSED_FLAGS:
+        if name in names:
+            return f"{name} {reason}"
     return None
 
 
@@ -1097,6 +1345,9 @@ def config_from_flags(argv: list, world_size: Optional[int] = None, gpu: Optiona
     cfg = ConfigContainer()
     if "config_file" in ns:
         apply_overrides(cfg, _load_yaml(ns.pop("config_file")), source="--config-file")
+    inert = [(dest[len(INERT_DEST):], ns.pop(dest)) for dest in list(ns) if dest.startswith(INERT_DEST)]
+    cfg.megatron_lm_inert = [flag if value is True else " ".join([flag, *map(str, value)]) if isinstance(value, list)
+                             else f"{flag} {value}" for flag, value in inert] or None
     flags: dict = {}
     for dest, value in ns.items():
         section, name = dest.split(".", 1)
@@ -1300,6 +1551,95 @@ def _validate_model_sizes(cfg: ConfigContainer) -> None:
     for name in ("hidden_dropout", "attention_dropout"):
         if not (0.0 <= getattr(m, name) < 1.0):
             raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(m, name)}")
+    _validate_architecture(cfg)
+
+
+def layer_pattern(spec: str, flag: str, num_layers: int):
+    """Megatron-LM's per-layer pattern (--no-rope-freq, --window-attn-skip-freq) as megatron-core's TransformerConfig
+    takes it: an integer N as it is, or a list expression of 0/1 entries joined by + and repeated by *, such as
+    '([0]*3+[1])*2', read without eval (Megatron-LM evals it), as a list with one entry per layer."""
+    text = str(spec).strip()
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+
+    def value(node):
+        if isinstance(node, ast.List) and all(isinstance(e, ast.Constant) and e.value in (0, 1) and type(e.value) is int
+                                              for e in node.elts):
+            return [e.value for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            left, right = value(node.left), value(node.right)
+            if isinstance(left, list) and isinstance(right, list):
+                return left + right
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+            left = node.left if isinstance(node.left, ast.Constant) else node.right
+            pattern = value(node.right if left is node.left else node.left)
+            if isinstance(left, ast.Constant) and type(left.value) is int and isinstance(pattern, list) and \
+                    0 <= left.value and len(pattern) * left.value <= 100000:
+                return pattern * left.value
+        raise ValueError
+
+    try:
+        pattern = value(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, RecursionError):
+        raise ConfigError(f"{flag} {text!r} is neither a positive integer nor a list of 0s and 1s such as "
+                          f"'([0]*3+[1])*2'") from None
+    if len(pattern) != num_layers:
+        raise ConfigError(f"{flag} {text!r} has {len(pattern)} entries for {num_layers} layers (--num-layers); give "
+                          f"one per layer")
+    return pattern
+
+
+def parse_window_size(spec: str) -> tuple:
+    """--window-size 'LEFT,RIGHT' as megatron-core's (left, right) tuple (Megatron-LM's tuple_type)."""
+    try:
+        left, right = (int(x) for x in str(spec).strip("()[] ").split(","))
+    except ValueError:
+        raise ConfigError(f"--window-size {spec!r} must be two integers LEFT,RIGHT (-1: unlimited), e.g. 4096,0") from None
+    if min(left, right) < -1:
+        raise ConfigError(f"--window-size {spec!r}: each side is a number of tokens, or -1 for all of them")
+    return left, right
+
+
+def _validate_architecture(cfg: ConfigContainer) -> None:
+    """Megatron-LM's architecture flags that megatron-core's TransformerConfig takes (transformer_config_extras):
+    what Megatron-LM's validate_args and TransformerConfig refuse, and what would change nothing, is one line here."""
+    m = cfg.model
+    activations = [flag for flag, on in (("--swiglu", m.swiglu), ("--squared-relu", m.squared_relu),
+                                         ("--quick-geglu", m.quick_geglu), ("--openai-gelu", m.openai_gelu)) if on]
+    if len(activations) > 1:
+        raise ConfigError(f"{' and '.join(activations)} each choose the MLP's activation; give one")
+    if m.glu_linear_offset and not (m.swiglu or m.quick_geglu):
+        raise ConfigError("--glu-linear-offset shifts the linear half of a gated MLP; add --swiglu or --quick-geglu, "
+                          "or drop it")
+    if m.activation_func_clamp_value is not None and not m.quick_geglu:
+        raise ConfigError("--activation-func-clamp-value clamps the halves of --quick-geglu's MLP; add --quick-geglu or "
+                          "drop it")
+    if m.qk_layernorm and m.qk_l2_norm:
+        raise ConfigError("--qk-layernorm and --qk-l2-norm each normalize the queries and keys; give one")
+    if m.rope_type == "yarn":
+        raise ConfigError("--rope-type yarn is multi-latent attention's rotary embedding, which this trainer does not "
+                          "have (dense attention uses rope); drop it")
+    if not m.add_position_embedding and m.position_embedding_type != "rope":
+        raise ConfigError(f"--no-position-embedding is deprecated, and Megatron-LM refuses it without rope too "
+                          f"(--position-embedding-type {m.position_embedding_type}); use --position-embedding-type "
+                          f"none for no position embedding")
+    if m.position_embedding_type != "rope":
+        for on, flag in ((m.rotary_interleaved, "--rotary-interleaved"), (m.no_rope_freq is not None, "--no-rope-freq")):
+            if on:
+                raise ConfigError(f"{flag} changes the rotary embedding, but --position-embedding-type is "
+                                  f"{m.position_embedding_type}; add --position-embedding-type rope or drop it")
+    if m.no_rope_freq is not None:
+        pattern = layer_pattern(m.no_rope_freq, "--no-rope-freq", m.num_layers)
+        if isinstance(pattern, int) and m.num_layers % pattern:
+            raise ConfigError(f"--no-rope-freq {pattern} must divide --num-layers {m.num_layers} (megatron-core repeats "
+                              f"its pattern over the layers)")
+    if m.window_attn_skip_freq is not None:
+        if m.window_size is None:
+            raise ConfigError("--window-attn-skip-freq picks the layers of --window-size's sliding window; add "
+                              "--window-size or drop it")
+        layer_pattern(m.window_attn_skip_freq, "--window-attn-skip-freq", m.num_layers)
+    if m.window_size is not None:
+        parse_window_size(m.window_size)
 
 
 
@@ -1341,6 +1681,19 @@ def pipeline_stage_layers(m: ModelConfig) -> list:
 
 def _validate_pipeline_split(cfg: ConfigContainer) -> None:
     m = cfg.model
+    if m.num_virtual_stages_per_pipeline_rank is not None:
+        # Megatron-LM's other way to ask for virtual stages: their number, the layers of a stage split evenly over them
+        v, pp = m.num_virtual_stages_per_pipeline_rank, m.pipeline_model_parallel_size
+        if m.num_layers_per_virtual_pipeline_stage is not None:
+            raise ConfigError("--num-virtual-stages-per-pipeline-rank and --num-layers-per-virtual-pipeline-stage "
+                              "both set the virtual stages; give one")
+        if v > 1 and (pp == 1 or m.num_layers % pp or (m.num_layers // pp) % v):
+            raise ConfigError(f"--num-virtual-stages-per-pipeline-rank {v} needs --pipeline-model-parallel-size 2 or "
+                              f"more and layers that split evenly: {m.num_layers} layers over {pp} stages of {v} "
+                              f"virtual stages each")
+        if v > 1:  # one virtual stage per rank is no interleaving (Megatron-LM: None)
+            m.num_layers_per_virtual_pipeline_stage = m.num_layers // pp // v
+        m.num_virtual_stages_per_pipeline_rank = None  # said once, as layers per stage (run_config.yaml, generate.py)
     pp, uneven = m.pipeline_model_parallel_size, (m.decoder_first_pipeline_num_layers, m.decoder_last_pipeline_num_layers)
     if pp == 1 and any(v is not None for v in uneven):
         raise ConfigError("--decoder-first/last-pipeline-num-layers set a pipeline stage's layers; add "
@@ -1627,6 +1980,7 @@ def _validate_optimizer_and_schedule(cfg: ConfigContainer) -> None:
     _calculate_scheduler_steps(cfg)
     _validate_and_sync_distributed_optimizer_settings(cfg)
     _validate_overlap(cfg)
+    _validate_ddp(cfg)
 
 
 def _validate_training_scheduler_compatibility(cfg: ConfigContainer) -> None:
@@ -1715,6 +2069,17 @@ def _validate_and_sync_distributed_optimizer_settings(cfg: ConfigContainer) -> N
             print(f"train.py: note: ddp.use_distributed_optimizer={ddp_setting} and optimizer.use_distributed_optimizer="
                   f"{optimizer_setting} disagreed; using the distributed optimizer for both", file=sys.stderr)
         cfg.ddp.use_distributed_optimizer = cfg.optimizer.use_distributed_optimizer = True
+
+
+def _validate_ddp(cfg: ConfigContainer) -> None:
+    """Megatron-LM's --ddp-* flags and megatron-core DistributedDataParallelConfig fields (model.megatron_ddp_config)."""
+    d = cfg.ddp
+    if d.num_distributed_optimizer_instances != 1:
+        raise ConfigError(f"--num-distributed-optimizer-instances {d.num_distributed_optimizer_instances}: partial "
+                          f"distributed optimizers need process groups this trainer does not create; use 1 (or drop it)")
+    if d.ddp_average_in_collective and cfg.model.calculate_per_token_loss:
+        raise ConfigError("--ddp-average-in-collective averages over data-parallel ranks, but --calculate-per-token-loss "
+                          "sums and divides by the tokens (megatron-core refuses both); drop one")
 
 
 def _validate_overlap(cfg: ConfigContainer) -> None:
@@ -1946,6 +2311,26 @@ def _validate_machine(cfg: ConfigContainer) -> None:
         raise ConfigError("--apply-layernorm-1p (zero-centred gamma) needs transformer-engine layers: megatron-core's "
                           "local layers build a torch LayerNorm, which has none (as in Megatron-LM without apex); "
                           "add --transformer-impl transformer_engine on a GPU with transformer-engine, or drop it")
+    if m.fp32_residual_connection and (m.bf16 or m.fp16) and m.transformer_impl != "transformer_engine":
+        raise ConfigError("--fp32-residual-connection needs transformer-engine layers: the local layers' torch norms "
+                          "take no fp32 input with half-precision weights; add --transformer-impl transformer_engine "
+                          "on a GPU with transformer-engine, or drop it")
+    if m.transformer_impl != "transformer_engine" and m.attention_backend != "local":
+        for on, what in ((m.window_size is not None, f"--window-size {m.window_size}"),
+                         (m.softmax_type != "vanilla", f"--softmax-type {m.softmax_type}")):
+            if on:
+                raise ConfigError(f"{what} runs in megatron-core's own core attention, and the local layers use "
+                                  f"PyTorch's SDPA unless asked; add --attention-backend local")
+    if m.transformer_impl == "transformer_engine":
+        # transformer-engine takes query-key layer scaling from the environment only; megatron-core checks they agree.
+        env = os.environ.get("NVTE_APPLY_QK_LAYER_SCALING", "0").strip() not in ("", "0")
+        if m.apply_query_key_layer_scaling and not env:
+            raise ConfigError("--apply-query-key-layer-scaling with transformer-engine layers needs "
+                              "NVTE_APPLY_QK_LAYER_SCALING=1 in the environment (transformer-engine reads it there); "
+                              "set it")
+        if env and not m.apply_query_key_layer_scaling:
+            raise ConfigError("NVTE_APPLY_QK_LAYER_SCALING asks transformer-engine for query-key layer scaling; add "
+                              "--apply-query-key-layer-scaling or unset it")
 
 
 def _validate_peft(cfg: ConfigContainer) -> None:
@@ -2134,7 +2519,8 @@ def print_config(cfg: ConfigContainer, file=sys.stdout) -> None:
         print(f" inert here (fused GPU kernels the local layers never use): {' '.join(fused)}", file=file)
     other = inert_flags(cfg)[len(fused):]
     if other:
-        print(f" inert here (Megatron-LM placement, memory and deprecated switches with no effect in this trainer): "
+        print(f" inert here (Megatron-LM placement, memory, logging and deprecated switches with no effect in this "
+              f"trainer): "
               f"{' '.join(other)}", file=file)
     if cfg.logger.log_non_default_values:
         cfg.log_non_default_values(file)
@@ -2166,7 +2552,21 @@ INERT_SETTINGS = {
     ("dataset", "mmap_bin_files"): None,
     ("dataset", "create_attention_mask_in_dataloader"): None,
     ("tokenizer", "tiktoken_pattern"): None,
+    ("model", "rope_type"): None,  # rope: what dense attention uses (yarn is refused)
+    ("model", "add_position_embedding"): None,  # --no-position-embedding with rope (refused without)
+    ("model", "disable_bf16_reduced_precision_matmul"): lambda cfg: not (cfg.use_gpu and cfg.model.bf16),
+    # fp32 training: the residual stream is fp32 already (Megatron-LM asks for --bf16/--fp16; generate.py runs in fp32)
+    ("model", "fp32_residual_connection"): lambda cfg: not (cfg.model.bf16 or cfg.model.fp16),
+    ("model", "attention_softmax_in_fp32"): lambda cfg: not (_own_core_attention(cfg) and (cfg.model.bf16 or cfg.model.fp16)),
+    ("model", "apply_query_key_layer_scaling"): lambda cfg: cfg.model.transformer_impl != "transformer_engine" and not _own_core_attention(cfg),
+    ("ddp", "ddp_bucket_size"): lambda cfg: not cfg.ddp.overlap_grad_reduce,  # megatron-core: one bucket without overlap
 }
+
+
+def _own_core_attention(cfg: ConfigContainer) -> bool:
+    """Whether the layers run megatron-core's local DotProductAttention (--attention-backend local), whose softmax
+    --attention-softmax-in-fp32 and --apply-query-key-layer-scaling set (SDPA and transformer-engine pick their own)."""
+    return cfg.model.transformer_impl != "transformer_engine" and cfg.model.attention_backend == "local"
 
 
 def _setting_flag(cfg: ConfigContainer, section: str, name: str) -> Optional[str]:
@@ -2181,14 +2581,17 @@ def _setting_flag(cfg: ConfigContainer, section: str, name: str) -> Optional[str
 
 
 def inert_flags(cfg: ConfigContainer, fused_only: bool = False) -> list:
-    """The Megatron-LM flags given that change nothing here, as flags: the kernel-fusion switches, then (unless
-    fused_only) INERT_SETTINGS."""
+    """The Megatron-LM flags given that change nothing here, as flags: the kernel-fusion switches and the first group
+    of MEGATRON_LM_INERT_FLAGS, then (unless fused_only) INERT_SETTINGS and the other MEGATRON_LM_INERT_FLAGS given."""
+    given = cfg.megatron_lm_inert or []
+    kernels = {flag for flag, _ in MEGATRON_LM_INERT_FLAGS[0][1]}
     flags = ["--" + name.replace("_", "-") for name in INERT if getattr(cfg.model, name)]
+    flags += [flag for flag in given if flag.split(" ", 1)[0] in kernels]
     for (section, name), when in ([] if fused_only else INERT_SETTINGS.items()):
         flag = _setting_flag(cfg, section, name)
         if flag and (when is None or when(cfg)):
             flags.append(flag)
-    return flags
+    return flags + ([] if fused_only else [flag for flag in given if flag.split(" ", 1)[0] not in kernels])
 
 
 def transformer_config_extras(cfg: ConfigContainer) -> dict:
@@ -2199,7 +2602,31 @@ def transformer_config_extras(cfg: ConfigContainer) -> dict:
 
     m = cfg.model
     extras = dict(calculate_per_token_loss=m.calculate_per_token_loss,
-                  layernorm_zero_centered_gamma=m.apply_layernorm_1p)
+                  layernorm_zero_centered_gamma=m.apply_layernorm_1p,
+                  add_qkv_bias=m.add_qkv_bias,
+                  qk_layernorm=m.qk_layernorm,  # with the layer spec's q/k norms (model.layer_spec)
+                  qk_l2_norm=m.qk_l2_norm,
+                  # Megatron-LM's default is off (store_true), megatron-core's TransformerConfig's on.
+                  attention_softmax_in_fp32=m.attention_softmax_in_fp32,
+                  apply_query_key_layer_scaling=m.apply_query_key_layer_scaling,
+                  fp32_residual_connection=m.fp32_residual_connection,
+                  glu_linear_offset=m.glu_linear_offset,
+                  activation_func_clamp_value=m.activation_func_clamp_value,
+                  rotary_interleaved=m.rotary_interleaved,
+                  no_rope_freq=None if m.no_rope_freq is None else layer_pattern(m.no_rope_freq, "--no-rope-freq",
+                                                                                 m.num_layers),
+                  embedding_init_method_std=m.embedding_init_method_std,
+                  perform_initialization=m.perform_initialization,
+                  window_size=None if m.window_size is None else parse_window_size(m.window_size),
+                  window_attn_skip_freq=None if m.window_attn_skip_freq is None else layer_pattern(
+                      m.window_attn_skip_freq, "--window-attn-skip-freq", m.num_layers),
+                  softmax_type=m.softmax_type,
+                  attention_output_gate=m.attention_output_gate,
+                  disable_bf16_reduced_precision_matmul=m.disable_bf16_reduced_precision_matmul)
+    if m.init_method_xavier_uniform:  # Megatron-LM's init_method and scaled_init_method (megatron-core's output_layer_)
+        import torch
+
+        extras.update(init_method=torch.nn.init.xavier_uniform_, output_layer_init_method=torch.nn.init.xavier_uniform_)
     if m.transformer_impl == "transformer_engine":  # TE's kernel choice; the local layers keep their own
         extras["attention_backend"] = AttnBackend[m.attention_backend]
     return extras

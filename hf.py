@@ -84,6 +84,13 @@ def layout_mismatches(m, layout: str) -> list:
                  (m.rotary_percent == 1.0, f"rope on whole heads (has --rotary-percent {m.rotary_percent})"),
                  (m.normalization == "RMSNorm", f"RMSNorm (has {m.normalization})"),
                  (m.swiglu, "SwiGLU (has GeLU)")]
+    # Megatron-LM's variants that neither transformers layout has: each one named, never exported wrongly.
+    needs += [(not getattr(m, flag, False), f"no --{flag.replace('_', '-')}") for flag in
+              ("add_qkv_bias", "qk_layernorm", "qk_l2_norm", "squared_relu", "quick_geglu", "apply_layernorm_1p",
+               "attention_output_gate", "rotary_interleaved", "window_size", "activation_func_clamp_value",
+               "no_rope_freq")]
+    needs += [(not getattr(m, "glu_linear_offset", 0.0), "no --glu-linear-offset"),
+              (getattr(m, "softmax_type", "vanilla") == "vanilla", "the plain softmax (has --softmax-type)")]
     return [what for ok, what in needs if not ok]
 
 

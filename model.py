@@ -104,6 +104,13 @@ def transformer_config(cfg) -> TransformerConfig:
     """megatron-core's TransformerConfig from our ModelConfig (Megatron-LM's `core_transformer_config_from_args`)."""
     m = cfg.model
     dtype = torch.bfloat16 if m.bf16 else torch.float16 if m.fp16 else torch.float32
+    # The MLP's activation and whether it is gated, as Megatron-LM's core_transformer_config_from_args picks them.
+    from megatron.core.activations import squared_relu
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    activation_func, gated_linear_unit = (
+        (F.silu, True) if m.swiglu else (squared_relu, False) if m.squared_relu else (quick_gelu, True) if m.quick_geglu
+        else (functools.partial(F.gelu, approximate="tanh") if m.openai_gelu else F.gelu, False))
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -116,8 +123,8 @@ def transformer_config(cfg) -> TransformerConfig:
         init_method_std=m.init_method_std,
         normalization=m.normalization,
         layernorm_epsilon=m.norm_epsilon,
-        gated_linear_unit=m.swiglu,
-        activation_func=F.silu if m.swiglu else functools.partial(F.gelu, approximate="tanh") if m.openai_gelu else F.gelu,
+        gated_linear_unit=gated_linear_unit,
+        activation_func=activation_func,
         add_bias_linear=m.add_bias_linear,
         tensor_model_parallel_size=m.tensor_model_parallel_size,
         pipeline_model_parallel_size=m.pipeline_model_parallel_size,
@@ -145,7 +152,8 @@ def transformer_config(cfg) -> TransformerConfig:
         deterministic_mode=m.deterministic_mode,  # e.g. an embedding backward without atomics
         cross_entropy_loss_fusion=m.cross_entropy_loss_fusion,
         cp_comm_type=m.cp_comm_type[0] if len(m.cp_comm_type) == 1 else m.cp_comm_type,
-        **transformer_config_extras(cfg),  # --calculate-per-token-loss, --apply-layernorm-1p, TE's attention kernel
+        # --calculate-per-token-loss, --apply-layernorm-1p, TE's attention kernel, --add-qkv-bias, --qk-layernorm, ...
+        **transformer_config_extras(cfg),
     )
 
 
@@ -153,11 +161,14 @@ def layer_spec(cfg):
     """transformer-engine layers when asked for (the default on a GPU with TE installed), else
     megatron-core's local layers, with SDPAttention as the core attention unless --attention-backend local
     asks for megatron-core's own DotProductAttention."""
-    if cfg.model.transformer_impl == "transformer_engine":
+    m = cfg.model
+    if m.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=m.qk_layernorm, qk_l2_norm=m.qk_l2_norm)
+    # --qk-layernorm / --qk-l2-norm: the spec's q/k norms (Megatron-LM's gpt_builders passes the local spec no
+    # qk_l2_norm, which leaves it without effect there; here it means on the local layers what it means on TE's).
+    spec = get_gpt_layer_local_spec(normalization=m.normalization, qk_layernorm=m.qk_layernorm, qk_l2_norm=m.qk_l2_norm)
     if cfg.model.attention_backend != "local":
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return spec
@@ -274,6 +285,13 @@ def megatron_ddp_config(cfg) -> DistributedDataParallelConfig:
         overlap_grad_reduce=cfg.ddp.overlap_grad_reduce,
         overlap_param_gather=cfg.ddp.overlap_param_gather,
         use_distributed_optimizer=cfg.ddp.use_distributed_optimizer,
+        # Megatron-LM's --ddp-* flags (its get_model); a bucket size without --overlap-grad-reduce is dropped by
+        # megatron-core's DDP, as by Megatron-LM.
+        bucket_size=cfg.ddp.ddp_bucket_size,
+        pad_buckets_for_high_nccl_busbw=cfg.ddp.ddp_pad_buckets_for_high_nccl_busbw,
+        average_in_collective=cfg.ddp.ddp_average_in_collective,
+        check_for_large_grads=cfg.ddp.check_for_large_grads,
+        num_distributed_optimizer_instances=cfg.ddp.num_distributed_optimizer_instances,
         # Off: train_step stops on a NaN or Inf loss with one line and no checkpoint; megatron DDP's own check
         # would raise from inside the backward pass instead.
         check_for_nan_in_grad=False,

@@ -4,6 +4,7 @@ and HF -> ours -> HF gives back the same tensors."""
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -157,6 +158,19 @@ def test_a_model_no_layout_can_express_is_one_line_naming_the_differences():
     assert "GPT-2 needs learned_absolute positions (has rope)" in message
     assert "LLaMA needs RMSNorm (has LayerNorm), SwiGLU (has GeLU)" in message
     assert hf.choose_layout(config.parse_args(["--mock-data", *LLAMA_FLAGS], world_size=1, gpu=False).model) == "llama"
+
+
+@pytest.mark.parametrize("flags, named", [(["--qk-layernorm"], "no --qk-layernorm"),
+                                          (["--add-qkv-bias"], "no --add-qkv-bias"),
+                                          (["--softmax-type", "off-by-one", "--attention-backend", "local"],
+                                           "the plain softmax (has --softmax-type)")])
+def test_megatron_lm_variants_no_layout_has_are_refused_by_name(flags, named):
+    """A LLaMA-like model with one of Megatron-LM's variants exports to no layout: the error names it."""
+    import hf
+
+    m = config.parse_args(["--mock-data", *LLAMA_FLAGS, *flags], world_size=1, gpu=False).model
+    with pytest.raises(config.ConfigError, match=f"LLaMA needs .*{re.escape(named)}"):
+        hf.choose_layout(m)
 
 
 def test_import_refuses_pickled_weights_and_unknown_layouts(tmp_path, capsys):

@@ -117,7 +117,7 @@ def test_llama3_8b_fp8_script_validates_without_its_fp8_lines(tmp_path, capsys, 
     assert d.mock_data and d.split == "99,1,0" and cfg.tokenizer.vocab_size == 1024
     assert cfg.profiling.use_nsys_profiler and t.empty_unused_memory_level == 1
     inert = [line for line in printed_config(cfg).splitlines() if line.startswith(" inert here")]
-    assert inert == [" inert here (Megatron-LM placement, memory and deprecated switches with no effect in this "
+    assert inert == [" inert here (Megatron-LM placement, memory, logging and deprecated switches with no effect in this "
                      "trainer): --use-mcore-models --empty-unused-memory-level 1 --no-mmap-bin-files "
                      "--no-create-attention-mask-in-dataloader --tiktoken-pattern v2"]
     # With its FP8 lines and transformer-engine installed: still one line, this trainer does not drive FP8.
@@ -256,7 +256,7 @@ def test_inert_switches_are_named_once_and_only_where_they_are_inert(with_te):
     cfg = config.parse_args([*fused, *other], world_size=1, gpu=False)  # local layers: SDPA picks its own kernel
     lines = [line for line in printed_config(cfg).splitlines() if line.startswith(" inert here")]
     assert lines == [" inert here (fused GPU kernels the local layers never use): --no-persist-layer-norm --no-rope-fusion",
-                     " inert here (Megatron-LM placement, memory and deprecated switches with no effect in this "
+                     " inert here (Megatron-LM placement, memory, logging and deprecated switches with no effect in this "
                      "trainer): " + " ".join(other)]
     # transformer-engine layers: --attention-backend picks TE's kernel, it is not inert
     cfg = config.parse_args(["--attention-backend", "flash"], world_size=1, gpu=True)
@@ -273,12 +273,13 @@ def test_transformer_config_extras_are_megatron_core_fields(with_te):
 
     cfg = config.parse_args(["--calculate-per-token-loss"], world_size=1, gpu=False)
     extras = config.transformer_config_extras(cfg)
-    assert extras == dict(calculate_per_token_loss=True, layernorm_zero_centered_gamma=False)
+    assert (extras["calculate_per_token_loss"], extras["layernorm_zero_centered_gamma"]) == (True, False)
+    assert "attention_backend" not in extras
     assert dataclasses.replace(transformer_config(cfg), **extras).calculate_per_token_loss
     cfg = config.parse_args(["--apply-layernorm-1p", "--attention-backend", "fused"], world_size=1, gpu=True)
     extras = config.transformer_config_extras(cfg)
-    assert extras == dict(calculate_per_token_loss=False, layernorm_zero_centered_gamma=True,
-                          attention_backend=AttnBackend.fused)
+    assert (extras["calculate_per_token_loss"], extras["layernorm_zero_centered_gamma"]) == (False, True)
+    assert extras["attention_backend"] == AttnBackend.fused
     tc = dataclasses.replace(transformer_config(cfg), **extras)
     assert tc.layernorm_zero_centered_gamma and tc.attention_backend == AttnBackend.fused
 
@@ -363,6 +364,30 @@ MEGATRON_LM_DEFAULTS = [
     ("--fp8-amax-history-len", 1, "TransformerConfig.fp8_amax_history_len"),
     ("--fp8-amax-compute-algo", "most_recent", "TransformerConfig.fp8_amax_compute_algo"),
     ("--fp8-param-gather", False, "arguments.py _add_transformer_engine_args, store_true"),
+    ("--add-qkv-bias", False, "TransformerConfig.add_qkv_bias"),
+    ("--qk-layernorm", False, "TransformerConfig.qk_layernorm"),
+    ("--qk-l2-norm", False, "TransformerConfig.qk_l2_norm"),
+    ("--attention-softmax-in-fp32", False, "arguments.py _add_mixed_precision_args, store_true (TransformerConfig's "
+                                           "own attention_softmax_in_fp32 defaults to True)"),
+    ("--apply-query-key-layer-scaling", False, "TransformerConfig.apply_query_key_layer_scaling"),
+    ("--fp32-residual-connection", False, "TransformerConfig.fp32_residual_connection"),
+    ("--squared-relu", False, "arguments.py _add_network_size_args, store_true"),
+    ("--quick-geglu", False, "arguments.py _add_network_size_args, store_true"),
+    ("--glu-linear-offset", 0.0, "TransformerConfig.glu_linear_offset"),
+    ("--activation-func-clamp-value", None, "TransformerConfig.activation_func_clamp_value"),
+    ("--rotary-interleaved", False, "TransformerConfig.rotary_interleaved"),
+    ("--no-rope-freq", None, "arguments.py _add_network_size_args"),
+    ("--rope-type", None, "arguments.py _add_training_args"),
+    ("--no-position-embedding", True, "arguments.py _add_network_size_args, store_false (add_position_embedding)"),
+    ("--embedding-init-method-std", None, "TransformerConfig.embedding_init_method_std (then --init-method-std)"),
+    ("--init-method-xavier-uniform", False, "arguments.py _add_initialization_args, store_true"),
+    ("--no-initialization", True, "TransformerConfig.perform_initialization (its flag turns it off)"),
+    ("--window-size", None, "arguments.py _add_network_size_args"),
+    ("--window-attn-skip-freq", None, "arguments.py _add_network_size_args"),
+    ("--softmax-type", "vanilla", "TransformerConfig.softmax_type"),
+    ("--attention-output-gate", False, "TransformerConfig.attention_output_gate"),
+    ("--disable-bf16-reduced-precision-matmul", False, "TransformerConfig.disable_bf16_reduced_precision_matmul"),
+    ("--num-virtual-stages-per-pipeline-rank", None, "arguments.py _add_distributed_args"),
     # train
     ("--global-batch-size", None, "TrainingConfig.global_batch_size (micro batch x data-parallel size)"),
     ("--rampup-batch-size", None, "TrainingConfig.rampup_batch_size"),
@@ -415,6 +440,11 @@ MEGATRON_LM_DEFAULTS = [
     ("--overlap-param-gather", False, "arguments.py _add_distributed_args, store_true"),
     ("--accumulate-allreduce-grads-in-fp32", False, "arguments.py _add_mixed_precision_args (validate_args: on for bf16)"),
     ("--grad-reduce-in-bf16", False, "arguments.py _add_mixed_precision_args, store_true"),
+    ("--ddp-bucket-size", None, "arguments.py _add_distributed_args (training.py get_model: megatron-core's size)"),
+    ("--ddp-pad-buckets-for-high-nccl-busbw", False, "arguments.py _add_distributed_args, store_true"),
+    ("--ddp-average-in-collective", False, "arguments.py _add_distributed_args, store_true"),
+    ("--check-for-large-grads", False, "arguments.py _add_training_args, store_true"),
+    ("--num-distributed-optimizer-instances", 1, "arguments.py _add_distributed_args"),
     # rerun state machine
     ("--error-injection-rate", 0, "RerunStateMachineConfig.error_injection_rate"),
     ("--error-injection-type", "transient_error", "RerunStateMachineConfig.error_injection_type"),
@@ -467,3 +497,435 @@ def test_the_readme_lists_every_default_that_is_ours():
     for flag, value in OURS.items():
         section_name, name = _field_of(flag)
         assert getattr(getattr(config.ConfigContainer(), section_name), name) == value, flag
+
+
+# --- 5. the rest of Megatron-LM's flags: with their meaning, inert, or refused by name ------------------------------
+
+# Every flag of Megatron-LM's arguments.py (core_v0.16.1) that this parser still left to argparse's generic
+# "unrecognized arguments" before each was decided: mapped, an alias, inert, or refused by name.
+MEGATRON_LM_FLAGS_DECIDED = """
+    --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split --activation-func-clamp-value
+    --add-qkv-bias --adlr-autoresume-interval --allow-ambiguous-pad-tokens --apply-query-key-layer-scaling
+    --apply-residual-connection-post-layernorm --apply-wd-to-qk-layernorm --attention-output-gate
+    --attention-softmax-in-fp32 --auto-detect-ckpt-format --batch-invariant-mode --batch-size --check-for-large-grads
+    --check-weight-hash-across-dp-replicas-interval --checkpoint-activations --ckpt-assume-constant-structure
+    --ckpt-fully-parallel-load --ckpt-fully-parallel-save --config-logger-dir --create-all-gather-group
+    --cross-entropy-fusion-impl --data-args-path --data-parallel-random-init --dataloader-defer-npy-index-mmap
+    --dataloader-fast-cache-load --ddp-average-in-collective --ddp-bucket-size --ddp-num-buckets
+    --ddp-pad-buckets-for-high-nccl-busbw --ddp-reduce-scatter-with-fp32-accumulation --decrease-batch-size-if-needed
+    --defer-embedding-wgrad-compute --delay-wgrad-compute --disable-async-tensor-model-parallel-allreduce
+    --disable-bf16-reduced-precision-matmul --disable-ckpt-fully-parallel-save
+    --disable-clone-scatter-output-in-embedding --disable-fp8-wgrad --disable-gloo-process-groups --disable-jit-fuser
+    --disable-log-loss-scale-to-tensorboard --disable-manual-gc-eval --disable-msc --disable-straggler-on-startup
+    --disable-strict-fsdp-dtensor-load --disable-symmetric-registration
+    --disable-use-tokenizer-model-from-checkpoint-args --dist-ckpt-format --dist-ckpt-save-pre-mcore-014
+    --dist-ckpt-strictness --distrib-optim-fully-reshardable-mem-efficient --distribute-saved-activations
+    --distributed-timeout-seconds-after-init --dump-param-to-param-group-map --embedding-init-method-std
+    --enable-experimental --exit-on-missing-checkpoint --exit-signal-handler-for-dataloader --fake-process-group
+    --fim-eod-token --first-last-layers-bf16 --fp16-lm-cross-entropy --fp32-residual-connection --fp8-interval
+    --fp8-quantizer-factory --ft-num-warmup-iters --full-validation --glu-linear-offset --high-priority-stream-groups
+    --init-method-xavier-uniform --init-model-with-meta-device --inprocess-empty-cuda-cache --lazy-mpu-init
+    --legacy-tokenizer --load-main-params-from-ckpt --local-rank --log-device-memory-used --log-energy
+    --log-max-attention-logit --log-memory-interval --log-progress --log-world-size-to-tensorboard
+    --max-seqlen-per-dp-cp-rank --microbatch-group-size-per-virtual-pipeline-stage --mid-level-dataset-surplus
+    --model-parallel-size --multiple-validation-sets --nccl-communicator-config-path --no-align-grad-reduce
+    --no-align-param-gather --no-async-tensor-model-parallel-allreduce --no-barrier-with-level-1-timing
+    --no-ckpt-fully-parallel-save --no-clone-scatter-output-in-embedding --no-fp8-wgrad
+    --no-gradient-reduce-div-fusion --no-inference-wandb-logging --no-initialization --no-langrl-external-server
+    --no-log-loss-scale-to-tensorboard --no-pin-cpu-grads --no-pin-cpu-params --no-position-embedding
+    --no-rl-inference-logprobs-is-correction --no-rl-offload-inference-model-weights-when-idle
+    --no-rl-offload-kv-cache-during-training --no-rl-partial-rollouts --no-rl-remove-kv-cache-during-training
+    --no-rl-reset-cuda-graphs --no-rl-skip-bos-token --no-rl-training-cuda-graphs --no-rl-use-sequence-packing
+    --no-rl-verify-model-weights-swap --no-rope-freq --no-scatter-gather-tensors-in-pipeline
+    --no-strict-fsdp-dtensor-load --no-use-tokenizer-model-from-checkpoint-args --no-weight-decay-cond-type
+    --num-dataset-builder-threads --num-distributed-optimizer-instances --num-layers-at-end-in-bf16
+    --num-layers-at-start-in-bf16 --num-virtual-stages-per-pipeline-rank --object-storage-cache-path --onnx-safe
+    --overlap-param-gather-with-optimizer-step --override-opt_param-scheduler --padded-vocab-size
+    --per-dataset-sequences-path --per-split-data-args-path --persistent-save-interval --phase-transition-iterations
+    --pipeline-model-parallel-comm-backend --pipeline-model-parallel-layout --qk-clip --qk-clip-alpha
+    --qk-clip-threshold --qk-l2-norm --qk-layernorm --quick-geglu --recompute-modules
+    --result-rejected-tracker-filename --reuse-grad-buf-for-mxfp8-param-ag --rope-scaling-factor --rope-type
+    --rotary-interleaved --rotary-seq-len-interpolation-factor --sample-rate --save-dgrads-interval
+    --save-retain-interval --save-wgrads-interval --sft-tokenizer-prompt-format --sharp-enabled-group --softmax-type
+    --spec --squared-relu --straggler-ctrlr-port --symmetric-ar-type --te-precision-config-file --te-rng-tracker
+    --tensorboard-queue-size --test-mode --tiktoken-num-special-tokens --tiktoken-special-tokens --timing-log-option
+    --tokenizer-hf-include-special-tokens --tokenizer-hf-use-fast --tokenizer-metadata
+    --tokenizer-sentencepiece-legacy --tokenizer-special-tokens --train-sync-interval --trust-remote-code
+    --use-checkpoint-args --use-checkpoint-opt_param-scheduler --use-dist-ckpt --use-flash-attn
+    --use-mp-args-from-checkpoint-args --use-nccl-ub --use-persistent-ckpt-worker --use-ring-exchange-p2p
+    --use-rope-scaling --use-rotary-position-embeddings --use-sharp --use-te-activation-func --use-tp-pp-dp-mapping
+    --warmup --wgrad-deferral-limit --window-attn-skip-freq --window-size --yaml-cfg
+""".split()
+
+
+def test_no_megatron_lm_flag_gets_argparses_generic_error(capsys):
+    known = {s for action in config.build_parser()._actions for s in action.option_strings}
+    assert len(MEGATRON_LM_FLAGS_DECIDED) == 192
+    assert [f for f in MEGATRON_LM_FLAGS_DECIDED if f not in known and config.unsupported_flag(f) is None] == []
+    for flag in MEGATRON_LM_FLAGS_DECIDED:
+        if flag not in known:  # a value after it, for the flags that take one
+            err = config_error([flag, "1"], capsys)
+            assert err.startswith(f"train.py: error: {flag} ") and "unrecognized arguments" not in err, err
+
+
+ARCH = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def _attention(gpt, layer=0):
+    return gpt.decoder.layers[layer].self_attention
+
+
+def _named(fn, module: str, name: str) -> bool:
+    import importlib
+
+    return fn is getattr(importlib.import_module(module), name)
+
+
+def _quick_geglu_mlp(gpt, offset: float, clamp: float) -> bool:
+    """The first layer's MLP is fc2(quick_gelu(clamp(gate)) * (clamp(linear) + offset)) of fc1's two halves."""
+    import torch
+
+    mlp = gpt.decoder.layers[0].mlp
+    x = torch.randn(5, 2, 64)
+    out, bias = mlp(x)
+    gate, linear = (x @ mlp.linear_fc1.weight.t()).chunk(2, dim=-1)
+    gate, linear = gate.clamp(max=clamp), linear.clamp(-clamp, clamp)
+    expected = (gate * torch.sigmoid(1.702 * gate) * (linear + offset)) @ mlp.linear_fc2.weight.t()
+    return bias is None and torch.allclose(out, expected, atol=1e-5)
+
+
+# (flags, what megatron-core's TransformerConfig holds, what the GPT built from it shows)
+ARCHITECTURE_FLAGS = [
+    (["--add-qkv-bias", "--disable-bias-linear"], lambda tc: tc.add_qkv_bias and not tc.add_bias_linear,
+     lambda g: _attention(g).linear_qkv.bias is not None and _attention(g).linear_proj.bias is None),
+    (["--qk-layernorm"], lambda tc: tc.qk_layernorm,
+     lambda g: tuple(_attention(g).q_layernorm.weight.shape) == (16,) and hasattr(_attention(g).k_layernorm, "weight")),
+    (["--qk-layernorm", "--normalization", "RMSNorm"], lambda tc: tc.qk_layernorm,
+     lambda g: "RMSNorm" in type(_attention(g).q_layernorm).__name__),
+    (["--qk-l2-norm"], lambda tc: tc.qk_l2_norm,
+     lambda g: type(_attention(g).q_layernorm).__name__ == type(_attention(g).k_layernorm).__name__ == "L2Norm"),
+    (["--bf16", "--attention-backend", "local"], lambda tc: tc.attention_softmax_in_fp32 is False,  # Megatron-LM's
+     lambda g: _attention(g).core_attention.scale_mask_softmax.softmax_in_fp32 is False),
+    (["--bf16", "--attention-backend", "local", "--attention-softmax-in-fp32"], lambda tc: tc.attention_softmax_in_fp32,
+     lambda g: _attention(g).core_attention.scale_mask_softmax.softmax_in_fp32),
+    (["--attention-backend", "local", "--apply-query-key-layer-scaling"],
+     lambda tc: tc.apply_query_key_layer_scaling and tc.attention_softmax_in_fp32,
+     lambda g: _attention(g, 1).core_attention.scale_mask_softmax.scale == 2
+     and _attention(g, 1).core_attention.softmax_scale == pytest.approx(1 / 4 / 2)),
+    (["--squared-relu"], lambda tc: _named(tc.activation_func, "megatron.core.activations", "squared_relu")
+     and not tc.gated_linear_unit, lambda g: tuple(g.decoder.layers[0].mlp.linear_fc1.weight.shape) == (256, 64)),
+    (["--quick-geglu", "--glu-linear-offset", "1.0", "--activation-func-clamp-value", "0.5", "--disable-bias-linear"],
+     lambda tc: _named(tc.activation_func, "megatron.core.fusions.fused_bias_geglu", "quick_gelu")
+     and tc.gated_linear_unit and (tc.glu_linear_offset, tc.activation_func_clamp_value) == (1.0, 0.5),
+     lambda g: _quick_geglu_mlp(g, offset=1.0, clamp=0.5)),
+    (["--swiglu", "--glu-linear-offset", "0.5"], lambda tc: tc.glu_linear_offset == 0.5, lambda g: True),
+    (["--position-embedding-type", "rope", "--rotary-interleaved"], lambda tc: tc.rotary_interleaved,
+     lambda g: g.rotary_pos_emb.rotary_interleaved),
+    (["--position-embedding-type", "rope", "--no-rope-freq", "2"], lambda tc: tc.no_rope_freq == [0, 1], lambda g: True),
+    (["--position-embedding-type", "rope", "--no-rope-freq", "([1]+[0])*1"], lambda tc: tc.no_rope_freq == [1, 0],
+     lambda g: True),
+    (["--embedding-init-method-std", "1.0"], lambda tc: tc.embedding_init_method_std == 1.0,
+     lambda g: abs(g.embedding.word_embeddings.weight.std().item() - 1.0) < 0.1
+     and g.decoder.layers[0].mlp.linear_fc1.weight.std().item() < 0.03),
+    (["--init-method-xavier-uniform"], lambda tc: tc.init_method is tc.output_layer_init_method is __import__(
+        "torch").nn.init.xavier_uniform_,  # fc1 is 256 x 64: uniform in +-sqrt(6 / 320), std 0.079
+     lambda g: 0.06 < g.decoder.layers[0].mlp.linear_fc1.weight.std().item()
+     and g.decoder.layers[0].mlp.linear_fc1.weight.abs().max().item() <= (6 / 320) ** 0.5),
+    (["--attention-backend", "local", "--window-size", "8,0"], lambda tc: tc.window_size == (8, 0),
+     lambda g: _attention(g, 1).core_attention.scale_mask_softmax.window_size == (8, 0)),
+    (["--attention-backend", "local", "--window-size", "8,0", "--window-attn-skip-freq", "2"],
+     lambda tc: tc.window_attn_skip_freq == 2,  # every 2nd layer full attention
+     lambda g: _attention(g, 0).core_attention.scale_mask_softmax.window_size == (8, 0)
+     and _attention(g, 1).core_attention.scale_mask_softmax.window_size is None),
+    (["--attention-backend", "local", "--softmax-type", "off-by-one"], lambda tc: tc.softmax_type == "off-by-one",
+     lambda g: not _attention(g).core_attention.softmax_offset.any()),
+    (["--attention-backend", "local", "--softmax-type", "learnable"], lambda tc: tc.softmax_type == "learnable",
+     lambda g: _attention(g).core_attention.softmax_offset.requires_grad),
+    (["--attention-output-gate"], lambda tc: tc.attention_output_gate,  # queries, gates, keys, values
+     lambda g: tuple(_attention(g).linear_qkv.weight.shape) == (4 * 64, 64)),
+    (["--bf16", "--disable-bf16-reduced-precision-matmul"], lambda tc: tc.disable_bf16_reduced_precision_matmul,
+     lambda g: True),
+]
+
+
+@pytest.mark.parametrize("flags, config_holds, model_shows", ARCHITECTURE_FLAGS,
+                         ids=[" ".join(f) for f, _, _ in ARCHITECTURE_FLAGS])
+def test_architecture_flags_are_transformer_config_fields_a_cpu_gpt_runs_with(single_rank_groups, flags, config_holds,
+                                                                              model_shows):
+    """Each architecture flag as Megatron-LM's core_transformer_config_from_args (and gpt_builders' layer spec) sets
+    it: the field megatron-core's TransformerConfig holds, the local-layer GPT it builds, and one forward and
+    backward pass of that GPT on the CPU."""
+    import torch
+    from megatron.core.transformer.module import Float16Module
+
+    from model import build_model, set_random_seed, transformer_config
+
+    matmul = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction  # the last case sets it, as Megatron
+    try:
+        cfg = config.parse_args([*ARCH, *flags], world_size=1, gpu=False)
+        assert config_holds(transformer_config(cfg))
+        set_random_seed(0)
+        gpt = build_model(cfg, vocab_size=128)[0]
+        assert model_shows(gpt)
+        run = Float16Module(gpt.config, gpt) if cfg.model.bf16 else gpt  # --bf16: as wrap_model runs it
+        tokens = torch.arange(64).reshape(2, 32) % 100
+        loss = run(tokens, torch.arange(32).repeat(2, 1), None, labels=(tokens + 1) % 100).float().mean()
+        loss.backward()
+        assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in gpt.parameters() if p.grad is not None)
+    finally:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = matmul
+
+
+@pytest.mark.parametrize("flags, initialised", [([], True), (["--no-initialization"], False)])
+def test_no_initialization_leaves_the_weights_to_a_checkpoint(single_rank_groups, tmp_path, monkeypatch, flags,
+                                                              initialised):
+    """megatron-core's init methods (normal_, through init_method_normal) run for every weight, or for none. (With
+    learned positions, torch's own nn.Embedding of the table initialises itself either way, in Megatron-LM too.)"""
+    import torch
+
+    from model import build_model, transformer_config
+
+    calls = []
+    normal = torch.nn.init.normal_
+    monkeypatch.setattr(torch.nn.init, "normal_", lambda *a, **k: calls.append(1) or normal(*a, **k))
+    cfg = config.parse_args([*ARCH, *flags, "--position-embedding-type", "rope", "--load", str(tmp_path)], world_size=1,
+                            gpu=False)
+    assert transformer_config(cfg).perform_initialization is initialised
+    build_model(cfg, vocab_size=128)
+    assert bool(calls) is initialised
+
+
+def test_transformer_engine_only_flags_reach_its_config(with_te, monkeypatch):
+    """On a GPU with transformer-engine: --fp32-residual-connection and --apply-query-key-layer-scaling (with the
+    environment variable transformer-engine reads) go to megatron-core's config; the layer spec gets the q/k norms."""
+    monkeypatch.setenv("NVTE_APPLY_QK_LAYER_SCALING", "1")
+    cfg = config.parse_args(["--bf16", "--fp32-residual-connection", "--apply-query-key-layer-scaling",
+                             "--qk-layernorm", "--window-size", "128,0", "--softmax-type", "learnable"],
+                            world_size=1, gpu=True)
+    extras = config.transformer_config_extras(cfg)
+    assert cfg.model.transformer_impl == "transformer_engine"
+    assert extras["fp32_residual_connection"] and extras["apply_query_key_layer_scaling"] and extras["qk_layernorm"]
+    assert (extras["window_size"], extras["softmax_type"]) == ((128, 0), "learnable")
+
+
+@pytest.mark.parametrize("argv, ddp_field, value", [
+    (["--overlap-grad-reduce", "--ddp-bucket-size", "5000"], "bucket_size", 5000),
+    (["--ddp-pad-buckets-for-high-nccl-busbw"], "pad_buckets_for_high_nccl_busbw", True),
+    (["--ddp-average-in-collective"], "average_in_collective", True),
+    (["--check-for-large-grads"], "check_for_large_grads", True),
+    (["--num-distributed-optimizer-instances", "1"], "num_distributed_optimizer_instances", 1),
+    ([], "average_in_collective", False),
+])
+def test_ddp_flags_are_megatron_core_ddp_config_fields(argv, ddp_field, value):
+    from model import megatron_ddp_config
+
+    assert getattr(megatron_ddp_config(config.parse_args(argv, world_size=1, gpu=False)), ddp_field) == value
+
+
+def test_ddp_flags_train_on_cpu(single_rank_groups):
+    """Small overlapped buckets, padded, averaged in the collective and checked for large gradients: megatron-core's
+    DDP trains with them."""
+    import torch
+
+    from model import build_model, build_optimizer, get_forward_backward_func, set_random_seed, wrap_model
+
+    cfg = config.parse_args([*ARCH, "--overlap-grad-reduce", "--ddp-bucket-size", "20000",
+                             "--ddp-pad-buckets-for-high-nccl-busbw", "--ddp-average-in-collective",
+                             "--check-for-large-grads"], world_size=1, gpu=False)
+    set_random_seed(0)
+    model = wrap_model(cfg, build_model(cfg, vocab_size=128))
+    assert model[0].ddp_config.average_in_collective and model[0].ddp_config.check_for_large_grads
+    assert len(model[0].buffers[0].buckets) > 1
+    optimizer = build_optimizer(cfg, model)
+    tokens = torch.arange(64).reshape(2, 32) % 100
+
+    def forward_step(data_iterator, m):
+        out = m(tokens, torch.arange(32).repeat(2, 1), None, labels=(tokens + 1) % 100)
+        return out, lambda o: (o.float().mean(), {"lm loss": o.float().mean().detach()})
+
+    fbf, losses = get_forward_backward_func(model, optimizer), []
+    for _ in range(4):
+        model[0].zero_grad_buffer()
+        optimizer.zero_grad()
+        losses.append(fbf(forward_step_func=forward_step, data_iterator=iter([]), model=model, num_microbatches=1,
+                          seq_length=32, micro_batch_size=2)[0]["lm loss"].item())
+        assert optimizer.step()[0]
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("argv, section, name, value", [
+    (["--use-rotary-position-embeddings"], "model", "position_embedding_type", "rope"),
+    (["--disable-manual-gc-eval"], "train", "manual_gc_eval", False),
+    (["--persistent-save-interval", "7"], "checkpoint", "save_interval", 7),
+    (["--override-opt_param-scheduler"], "scheduler", "override_opt_param_scheduler", True),
+    (["--use-checkpoint-opt_param-scheduler"], "scheduler", "use_checkpoint_opt_param_scheduler", True),
+    (["--use-persistent-ckpt-worker"], "checkpoint", "use_persistent_ckpt_worker", True),
+])
+def test_megatron_lm_spellings_set_the_same_setting(argv, section, name, value):
+    assert getattr(getattr(config.parse_args(argv, world_size=1, gpu=False), section), name) == value
+
+
+def test_virtual_stages_per_pipeline_rank_as_megatron_lm():
+    m = config.parse_args(["--num-layers", "8", "--pipeline-model-parallel-size", "2",
+                           "--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "8"], world_size=2,
+                          gpu=False).model
+    assert (m.num_layers_per_virtual_pipeline_stage, m.virtual_pipeline_model_parallel_size) == (2, 2)
+    assert m.num_virtual_stages_per_pipeline_rank is None  # said once, as layers per stage: what generate.py resets
+    m = config.parse_args(["--num-virtual-stages-per-pipeline-rank", "1"], world_size=1, gpu=False).model
+    assert m.virtual_pipeline_model_parallel_size is None  # one virtual stage is none (Megatron-LM: None)
+
+
+def test_every_inert_flag_is_accepted_and_named_once_as_given():
+    argv = []
+    for _, flags in config.MEGATRON_LM_INERT_FLAGS:
+        for flag, takes in flags:
+            argv += [flag] if takes is None else [flag, "a", "b"] if takes == "*" else \
+                [flag, takes[-1]] if isinstance(takes, list) else [flag, "3"]
+    assert unknown_flags(argv) == []
+    cfg = config.parse_args(argv, world_size=1, gpu=False)
+    fused, other = [line.split(": ", 1)[1] for line in printed_config(cfg).splitlines() if line.startswith(" inert here")]
+    assert fused == "--disable-jit-fuser --use-te-activation-func --cross-entropy-fusion-impl te"
+    named = (fused + " " + other).split(" --")
+    for _, flags in config.MEGATRON_LM_INERT_FLAGS:
+        for flag, _ in flags:
+            assert sum(1 for given in named if ("--" + given.lstrip("-")).split(" ")[0] == flag) == 1, flag
+    assert "--local-rank 3" in other and "--recompute-modules a b" in other and "--timing-log-option all" in other
+
+
+@pytest.mark.parametrize("argv, gpu, inert", [
+    (["--position-embedding-type", "rope", "--rope-type", "rope"], False, "--rope-type rope"),
+    (["--position-embedding-type", "rope", "--no-position-embedding"], False, "--no-position-embedding"),
+    (["--bf16", "--disable-bf16-reduced-precision-matmul"], False, "--disable-bf16-reduced-precision-matmul"),
+    (["--bf16", "--disable-bf16-reduced-precision-matmul"], True, None),  # cuBLAS's bf16 reductions: it takes effect
+    (["--ddp-bucket-size", "1000"], False, "--ddp-bucket-size 1000"),  # one bucket without overlap, as megatron-core
+    (["--ddp-bucket-size", "1000", "--overlap-grad-reduce"], False, None),
+    (["--bf16", "--attention-softmax-in-fp32"], False, "--attention-softmax-in-fp32"),  # SDPA picks its precision
+    (["--bf16", "--attention-softmax-in-fp32", "--attention-backend", "local"], False, None),
+    (["--attention-softmax-in-fp32", "--attention-backend", "local"], False, "--attention-softmax-in-fp32"),  # fp32
+    (["--apply-query-key-layer-scaling"], False, "--apply-query-key-layer-scaling"),
+    (["--apply-query-key-layer-scaling", "--attention-backend", "local"], False, None),
+    (["--fp32-residual-connection"], False, "--fp32-residual-connection"),  # fp32 training: fp32 already
+])
+def test_settings_named_inert_exactly_where_they_change_nothing(argv, gpu, inert):
+    cfg = config.parse_args([*argv, "--transformer-impl", "local"], world_size=1, gpu=gpu)
+    assert config.inert_flags(cfg) == ([inert] if inert else [])
+
+
+# Megatron-LM flags refused by name, with what the one line says after the flag.
+REFUSED = [
+    ("--batch-size", "is no longer valid in Megatron-LM either; use --micro-batch-size"),
+    ("--warmup", "is no longer valid in Megatron-LM either; use --lr-warmup-fraction"),
+    ("--model-parallel-size", "is no longer valid in Megatron-LM either; use --tensor-model-parallel-size"),
+    ("--checkpoint-activations", "is no longer valid in Megatron-LM either; use --recompute-activations"),
+    ("--use-rope-scaling", "(Llama 3.x RoPE frequency scaling) is a megatron-core GPTModel argument"),
+    ("--fp16-lm-cross-entropy", "(the cross entropy in fp16) is a megatron-core GPTModel argument"),
+    ("--data-parallel-random-init", "seeds each data-parallel rank differently"),
+    ("--ddp-num-buckets", "sizes buckets from the parameter count"),
+    ("--ddp-reduce-scatter-with-fp32-accumulation", "(megatron-core's all-to-all reduce-scatter) is not wired"),
+    ("--overlap-param-gather-with-optimizer-step", "needs a training loop that starts the parameter all-gather"),
+    ("--pipeline-model-parallel-layout", "(a custom layout of layers over pipeline stages) is not supported"),
+    ("--batch-invariant-mode", "(batch-invariant kernels) is not built here"),
+    ("--decrease-batch-size-if-needed", "is not supported: the global batch must be a multiple"),
+    ("--check-weight-hash-across-dp-replicas-interval", "is not checked by this trainer"),
+    ("--use-checkpoint-args", "is not supported: settings come from the command line or --config-file"),
+    ("--use-mp-args-from-checkpoint-args", "is not supported: settings come from the command line or --config-file"),
+    ("--load-main-params-from-ckpt", "is not supported: the fp32 main weights are made from the loaded weights"),
+    ("--exit-on-missing-checkpoint", "is not supported: a --load directory without a checkpoint trains from scratch"),
+    ("--auto-detect-ckpt-format", "is not supported: the loader detects the saved format"),
+    ("--dist-ckpt-strictness", "is not supported: the loader matches the checkpoint's keys"),
+    ("--dist-ckpt-save-pre-mcore-014", "is not supported: checkpoints are saved in megatron-core 0.16's format"),
+    ("--save-wgrads-interval", "(gradient dumps) is not written"), ("--save-dgrads-interval", "(gradient dumps)"),
+    ("--save-retain-interval", "is not supported; --most-recent-k keeps the newest K checkpoints"),
+    ("--test-mode", "(Megatron-LM's functional-test hooks) is not supported"),
+    ("--full-validation", "is not supported: evaluation runs --eval-iters batches"),
+    ("--multiple-validation-sets", "is not supported: evaluation runs --eval-iters batches"),
+    ("--phase-transition-iterations", "(training phases) is not supported"),
+    ("--data-args-path", "is not read here; give the prefixes with --data-path"),
+    ("--per-split-data-args-path", "is not read here; give the prefixes with --data-path"),
+    ("--sample-rate", "(subsampling the training data) is not supported"),
+    ("--object-storage-cache-path", "is not supported: datasets are read from the local file system"),
+    ("--mid-level-dataset-surplus", "is not supported: blended datasets use megatron-core's default surplus"),
+    ("--allow-ambiguous-pad-tokens", "is not supported: pad tokens are masked"),
+    ("--fim-eod-token", "is not supported: FIM samples end with the tokenizer's end-of-document token"),
+    ("--padded-vocab-size", "is not supported: the vocabulary is padded from the tokenizer's size"),
+    ("--tokenizer-metadata", "is not read by the tokenizers here"), ("--tokenizer-special-tokens", "is not read by"),
+    ("--tokenizer-hf-include-special-tokens", "is not supported: the HuggingFace tokenizer here encodes without"),
+    ("--lazy-mpu-init", "is for programs that call Megatron-LM's initialize_megatron"),
+    ("--fake-process-group", "(training without collectives, for benchmarks) is not supported"),
+    ("--spec", "is not supported: this trainer builds its own layer spec"),
+    ("--yaml-cfg", "is not read (Megatron-LM's YAML layout); --config-file takes this trainer's YAML"),
+    ("--enable-experimental", "is not supported: megatron-core's experimental features are not used here"),
+    ("--dump-param-to-param-group-map", "is not supported: parameter groups come from"),
+    ("--apply-wd-to-qk-layernorm", "is not supported: 1-D parameters (norms) get no weight decay here"),
+    ("--no-weight-decay-cond-type", "is not supported: 1-D parameters (norms) get no weight decay here"),
+    *[(flag, "is a setting of transformer-engine's FP8 training, which this trainer does not drive") for flag in (
+        "--fp8-quantizer-factory", "--fp8-interval", "--no-fp8-wgrad", "--disable-fp8-wgrad", "--first-last-layers-bf16",
+        "--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16", "--te-precision-config-file",
+        "--reuse-grad-buf-for-mxfp8-param-ag")],
+    ("--no-rl-partial-rollouts", "is a Megatron-LM setting of reinforcement learning (GRPO)"),
+    ("--no-langrl-external-server", "is a Megatron-LM setting of reinforcement learning (GRPO)"),
+    ("--no-inference-wandb-logging", "is a Megatron-LM setting of the inference server"),
+    ("--init-model-with-meta-device", "is a Megatron-LM setting of FSDP"),
+    ("--no-strict-fsdp-dtensor-load", "is a Megatron-LM setting of FSDP"),
+    ("--qk-clip", "is a Megatron-LM setting of the Muon optimizer and its QK-clip"),
+    ("--qk-clip-threshold", "is a Megatron-LM setting of the Muon optimizer and its QK-clip"),
+    ("--te-rng-tracker", "is a Megatron-LM setting of CUDA graphs"),
+    ("--adlr-autoresume-interval", "is a Megatron-LM setting of ADLR autoresume"),
+]
+
+
+@pytest.mark.parametrize("flag, reason", REFUSED, ids=[r[0] for r in REFUSED])
+def test_flags_whose_meaning_cannot_be_given_are_refused_by_name(flag, reason, capsys):
+    assert config_error(["--num-layers", "2", flag, "1"], capsys).startswith(f"train.py: error: {flag} {reason}")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--swiglu", "--squared-relu"], "--swiglu and --squared-relu each choose the MLP's activation; give one"),
+    (["--quick-geglu", "--openai-gelu"], "--quick-geglu and --openai-gelu each choose the MLP's activation"),
+    (["--glu-linear-offset", "0.5"], "--glu-linear-offset shifts the linear half of a gated MLP; add --swiglu"),
+    (["--swiglu", "--activation-func-clamp-value", "7"], "--activation-func-clamp-value clamps the halves of "
+                                                          "--quick-geglu's MLP"),
+    (["--qk-layernorm", "--qk-l2-norm"], "--qk-layernorm and --qk-l2-norm each normalize the queries and keys"),
+    (["--rope-type", "yarn"], "--rope-type yarn is multi-latent attention's rotary embedding"),
+    (["--no-position-embedding"], "--no-position-embedding is deprecated, and Megatron-LM refuses it without rope "
+                                  "too (--position-embedding-type learned_absolute); use --position-embedding-type none"),
+    (["--rotary-interleaved"], "--rotary-interleaved changes the rotary embedding, but --position-embedding-type is "
+                               "learned_absolute"),
+    (["--position-embedding-type", "rope", "--num-layers", "4", "--no-rope-freq", "3"],
+     "--no-rope-freq 3 must divide --num-layers 4"),
+    (["--position-embedding-type", "rope", "--num-layers", "2", "--no-rope-freq", "[0,1,1]"],
+     "--no-rope-freq '[0,1,1]' has 3 entries for 2 layers"),
+    (["--position-embedding-type", "rope", "--no-rope-freq", "__import__('os').getcwd()"],
+     "--no-rope-freq \"__import__('os').getcwd()\" is neither a positive integer nor a list of 0s and 1s"),
+    (["--window-attn-skip-freq", "2"], "--window-attn-skip-freq picks the layers of --window-size's sliding window"),
+    (["--attention-backend", "local", "--window-size", "8"], "--window-size '8' must be two integers LEFT,RIGHT"),
+    (["--window-size", "8,0"], "--window-size 8,0 runs in megatron-core's own core attention, and the local layers "
+                               "use PyTorch's SDPA unless asked; add --attention-backend local"),
+    (["--softmax-type", "learnable"], "--softmax-type learnable runs in megatron-core's own core attention"),
+    (["--bf16", "--fp32-residual-connection"], "--fp32-residual-connection needs transformer-engine layers"),
+    (["--num-distributed-optimizer-instances", "2"], "--num-distributed-optimizer-instances 2: partial distributed "
+                                                     "optimizers need process groups"),
+    (["--ddp-average-in-collective", "--calculate-per-token-loss"], "--ddp-average-in-collective averages over "
+                                                                    "data-parallel ranks"),
+    (["--num-virtual-stages-per-pipeline-rank", "2"], "--num-virtual-stages-per-pipeline-rank 2 needs "
+                                                      "--pipeline-model-parallel-size 2 or more"),
+    (["--num-virtual-stages-per-pipeline-rank", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+     "--num-virtual-stages-per-pipeline-rank and --num-layers-per-virtual-pipeline-stage both set the virtual stages"),
+])
+def test_what_the_new_flags_cannot_mean_here_is_one_line(argv, message, capsys):
+    err = config_error(argv, capsys)
+    assert err.startswith(f"train.py: error: {message}"), err
+
+
+@pytest.mark.parametrize("flag_given, env, message", [
+    (True, None, "--apply-query-key-layer-scaling with transformer-engine layers needs NVTE_APPLY_QK_LAYER_SCALING=1"),
+    (False, "1", "NVTE_APPLY_QK_LAYER_SCALING asks transformer-engine for query-key layer scaling"),
+])
+def test_query_key_layer_scaling_agrees_with_transformer_engines_environment(with_te, monkeypatch, capsys, flag_given,
+                                                                              env, message):
+    monkeypatch.delenv("NVTE_APPLY_QK_LAYER_SCALING", raising=False)
+    if env:
+        monkeypatch.setenv("NVTE_APPLY_QK_LAYER_SCALING", env)
+    argv = ["--apply-query-key-layer-scaling"] if flag_given else []
+    assert config_error(argv, capsys, gpu=True).startswith(f"train.py: error: {message}")

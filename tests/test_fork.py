@@ -1,4 +1,5 @@
-"""The seams a fork changes in one place: a learning-rate schedule of its own (schedules.py)."""
+"""The seams a fork changes in one place (README: Fork it): a learning-rate schedule (schedules.py), a new scalar
+(metrics.step_report), another core attention (model.layer_spec)."""
 
 import re
 
@@ -53,3 +54,35 @@ def test_a_new_scalar_is_one_line_of_the_step_report(tmp_path, capsys, monkeypat
     assert all("number of nan iterations:   0 |" in l for l in lines)
     tb = tensorboard_scalars(tmp_path / "tb")
     assert tb["seq-len"] == {1: 64.0, 2: 64.0, 3: 64.0, 4: 64.0} and tb["seq-len vs samples"] == {4: 64.0, 8: 64.0, 12: 64.0, 16: 64.0}
+
+
+def test_another_core_attention_is_a_class_and_one_line_of_layer_spec(single_rank_groups, monkeypatch):
+    """The fork guide's third task: a core attention of one's own (here SDPAttention with a temperature on its
+    scores) set where model.layer_spec sets SDPAttention is what every layer runs, and its output shows."""
+    import torch
+
+    import model
+
+    class HotAttention(model.SDPAttention):
+        calls = 0
+
+        def forward(self, query, key, value, *args, **kwargs):
+            HotAttention.calls += 1
+            return super().forward(query * 2.0, key, value, *args, **kwargs)  # scores twice as sharp
+
+    cfg = config.parse_args([*TINY, "--mock-data", "--hidden-dropout", "0", "--attention-dropout", "0"], world_size=1,
+                            gpu=False)
+    tokens = torch.arange(2 * 64).reshape(2, 64) % 200
+    positions = torch.arange(64).repeat(2, 1)
+
+    def logits():
+        torch.manual_seed(0)
+        gpt = model.build_model(cfg, 257)[0].eval()
+        with torch.no_grad():
+            return gpt(tokens, positions, None)
+
+    plain = logits()
+    monkeypatch.setattr(model, "SDPAttention", HotAttention)  # the one line in layer_spec, as a fork edits it
+    hot = logits()
+    assert HotAttention.calls == 2  # each of the 2 layers
+    assert not torch.allclose(plain, hot)

@@ -17,6 +17,11 @@ they are first called.
     9. checkpoint and exit checkpoint_and_decide_exit -> save_checkpoint_and_time
 
 Before any of it, the flags are parsed and validated (a bad flag answers before megatron-core's import).
+
+Where the names come from: every public name, signature and behaviour here is Megatron Bridge's (`training.train`,
+`.pretrain`, `.finetune`, `.utils.train_utils`, `.gpt_step`, `.losses`, `.state`, as its API documentation gives them), in Megatron-LM's
+order of events; a docstring names Megatron-LM only where the two differ or where this follows its variant.
+
 The same code runs on a GPU and on a CPU: megatron-core's DDP, optimizer, pipeline schedules, RNG
 tracker and dist_checkpointing on both; on a CPU, device.py's shim answers megatron-core's CUDA calls.
 """
@@ -495,7 +500,7 @@ def build_num_microbatches_calculator(cfg: ConfigContainer):
 
 
 def _follow_batch_size_rampup(global_state: GlobalState, model, optimizer, scheduler, train_data_iterator) -> None:
-    """Before each iteration (Megatron-LM `training.py::train`, Bridge `training/train.py::train`): set the
+    """Before each iteration: set the
     microbatch count for the samples consumed so far; when it grows (a ramp-up step), first save a
     checkpoint (with --save), as they do."""
     calculator, ts, cfg = global_state.num_microbatches_calculator, global_state.train_state, global_state.cfg
@@ -513,20 +518,20 @@ def _follow_batch_size_rampup(global_state: GlobalState, model, optimizer, sched
 
 def should_disable_forward_pre_hook(use_megatron_fsdp: bool, use_distributed_optimizer: bool,
                                     overlap_param_gather: bool) -> bool:
-    """Bridge `training/train.py`: whether megatron DDP's forward pre-hooks are in play and must be switched off for the first
+    """Whether megatron DDP's forward pre-hooks are in play and must be switched off for the first
     step, evaluation and saves: with the distributed optimizer and --overlap-param-gather (not under FSDP)."""
     return not use_megatron_fsdp and use_distributed_optimizer and overlap_param_gather
 
 
 def enable_forward_pre_hook(model: list) -> None:
-    """Bridge `training/train.py`: turn on each megatron DDP chunk's forward pre-hooks (they wait for each module's parameter
+    """Turn on each megatron DDP chunk's forward pre-hooks (they wait for each module's parameter
     all-gather just before its forward, overlapping the gather with compute)."""
     for chunk in model:
         chunk.enable_forward_pre_hook()
 
 
 def disable_forward_pre_hook(model: list, param_sync: bool = True) -> None:
-    """Bridge `training/train.py`: turn off each megatron DDP chunk's forward pre-hooks; with param_sync, all-gather the
+    """Turn off each megatron DDP chunk's forward pre-hooks; with param_sync, all-gather the
     updated parameters now (synchronously), so what follows sees them."""
     for chunk in model:
         chunk.disable_forward_pre_hook(param_sync=param_sync)
@@ -555,7 +560,7 @@ def post_training_step_callbacks(model: list, num_floating_point_operations_sinc
                                  straggler_timer: metrics.StragglerTimer, iteration: int,
                                  prof: Optional[torch.profiler.profile], config: ConfigContainer,
                                  should_toggle_forward_pre_hook: bool, nsys_nvtx_context=None) -> float:
-    """Run all post-training-step functions (Bridge `train.post_training_step_callbacks`), in its order:
+    """Run all post-training-step functions, in Bridge's order:
 
     1. every --log-interval with --log-straggler: every rank's forward-step time, gathered; rank 0 prints the report;
     2. at --profile-step-end: stop the profiler (and dump the CUDA memory snapshot of --record-memory-history);
@@ -577,7 +582,7 @@ def post_training_step_callbacks(model: list, num_floating_point_operations_sinc
 
 
 def start_manual_gc_and_profiler(state: GlobalState) -> Optional[torch.profiler.profile]:
-    """What train() sets up before its first step (Bridge `train`): with --manual-gc, turn the automatic garbage
+    """What train() sets up before its first step: with --manual-gc, turn the automatic garbage
     collector off and start clean; with --nvtx-ranges, switch on megatron-core's NVTX ranges (and this file's);
     with --use-pytorch-profiler on a profiled rank, start the profiler (returned)."""
     cfg = state.cfg
@@ -867,7 +872,7 @@ def get_batch(data_iterator):
 
 
 def masked_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Bridge's `losses.masked_token_loss`: the token-aware pattern (loss_sum, num_tokens, report).
+    """The token-aware loss pattern (loss_sum, num_tokens, report).
 
     The report is a `[sum, count]` pair, so train_step can average over every token of every
     microbatch and data-parallel rank, weighting each by its number of tokens.
@@ -881,7 +886,7 @@ def masked_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(state: GlobalState, data_iterator, model, return_schedule_plan: bool = False):
-    """Bridge's `gpt_step.forward_step`: a batch in, per-token losses out, and the loss function.
+    """The default GPT step: a batch in, per-token losses out, and the loss function.
     `return_schedule_plan` is Bridge's signature (MoE overlap in Bridge); a dense GPT has no plan."""
     timers = state.timers
     timers("batch-generator", log_level=2).start()

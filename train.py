@@ -19,8 +19,9 @@ they are first called.
 Before any of it, the flags are parsed and validated (a bad flag answers before megatron-core's import).
 
 Where the names come from: every public name, signature and behaviour here is Megatron Bridge's (`training.train`,
-`.pretrain`, `.finetune`, `.utils.train_utils`, `.gpt_step`, `.losses`, `.state`, as its API documentation gives them), in Megatron-LM's
-order of events; a docstring names Megatron-LM only where the two differ or where this follows its variant.
+`.pretrain`, `.finetune`, `.utils.train_utils`, `.gpt_step`, `.losses`, `.state`, as its API documentation gives
+them), in Megatron-LM's order of events; a docstring names Megatron-LM only where the two differ or where this
+follows its variant.
 
 The same code runs on a GPU and on a CPU: megatron-core's DDP, optimizer, pipeline schedules, RNG
 tracker and dist_checkpointing on both; on a CPU, device.py's shim answers megatron-core's CUDA calls.

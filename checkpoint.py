@@ -688,9 +688,21 @@ def _run_config(directory: str) -> dict:
 SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size")  # what makes another model
 
 
-def check_saved_model(cfg, directory: str, common: dict, finetune: bool) -> None:
-    """Before any weight loads: the checkpoint is a version this code reads, of this model's shape. The saving
-    run's settings come from `args` (Megatron-LM's and ours) or run_config.yaml (Bridge's)."""
+def saved_settings(directory: str, common: dict) -> tuple:
+    """(settings, the file they come from) of the run that saved the checkpoint, under Megatron-LM's names:
+    `args` (Megatron-LM's and ours, in common.pt), else run_config.yaml's model section (Bridge's, which has no
+    `args`), with its save_rng as Megatron-LM's no_save_rng."""
+    args = common.get("args")
+    if args is not None:
+        return vars(args), os.path.join(directory, "common.pt")
+    run_config = _run_config(directory)
+    settings = dict(run_config.get("model", {}))
+    settings["no_save_rng"] = not run_config.get("checkpoint", {}).get("save_rng", True)
+    return settings, os.path.join(directory, "run_config.yaml")
+
+
+def check_saved_model(cfg, directory: str, common: dict, settings: dict, where: str, finetune: bool) -> None:
+    """Before any weight loads: the checkpoint is a version this code reads, of this model's shape."""
     path = os.path.join(directory, "common.pt")
     path = path if os.path.isfile(path) else _mp_file(directory)  # the torch format keeps it in each file
     version = common.get("checkpoint_version")
@@ -700,27 +712,11 @@ def check_saved_model(cfg, directory: str, common: dict, finetune: bool) -> None
     if version is not None and version != CHECKPOINT_VERSION:
         raise CheckpointError(f"{path}: checkpoint_version {version} is not {CHECKPOINT_VERSION}, the one this code "
                               f"reads; convert it with Megatron-LM's tools/checkpoint/convert.py first")
-    args = common.get("args")
-    saved = vars(args) if args is not None else _run_config(directory).get("model", {})
-    where = path if args is not None else os.path.join(directory, "run_config.yaml")
-    differ = [f"--{k.replace('_', '-')} {saved[k]} (this run: {getattr(cfg.model, k)})" for k in SHAPE
-              if saved.get(k) is not None and getattr(cfg.model, k, None) is not None and saved[k] != getattr(cfg.model, k)]
+    differ = [f"--{k.replace('_', '-')} {settings[k]} (this run: {getattr(cfg.model, k)})" for k in SHAPE
+              if settings.get(k) is not None and getattr(cfg.model, k, None) is not None
+              and settings[k] != getattr(cfg.model, k)]
     if differ:
         raise CheckpointError(f"{where}: saved by another model shape: {', '.join(differ)}; pass the checkpoint's sizes")
-
-
-def saved_parallel_sizes(directory: str, common: dict) -> tuple:
-    """(TP, PP) of the saving run, as Megatron-LM (`args`) and Bridge (run_config.yaml) record them."""
-    args = common.get("args")
-    saved = vars(args) if args is not None else _run_config(directory).get("model", {})
-    return saved.get("tensor_model_parallel_size", 1), saved.get("pipeline_model_parallel_size", 1)
-
-
-def saved_with_rng(directory: str, common: dict) -> bool:
-    args = common.get("args")
-    if args is not None:
-        return not getattr(args, "no_save_rng", False)
-    return _run_config(directory).get("checkpoint", {}).get("save_rng", True)
 
 
 def progress_from(directory: str, common: dict) -> dict:
@@ -752,17 +748,17 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
         raise CheckpointError(f"{directory}: saved in {saved_format} format but this run uses --ckpt-format "
                               f"{ck.ckpt_format}; pass --ckpt-format {saved_format}")
     common = _read_common(directory, saved_format)
-    check_saved_model(cfg, directory, common, finetune)
+    settings, where = saved_settings(directory, common)
+    check_saved_model(cfg, directory, common, settings, where, finetune)
     check_tokenizer(getattr(state, "tokenizer", None), directory, common)
     # As Megatron-LM: --no-load-optim skips the optimizer and its schedule, --finetune everything but the weights.
     load_optim = ck.load_optim and not finetune and optimizer is not None
     load_rng = ck.load_rng and not finetune
-    if load_rng and saved_parallel_sizes(directory, common) != (cfg.model.tensor_model_parallel_size,
-                                                                cfg.model.pipeline_model_parallel_size):
-        print_rank_0(f" {directory} was saved with (TP, PP) = {saved_parallel_sizes(directory, common)}: random "
-                     f"states start afresh from --seed")
+    saved_tp_pp = (settings.get("tensor_model_parallel_size", 1), settings.get("pipeline_model_parallel_size", 1))
+    if load_rng and saved_tp_pp != (cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size):
+        print_rank_0(f" {directory} was saved with (TP, PP) = {saved_tp_pp}: random states start afresh from --seed")
         load_rng = False
-    if load_rng and not saved_with_rng(directory, common):
+    if load_rng and settings.get("no_save_rng", False):
         print_rank_0(f" {directory} was saved without random states (--no-save-rng): they start afresh from --seed")
         load_rng = False
     peft_run = cfg.peft.peft != "none" and not finetune  # a PEFT run's own checkpoint: adapters only

@@ -1,5 +1,7 @@
 """bench.py: what the machinery costs, measured side by side in one run. Prints one table.
 
+Names here are this project's own.
+
     python bench.py checkpoint [--num-layers 16 --hidden-size 768 ...]   # save/load vs torch.save/torch.load
     python bench.py logging [train.py flags]                             # log_step's share of a step
     python bench.py data                                                 # preprocessing and sample fetch speed

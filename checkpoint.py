@@ -1,5 +1,6 @@
 """checkpoint.py: save and load a run, in Megatron Bridge's layout, with what Megatron-LM reads too: a checkpoint
 written here resumes in Megatron-LM's pretrain_gpt.py and Bridge's pretrain(), and theirs resume here.
+Names and signatures follow Megatron Bridge's `training.checkpointing` and `training.state` (TrainState).
 
     SAVE/
       iter_0000100/
@@ -345,8 +346,8 @@ def model_sharded_state_dict(model: list, adapters_only: bool = False) -> dict:
 
 
 def sharded_state_dict_metadata(cfg) -> dict:
-    """How the distributed optimizer lays its state out in a torch_dist checkpoint, chosen as Megatron-LM does:
-    per data-parallel shard (`dp_reshardable`, fast) unless --dist-ckpt-optim-fully-reshardable. megatron-core
+    """How the distributed optimizer lays its state out in a torch_dist checkpoint: per data-parallel shard
+    (`dp_reshardable`, fast) unless --dist-ckpt-optim-fully-reshardable. megatron-core
     0.16.1's own default, `fully_sharded_model_space`, is no longer supported by its save. Saved with the
     checkpoint (content metadata), so a load reads it back in the layout it was written in. The plain
     optimizer's state is always per parameter, in model space: no sharding type, as Megatron-LM writes it."""
@@ -559,7 +560,7 @@ TOKENIZER_IDENTITY = "identity.json"  # which tokenizer (class, vocabulary size,
 
 
 def save_tokenizer(tokenizer, directory: str) -> None:
-    """The tokenizer travels with the weights, in iter_N/tokenizer/ as Bridge puts it: its identity and, for a
+    """The tokenizer travels with the weights, in iter_N/tokenizer/: its identity and, for a
     HuggingFace tokenizer, its tokenizer.json, so a checkpoint can be used without the original files."""
     if tokenizer is None:
         return
@@ -751,7 +752,7 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
     settings, where = saved_settings(directory, common)
     check_saved_model(cfg, directory, common, settings, where, finetune)
     check_tokenizer(getattr(state, "tokenizer", None), directory, common)
-    # As Megatron-LM: --no-load-optim skips the optimizer and its schedule, --finetune everything but the weights.
+    # --no-load-optim skips the optimizer and its schedule, --finetune everything but the weights.
     load_optim = ck.load_optim and not finetune and optimizer is not None
     load_rng = ck.load_rng and not finetune
     saved_tp_pp = (settings.get("tensor_model_parallel_size", 1), settings.get("pipeline_model_parallel_size", 1))
@@ -780,7 +781,7 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
                 raise CheckpointError(f"{directory}: {e}; pass --override-opt-param-scheduler to follow the flags, or "
                                       f"--use-checkpoint-opt-param-scheduler to keep the saved schedule") from None
     elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
-        optimizer.reload_model_params()  # fp16/bf16: the fp32 main copies take the loaded weights, as Megatron-LM
+        optimizer.reload_model_params()  # fp16/bf16: the fp32 main copies take the loaded weights
     if not finetune:
         ts.load_state_dict(progress_from(directory, common))
         if load_rng:

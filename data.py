@@ -1,5 +1,8 @@
 """data.py: tokenizers, the built-in corpus, megatron-core datasets, samplers and data iterators.
 
+Names with an upstream are Megatron-LM's (its tokenizers, samplers, GPTFIMDataset, tools/preprocess_data.py), the
+FIM config's Megatron Bridge's.
+
 Datasets are megatron-core's own: `GPTDataset` over indexed `.bin/.idx` files, or `MockGPTDataset`,
 built by `BlendedMegatronDatasetBuilder` for the train/validation/test splits. A sampler turns the
 number of samples already consumed into the next microbatch of this data-parallel rank, so a resumed
@@ -54,7 +57,7 @@ class ByteTokenizer:
 
 
 class NullTokenizer:
-    """Token ids given as-is, as Megatron-LM's NullTokenizer: ids 0..vocab_size-1, then end-of-document."""
+    """Token ids given as-is: ids 0..vocab_size-1, then end-of-document."""
 
     def __init__(self, vocab_size: int):
         self.eod = vocab_size
@@ -292,7 +295,7 @@ def fim_settings(d) -> dict:
 
 @dataclasses.dataclass
 class GPTFIMDatasetConfig(GPTDatasetConfig):
-    """Megatron Bridge's GPTFIMDatasetConfig: GPTDatasetConfig plus the FIM settings."""
+    """GPTDatasetConfig plus the FIM settings."""
 
     fim_rate: float = None  # probability to FIM-reorder a document (or, with fim_split_sample, a sample's fragments)
     fim_spm_rate: float = None  # probability that a reordered piece uses SPM rather than PSM
@@ -369,7 +372,7 @@ def fim_sample(sample: np.ndarray, rng, c, ids: dict, eod: int, split_id=None, s
 
 
 class GPTFIMDataset(GPTDataset):
-    """megatron-core's GPTDataset whose samples are FIM-reordered (Megatron-LM's GPTFIMDataset).
+    """megatron-core's GPTDataset whose samples are FIM-reordered.
 
     Each sample draws from its own random stream, seeded by (seed, dataset, sample index), where Megatron-LM
     keeps one stream per dataset: the draws then do not depend on the order samples are read in, the
@@ -513,7 +516,7 @@ def build_sft_datasets(cfg, tokenizer) -> list:
 
 
 class MegatronPretrainingSampler:
-    """Megatron-LM's pretraining sampler: walks the dataset in order from `consumed_samples`, each
+    """The pretraining sampler: walks the dataset in order from `consumed_samples`, each
     global batch of micro_batch_size x data_parallel_size samples split evenly over DP ranks."""
 
     def __init__(self, total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size):
@@ -551,7 +554,7 @@ class MegatronPaddedBatchSampler(MegatronPretrainingSampler):
 
 
 class MegatronPretrainingRandomSampler:
-    """Megatron-LM's cyclic sampler: each epoch a fresh permutation (seeded by seed + epoch), each DP rank
+    """The cyclic sampler: each epoch a fresh permutation (seeded by seed + epoch), each DP rank
     drawing from its own contiguous bucket; resumes mid-epoch from `consumed_samples`."""
 
     def __init__(self, total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size, seed):

@@ -1,5 +1,7 @@
 """device.py: the one place where a machine without a GPU differs from one with a GPU.
 
+Names here are this project's own; the calls the shim answers are megatron-core 0.16.1's (file:line below).
+
 The training engine is megatron-core's own on every machine: its DistributedDataParallel and grad buffers,
 `get_megatron_optimizer` (the distributed optimizer, Float16Module's mixed precision, the loss scalers),
 the pipeline schedules, the CUDA RNG tracker, its timers and `dist_checkpointing`. megatron-core 0.16.1

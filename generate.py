@@ -1,5 +1,7 @@
 """generate.py: see what a checkpoint learned, as text.
 
+Names here are this project's own; the KV cache and the model are megatron-core's.
+
     python generate.py --prompt "The Python"                  # the quick start's checkpoints/, newest iteration
     python generate.py --load CKPT [--ckpt-step N] --prompt "..." [--max-new-tokens 200] [--temperature 0.8]
         [--top-k 50] [--top-p 0.95] [--seed 1] [--greedy]

@@ -1,5 +1,7 @@
 """hf.py: Hugging Face `transformers` model directories out of our checkpoints, and into them.
 
+Names here are this project's own; the other side's (tensor names, config.json keys) are `transformers`'.
+
     python hf.py export --load CKPT [--ckpt-step N] --out DIR   # config.json + model.safetensors (+ tokenizer)
     python hf.py import --hf DIR --save CKPT                     # a checkpoint for --pretrained-checkpoint
     AutoModelForCausalLM.from_pretrained(DIR)                    # in transformers, on the exported directory
@@ -84,7 +86,7 @@ def layout_mismatches(m, layout: str) -> list:
                  (m.rotary_percent == 1.0, f"rope on whole heads (has --rotary-percent {m.rotary_percent})"),
                  (m.normalization == "RMSNorm", f"RMSNorm (has {m.normalization})"),
                  (m.swiglu, "SwiGLU (has GeLU)")]
-    # Megatron-LM's variants that neither transformers layout has: each one named, never exported wrongly.
+    # The model variants that neither transformers layout has: each one named, never exported wrongly.
     needs += [(not getattr(m, flag, False), f"no --{flag.replace('_', '-')}") for flag in
               ("add_qkv_bias", "qk_layernorm", "qk_l2_norm", "squared_relu", "quick_geglu", "apply_layernorm_1p",
                "attention_output_gate", "rotary_interleaved", "window_size", "activation_func_clamp_value",

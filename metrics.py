@@ -1,5 +1,8 @@
 """metrics.py: every reporting utility — the log line, TensorBoard (and W&B, MLflow, Comet) scalars, timers, FLOPs.
 
+Names and signatures follow Megatron Bridge's `training.utils.train_utils` and `.theoretical_memory_utils` (the
+progress.txt helpers: `training.train`); the log line, the validation block and progress.txt are Megatron-LM's.
+
 Nothing here holds training state: functions take the state they report on. Each formula is a small
 pure function whose docstring says where it comes from.
 """
@@ -98,7 +101,7 @@ class _NullTimer:
 class Timers:
     """Named wall-clock timers with megatron-core's Timers interface: the run passes them to megatron-core's
     schedules and optimizer (config.timers), which time their own phases (forward-compute, backward-send,
-    optimizer-inner-step, ...) with them, as in Megatron-LM.
+    optimizer-inner-step, ...) with them.
 
     `timers(name, log_level)` returns the timer, or a no-op one when log_level is above
     `--timing-log-level`, so fine-grained timing costs nothing unless asked for; a timer asked for by name
@@ -231,7 +234,7 @@ def device_name():
 
 
 def report_throughput(train_config, iteration: int, seq_length: int, history_wct: list, window_size: int) -> dict:
-    """Rolling throughput over the last `window_size` iterations (Bridge's `throughput/*` keys).
+    """Rolling throughput over the last `window_size` iterations (the `throughput/*` keys).
 
     `history_wct` holds, per iteration of this job, the wall-clock seconds since the job started, at
     the end of that iteration. Only this job's iterations are in it, so a resumed run never divides the
@@ -260,7 +263,7 @@ _TIME_UNITS = {"seconds": 1, "minutes": 60, "hours": 3600, "days": 86400}
 def report_runtime(train_state, start_time: float, seq_length: int, train_iters: int, time_unit: str = "seconds",
                    start_step: int = 0) -> dict:
     """Elapsed time and an estimate of the time left, from this job's rate (iterations since
-    `start_step`, the step this job resumed at) (Bridge's `time/*` keys)."""
+    `start_step`, the step this job resumed at) (the `time/*` keys)."""
     if time_unit not in _TIME_UNITS:
         raise ValueError(f"time_unit must be one of {', '.join(_TIME_UNITS)}, got {time_unit}")
     divisor = _TIME_UNITS[time_unit]
@@ -276,7 +279,7 @@ def report_runtime(train_state, start_time: float, seq_length: int, train_iters:
 # Memory
 # --------------------------------------------------------------------------------------------------
 
-# torch.cuda.memory_stats() key -> reported name (Bridge's ten statistics).
+# torch.cuda.memory_stats() key -> reported name (ten statistics).
 MEMORY_KEYS = {
     "allocated_bytes.all.current": "current_allocated_mem",
     "active_bytes.all.current": "current_active_mem",
@@ -368,10 +371,9 @@ class WandbWriter(StepWriter):
 
 
 class MlflowWriter(StepWriter):
-    """MLflow (Megatron Bridge's MLflow logger): a run of --mlflow-experiment named --mlflow-run-name with
+    """MLflow: a run of --mlflow-experiment named --mlflow-run-name with
     --mlflow-tags. Scalars wait for flush() (each log interval) and go as one batch: one request per
-    interval to a tracking server, not one per scalar. '/' in names becomes '_' (Bridge's
-    `_sanitize_mlflow_metrics`)."""
+    interval to a tracking server, not one per scalar. '/' in names becomes '_'."""
 
     def __init__(self, cfg):
         from mlflow.tracking import MlflowClient
@@ -399,7 +401,7 @@ class MlflowWriter(StepWriter):
 
 
 class CometWriter(StepWriter):
-    """Comet (Megatron Bridge's Comet logger): an experiment of --comet-project named --comet-experiment-name
+    """Comet: an experiment of --comet-project named --comet-experiment-name
     with --comet-tags and the resolved config as parameters. Online with an API key, or an offline archive
     with COMET_START_ONLINE=0. Comet's own automatic logging (hooks into torch, argv, the console) is off:
     the scalars come from here, once."""
@@ -468,7 +470,7 @@ def build_writers(cfg):
 # --------------------------------------------------------------------------------------------------
 
 ADVANCED, SKIPPED, NAN = "advanced iterations", "skipped iterations", "nan iterations"
-# Megatron-LM's training_log list, in its order: ours, then those megatron-core's schedules, DDP and optimizer
+# The log line's timers, in order: ours, then those megatron-core's schedules, DDP and optimizer
 # start through config.timers (level 1: forward-backward, optimizer, ...; level 2: the per-microbatch phases).
 TIMERS_TO_LOG = [
     "forward-backward", "forward-compute", "backward-compute", "batch-generator", "forward-recv", "forward-send",
@@ -541,7 +543,7 @@ def log_step(report: list, total_loss_dict: dict, report_memory_flag: bool, skip
 
 def accumulate_losses(report: list, total_loss_dict: dict, skipped_iter: int) -> None:
     """Sum each loss over the interval's iterations; count advanced, skipped and NaN iterations. One host sync
-    per iteration for the NaN count, as Megatron-LM does."""
+    per iteration for the NaN count."""
     total_loss_dict[ADVANCED] = total_loss_dict.get(ADVANCED, 0) + (0 if skipped_iter else 1)
     total_loss_dict[SKIPPED] = total_loss_dict.get(SKIPPED, 0) + skipped_iter
     got_nan = False
@@ -631,7 +633,7 @@ def print_log_line(report: list, total_loss_dict: dict, report_memory_flag: bool
         print_rank_last("(min, max) time across ranks (ms):" + "".join(
             f"\n    {name} {'.' * max(3, 40 - len(name))}: ({lo:.2f}, {hi:.2f})" for name, (lo, hi) in timers.items()))
     if report_memory_flag:
-        # The estimate beside the measurement, as Bridge prints them; kept on through the second iteration
+        # The estimate beside the measurement; kept on through the second iteration
         # after the start or a resume, so the measured peak includes the optimizer state its first step made.
         report_theoretical_memory(config, global_state.num_microbatches, verbose=True)
         memory = report_memory()
@@ -697,7 +699,7 @@ def calc_params_l2_norm(model, model_config=None, use_megatron_fsdp: bool = Fals
                         force_create_fp32_copy: bool = False) -> float:
     """L2 norm of all parameters of the model, over every rank's shard.
 
-    Like Bridge's: each parameter counted once (see _counted_params); the fp32 main copy where the
+    Each parameter counted once (see _counted_params); the fp32 main copy where the
     megatron optimizer keeps one (`param.main_param`) unless force_create_fp32_copy; main copies sharded
     by the distributed optimizer (`main_param_sharded`) summed over the data-parallel group too; the
     squares summed over the model-parallel group (tensor and pipeline).
@@ -909,7 +911,7 @@ def compute_activation_memory(config, num_microbatches, verbose: bool = False) -
 
 
 def report_theoretical_memory(config, num_microbatches=None, verbose: bool = False) -> None:
-    """Print the estimates in MB (2^20 bytes), as Megatron-LM's line. Activations assume 16-bit tensors: on a
+    """Print the estimates in MB (2^20 bytes). Activations assume 16-bit tensors: on a
     CPU, in fp32, the measured figure is about twice the estimate for the same layers."""
     weights = compute_weight_and_optimizer_memory(config, verbose) / NUM_BYTES_IN_MEGABYTE
     activation = compute_activation_memory(config, num_microbatches, verbose) / NUM_BYTES_IN_MEGABYTE
@@ -923,7 +925,7 @@ def report_theoretical_memory(config, num_microbatches=None, verbose: bool = Fal
 
 
 def append_to_progress_log(save: str, line: str, world_size: int) -> None:
-    """Megatron-LM's progress.txt line: time, job id, number of devices, then the message."""
+    """The progress.txt line: time, job id, number of devices, then the message."""
 
     if not is_rank_0():
         return
@@ -935,7 +937,7 @@ def append_to_progress_log(save: str, line: str, world_size: int) -> None:
 
 def get_start_time_from_progress_log(cfg):
     """(start time of the earliest job of this world size still running on, FLOPs done before it):
-    Megatron-LM's rule: a line with another world size restarts the search."""
+    A line with another world size restarts the search."""
 
     start_time, start_flops, latest_flops = None, None, 0.0
     with open(os.path.join(cfg.checkpoint.save, "progress.txt")) as fh:
@@ -979,7 +981,7 @@ def compute_throughputs_and_append_to_progress_log(state, num_floating_point_ope
 
 class StragglerTimer:
     """Times this rank's training forward steps; every --log-interval, `report` gathers every rank's time so that
-    rank 0 can name the slowest and fastest ranks (Megatron-LM's --log-straggler; megatron-core's StragglerDetector,
+    rank 0 can name the slowest and fastest ranks (--log-straggler; megatron-core's StragglerDetector,
     which is CUDA-only, times the same thing: the batch fetch and the forward pass).
 
     Why not the whole iteration: data-parallel ranks meet at the gradient all-reduce, so one slow rank makes every

@@ -1,5 +1,8 @@
 """model.py: the megatron-core GPT and the engine that trains it: megatron-core's own, on every machine.
 
+The config classes are Megatron Bridge's; the rest builds what Megatron-LM's `get_model`,
+`core_transformer_config_from_args` and `_set_random_seed` build, and the way they build it.
+
     piece                     what runs (GPU and CPU alike)
     ------------------------  ----------------------------------------------------------------------------
     model                     megatron-core GPTModel, its tensor-parallel layers, pipeline stages and
@@ -101,10 +104,10 @@ class SDPAttention(MegatronModule):
 
 
 def transformer_config(cfg) -> TransformerConfig:
-    """megatron-core's TransformerConfig from our ModelConfig (Megatron-LM's `core_transformer_config_from_args`)."""
+    """megatron-core's TransformerConfig from our ModelConfig."""
     m = cfg.model
     dtype = torch.bfloat16 if m.bf16 else torch.float16 if m.fp16 else torch.float32
-    # The MLP's activation and whether it is gated, as Megatron-LM's core_transformer_config_from_args picks them.
+    # The MLP's activation and whether it is gated.
     from megatron.core.activations import squared_relu
     from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
@@ -129,7 +132,7 @@ def transformer_config(cfg) -> TransformerConfig:
         tensor_model_parallel_size=m.tensor_model_parallel_size,
         pipeline_model_parallel_size=m.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size,
-        # Megatron-LM's p2p settings: overlapped isend/irecv under the interleaved schedule, batched otherwise.
+        # The p2p settings: overlapped isend/irecv under the interleaved schedule, batched otherwise.
         overlap_p2p_comm=m.overlap_p2p_comm,
         batch_p2p_comm=m.batch_p2p_comm,
         overlap_p2p_comm_warmup_flush=m.overlap_p2p_comm_warmup_flush,
@@ -143,7 +146,7 @@ def transformer_config(cfg) -> TransformerConfig:
         params_dtype=dtype,
         pipeline_dtype=dtype,
         # Build each full weight on the CPU and hand every tensor-parallel rank its slice: the same weights
-        # for any TP size. On a GPU each rank initialises its slice in place from the RNG tracker, as Megatron-LM.
+        # for any TP size. On a GPU each rank initialises its slice in place from the RNG tracker.
         use_cpu_initialization=m.use_cpu_initialization or not device.cuda(),
         # Activation recomputation through megatron-core's checkpoint function (the RNG tracker replays dropout).
         recompute_granularity=m.recompute_granularity,
@@ -218,8 +221,8 @@ def unwrap(module):
 
 def wrap_model(cfg, model: list) -> list:
     """Wrap each chunk in Float16Module (--bf16/--fp16: half-precision weights, fp32 outputs) and then in
-    megatron-core's DistributedDataParallel, whose contiguous grad buffers the optimizer reads, as Megatron-LM's
-    `get_model` does. Every data-parallel replica then starts from rank 0's weights."""
+    megatron-core's DistributedDataParallel, whose contiguous grad buffers the optimizer reads. Every data-parallel
+    replica then starts from rank 0's weights."""
     if cfg.model.bf16 or cfg.model.fp16:
         model = [Float16Module(m.config, m) for m in model]
     ddp_config = megatron_ddp_config(cfg)
@@ -237,7 +240,7 @@ def wrap_model(cfg, model: list) -> list:
 
 
 class OptimizerConfig(MegatronOptimizerConfig):
-    """megatron-core's OptimizerConfig with its post-init deferred to finalize() (Megatron Bridge's): fields
+    """megatron-core's OptimizerConfig with its post-init deferred to finalize(): fields
     can be set one by one after construction, and the checks and derived fields run once, when finalized."""
 
     def __post_init__(self) -> None:
@@ -249,7 +252,7 @@ class OptimizerConfig(MegatronOptimizerConfig):
 
 
 class DistributedDataParallelConfig(MegatronDDPConfig):
-    """megatron-core's DistributedDataParallelConfig with its post-init deferred to finalize() (Megatron Bridge's)."""
+    """megatron-core's DistributedDataParallelConfig with its post-init deferred to finalize()."""
 
     def __post_init__(self) -> None:
         pass  # deferred: see finalize()
@@ -261,7 +264,7 @@ class DistributedDataParallelConfig(MegatronDDPConfig):
 
 def megatron_optimizer_config(cfg, timers=None) -> OptimizerConfig:
     """megatron-core's optimizer config from config.py's flags, finalized. `timers` (the run's) time the
-    optimizer's inner phases at --timing-log-level 1 and 2, as in Megatron-LM."""
+    optimizer's inner phases at --timing-log-level 1 and 2."""
     o, m = cfg.optimizer, cfg.model
     config = OptimizerConfig(
         optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
@@ -285,8 +288,7 @@ def megatron_ddp_config(cfg) -> DistributedDataParallelConfig:
         overlap_grad_reduce=cfg.ddp.overlap_grad_reduce,
         overlap_param_gather=cfg.ddp.overlap_param_gather,
         use_distributed_optimizer=cfg.ddp.use_distributed_optimizer,
-        # Megatron-LM's --ddp-* flags (its get_model); a bucket size without --overlap-grad-reduce is dropped by
-        # megatron-core's DDP, as by Megatron-LM.
+        # The --ddp-* flags; a bucket size without --overlap-grad-reduce is dropped by megatron-core's DDP.
         bucket_size=cfg.ddp.ddp_bucket_size,
         pad_buckets_for_high_nccl_busbw=cfg.ddp.ddp_pad_buckets_for_high_nccl_busbw,
         average_in_collective=cfg.ddp.ddp_average_in_collective,
@@ -330,10 +332,9 @@ def build_optimizer(cfg, model: list, timers=None):
 
 def get_forward_backward_func(model: list, optimizer, timers=None):
     """megatron-core's schedule for this run: no pipelining, 1F1B across pipeline stages, or the interleaved
-    1F1B over virtual stages. The schedule reads its hooks from the model config, which Megatron-LM's
-    training loop sets: gradient sync deferred to the last microbatch (no_sync), then finalize_model_grads
-    (data-parallel reduce, tied-embedding all-reduce); the fp16 loss scale; the timers. optimizer None:
-    evaluation (no loss scaling, no timers, as Megatron-LM's evaluate)."""
+    1F1B over virtual stages. The schedule reads its hooks from the model config, set here: gradient sync
+    deferred to the last microbatch (no_sync), then finalize_model_grads (data-parallel reduce, tied-embedding
+    all-reduce); the fp16 loss scale; the timers. optimizer None: evaluation (no loss scaling, no timers)."""
     config = unwrap(model[0]).config
     config.no_sync_func = model[0].no_sync if len(model) == 1 else [m.no_sync for m in model]
     config.finalize_model_grads_func = finalize_model_grads
@@ -433,8 +434,7 @@ def destroy_distributed() -> None:
 
 def set_random_seed(seed: int) -> None:
     """Seed python, numpy and torch, offset by pipeline rank so stages differ, and megatron-core's RNG
-    tracker, whose per-tensor-parallel-rank streams drive dropout inside tensor-parallel regions
-    (Megatron-LM's `_set_random_seed`)."""
+    tracker, whose per-tensor-parallel-rank streams drive dropout inside tensor-parallel regions."""
     seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)

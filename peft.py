@@ -34,7 +34,7 @@ from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLine
 
 
 def module_matches(full_name: str, name: str, pattern: str) -> bool:
-    """Bridge's matching: the module's own name, or its full dotted name against a pattern with `*` wildcards
+    """Whether `pattern` names this module: its own name, or its full dotted name with `*` wildcards
     (`*.layers.0.*.linear_qkv`)."""
     if name == pattern:
         return True

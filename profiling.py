@@ -15,13 +15,13 @@ import config as config_lib
 
 
 def should_profile_rank(config: config_lib.ProfilingConfig, rank: int) -> bool:
-    """Bridge `profiling.should_profile_rank`: the ranks in --profile-ranks (an empty list: every rank)."""
+    """Whether this rank profiles: the ranks in --profile-ranks (an empty list: every rank)."""
     return not config.profile_ranks or rank in config.profile_ranks
 
 
 def initialize_pytorch_profiler(config: config_lib.ProfilingConfig, tensorboard_dir: str,
                                 start_step: int = 0) -> Optional[torch.profiler.profile]:
-    """Bridge `profiling.initialize_pytorch_profiler` with Megatron-LM's trace handler: a one-step warm-up, then
+    """The PyTorch profiler, with Megatron-LM's trace handler: a one-step warm-up, then
     iterations profile_step_start .. profile_step_end - 1 (as the log line numbers them) recorded into
     `tensorboard_dir/rank<N>.<time>.pt.trace.json`, which TensorBoard's profiler plugin and Perfetto open.
 
@@ -42,7 +42,7 @@ def initialize_pytorch_profiler(config: config_lib.ProfilingConfig, tensorboard_
 
 def handle_profiling_step(config: config_lib.ProfilingConfig, iteration: int, rank: int,
                           pytorch_prof: Optional[torch.profiler.profile]):
-    """Bridge `profiling.handle_profiling_step`, at the top of each iteration: advance the PyTorch profiler's
+    """At the top of each iteration: advance the PyTorch profiler's
     schedule; with --profile alone, start Nsight Systems' capture at --profile-step-start. Returns the NVTX
     context it opened, if any."""
     if not should_profile_rank(config, rank):
@@ -50,7 +50,7 @@ def handle_profiling_step(config: config_lib.ProfilingConfig, iteration: int, ra
     if pytorch_prof is not None:
         pytorch_prof.step()
     elif config.use_nsys_profiler and not config.use_pytorch_profiler and iteration == config.profile_step_start:
-        # As Bridge's start_nsys_profiler: `nsys profile --capture-range=cudaProfilerApi` records from here.
+        # `nsys profile --capture-range=cudaProfilerApi` records from here.
         torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStart())
         nvtx_context = torch.autograd.profiler.emit_nvtx(record_shapes=config.record_shapes)
         nvtx_context.__enter__()
@@ -60,7 +60,7 @@ def handle_profiling_step(config: config_lib.ProfilingConfig, iteration: int, ra
 
 def handle_profiling_stop(config: config_lib.ProfilingConfig, iteration: int, rank: int,
                           pytorch_prof: Optional[torch.profiler.profile], nsys_nvtx_context=None) -> None:
-    """Bridge `profiling.handle_profiling_stop`, at --profile-step-end on a profiled rank: stop the PyTorch profiler
+    """At --profile-step-end on a profiled rank: stop the PyTorch profiler
     (it writes its trace) or Nsight Systems' capture; with --record-memory-history, dump the CUDA memory snapshot
     (Bridge's training_log) to --memory-snapshot-path with _RANK before the extension."""
     if iteration != config.profile_step_end or not should_profile_rank(config, rank):
@@ -80,6 +80,6 @@ def handle_profiling_stop(config: config_lib.ProfilingConfig, iteration: int, ra
 
 def start_memory_history_recording(config: config_lib.ProfilingConfig) -> None:
     """--record-memory-history on a profiled rank: record the CUDA allocator's allocations and frees, with the
-    Python stack of each, so the snapshot shows a timeline and call sites (Bridge `start_memory_history_recording`)."""
+    Python stack of each, so the snapshot shows a timeline and call sites."""
     if config.record_memory_history and should_profile_rank(config, torch.distributed.get_rank()):
         torch.cuda.memory._record_memory_history(max_entries=100_000)

@@ -1,6 +1,8 @@
 """schedules.py: learning-rate schedules of your own, beside megatron-core's (constant, linear, cosine,
 inverse-square-root, WSD, which its OptimizerParamScheduler computes).
 
+Names here are this project's own; `--lr-decay-style` and the built-in styles are megatron-core's.
+
 A schedule is one function of where the run is, and one entry in LR_SCHEDULES: its name becomes a choice of
 `--lr-decay-style` (config.py reads the names from here) and train.py's scheduler calls the function for it.
 megatron-core's scheduler still does everything else: the weight-decay schedule, the per-group learning rates

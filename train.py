@@ -192,7 +192,7 @@ def setup(cfg: ConfigContainer):
               f" {sum(p.numel() for chunk in model for p in chunk.parameters())}", flush=True)
     ck = cfg.checkpoint
     if cfg.peft.peft != "none":
-        # Bridge's order: the base weights into the bare model, then the adapters (all else frozen), then DDP
+        # In this order: the base weights into the bare model, then the adapters (all else frozen), then DDP
         # and the optimizer, which see the adapters only.
         checkpoint.load_checkpoint(state, model, None, None, ck.pretrained_checkpoint, finetune=True)
         peft.apply_peft(cfg, model)
@@ -216,7 +216,7 @@ def setup(cfg: ConfigContainer):
         metrics.append_to_progress_log(ck.save, "Starting job", cfg.world_size)
     iterators = data.build_data_iterators(cfg, tokenizer, state.train_state)
     ts = state.train_state
-    ts.do_train = iterators[0] is not None and cfg.train.train_iters > 0  # what Bridge's train_state.pt records
+    ts.do_train = iterators[0] is not None and cfg.train.train_iters > 0  # what train_state.pt records
     ts.do_valid, ts.do_test = (it is not None and cfg.train.eval_iters > 0 for it in iterators[1:])
     iterators = [one_iterator_per_chunk(it, len(model)) for it in iterators]
     iterators[0] = attach_rerun_state_machine(state, iterators[0])
@@ -224,9 +224,8 @@ def setup(cfg: ConfigContainer):
 
 
 def setup_logging(logging_level: Optional[int]) -> None:
-    """Python logging for this script's and megatron-core's loggers (Megatron-LM's `initialize.setup_logging`,
-    Bridge's `utils.log_utils.setup_logging`): --logging-level, else $MEGATRON_LOGGING_LEVEL; with neither,
-    Python's default stays (warnings only), as in Megatron-LM."""
+    """Python logging for this script's and megatron-core's loggers: --logging-level, else
+    $MEGATRON_LOGGING_LEVEL; with neither, Python's default stays (warnings only)."""
     env_level = os.environ.get("MEGATRON_LOGGING_LEVEL")
     level = logging_level if logging_level is not None else int(env_level) if env_level else None
     if level is None:
@@ -240,8 +239,8 @@ def setup_logging(logging_level: Optional[int]) -> None:
 
 
 def apply_deterministic_mode(cfg: ConfigContainer) -> None:
-    """--deterministic-mode (Megatron-LM's `determinism.apply_determinism_to_args`, Bridge's
-    `_validate_and_apply_deterministic_mode`; validate() already refused what cannot be deterministic).
+    """--deterministic-mode (Bridge's `_validate_and_apply_deterministic_mode`; validate() already refused what
+    cannot be deterministic).
 
     The environment defaults must be in place before NCCL builds its communicators, cuBLAS its handle
     and transformer-engine its first attention, so this runs first in setup(); values already set win.
@@ -438,7 +437,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
 
 def logged_learning_rates(cfg, optimizer) -> tuple:
     """(the learning rate, the --decoupled-lr groups' or None): megatron-core's canonical one is the first group
-    of the default schedule (get_canonical_lr_for_logging, as Megatron-LM logs it), whichever order the groups are in."""
+    of the default schedule (get_canonical_lr_for_logging), whichever order the groups are in."""
     groups = optimizer.param_groups
     canonical = get_canonical_lr_for_logging(groups)
     decoupled = next((g["lr"] for g in groups if not g.get("default_config", True)), None)
@@ -461,7 +460,7 @@ def _should_skip_and_handle_iteration(global_state: GlobalState, train_data_iter
 
 def _dummy_train_step(global_state: GlobalState, train_data_iterator) -> None:
     """Draw (and drop) this rank's microbatches of one global batch, inside the rerun state machine's loop
-    as Bridge does (a RerunDataIterator still replaying the last step moves on to fresh data)."""
+    (a RerunDataIterator still replaying the last step moves on to fresh data)."""
     iterators = train_data_iterator if isinstance(train_data_iterator, list) else [train_data_iterator]
     while global_state.rerun_state_machine.should_run_forward_backward(train_data_iterator):
         for _ in range(global_state.num_microbatches):
@@ -561,7 +560,7 @@ def post_training_step_callbacks(model: list, num_floating_point_operations_sinc
                                  straggler_timer: metrics.StragglerTimer, iteration: int,
                                  prof: Optional[torch.profiler.profile], config: ConfigContainer,
                                  should_toggle_forward_pre_hook: bool, nsys_nvtx_context=None) -> float:
-    """Run all post-training-step functions, in Bridge's order:
+    """Run all post-training-step functions, in this order:
 
     1. every --log-interval with --log-straggler: every rank's forward-step time, gathered; rank 0 prints the report;
     2. at --profile-step-end: stop the profiler (and dump the CUDA memory snapshot of --record-memory-history);
@@ -619,8 +618,8 @@ def stop_manual_gc_and_profiler(state: GlobalState, prof, nsys_nvtx_context) -> 
 
 
 def collect_garbage_around_eval(cfg: ConfigContainer, after: bool) -> None:
-    """With --manual-gc (and no --no-manual-gc-eval), Megatron-LM's train(): a full collection before each
-    evaluation, and after it a collection of the youngest generation, where what evaluation made lives."""
+    """With --manual-gc (and no --no-manual-gc-eval): a full collection before each evaluation, and after it
+    a collection of the youngest generation, where what evaluation made lives."""
     if cfg.train.manual_gc and cfg.train.manual_gc_eval:
         gc.collect(generation=0 if after else 2)
 
@@ -922,14 +921,14 @@ def evaluate_and_print_results(state: GlobalState, prefix: str, forward_step_fun
 
 def evaluate(state: GlobalState, forward_step_func, data_iterator, model, process_non_loss_data_func,
              config: ConfigContainer, verbose: bool = False, non_loss_data_func=None):
-    """Forward-only over --eval-iters global batches of the full --global-batch-size (also during ramp-up, as
-    Megatron-LM's evaluate). Returns (losses, collected non-loss data)."""
+    """Forward-only over --eval-iters global batches of the full --global-batch-size (also during ramp-up).
+    Returns (losses, collected non-loss data)."""
     forward_step_func = prepare_forward_step_func(forward_step_func, state)
     for m in model:
         m.eval()
     reports = []
     forward_backward_func = get_forward_backward_func(model, None)
-    t = config.train  # Megatron-LM's and Bridge's evaluate: batches of the full global batch size, also during ramp-up
+    t = config.train  # batches of the full global batch size, also during ramp-up
     eval_num_microbatches = t.global_batch_size // (t.micro_batch_size * config.data_parallel_size)
     with torch.no_grad():
         for i in range(config.train.eval_iters):

@@ -7,6 +7,12 @@ so `--num-layers 24 --micro-batch-size 4 ...` means here what it means there.
 Each field is declared with `arg(default, help)`: the help text is the field's documentation and
 its `--help` line, and the flag is the field name in kebab-case unless `flag=` says otherwise.
 
+The module reads top to bottom as a setting's life: declared (one dataclass per concern), parsed (the
+command line generated from the declarations), derived (`derive`: every fill-in and rewrite, each one
+named in the printed config), checked (`check`: `require(condition, message)`, changing nothing), and
+printed. The settings with no machinery here (NVIDIA services, Bridge's thin sections, Megatron-LM flags
+that are inert or refused) sit at the end of the declarations and at the end of the module.
+
 This module imports neither torch nor megatron-core: `--help` and every validation error answer
 in about a second, before any expensive import or work.
 """
@@ -673,79 +679,6 @@ class RNGConfig:
                      bounds="[0, 2147483647]")  # numpy refuses negative seeds and seeds from 2**32
 
 
-# NVIDIA service configs (Bridge's FaultToleranceConfig, NVRxStragglerDetectionConfig, InProcessRestartConfig,
-# TensorInspectConfig). The services come from separate packages and this training loop does not run them:
-# the sections are here so Bridge configs load and validate, and enabling one says what is missing
-# (README, "NVIDIA service configs"). All are off by default. Flags only where Megatron-LM has them.
-
-
-@dataclass
-class FaultToleranceConfig:
-    """Fault tolerance through nvidia-resiliency-ext's rank monitors (NVIDIA internal use)."""
-
-    enable_ft_package: bool = arg(False, "Enable the fault-tolerance package (nvidia-resiliency-ext; run under ft_launcher).")
-    calc_ft_timeouts: bool = arg(False, "Let the fault-tolerance package compute its timeouts from observed intervals.")
-    simulate_fault: bool = arg(False, "Inject a simulated fault (to test fault tolerance).", cli=False)
-    simulated_fault_type: str = arg("random", "rank_hung, rank_killed or random.", cli=False)
-    simulated_fault_rank: Optional[int] = arg(None, "Rank of the simulated fault. Default: a random one.", cli=False)
-    simulated_fault_base_delay: int = arg(0, "Seconds before the simulated fault (plus a small random delay).", cli=False)
-
-
-@dataclass
-class NVRxStragglerDetectionConfig:
-    """Straggler detection through nvidia-resiliency-ext: per-GPU performance scores from kernel timings."""
-
-    enabled: bool = arg(False, "Enable NVRx straggler detection.", cli=False)
-    report_time_interval: float = arg(300.0, "Seconds between straggler checks.", cli=False)
-    calc_relative_gpu_perf: bool = arg(True, "Compute relative GPU performance scores.", cli=False)
-    calc_individual_gpu_perf: bool = arg(True, "Compute individual GPU performance scores.", cli=False)
-    num_gpu_perf_scores_to_print: int = arg(5, "Best and worst scores printed per check (0: only on stragglers).", cli=False)
-    gpu_relative_perf_threshold: float = arg(0.7, "Relative score under which a GPU is a straggler.", cli=False)
-    gpu_individual_perf_threshold: float = arg(0.7, "Individual score under which a GPU is a straggler.", cli=False)
-    stop_if_detected: bool = arg(False, "Stop the run when stragglers are detected.", cli=False)
-    enable_logging: bool = arg(True, "Log the GPU performance scores.", cli=False)
-    profiling_interval: int = arg(1, "Profiling interval of the straggler detector.", cli=False)
-    logger_name: str = arg("megatron.bridge.NVRxStragglerDetection", "Logger of the straggler reports.", cli=False)
-
-
-@dataclass
-class InProcessRestartConfig:
-    """In-process restart through nvidia-resiliency-ext: after a fault, training restarts inside the same processes.
-    Times in seconds; flags are Megatron-LM's --inprocess-*."""
-
-    enabled: bool = arg(False, "Enable in-process restart.", flag="--inprocess-restart")
-    max_iterations: Optional[int] = arg(None, "Maximum number of restarts.", flag="--inprocess-max-iterations")
-    monitor_thread_interval: float = arg(1.0, "Monitoring thread interval.", flag="--inprocess-monitor-thread-interval")
-    monitor_process_interval: float = arg(1.0, "Monitoring process interval.", flag="--inprocess-monitor-process-interval")
-    progress_watchdog_interval: float = arg(1.0, "Progress watchdog interval.", flag="--inprocess-progress-watchdog-interval")
-    heartbeat_interval: float = arg(30.0, "Heartbeat interval (unresponsive ranks).", flag="--inprocess-heartbeat-interval")
-    soft_timeout: float = arg(60.0, "Soft progress timeout.", flag="--inprocess-soft-timeout")
-    hard_timeout: float = arg(90.0, "Hard progress timeout.", flag="--inprocess-hard-timeout")
-    heartbeat_timeout: float = arg(60.0, "Missing-heartbeat timeout.", flag="--inprocess-heartbeat-timeout")
-    barrier_timeout: float = arg(120.0, "Internal distributed barrier timeout.", flag="--inprocess-barrier-timeout")
-    completion_timeout: float = arg(120.0, "Completion barrier timeout.", flag="--inprocess-completion-timeout")
-    last_call_wait: float = arg(1.0, "Time for other ranks to report concurrent failures.", flag="--inprocess-last-call-wait")
-    termination_grace_time: float = arg(1.0, "SIGTERM to SIGKILL on a hard timeout.",
-                                        flag="--inprocess-termination-grace-time")
-    granularity: str = arg("node", "Restart granularity.", choices=["node", "rank"], flag="--inprocess-granularity")
-    active_world_size: Optional[int] = arg(None, "Ranks that run the workload (the rest: warm reserve). Default: all.",
-                                           flag="--inprocess-active-world-size")
-    empty_cuda_cache: bool = arg(True, "Empty the CUDA cache after a restart.", cli=False)
-    max_rank_faults: Optional[int] = arg(None, "Rank faults allowed before the job stops.", cli=False)
-    monitor_process_logdir: Optional[str] = arg(None, "Directory of the monitor process's logs.", cli=False)
-
-
-@dataclass
-class TensorInspectConfig:
-    """Tensor statistics through NVIDIA DL Framework Inspect (nvdlfw-inspect) on transformer-engine layers."""
-
-    enabled: bool = arg(False, "Enable tensor inspection and statistics collection.", cli=False)
-    features: Any = arg(None, "Feature configuration: a mapping, or the path of its YAML file.", cli=False)
-    feature_dirs: Optional[list[str]] = arg(None, "Feature implementations. Default: transformer-engine's.", cli=False)
-    log_dir: Optional[str] = arg(None, "Directory of the statistics. Default: --save, else here.", cli=False)
-    init_training_step: int = arg(0, "Initial step of the inspector. Default: --ckpt-step.", cli=False)
-
-
 @dataclass
 class ProfilingConfig:
     """Profiling a window of iterations: PyTorch profiler traces, Nsight Systems ranges, CUDA memory history
@@ -833,6 +766,85 @@ def DoRA(**fields) -> PEFTConfig:
     return PEFTConfig(peft="dora", **{f"lora_{k}": v for k, v in fields.items()})
 
 
+# --------------------------------------------------------------------------------------------------
+# Settings with no machinery of their own here: the NVIDIA service configs, then Bridge's sections kept for
+# compatibility (thin names over the settings above). Their checks and derivations are at the end of the module.
+# --------------------------------------------------------------------------------------------------
+
+
+# NVIDIA service configs (Bridge's FaultToleranceConfig, NVRxStragglerDetectionConfig, InProcessRestartConfig,
+# TensorInspectConfig). The services come from separate packages and this training loop does not run them:
+# the sections are here so Bridge configs load and validate, and enabling one says what is missing
+# (README, "NVIDIA service configs"). All are off by default. Flags only where Megatron-LM has them.
+
+
+@dataclass
+class FaultToleranceConfig:
+    """Fault tolerance through nvidia-resiliency-ext's rank monitors (NVIDIA internal use)."""
+
+    enable_ft_package: bool = arg(False, "Enable the fault-tolerance package (nvidia-resiliency-ext; run under ft_launcher).")
+    calc_ft_timeouts: bool = arg(False, "Let the fault-tolerance package compute its timeouts from observed intervals.")
+    simulate_fault: bool = arg(False, "Inject a simulated fault (to test fault tolerance).", cli=False)
+    simulated_fault_type: str = arg("random", "rank_hung, rank_killed or random.", cli=False)
+    simulated_fault_rank: Optional[int] = arg(None, "Rank of the simulated fault. Default: a random one.", cli=False)
+    simulated_fault_base_delay: int = arg(0, "Seconds before the simulated fault (plus a small random delay).", cli=False)
+
+
+@dataclass
+class NVRxStragglerDetectionConfig:
+    """Straggler detection through nvidia-resiliency-ext: per-GPU performance scores from kernel timings."""
+
+    enabled: bool = arg(False, "Enable NVRx straggler detection.", cli=False)
+    report_time_interval: float = arg(300.0, "Seconds between straggler checks.", cli=False)
+    calc_relative_gpu_perf: bool = arg(True, "Compute relative GPU performance scores.", cli=False)
+    calc_individual_gpu_perf: bool = arg(True, "Compute individual GPU performance scores.", cli=False)
+    num_gpu_perf_scores_to_print: int = arg(5, "Best and worst scores printed per check (0: only on stragglers).", cli=False)
+    gpu_relative_perf_threshold: float = arg(0.7, "Relative score under which a GPU is a straggler.", cli=False)
+    gpu_individual_perf_threshold: float = arg(0.7, "Individual score under which a GPU is a straggler.", cli=False)
+    stop_if_detected: bool = arg(False, "Stop the run when stragglers are detected.", cli=False)
+    enable_logging: bool = arg(True, "Log the GPU performance scores.", cli=False)
+    profiling_interval: int = arg(1, "Profiling interval of the straggler detector.", cli=False)
+    logger_name: str = arg("megatron.bridge.NVRxStragglerDetection", "Logger of the straggler reports.", cli=False)
+
+
+@dataclass
+class InProcessRestartConfig:
+    """In-process restart through nvidia-resiliency-ext: after a fault, training restarts inside the same processes.
+    Times in seconds; flags are Megatron-LM's --inprocess-*."""
+
+    enabled: bool = arg(False, "Enable in-process restart.", flag="--inprocess-restart")
+    max_iterations: Optional[int] = arg(None, "Maximum number of restarts.", flag="--inprocess-max-iterations")
+    monitor_thread_interval: float = arg(1.0, "Monitoring thread interval.", flag="--inprocess-monitor-thread-interval")
+    monitor_process_interval: float = arg(1.0, "Monitoring process interval.", flag="--inprocess-monitor-process-interval")
+    progress_watchdog_interval: float = arg(1.0, "Progress watchdog interval.", flag="--inprocess-progress-watchdog-interval")
+    heartbeat_interval: float = arg(30.0, "Heartbeat interval (unresponsive ranks).", flag="--inprocess-heartbeat-interval")
+    soft_timeout: float = arg(60.0, "Soft progress timeout.", flag="--inprocess-soft-timeout")
+    hard_timeout: float = arg(90.0, "Hard progress timeout.", flag="--inprocess-hard-timeout")
+    heartbeat_timeout: float = arg(60.0, "Missing-heartbeat timeout.", flag="--inprocess-heartbeat-timeout")
+    barrier_timeout: float = arg(120.0, "Internal distributed barrier timeout.", flag="--inprocess-barrier-timeout")
+    completion_timeout: float = arg(120.0, "Completion barrier timeout.", flag="--inprocess-completion-timeout")
+    last_call_wait: float = arg(1.0, "Time for other ranks to report concurrent failures.", flag="--inprocess-last-call-wait")
+    termination_grace_time: float = arg(1.0, "SIGTERM to SIGKILL on a hard timeout.",
+                                        flag="--inprocess-termination-grace-time")
+    granularity: str = arg("node", "Restart granularity.", choices=["node", "rank"], flag="--inprocess-granularity")
+    active_world_size: Optional[int] = arg(None, "Ranks that run the workload (the rest: warm reserve). Default: all.",
+                                           flag="--inprocess-active-world-size")
+    empty_cuda_cache: bool = arg(True, "Empty the CUDA cache after a restart.", cli=False)
+    max_rank_faults: Optional[int] = arg(None, "Rank faults allowed before the job stops.", cli=False)
+    monitor_process_logdir: Optional[str] = arg(None, "Directory of the monitor process's logs.", cli=False)
+
+
+@dataclass
+class TensorInspectConfig:
+    """Tensor statistics through NVIDIA DL Framework Inspect (nvdlfw-inspect) on transformer-engine layers."""
+
+    enabled: bool = arg(False, "Enable tensor inspection and statistics collection.", cli=False)
+    features: Any = arg(None, "Feature configuration: a mapping, or the path of its YAML file.", cli=False)
+    feature_dirs: Optional[list[str]] = arg(None, "Feature implementations. Default: transformer-engine's.", cli=False)
+    log_dir: Optional[str] = arg(None, "Directory of the statistics. Default: --save, else here.", cli=False)
+    init_training_step: int = arg(0, "Initial step of the inspector. Default: --ckpt-step.", cli=False)
+
+
 @dataclass
 class ValidationConfig:
     """Bridge's ValidationConfig (from Megatron-LM's training config). Thin: what is set here overrides the
@@ -914,6 +926,11 @@ class CommOverlapConfig:
     data_parallel_size: Optional[int] = arg(None, "Set from the world size (as Bridge does).", cli=False)
 
 
+# --------------------------------------------------------------------------------------------------
+# The container: one field per section above
+# --------------------------------------------------------------------------------------------------
+
+
 @dataclass
 class ConfigContainer:
     """Top-level container: one sub-config per concern, plus values derived at validation."""
@@ -951,9 +968,12 @@ class ConfigContainer:
     trainable_fraction: float = 1.0  # of the parameters; below 1 with PEFT's frozen weights (memory estimate)
     # The flags of MEGATRON_LM_INERT_FLAGS given on the command line, as given (set by config_from_flags).
     megatron_lm_inert: Optional[list] = None
+    # What validation filled in or rewrote (derive_value): {"section.name": (value, why)}, printed with the config.
+    derived: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
+        d.pop("derived")  # said in the sections themselves
         d["logger"]["comet_api_key"] = None  # a secret: kept out of run_config.yaml and the trackers' copies
         return d
 
@@ -975,6 +995,7 @@ class ConfigContainer:
         every setting of the full config."""
         lines = ["", "=" * 70, "Configuration Summary (Non-Default Values)", "=" * 70]
         derived = _get_key_config_values(self)
+        derived.pop("derived", None)  # listed with their reasons below
         derived["num_microbatches"] = self.train.global_batch_size // (self.train.micro_batch_size * self.data_parallel_size)
         for section, sub in section_configs(self):
             changed = _get_non_default_values(sub, type(sub))
@@ -986,6 +1007,8 @@ class ConfigContainer:
                     derived[f"{section}.{f.name}"] = getattr(sub, f.name)
         lines += ["\n" + "-" * 70, "Other Configuration Values:", "-" * 70]
         lines += [f"  {k}: {v!r}" for k, v in derived.items()]
+        lines += ["\n" + "-" * 70, "Derived by validation (setting: value, from what):", "-" * 70]
+        lines += [f"  {setting}: {value!r}  ({why})" for setting, (value, why) in self.derived.items()]
         lines.append("=" * 70)
         print("\n".join(lines), file=file, flush=True)
 
@@ -1054,54 +1077,6 @@ FLAG_SWITCHES = [
      "Megatron-LM's switch on for the persistent checkpoint writer, which is on by default here."),
 ]
 
-# Megatron-LM flags (arguments.py, core_v0.16.1) accepted with no effect here and named once as inert in the printed
-# config: (why, ((flag, what it takes), ...)). What a flag takes: None for a switch, a type for one value, "*" for
-# any number of words, a list for its choices. The first group's are printed with the fused-kernel switches.
-MEGATRON_LM_INERT_FLAGS = [
-    ("a GPU kernel choice the local layers never use", (
-        ("--disable-jit-fuser", None), ("--use-te-activation-func", None),
-        ("--cross-entropy-fusion-impl", ["native", "te"]))),
-    ("no effect in Megatron-LM's own megatron-core GPT either (deprecated, or never read by megatron-core's "
-     "GPTModel and layers)", (
-        ("--use-flash-attn", None), ("--no-async-tensor-model-parallel-allreduce", None),
-        ("--disable-async-tensor-model-parallel-allreduce", None), ("--use-dist-ckpt", None),
-        ("--dist-ckpt-format", str), ("--ckpt-fully-parallel-save", None), ("--apply-residual-connection-post-layernorm", None),
-        ("--rotary-seq-len-interpolation-factor", int), ("--rope-scaling-factor", float), ("--onnx-safe", str),
-        ("--no-use-tokenizer-model-from-checkpoint-args", None),  # with --use-checkpoint-args only
-        ("--disable-use-tokenizer-model-from-checkpoint-args", None))),
-    ("a GPU placement, overlap, memory or launcher setting: it changes speed and memory, not what is computed", (
-        ("--local-rank", int),  # torchrun sets LOCAL_RANK, which is what is read here
-        ("--delay-wgrad-compute", None), ("--use-ring-exchange-p2p", None), ("--defer-embedding-wgrad-compute", None),
-        ("--wgrad-deferral-limit", int), ("--microbatch-group-size-per-virtual-pipeline-stage", int),
-        ("--account-for-embedding-in-pipeline-split", None), ("--account-for-loss-in-pipeline-split", None),
-        ("--pipeline-model-parallel-comm-backend", str), ("--max-seqlen-per-dp-cp-rank", int),
-        ("--distribute-saved-activations", None), ("--recompute-modules", "*"),
-        ("--no-clone-scatter-output-in-embedding", None), ("--disable-clone-scatter-output-in-embedding", None),
-        ("--symmetric-ar-type", str), ("--train-sync-interval", int), ("--no-pin-cpu-grads", None),
-        ("--no-pin-cpu-params", None), ("--high-priority-stream-groups", "*"), ("--disable-gloo-process-groups", None),
-        ("--no-scatter-gather-tensors-in-pipeline", None), ("--no-align-grad-reduce", None),
-        ("--no-align-param-gather", None), ("--no-gradient-reduce-div-fusion", None),
-        ("--use-nccl-ub", None), ("--disable-symmetric-registration", None), ("--use-sharp", None),
-        ("--sharp-enabled-group", ["dp", "dp_replica"]), ("--create-all-gather-group", None),
-        ("--nccl-communicator-config-path", str), ("--use-tp-pp-dp-mapping", None),
-        ("--distributed-timeout-seconds-after-init", int), ("--inprocess-empty-cuda-cache", None),
-        ("--exit-signal-handler-for-dataloader", None), ("--no-ckpt-fully-parallel-save", None),
-        ("--disable-ckpt-fully-parallel-save", None), ("--ckpt-fully-parallel-load", None),
-        ("--ckpt-assume-constant-structure", None), ("--distrib-optim-fully-reshardable-mem-efficient", None),
-        ("--dataloader-fast-cache-load", None), ("--dataloader-defer-npy-index-mmap", None),
-        ("--num-dataset-builder-threads", int), ("--per-dataset-sequences-path", str), ("--disable-msc", None))),
-    ("a tokenizer-library choice with no effect on the tokenizers here", (
-        ("--legacy-tokenizer", None), ("--tokenizer-hf-use-fast", None), ("--trust-remote-code", None),
-        ("--tiktoken-num-special-tokens", int), ("--tiktoken-special-tokens", "*"),
-        ("--tokenizer-sentencepiece-legacy", None), ("--sft-tokenizer-prompt-format", str))),
-    ("a logging setting of Megatron-LM's", (
-        ("--log-progress", None), ("--timing-log-option", ["max", "minmax", "all"]), ("--tensorboard-queue-size", int),
-        ("--no-log-loss-scale-to-tensorboard", None), ("--disable-log-loss-scale-to-tensorboard", None),
-        ("--log-memory-interval", int), ("--log-device-memory-used", None), ("--log-max-attention-logit", None),
-        ("--no-barrier-with-level-1-timing", None), ("--log-world-size-to-tensorboard", None), ("--log-energy", None),
-        ("--straggler-ctrlr-port", int), ("--disable-straggler-on-startup", None),
-        ("--result-rejected-tracker-filename", str), ("--config-logger-dir", str), ("--ft-num-warmup-iters", int))),
-]
 INERT_DEST = "megatron_lm_inert."  # argparse dest prefix of MEGATRON_LM_INERT_FLAGS
 
 
@@ -1183,6 +1158,1404 @@ def parse_args(argv: Optional[list] = None, world_size: Optional[int] = None, gp
     except ConfigError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
 
+
+def unsupported_flag(token: str) -> Optional[str]:
+    """The one-line reason a Megatron-LM flag is refused here, or None for a flag not in UNSUPPORTED_FLAGS or
+    MEGATRON_LM_REFUSED_FLAGS."""
+    name = token.split("=", 1)[0]
+    for names, machinery in UNSUPPORTED_FLAGS:
+        if any(name == n or (n.endswith("-") and name.startswith(n)) for n in names):
+            return (f"{name} is a Megatron-LM setting of {machinery}, which this trainer does not have (it trains dense "
+                    f"GPT models); drop it")
+    for names, reason in MEGATRON_LM_REFUSED_FLAGS:
+        if name in names:
+            return f"{name} {reason}"
+    return None
+
+
+def config_from_flags(argv: list, world_size: Optional[int] = None, gpu: Optional[bool] = None,
+                      parser: Optional[argparse.ArgumentParser] = None) -> ConfigContainer:
+    """parse_args without the exit: an impossible combination raises ConfigError (for callers that are not the
+    command line, such as hf.py's import)."""
+    parser = parser or build_parser()
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        reasons = [unsupported_flag(t) for t in unknown if t.startswith("--")]
+        if any(reasons):
+            raise ConfigError(next(r for r in reasons if r))
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    ns = vars(ns)
+    cfg = ConfigContainer()
+    if "config_file" in ns:
+        apply_overrides(cfg, _load_yaml(ns.pop("config_file")), source="--config-file")
+    inert = [(dest[len(INERT_DEST):], ns.pop(dest)) for dest in list(ns) if dest.startswith(INERT_DEST)]
+    cfg.megatron_lm_inert = [flag if value is True else " ".join([flag, *map(str, value)]) if isinstance(value, list)
+                             else f"{flag} {value}" for flag, value in inert] or None
+    flags: dict = {}
+    for dest, value in ns.items():
+        section, name = dest.split(".", 1)
+        flags.setdefault(section, {})[name] = value
+    apply_overrides(cfg, flags, source="flags")
+    return validate(cfg, world_size=world_size, gpu=gpu)
+
+
+def _load_yaml(path: str) -> dict:
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config-file {path}: no such file")
+    try:
+        with open(path) as fh:
+            data = yaml.safe_load(fh) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config-file {path}: not valid YAML ({str(e).splitlines()[0]})")
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config-file {path}: expected a mapping of sections (model:, train:, ...)")
+    return data
+
+
+def to_yaml(cfg: ConfigContainer) -> str:
+    """The resolved config as YAML: what `run_config.yaml` holds and `--config-file` reads back."""
+    import yaml
+
+    d = cfg.to_dict()
+    return yaml.safe_dump({s: d[s] for s in SECTIONS}, sort_keys=False)
+
+
+def gpu_visible() -> bool:
+    """Whether an NVIDIA GPU is visible, answered without importing torch (train.py re-checks with torch)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def package_installed(module: str) -> bool:
+    """Whether a package can be imported (e.g. transformer_engine), answered without importing it."""
+    return importlib.util.find_spec(module) is not None
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation, in two passes: derive, then check
+#
+#   derive: every value validation fills in or rewrites, set through derive_value(), which names it (with its reason)
+#           in the printed config. A derivation that cannot be made (its inputs are wrong) is left undone, for the
+#           check that says why.
+#   check:  pure conditions on the result, each `require(condition, one-line message)`: nothing is changed.
+#
+# Each concern has a derive_* and a check_* function of the same name, in the same order, so grepping a setting finds
+# its declaration above, its derivation and its checks. The Bridge sections and the NVIDIA service configs, which have
+# no machinery here, come last in the module.
+# --------------------------------------------------------------------------------------------------
+
+
+def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Optional[bool] = None) -> ConfigContainer:
+    """Fill in the derived values, then check every setting against the others and the machine (Megatron-LM's
+    `validate_args`, Bridge's `ConfigContainer.validate`). Raises ConfigError with a one-line message."""
+    cfg.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    cfg.use_gpu = gpu_visible() if gpu is None else gpu
+    derive(cfg)
+    check(cfg)
+    return cfg
+
+
+def runtime_config_update(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Optional[bool] = None):
+    """Bridge's runtime_config_update: resolve the Bridge sections (mixed_precision, comm_overlap,
+    validation), set the data-parallel size, and validate. Call it on a ConfigContainer built in Python
+    before pretrain()/finetune(); parse_args() does it for the command line."""
+    return validate(cfg, world_size=world_size, gpu=gpu)
+
+
+def derive_value(cfg: ConfigContainer, setting: str, value: Any, why: str) -> None:
+    """One derivation: set `setting` ("section.name") to value and note it, with why, for the printed config
+    (cfg.derived). A setting that already holds the value is left alone and not noted."""
+    section, name = setting.split(".")
+    sub = getattr(cfg, section)
+    if getattr(sub, name) == value and type(getattr(sub, name)) is type(value):
+        return
+    setattr(sub, name, value)
+    cfg.derived[setting] = (value, why)
+
+
+def require(condition: Any, message: str) -> None:
+    """A check: when the condition does not hold, the run stops before any work with this one-line message."""
+    if not condition:
+        raise ConfigError(message)
+
+
+def derive(cfg: ConfigContainer) -> None:
+    """Every fill-in and rewrite, in the order they depend on each other."""
+    derive_bridge_sections(cfg)  # first: they set settings of the other sections (at the end of the module)
+    derive_model_sizes(cfg)
+    derive_parallelism(cfg)
+    derive_batch_sizes_and_length(cfg)
+    derive_precision(cfg)
+    derive_optimizer_and_schedule(cfg)
+    derive_data(cfg)
+    derive_loggers(cfg)
+    derive_machine(cfg)
+    derive_services(cfg)  # the NVIDIA service configs (at the end of the module)
+
+
+def check(cfg: ConfigContainer) -> None:
+    """Every check, one concern after another; the first that fails is the run's one-line error."""
+    check_bridge_sections(cfg)
+    check_bounds(cfg)
+    check_model_sizes(cfg)
+    check_architecture(cfg)
+    check_parallelism(cfg)
+    check_batch_sizes_and_length(cfg)
+    check_precision(cfg)
+    check_rerun_state_machine(cfg)
+    check_optimizer_and_schedule(cfg)
+    check_data(cfg)
+    check_fim(cfg)
+    check_loggers(cfg)
+    check_checkpointing(cfg)
+    check_machine(cfg)
+    check_peft(cfg)
+    check_deterministic_mode(cfg)
+    check_callbacks(cfg)
+    check_services(cfg)
+
+
+def max_data_workers() -> int:
+    """The most DataLoader workers per rank accepted: 4 per CPU core (at least 8)."""
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
+def _interval(spec: str) -> tuple:
+    """"[0, 1)" -> (0.0, 1.0, True, False): low, high, and whether each end is included."""
+    low, high = (x.strip() for x in spec[1:-1].split(","))
+    return float(low), float(high), spec[0] == "[", spec[-1] == "]"
+
+
+def check_bounds(cfg: ConfigContainer) -> None:
+    """Every number given with declared `bounds` lies in its interval (None means unset; NaN is never in one).
+    A derived value is left to the checks of what it was derived from."""
+    for section, sub in section_configs(cfg):
+        for f in dataclasses.fields(sub):
+            value, spec = getattr(sub, f.name), f.metadata.get("bounds")
+            if spec is None or value is None or isinstance(value, bool) or f"{section}.{f.name}" in cfg.derived:
+                continue
+            low, high, low_in, high_in = _interval(spec)
+            inside = isinstance(value, (int, float)) and (low <= value if low_in else low < value) and (
+                value <= high if high_in else value < high)
+            flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
+            require(inside, f"{flag} {value!r} is out of range: it must lie in {spec}")
+
+
+# -- the model's sizes and architecture ------------------------------------------------------------
+
+
+def derive_model_sizes(cfg: ConfigContainer) -> None:
+    """kv-channels, query groups, the MLP size and the position table, from the sizes given (Megatron-LM's
+    validate_args)."""
+    m = cfg.model
+    if m.kv_channels is None and m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads == 0:
+        derive_value(cfg, "model.kv_channels", m.hidden_size // m.num_attention_heads,
+                     "--hidden-size / --num-attention-heads")
+    if m.num_query_groups is None:
+        # Megatron-LM: --group-query-attention alone means its --num-query-groups default, 1 (multi-query attention).
+        derive_value(cfg, "model.num_query_groups", 1 if m.group_query_attention else m.num_attention_heads,
+                     "--group-query-attention alone: one group" if m.group_query_attention else
+                     "--num-attention-heads: no grouping")
+    if m.ffn_hidden_size is None:
+        # Megatron-LM: SwiGLU keeps the MLP's parameter count of 4h by using 2/3 of it, rounded to 64.
+        derive_value(cfg, "model.ffn_hidden_size",
+                     max(64, int((4 * m.hidden_size * 2 / 3) / 64) * 64) if m.swiglu else 4 * m.hidden_size,
+                     "2/3 of 4 x --hidden-size, to 64 (--swiglu)" if m.swiglu else "4 x --hidden-size")
+    if m.max_position_embeddings is None:
+        derive_value(cfg, "model.max_position_embeddings", m.seq_length, "--seq-length")
+
+
+def check_model_sizes(cfg: ConfigContainer) -> None:
+    m, t = cfg.model, cfg.train
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by"):
+        require(getattr(m, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(m, name)}")
+    require(t.micro_batch_size > 0, f"--micro-batch-size must be positive, got {t.micro_batch_size}")
+    require(m.kv_channels is not None,  # derived only where the heads divide the hidden size
+            f"--num-attention-heads {m.num_attention_heads} does not divide --hidden-size {m.hidden_size}; pick heads "
+            f"that divide it (or set --kv-channels)")
+    require(m.num_query_groups > 0 and m.num_attention_heads % m.num_query_groups == 0,
+            f"--num-query-groups {m.num_query_groups} must divide --num-attention-heads {m.num_attention_heads}")
+    require(not (m.swiglu and m.openai_gelu), "--openai-gelu is a GeLU, --swiglu replaces GeLU: give one")
+    require(m.position_embedding_type != "learned_absolute" or m.max_position_embeddings >= m.seq_length,
+            f"--max-position-embeddings {m.max_position_embeddings} is shorter than --seq-length {m.seq_length}")
+    for name in ("hidden_dropout", "attention_dropout"):
+        require(0.0 <= getattr(m, name) < 1.0, f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(m, name)}")
+
+
+def layer_pattern(spec: str, flag: str, num_layers: int):
+    """Megatron-LM's per-layer pattern (--no-rope-freq, --window-attn-skip-freq) as megatron-core's TransformerConfig
+    takes it: an integer N as it is, or a list expression of 0/1 entries joined by + and repeated by *, such as
+    '([0]*3+[1])*2', read without eval (Megatron-LM evals it), as a list with one entry per layer."""
+    text = str(spec).strip()
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+
+    def value(node):
+        if isinstance(node, ast.List) and all(isinstance(e, ast.Constant) and e.value in (0, 1) and type(e.value) is int
+                                              for e in node.elts):
+            return [e.value for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            left, right = value(node.left), value(node.right)
+            if isinstance(left, list) and isinstance(right, list):
+                return left + right
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+            left = node.left if isinstance(node.left, ast.Constant) else node.right
+            pattern = value(node.right if left is node.left else node.left)
+            if isinstance(left, ast.Constant) and type(left.value) is int and isinstance(pattern, list) and \
+                    0 <= left.value and len(pattern) * left.value <= 100000:
+                return pattern * left.value
+        raise ValueError
+
+    try:
+        pattern = value(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, RecursionError):
+        raise ConfigError(f"{flag} {text!r} is neither a positive integer nor a list of 0s and 1s such as "
+                          f"'([0]*3+[1])*2'") from None
+    require(len(pattern) == num_layers,
+            f"{flag} {text!r} has {len(pattern)} entries for {num_layers} layers (--num-layers); give one per layer")
+    return pattern
+
+
+def parse_window_size(spec: str) -> tuple:
+    """--window-size 'LEFT,RIGHT' as megatron-core's (left, right) tuple (Megatron-LM's tuple_type)."""
+    try:
+        left, right = (int(x) for x in str(spec).strip("()[] ").split(","))
+    except ValueError:
+        raise ConfigError(f"--window-size {spec!r} must be two integers LEFT,RIGHT (-1: unlimited), e.g. 4096,0") from None
+    require(min(left, right) >= -1, f"--window-size {spec!r}: each side is a number of tokens, or -1 for all of them")
+    return left, right
+
+
+def check_architecture(cfg: ConfigContainer) -> None:
+    """Megatron-LM's architecture flags that megatron-core's TransformerConfig takes (transformer_config_extras):
+    what Megatron-LM's validate_args and TransformerConfig refuse, and what would change nothing, is one line here."""
+    m = cfg.model
+    activations = [flag for flag, on in (("--swiglu", m.swiglu), ("--squared-relu", m.squared_relu),
+                                         ("--quick-geglu", m.quick_geglu), ("--openai-gelu", m.openai_gelu)) if on]
+    require(len(activations) <= 1, f"{' and '.join(activations)} each choose the MLP's activation; give one")
+    require(not m.glu_linear_offset or m.swiglu or m.quick_geglu,
+            "--glu-linear-offset shifts the linear half of a gated MLP; add --swiglu or --quick-geglu, or drop it")
+    require(m.activation_func_clamp_value is None or m.quick_geglu,
+            "--activation-func-clamp-value clamps the halves of --quick-geglu's MLP; add --quick-geglu or drop it")
+    require(not (m.qk_layernorm and m.qk_l2_norm), "--qk-layernorm and --qk-l2-norm each normalize the queries and "
+                                                   "keys; give one")
+    require(m.rope_type != "yarn", "--rope-type yarn is multi-latent attention's rotary embedding, which this trainer "
+                                   "does not have (dense attention uses rope); drop it")
+    require(m.add_position_embedding or m.position_embedding_type == "rope",
+            f"--no-position-embedding is deprecated, and Megatron-LM refuses it without rope too "
+            f"(--position-embedding-type {m.position_embedding_type}); use --position-embedding-type none for no "
+            f"position embedding")
+    for on, flag in ((m.rotary_interleaved, "--rotary-interleaved"), (m.no_rope_freq is not None, "--no-rope-freq")):
+        require(not on or m.position_embedding_type == "rope",
+                f"{flag} changes the rotary embedding, but --position-embedding-type is {m.position_embedding_type}; "
+                f"add --position-embedding-type rope or drop it")
+    if m.no_rope_freq is not None:
+        pattern = layer_pattern(m.no_rope_freq, "--no-rope-freq", m.num_layers)
+        require(not isinstance(pattern, int) or m.num_layers % pattern == 0,
+                f"--no-rope-freq {pattern} must divide --num-layers {m.num_layers} (megatron-core repeats its pattern "
+                f"over the layers)")
+    if m.window_attn_skip_freq is not None:
+        require(m.window_size is not None, "--window-attn-skip-freq picks the layers of --window-size's sliding "
+                                           "window; add --window-size or drop it")
+        layer_pattern(m.window_attn_skip_freq, "--window-attn-skip-freq", m.num_layers)
+    if m.window_size is not None:
+        parse_window_size(m.window_size)
+
+
+# -- parallelism: tensor, pipeline (virtual stages, recomputation), context --------------------------
+
+
+def pipeline_stage_layers(m: ModelConfig) -> list:
+    """Layers per pipeline stage: --decoder-first/last-pipeline-num-layers where given, the rest evenly
+    (megatron-core's num_layers_in_first/last_pipeline_stage). Uneven leftovers are for the caller to refuse."""
+    pp, first, last = m.pipeline_model_parallel_size, m.decoder_first_pipeline_num_layers, m.decoder_last_pipeline_num_layers
+    if pp == 1:
+        return [m.num_layers]
+    fixed = {0: first, pp - 1: last}
+    middle = [i for i in range(pp) if fixed.get(i) is None]
+    rest = m.num_layers - sum(v for v in fixed.values() if v is not None)
+    even = rest // len(middle) if middle else 0
+    return [fixed[i] if fixed.get(i) is not None else even for i in range(pp)]
+
+
+def _virtual_stages_split(m: ModelConfig) -> bool:
+    """Whether --num-virtual-stages-per-pipeline-rank splits the layers evenly (2 or more pipeline stages)."""
+    v, pp = m.num_virtual_stages_per_pipeline_rank, m.pipeline_model_parallel_size
+    return pp > 1 and m.num_layers % pp == 0 and (m.num_layers // pp) % v == 0
+
+
+def derive_parallelism(cfg: ConfigContainer) -> None:
+    """The data-parallel size; virtual stages as layers per stage; the p2p mode and the recompute settings
+    each implies; sequence parallelism off without tensor parallelism (all as Megatron-LM's validate_args)."""
+    m = cfg.model
+    tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+    if min(tp, pp, cp) >= 1:
+        cfg.data_parallel_size = cfg.get_data_parallel_size(cfg.world_size)
+    v = m.num_virtual_stages_per_pipeline_rank
+    # Megatron-LM's other way to ask for virtual stages, their number: said once, as layers per stage (what
+    # run_config.yaml and generate.py read). One virtual stage per rank is no interleaving.
+    if v is not None and v >= 1 and m.num_layers_per_virtual_pipeline_stage is None and (v == 1 or _virtual_stages_split(m)):
+        if v > 1:
+            derive_value(cfg, "model.num_layers_per_virtual_pipeline_stage", m.num_layers // pp // v,
+                         "--num-layers / --pipeline-model-parallel-size / --num-virtual-stages-per-pipeline-rank")
+        derive_value(cfg, "model.num_virtual_stages_per_pipeline_rank", None,
+                     "said as --num-layers-per-virtual-pipeline-stage")
+    n = m.num_layers_per_virtual_pipeline_stage
+    if n is None:
+        # As Megatron-LM: 1F1B has no p2p to overlap; its sends and receives go in batches.
+        derive_value(cfg, "model.virtual_pipeline_model_parallel_size", None, "no virtual stages")
+        for name, value in (("overlap_p2p_comm", False), ("overlap_p2p_comm_warmup_flush", False), ("batch_p2p_comm", True)):
+            derive_value(cfg, f"model.{name}", value, "no virtual stages: 1F1B has no p2p to overlap")
+    elif n > 0 and pp > 1 and (m.num_layers // pp) % n == 0:
+        derive_value(cfg, "model.virtual_pipeline_model_parallel_size", (m.num_layers // pp) // n,
+                     "--num-layers / --pipeline-model-parallel-size / --num-layers-per-virtual-pipeline-stage")
+        derive_value(cfg, "model.batch_p2p_comm", not m.overlap_p2p_comm, "not --overlap-p2p-communication")
+    if m.recompute_activations and m.recompute_granularity is None:
+        derive_value(cfg, "model.recompute_granularity", "selective", "--recompute-activations")
+    if m.recompute_granularity == "full" and m.recompute_num_layers is None:
+        derive_value(cfg, "model.recompute_num_layers", 1, "--recompute-granularity full: one layer at a time")
+    if tp == 1:
+        derive_value(cfg, "model.sequence_parallel", False, "no tensor parallelism to split the sequence over")
+
+
+def check_parallelism(cfg: ConfigContainer) -> None:
+    """Tensor, pipeline and context sizes against the world and the model."""
+    m = cfg.model
+    tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+    require(min(tp, pp, cp) >= 1, "parallel sizes must be at least 1")
+    mp = tp * pp * cp
+    require(cfg.world_size % mp == 0,
+            f"tensor ({tp}) x pipeline ({pp}) x context ({cp}) parallel sizes = {mp} do not divide the world size "
+            f"{cfg.world_size}; launch a multiple of {mp} processes or reduce the parallel sizes")
+    require(m.num_attention_heads % tp == 0,
+            f"--tensor-model-parallel-size {tp} must divide --num-attention-heads {m.num_attention_heads}")
+    require(m.num_query_groups % tp == 0,
+            f"--tensor-model-parallel-size {tp} must divide the number of query groups {m.num_query_groups}")
+    check_pipeline_split(cfg)
+    check_virtual_pipeline(cfg)
+    check_recompute(cfg)
+    check_context_parallel(cfg)
+
+
+def check_pipeline_split(cfg: ConfigContainer) -> None:
+    m = cfg.model
+    v, pp = m.num_virtual_stages_per_pipeline_rank, m.pipeline_model_parallel_size
+    if v is not None:  # left by derive_parallelism: it could not be said as layers per stage
+        require(m.num_layers_per_virtual_pipeline_stage is None,
+                "--num-virtual-stages-per-pipeline-rank and --num-layers-per-virtual-pipeline-stage both set the "
+                "virtual stages; give one")
+        require(v <= 1 or _virtual_stages_split(m),
+                f"--num-virtual-stages-per-pipeline-rank {v} needs --pipeline-model-parallel-size 2 or more and "
+                f"layers that split evenly: {m.num_layers} layers over {pp} stages of {v} virtual stages each")
+    uneven = any(n is not None for n in (m.decoder_first_pipeline_num_layers, m.decoder_last_pipeline_num_layers))
+    require(pp > 1 or not uneven, "--decoder-first/last-pipeline-num-layers set a pipeline stage's layers; add "
+                                  "--pipeline-model-parallel-size 2 or more")
+    stages = pipeline_stage_layers(m)
+    split = "the layers the first/last stages leave" if uneven else "--num-layers"
+    require(sum(stages) == m.num_layers and min(stages) >= 0,
+            f"--pipeline-model-parallel-size {pp} must divide {split} evenly ({m.num_layers} layers); change "
+            f"--num-layers, --decoder-first-pipeline-num-layers or --decoder-last-pipeline-num-layers")
+    require(m.num_layers_per_virtual_pipeline_stage is None or not uneven,
+            "--num-layers-per-virtual-pipeline-stage needs evenly split pipeline stages; drop "
+            "--decoder-first/last-pipeline-num-layers")
+
+
+def check_virtual_pipeline(cfg: ConfigContainer) -> None:
+    """--num-layers-per-virtual-pipeline-stage as Megatron-LM's validate_args: each pipeline rank holds
+    (layers / pipeline size) / (layers per virtual stage) chunks and runs the interleaved schedule."""
+    m = cfg.model
+    n, pp = m.num_layers_per_virtual_pipeline_stage, m.pipeline_model_parallel_size
+    if n is None:
+        return
+    require(pp > 1, "--num-layers-per-virtual-pipeline-stage interleaves pipeline stages; add "
+                    "--pipeline-model-parallel-size 2 or more")
+    require(n > 0 and (m.num_layers // pp) % n == 0,
+            f"--num-layers-per-virtual-pipeline-stage {n} must divide the {m.num_layers // pp} layers of each pipeline "
+            f"stage (--num-layers {m.num_layers} / --pipeline-model-parallel-size {pp})")
+    require(m.overlap_p2p_comm or not m.overlap_p2p_comm_warmup_flush,
+            "--overlap-p2p-communication-warmup-flush overlaps p2p communication; drop it or "
+            "--no-overlap-p2p-communication")
+    # megatron-core 0.16.1 defect (README: defects): with 2 pipeline ranks the previous and the next rank are one
+    # peer, and a batch of sends and receives to it pairs them in posting order, so activations land in gradient
+    # buffers (p2p_communication.py:16-51). Megatron-LM asks for more than 2 ranks here too.
+    require(not (pp == 2 and m.batch_p2p_comm),
+            "--no-overlap-p2p-communication with --pipeline-model-parallel-size 2 and virtual stages swaps activations "
+            "and gradients (megatron-core 0.16.1 batches both directions to the one peer); drop "
+            "--no-overlap-p2p-communication or use 3 or more pipeline stages")
+
+
+def check_recompute(cfg: ConfigContainer) -> None:
+    """Megatron-LM's validate_args and TransformerConfig's checks of the recompute settings."""
+    m = cfg.model
+    require(not m.recompute_activations or m.recompute_granularity == "selective",
+            "--recompute-activations means --recompute-granularity selective, not full; give one")
+    require(m.recompute_granularity != "selective" or m.recompute_method is None,
+            "--recompute-method applies to --recompute-granularity full; selective recomputation recomputes the core "
+            "attention of every layer")
+    require(m.recompute_granularity == "full" or not (m.recompute_method or m.recompute_num_layers),
+            "--recompute-method and --recompute-num-layers need --recompute-granularity full")
+    if m.recompute_granularity == "full":
+        require(m.recompute_method is not None, "--recompute-granularity full needs --recompute-method uniform or block")
+        most = max(pipeline_stage_layers(m)) if m.recompute_method == "block" else m.num_layers
+        require(m.recompute_num_layers <= most,
+                f"--recompute-num-layers {m.recompute_num_layers} is more than the {most} layers "
+                f"{'of a pipeline stage' if m.recompute_method == 'block' else 'of the model'}")
+
+
+def check_context_parallel(cfg: ConfigContainer) -> None:
+    """Bridge's `_validate_cp_comm_type` and the context-parallel checks of `validate` (Megatron-LM's
+    validate_args): each rank holds two chunks of the sequence (to balance causal attention), and
+    a2a+p2p needs the hierarchy of context-parallel groups it communicates over."""
+    m = cfg.model
+    cp, kinds, sizes = m.context_parallel_size, m.cp_comm_type, m.hierarchical_context_parallel_sizes
+    known = ("p2p", "all_gather", "a2a", "a2a+p2p")
+    bad = [k for k in kinds if k not in known]
+    require(kinds and not bad, f"--cp-comm-type {' '.join(bad or kinds)}: expected {', '.join(known)}")
+    require(len(kinds) in (1, m.num_layers), f"--cp-comm-type gives {len(kinds)} types; give one for all layers or "
+                                             f"one per layer (--num-layers {m.num_layers})")
+    require(cp == 1 or m.seq_length % (2 * cp) == 0,
+            f"--seq-length {m.seq_length} must be a multiple of 2 x --context-parallel-size = {2 * cp} (each rank "
+            f"holds two chunks)")
+    require(cp == 1 or "a2a+p2p" not in kinds or sizes,
+            "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes (e.g. 8 2 for 16 ranks over 2 nodes); "
+            "without it context parallelism would not communicate")
+    require(not sizes or math.prod(sizes) == cp,
+            f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes or []))} multiply to "
+            f"{math.prod(sizes or [])}, not --context-parallel-size {cp}")
+
+
+# -- batch sizes and the run's length --------------------------------------------------------------
+
+
+def derive_batch_sizes_and_length(cfg: ConfigContainer) -> None:
+    """The global batch (one micro batch per data-parallel rank) and --train-iters (from --train-samples, else the
+    quick start's 300)."""
+    t = cfg.train
+    if t.global_batch_size is None:
+        derive_value(cfg, "train.global_batch_size", t.micro_batch_size * cfg.data_parallel_size,
+                     "--micro-batch-size x data-parallel size")
+    gbs = t.global_batch_size
+    if t.train_samples is not None and gbs > 0 and t.train_iters is None:
+        derive_value(cfg, "train.train_iters", t.train_samples // gbs, "--train-samples / --global-batch-size")
+    elif t.train_samples is None and t.train_iters is None:
+        derive_value(cfg, "train.train_iters", 300, "neither --train-iters nor --train-samples: the quick start's")
+
+
+def check_batch_sizes_and_length(cfg: ConfigContainer) -> None:
+    """Batch sizes, the run's length, ramp-up and the reporting intervals."""
+    m, t, lg = cfg.model, cfg.train, cfg.logger
+    pp, dp, unit = m.pipeline_model_parallel_size, cfg.data_parallel_size, t.micro_batch_size * cfg.data_parallel_size
+    require(t.global_batch_size > 0 and t.global_batch_size % unit == 0,
+            f"--global-batch-size {t.global_batch_size} is not a multiple of --micro-batch-size {t.micro_batch_size} x "
+            f"data-parallel size {dp} = {unit}; use a multiple of {unit}")
+    microbatches = t.global_batch_size // unit  # at the full batch (ramp-up only grows to it)
+    require(not m.virtual_pipeline_model_parallel_size or microbatches % pp == 0,
+            f"the interleaved schedule runs microbatches in groups of --pipeline-model-parallel-size {pp}, but there "
+            f"are {microbatches} per step; make --global-batch-size / (--micro-batch-size x data-parallel size) a "
+            f"multiple of {pp}")
+    # --train-iters equal to --train-samples / batch: a sample-based run_config.yaml, both written by derivation
+    require(t.train_samples is None or t.train_iters == t.train_samples // t.global_batch_size,
+            "--train-iters and --train-samples are exclusive; give one")
+    require(t.train_samples is None or t.train_samples >= t.global_batch_size,
+            f"--train-samples {t.train_samples} is less than one global batch ({t.global_batch_size})")
+    check_rampup(cfg)
+    require(t.train_iters >= 0, f"--train-iters must be non-negative, got {t.train_iters}")
+    require(t.eval_interval > 0, f"--eval-interval must be positive, got {t.eval_interval}")
+    require(t.eval_iters >= 0, f"--eval-iters must be non-negative, got {t.eval_iters}")
+    require(lg.log_interval > 0, f"--log-interval must be positive, got {lg.log_interval}")
+    require(lg.tensorboard_log_interval > 0,
+            f"--tensorboard-log-interval must be positive, got {lg.tensorboard_log_interval}")
+    require(lg.throughput_window_size >= 2, f"--throughput-window-size must be at least 2, got {lg.throughput_window_size}")
+    require(lg.logging_level is None or lg.logging_level >= 0,
+            f"--logging-level must be a logging level like 10 (DEBUG), 20 (INFO) or 30 (WARNING), got {lg.logging_level}")
+    require(t.exit_interval is None or t.exit_interval > 0, f"--exit-interval must be positive, got {t.exit_interval}")
+    require(t.exit_signal in signal.Signals.__members__,
+            f"--exit-signal {t.exit_signal} is not a signal name; use e.g. SIGTERM, SIGINT or SIGUSR1")
+
+
+def check_rampup(cfg: ConfigContainer) -> None:
+    """--rampup-batch-size START INCR SAMPLES, checked so megatron-core's RampupBatchsizeNumMicroBatchesCalculator
+    never fails mid-run: every batch size on the way (START, START + INCR, ..., --global-batch-size) must split
+    into microbatches on each data-parallel rank. Iteration-based only, as Megatron Bridge's TrainingConfig."""
+    t, dp = cfg.train, cfg.data_parallel_size
+    if t.rampup_batch_size is None:
+        return
+    unit, gbs = t.micro_batch_size * dp, t.global_batch_size
+    require(len(t.rampup_batch_size) == 3, "--rampup-batch-size takes three numbers, START INCR SAMPLES (e.g. "
+                                           "--rampup-batch-size 8 8 10000)")
+    start, incr, samples = t.rampup_batch_size
+    require(start > 0 and incr > 0 and samples >= 0,
+            f"--rampup-batch-size {start} {incr} {samples}: START and INCR must be positive, SAMPLES non-negative")
+    require(start < gbs, f"--rampup-batch-size START {start} must be less than --global-batch-size {gbs}, the batch it "
+                         f"ramps up to; drop --rampup-batch-size for a constant batch")
+    require((gbs - start) % incr == 0, f"--rampup-batch-size INCR {incr} does not divide --global-batch-size {gbs} - "
+                                       f"START {start} = {gbs - start}; pick an INCR that does")
+    require(start % unit == 0 and incr % unit == 0,
+            f"--rampup-batch-size START {start} and INCR {incr} must be multiples of --micro-batch-size "
+            f"{t.micro_batch_size} x data-parallel size {dp} = {unit}")
+    require(t.train_samples is None, "--rampup-batch-size counts --train-iters iterations (as Megatron Bridge); use "
+                                     "--train-iters instead of --train-samples")
+    require(not (getattr(cfg.dataset, "sft", False) or getattr(cfg.dataset, "dataloader_type", None) == "batch"),
+            "--rampup-batch-size does not work with the batch dataloader (--sft pads each fixed-size global batch); "
+            "drop one")
+
+
+# -- precision -------------------------------------------------------------------------------------
+
+
+FP8_FIELDS = ("fp8_format", "fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_param_gather")
+LOSS_SCALING = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
+
+
+def derive_precision(cfg: ConfigContainer) -> None:
+    """The NaN check off under fp16's dynamic loss scaling, and the dtype of megatron-core DDP's gradient buffer
+    (Megatron-LM's validate_args)."""
+    m, d, t, r = cfg.model, cfg.ddp, cfg.train, cfg.rerun_state_machine
+    if m.fp16 and cfg.optimizer.loss_scale is None:
+        # Megatron-LM: under dynamic loss scaling an Inf/NaN gradient is the scaler's signal to back off (the step
+        # is skipped), not an error.
+        derive_value(cfg, "train.check_for_nan_in_loss_and_grad", False,
+                     "--fp16's dynamic loss scaling skips steps with Inf/NaN")
+    if r.check_for_nan_in_loss and not t.check_for_nan_in_loss_and_grad:
+        derive_value(cfg, "rerun_state_machine.check_for_nan_in_loss", False,
+                     "train.check_for_nan_in_loss_and_grad is off")
+    # The gradient buffer, as Megatron-LM's accumulate_allreduce_grads_in_fp32: fp32 with --bf16 (unless
+    # --grad-reduce-in-bf16), the parameters' dtype otherwise (fp16 gradients under --fp16) unless
+    # --accumulate-allreduce-grads-in-fp32. A value set in YAML or by a mixed_precision recipe stands unless one of
+    # the two flags says otherwise; None lets model.megatron_ddp_config reduce in fp32 exactly when the weights are
+    # bf16 (or fp16, when set so after validation).
+    if d.grad_reduce_in_bf16 and not d.accumulate_allreduce_grads_in_fp32:
+        derive_value(cfg, "ddp.grad_reduce_in_fp32", False, "--grad-reduce-in-bf16")
+    elif d.accumulate_allreduce_grads_in_fp32 and not d.grad_reduce_in_bf16:
+        derive_value(cfg, "ddp.grad_reduce_in_fp32", True, "--accumulate-allreduce-grads-in-fp32")
+    elif d.grad_reduce_in_fp32 is None and m.fp16:
+        derive_value(cfg, "ddp.grad_reduce_in_fp32", False, "--fp16: gradients reduced in fp16, as Megatron-LM")
+
+
+def check_precision(cfg: ConfigContainer) -> None:
+    """Precision settings that agree with each other (Bridge's `_validate_mixed_precision_consistency`, with
+    Megatron-LM's `validate_args` for the loss-scaling flags): one half-precision type at most, loss-scaling
+    settings only under --fp16 and within megatron-core's DynamicGradScaler's bounds."""
+    m, o, d = cfg.model, cfg.optimizer, cfg.ddp
+    require(not (m.bf16 and m.fp16), "--bf16 and --fp16 are exclusive; pick one")
+    defaults = OptimizerConfig()
+    changed = [name for name in LOSS_SCALING if getattr(o, name) != getattr(defaults, name)]
+    if changed:
+        flag = "--" + changed[0].replace("_", "-")
+        require(m.fp16, f"{flag} {getattr(o, changed[0])} sets fp16 loss scaling, but --fp16 is not set "
+                        f"({'bf16' if m.bf16 else 'fp32'} training needs no loss scale); add --fp16 or drop it")
+    require(o.loss_scale is None or o.loss_scale > 0,
+            f"--loss-scale must be positive, got {o.loss_scale}; omit it for dynamic loss scaling")
+    require(0 < o.min_loss_scale <= o.initial_loss_scale,
+            f"--min-loss-scale {o.min_loss_scale} must be positive and at most --initial-loss-scale {o.initial_loss_scale}")
+    require(o.loss_scale_window >= 1 and o.hysteresis >= 1,
+            f"--loss-scale-window ({o.loss_scale_window}) and --hysteresis ({o.hysteresis}) must be at least 1")
+    check_fp8(cfg)
+    require(not (d.accumulate_allreduce_grads_in_fp32 and d.grad_reduce_in_bf16),
+            "--accumulate-allreduce-grads-in-fp32 and --grad-reduce-in-bf16 are exclusive; pick one")
+    require(m.bf16 or not d.grad_reduce_in_bf16,
+            "--grad-reduce-in-bf16 reduces the gradients of --bf16 training in bf16; add --bf16 or drop it")
+
+
+def check_fp8(cfg: ConfigContainer) -> None:
+    """Megatron-LM's --fp8-* flags: FP8 runs inside transformer-engine's layers under megatron-core's fp8 contexts,
+    which this trainer does not set up; without transformer-engine there is nothing to run it at all. Refused by
+    name, before any work (--bf16 runs the same command line without them)."""
+    m, defaults = cfg.model, ModelConfig()
+    given = [name for name in FP8_FIELDS if getattr(m, name) != getattr(defaults, name)]
+    if not given:
+        return
+    flag = "--" + given[0].replace("_", "-")
+    require(m.fp8_format is not None, f"{flag} {_flag_value(getattr(m, given[0]))}sets FP8 training, but --fp8-format "
+                                      f"is not set; drop it")
+    what = f"--fp8-format {m.fp8_format}"
+    require(package_installed("transformer_engine"),
+            f"{what}: FP8 runs in transformer-engine's layers, and transformer-engine is not installed; drop the "
+            f"--fp8-* flags (--bf16 trains without them)")
+    require(False, f"{what}: this trainer does not drive transformer-engine's FP8 (megatron-core's fp8 contexts and "
+                   f"FP8 weights); drop the --fp8-* flags (--bf16 trains without them)")
+
+
+def _flag_value(value) -> str:
+    """A flag's value as it follows the flag in a message: nothing for a switch."""
+    return "" if isinstance(value, bool) else f"{value} "
+
+
+def check_rerun_state_machine(cfg: ConfigContainer) -> None:
+    """Settings of the rerun state machine that can do what they say (megatron-core's RerunStateMachine)."""
+    r = cfg.rerun_state_machine
+    require(r.spiky_loss_factor > 1, f"--spiky-loss-factor must be greater than 1 (a loss that many times the largest "
+                                     f"seen), got {r.spiky_loss_factor}")
+    require(r.error_injection_rate >= 0, f"--error-injection-rate must be non-negative, got {r.error_injection_rate}")
+    require(not r.error_injection_rate or r.rerun_mode == "validate_results",
+            f"--error-injection-rate tests the reruns of --rerun-mode validate_results, not {r.rerun_mode}; add "
+            f"--rerun-mode validate_results")
+    require(r.rerun_mode != "validate_results" or r.check_for_nan_in_loss or r.check_for_spiky_loss,
+            "--rerun-mode validate_results has nothing to validate: the NaN check is off "
+            "(--no-check-for-nan-in-loss-and-grad, or --fp16's dynamic loss scaling); add --check-for-spiky-loss or "
+            "use --rerun-mode disabled")
+
+
+# -- the optimizer and the learning-rate schedule --------------------------------------------------
+
+
+def derive_optimizer_and_schedule(cfg: ConfigContainer) -> None:
+    """Scheduler lengths in samples (Bridge's `ConfigContainer._calculate_scheduler_steps`, Megatron-LM's
+    `get_optimizer_param_scheduler`): megatron-core's scheduler is stepped by the global batch size each iteration,
+    so iteration counts are multiplied by it and sample counts are taken as they are.
+
+    iteration-based: decay = (--lr-decay-iters or --train-iters) x batch, weight decay over --train-iters x batch,
+                     warmup = --lr-warmup-fraction x decay, else --lr-warmup-iters x batch
+    sample-based:    decay = --lr-decay-samples or --train-samples, weight decay over --train-samples,
+                     warmup = --lr-warmup-fraction x decay, else --lr-warmup-samples
+    WSD: the decay phase is --lr-wsd-decay-iters x batch / --lr-wsd-decay-samples, by default the whole decay
+    (as Bridge; megatron-core needs a length).
+    Also: the weight-decay schedule's ends from --weight-decay, and the distributed optimizer in both configs.
+    """
+    t, s, o = cfg.train, cfg.scheduler, cfg.optimizer
+    gbs = t.global_batch_size
+    if t.train_samples is None:
+        decay, why = (s.lr_decay_iters or t.train_iters) * gbs, "--lr-decay-iters or --train-iters, x batch"
+        wd_incr, wsd = t.train_iters * gbs, s.lr_wsd_decay_iters * gbs if s.lr_wsd_decay_iters else None
+        warmup, warmup_why = (s.lr_warmup_iters or 0) * gbs, "--lr-warmup-iters x batch"  # None: an old run_config.yaml
+    else:
+        decay, why = s.lr_decay_samples or t.train_samples, "--lr-decay-samples or --train-samples"
+        wd_incr, wsd = t.train_samples, s.lr_wsd_decay_samples
+        warmup, warmup_why = s.lr_warmup_samples, "--lr-warmup-samples"
+    if s.lr_warmup_fraction is not None:
+        warmup, warmup_why = s.lr_warmup_fraction * decay, "--lr-warmup-fraction x decay"
+    # A run of no iterations (--skip-train, --train-iters 0) has nothing to schedule, but megatron-core's scheduler
+    # still asserts a positive decay; and a run shorter than its warmup would never decay, so the warmup is capped
+    # below the decay, as Bridge does.
+    if decay < 1:
+        decay, why = 1, "at least 1: megatron-core's scheduler asserts a positive decay"
+    if warmup >= decay:
+        warmup, warmup_why = decay - 1, "capped below the decay, as Bridge"
+    derive_value(cfg, "scheduler.lr_decay_steps", decay, why + ", in samples")
+    derive_value(cfg, "scheduler.lr_warmup_steps", warmup, warmup_why + ", in samples")
+    derive_value(cfg, "scheduler.wd_incr_steps", wd_incr, "the run's samples")
+    if s.lr_decay_style == "WSD" and wsd is None:
+        wsd, why = decay, "WSD: the whole decay, as Bridge"
+    derive_value(cfg, "scheduler.wsd_decay_steps", wsd, "--lr-wsd-decay-iters x batch or --lr-wsd-decay-samples"
+                 if wsd is not decay else why)
+    for name in ("start_weight_decay", "end_weight_decay"):
+        if getattr(s, name) is None:
+            derive_value(cfg, f"scheduler.{name}", o.weight_decay, "--weight-decay")
+    # The distributed-optimizer setting lives in both the DDP and the optimizer config (megatron-core reads it from
+    # each; Bridge's _validate_and_sync_distributed_optimizer_settings): if either asks for it, both get it.
+    # --use-distributed-optimizer sets the optimizer's; the DDP's, settable from YAML or Python only, is said when it
+    # alone asks.
+    ddp_setting, optimizer_setting = cfg.ddp.use_distributed_optimizer, o.use_distributed_optimizer
+    if ddp_setting and not optimizer_setting and os.environ.get("RANK", "0") == "0":
+        print(f"train.py: note: ddp.use_distributed_optimizer={ddp_setting} and optimizer.use_distributed_optimizer="
+              f"{optimizer_setting} disagreed; using the distributed optimizer for both", file=sys.stderr)
+    if ddp_setting or optimizer_setting:
+        for setting in ("ddp.use_distributed_optimizer", "optimizer.use_distributed_optimizer"):
+            derive_value(cfg, setting, True, "the distributed optimizer in both configs")
+
+
+def check_optimizer_and_schedule(cfg: ConfigContainer) -> None:
+    """The optimizer's numbers, the learning-rate schedule and megatron-core DDP's settings."""
+    o, s, d = cfg.optimizer, cfg.scheduler, cfg.ddp
+    require(o.lr > 0, f"--lr must be positive, got {o.lr}")
+    require(0 <= o.min_lr <= o.lr, f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}")
+    require(o.clip_grad >= 0, f"--clip-grad must be non-negative, got {o.clip_grad}")
+    require(s.decoupled_min_lr is None or s.decoupled_lr is not None,
+            "--decoupled-min-lr ends the schedule of --decoupled-lr; add --decoupled-lr or drop it")
+    if s.decoupled_lr is not None:
+        low = o.min_lr if s.decoupled_min_lr is None else s.decoupled_min_lr
+        require(low <= s.decoupled_lr, f"--decoupled-lr {s.decoupled_lr} is below its minimum {low} "
+                                       f"({'--min-lr' if s.decoupled_min_lr is None else '--decoupled-min-lr'}); give "
+                                       f"--decoupled-min-lr at most --decoupled-lr")
+    require(not (s.override_opt_param_scheduler and s.use_checkpoint_opt_param_scheduler),
+            "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are exclusive")
+    check_schedule_lengths(cfg)
+    require(s.weight_decay_incr_style != "constant" or s.start_weight_decay == s.end_weight_decay,
+            "--start-weight-decay and --end-weight-decay differ but --weight-decay-incr-style is constant; use linear "
+            "or cosine")
+    # megatron-core's OptimizerParamScheduler asserts these; say so before its import.
+    require(0 <= s.start_weight_decay <= s.end_weight_decay,
+            f"--start-weight-decay {s.start_weight_decay} must be non-negative and at most --end-weight-decay "
+            f"{s.end_weight_decay} (weight decay can only grow)")
+    require(s.lr_warmup_init <= o.lr, f"--lr-warmup-init {s.lr_warmup_init} is above --lr {o.lr}; warmup rises to --lr")
+    require(not d.overlap_param_gather or d.use_distributed_optimizer,
+            "--overlap-param-gather needs --use-distributed-optimizer (it overlaps gathering that optimizer's "
+            "parameter shards with the forward pass)")
+    require(not d.overlap_param_gather or d.overlap_grad_reduce, "--overlap-param-gather needs --overlap-grad-reduce; "
+                                                                 "add it")
+    require(d.num_distributed_optimizer_instances == 1,
+            f"--num-distributed-optimizer-instances {d.num_distributed_optimizer_instances}: partial distributed "
+            f"optimizers need process groups this trainer does not create; use 1 (or drop it)")
+    require(not (d.ddp_average_in_collective and cfg.model.calculate_per_token_loss),
+            "--ddp-average-in-collective averages over data-parallel ranks, but --calculate-per-token-loss sums and "
+            "divides by the tokens (megatron-core refuses both); drop one")
+
+
+def check_schedule_lengths(cfg: ConfigContainer) -> None:
+    """Bridge's `_validate_training_scheduler_compatibility` and `SchedulerConfig.finalize` (Megatron-LM's
+    validate_args): iteration-based training takes the *-iters schedule flags, sample-based training the
+    *-samples ones; --lr-warmup-fraction replaces either warmup length."""
+    t, s = cfg.train, cfg.scheduler
+    iters = [(s.lr_decay_iters, "--lr-decay-iters"), (s.lr_warmup_iters, "--lr-warmup-iters"),
+             (s.lr_wsd_decay_iters, "--lr-wsd-decay-iters")]
+    samples = [(s.lr_decay_samples, "--lr-decay-samples"), (s.lr_warmup_samples or None, "--lr-warmup-samples"),
+               (s.lr_wsd_decay_samples, "--lr-wsd-decay-samples")]
+    for value, flag in iters + samples:  # a warmup may be 0 (none), a decay may not
+        require(value is None or value > 0 or (value == 0 and "warmup" in flag), f"{flag} must be positive, got {value}")
+    for value, flag in iters if t.train_samples is not None else ():
+        require(not value, f"{flag} is for iteration-based training; with --train-samples use "
+                           f"{flag.replace('-iters', '-samples')}")
+    for value, flag in samples if t.train_samples is None else ():
+        require(value is None, f"{flag} is for sample-based training (--train-samples); with --train-iters use "
+                               f"{flag.replace('-samples', '-iters')}")
+    if s.lr_warmup_fraction is not None:
+        require(0 <= s.lr_warmup_fraction <= 1, f"--lr-warmup-fraction must be between 0 and 1, got "
+                                                f"{s.lr_warmup_fraction}")
+        require(not (s.lr_warmup_iters or s.lr_warmup_samples),
+                "--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are exclusive; give one")
+
+
+# -- data and the tokenizer ------------------------------------------------------------------------
+
+
+def parse_data_path(paths: list) -> tuple:
+    """'0.7 A 0.3 B' or 'A B' -> (prefixes, weights or None), as Megatron-LM's --data-path."""
+    paths = [str(p) for p in paths for p in str(p).split()]
+    if len(paths) == 1:
+        return paths, None
+    try:
+        weights = [float(w) for w in paths[0::2]]
+    except ValueError:
+        return paths, None
+    prefixes = paths[1::2]
+    require(len(weights) == len(prefixes),
+            f"--data-path {' '.join(paths)}: weights and prefixes must alternate ('0.7 A 0.3 B')")
+    require(all(w >= 0 for w in weights) and sum(weights) > 0,
+            f"--data-path {' '.join(paths)}: weights must be non-negative and not all zero")
+    return prefixes, weights
+
+
+def derive_data(cfg: ConfigContainer) -> None:
+    d = cfg.dataset
+    if d.dataloader_type is None:
+        derive_value(cfg, "dataset.dataloader_type", "batch" if d.sft else "single",
+                     "--sft pads each global batch" if d.sft else "one pass in order")
+
+
+def check_data(cfg: ConfigContainer) -> None:
+    d = cfg.dataset
+    split_paths = [d.train_data_path, d.valid_data_path, d.test_data_path]
+    require(not (d.mock_data and (d.data_path or any(split_paths))),
+            "--mock-data and --data-path/--train-data-path are exclusive; drop one")
+    require(not (d.data_path and any(split_paths)),
+            "--data-path and --train/valid/test-data-path are exclusive; use --split with --data-path")
+    try:
+        parts = [float(x) for x in d.split.replace("/", ",").split(",")]
+    except ValueError:
+        raise ConfigError(f"--split {d.split}: expected comma-separated numbers like 969,30,1") from None
+    require(len(parts) <= 3 and all(p >= 0 for p in parts) and sum(parts) > 0,
+            f"--split {d.split}: expected up to three non-negative proportions like 969,30,1")
+    require(d.dataloader_type != "batch" or d.sft, "--dataloader-type batch pads variable-length examples: it needs --sft")
+    require(not d.sft_pack_sequences or d.sft, "--sft-pack-sequences needs --sft")
+    require(not d.sft or d.data_path or d.train_data_path,
+            "--sft needs --data-path (or --train-data-path): JSONL files of prompt/response pairs")
+    require(not (d.sft and d.mock_data), "--sft reads JSONL files: give --data-path (or --train-data-path), not --mock-data")
+    require(d.num_workers >= 0, f"--num-workers must be non-negative, got {d.num_workers}")
+    most = max_data_workers()  # each worker is a forked process; thousands would exhaust the machine first
+    require(d.num_workers <= most, f"--num-workers {d.num_workers} would fork more DataLoader processes per rank than 4 "
+                                   f"per CPU core here; use at most {most}")
+    for flag, paths in (("--data-path", d.data_path), ("--train-data-path", d.train_data_path),
+                        ("--valid-data-path", d.valid_data_path), ("--test-data-path", d.test_data_path)):
+        for prefix in parse_data_path(paths)[0] if paths else ():
+            if d.sft:
+                require(os.path.isfile(prefix),
+                        f"{flag}: {prefix} not found; with --sft give JSONL files of prompt/response pairs")
+                continue
+            for ext in (".bin", ".idx"):
+                require(os.path.isfile(prefix + ext),
+                        f"{flag}: {prefix}{ext} not found; give the prefix of an indexed dataset (PREFIX.bin and "
+                        f"PREFIX.idx, e.g. from `python data.py preprocess`)")
+    require(getattr(d, "create_attention_mask_in_dataloader", True) or not d.reset_attention_mask,
+            "--reset-attention-mask is an attention mask the dataloader builds, and "
+            "--no-create-attention-mask-in-dataloader builds none; drop one")
+    check_tokenizer(cfg)
+    require(d.mock_data or d.data_path or any(split_paths) or cfg.tokenizer.tokenizer_type == "ByteTokenizer",
+            "the built-in corpus is byte-level text; use --tokenizer-type ByteTokenizer or give --data-path/--mock-data")
+
+
+def check_tokenizer(cfg: ConfigContainer) -> None:
+    tk = cfg.tokenizer
+    check_megatron_lm_tokenizer(tk)
+    require(tk.tokenizer_type != "NullTokenizer" or tk.vocab_size, "--tokenizer-type NullTokenizer needs --vocab-size")
+    require(tk.tokenizer_type == "NullTokenizer" or tk.vocab_size is None,
+            f"--vocab-size is only for --tokenizer-type NullTokenizer; {tk.tokenizer_type} has its own vocabulary")
+    if tk.tokenizer_type == "HuggingFaceTokenizer":
+        require(tk.tokenizer_model, "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a tokenizer.json "
+                                    "or its directory)")
+        model_file = (os.path.join(tk.tokenizer_model, "tokenizer.json") if os.path.isdir(tk.tokenizer_model)
+                      else tk.tokenizer_model)
+        require(os.path.isfile(model_file), f"--tokenizer-model {tk.tokenizer_model}: no tokenizer.json there")
+        require(package_installed("tokenizers"),
+                "--tokenizer-type HuggingFaceTokenizer needs the tokenizers package: pip install tokenizers")
+    require(tk.tokenizer_type == "HuggingFaceTokenizer" or not tk.tokenizer_model,
+            "--tokenizer-model is only for --tokenizer-type HuggingFaceTokenizer")
+
+
+def check_megatron_lm_tokenizer(tk: TokenizerConfig) -> None:
+    """Megatron-LM's tokenizer types that have no tokenizer here, and their files: one line saying what to use."""
+    require(tk.tokenizer_type not in MEGATRON_LM_TOKENIZERS or tk.tokenizer_type == "GPT2BPETokenizer",
+            f"--tokenizer-type {tk.tokenizer_type} is Megatron-LM's and not built in here; use HuggingFaceTokenizer "
+            f"with the model's tokenizer.json, NullTokenizer or ByteTokenizer")
+    vocab, merges = tk.vocab_file or "gpt2-vocab.json", tk.merge_file or "gpt2-merges.txt"
+    require(not (tk.tokenizer_type == "GPT2BPETokenizer" or tk.vocab_file or tk.merge_file),  # GPT-2's files, any type
+            f"--tokenizer-type GPT2BPETokenizer (--vocab-file, --merge-file) is not built in here; convert the two "
+            f"files once with python -c \"from tokenizers import ByteLevelBPETokenizer as T; T('{vocab}', "
+            f"'{merges}').save('tokenizer.json')\" and give --tokenizer-type HuggingFaceTokenizer --tokenizer-model "
+            f"tokenizer.json")
+
+
+def check_fim(cfg: ConfigContainer) -> None:
+    """--fim-* settings (Megatron-LM's validate_args: FIM needs real data and its sentinel tokens)."""
+    d = cfg.dataset
+    if not d.fim_data:
+        given = [f.name for f in dataclasses.fields(d) if f.name.startswith("fim_") and getattr(d, f.name) != f.default]
+        require(not given, f"--{given[0].replace('_', '-') if given else ''} is a Fill-in-the-Middle setting; add "
+                           f"--fim-data")
+        return
+    require(not (d.mock_data or d.sft), f"--fim-data reorders pretraining documents; it does not apply to "
+                                        f"{'--mock-data' if d.mock_data else '--sft'}")
+    for flag, rate in (("--fim-rate", d.fim_rate), ("--fim-spm-rate", d.fim_spm_rate),
+                       ("--fim-fragment-rate", d.fim_fragment_rate)):
+        require(rate is None or 0.0 <= rate <= 1.0, f"{flag} is a probability; give a value in [0, 1], got {rate}")
+    names = [d.fim_prefix_token, d.fim_middle_token, d.fim_suffix_token, d.fim_pad_token]
+    require(all(names) and len(set(names)) == 4,
+            f"--fim-prefix/middle/suffix/pad-token must be four different non-empty names, got {names}")
+    require(d.fim_split_sample != "" and d.fim_no_prefix != "", "--fim-split-sample and --fim-no-prefix need non-empty "
+                                                                "text")
+
+
+# -- the trackers ----------------------------------------------------------------------------------
+
+
+def derive_loggers(cfg: ConfigContainer) -> None:
+    lg = cfg.logger
+    if isinstance(lg.mlflow_tags, list) and all("=" in tag for tag in lg.mlflow_tags):
+        derive_value(cfg, "logger.mlflow_tags", dict(tag.split("=", 1) for tag in lg.mlflow_tags),
+                     "--mlflow-tags KEY=VALUE words")
+
+
+def _import_logger(module: str, flag: str, pip: str):
+    """The tracker's package, imported now, so a missing one is a one-line error before any work."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"{flag} needs the {module} package, which does not import ({reason}); pip install {pip}")
+
+
+def check_loggers(cfg: ConfigContainer) -> None:
+    """W&B, MLflow and Comet settings: each tracker is on when its switch is set (Bridge's LoggerConfig.finalize
+    checks the MLflow dependency; here every tracker's package and store are checked before any work)."""
+    lg = cfg.logger
+    for prefix, switch in (("wandb_", "wandb_project"), ("mlflow_", "mlflow_experiment"), ("comet_", "comet_project")):
+        given = [f.name for f in dataclasses.fields(lg) if f.name.startswith(prefix) and getattr(lg, f.name)]
+        require(not given or getattr(lg, switch), f"--{given[0].replace('_', '-') if given else ''} needs "
+                                                  f"--{switch.replace('_', '-')}, which turns that logger on")
+    bad = [tag for tag in lg.mlflow_tags if "=" not in tag] if isinstance(lg.mlflow_tags, list) else []
+    require(not bad, f"--mlflow-tags {bad[0] if bad else ''}: expected KEY=VALUE pairs, e.g. --mlflow-tags team=nlp "
+                     f"size=125m")
+    # Comet first: it asks to be imported before the libraries it watches (mlflow among them).
+    if lg.comet_project:
+        comet_ml = _import_logger("comet_ml", "--comet-project", "comet_ml")
+        comet_config = comet_ml.config.get_config()
+        online = comet_config["comet.start.online"] is not False and not comet_config["comet.offline"]
+        require(not online or lg.comet_api_key or comet_config["comet.api_key"],
+                "--comet-project: no Comet API key; set COMET_API_KEY (or run `comet login`), or set "
+                "COMET_START_ONLINE=0 to write an offline experiment")
+    if lg.wandb_project:
+        _import_logger("wandb", "--wandb-project", "wandb")
+        require(lg.wandb_exp_name, "--wandb-project needs --wandb-exp-name (the run's name), as in Megatron-LM")
+    if lg.mlflow_experiment:
+        mlflow = _import_logger("mlflow", "--mlflow-experiment", "mlflow-skinny")
+        check_mlflow_store(lg.mlflow_tracking_uri or mlflow.get_tracking_uri())
+
+
+def check_mlflow_store(uri: str) -> None:
+    """MLflow 3 opens a file store (a path or file://) only with MLFLOW_ALLOW_FILE_STORE=true, and a database store
+    (its default is sqlite:///mlflow.db) only with SQLAlchemy, which mlflow-skinny lacks: say so now, not mid-run."""
+    scheme = uri.split("://", 1)[0] if "://" in uri else "file"
+    if scheme == "file":
+        from mlflow import environment_variables
+
+        allow = getattr(environment_variables, "MLFLOW_ALLOW_FILE_STORE", None)  # absent: an MLflow that allows it
+        require(allow is None or allow.get(),
+                f"MLflow tracking store {uri} is a file store, which MLflow opens only with MLFLOW_ALLOW_FILE_STORE=true; "
+                f"set it, or give --mlflow-tracking-uri http://HOST:PORT")
+    elif scheme.split("+")[0] in ("sqlite", "postgresql", "mysql", "mssql"):
+        require(package_installed("sqlalchemy"),
+                f"MLflow tracking store {uri} is a database, which needs the full mlflow package (pip install mlflow); "
+                f"or give --mlflow-tracking-uri http://HOST:PORT, or file:///DIR with MLFLOW_ALLOW_FILE_STORE=true")
+
+
+# -- checkpoints, the machine, fine-tuning, determinism, profiling ----------------------------------
+
+
+def check_checkpointing(cfg: ConfigContainer) -> None:
+    """Save intervals and formats."""
+    c, o = cfg.checkpoint, cfg.optimizer
+    require(c.save_interval is None or c.save_interval > 0, f"--save-interval must be positive, got {c.save_interval}")
+    require(c.most_recent_k == -1 or c.most_recent_k > 0, f"--most-recent-k must be positive or -1, got {c.most_recent_k}")
+    require(c.ckpt_format == "torch_dist" or not o.use_distributed_optimizer,
+            "--ckpt-format torch keeps one copy of the optimizer per tensor/pipeline rank, but --use-distributed-optimizer "
+            "shards it over data-parallel ranks; use --ckpt-format torch_dist")
+    require(not c.async_save or c.save, "--async-save writes checkpoints in the background but --no-save saves nothing; "
+                                        "drop one")
+
+
+def derive_machine(cfg: ConfigContainer) -> None:
+    m = cfg.model
+    if m.transformer_impl is None:
+        te = cfg.use_gpu and package_installed("transformer_engine")
+        derive_value(cfg, "model.transformer_impl", "transformer_engine" if te else "local",
+                     "a GPU and transformer-engine" if te else "no GPU" if not cfg.use_gpu else
+                     "transformer-engine is not installed")
+
+
+def check_machine(cfg: ConfigContainer) -> None:
+    """What this machine can run: the layer implementation, and the GPU-only features refused on CPU."""
+    m = cfg.model
+    cp, te = m.context_parallel_size, m.transformer_impl == "transformer_engine"
+    require(not (te and m.attention_backend == "local"),
+            "--attention-backend local picks the core attention of megatron-core's local layers, and transformer-engine "
+            "layers use TE's own; add --transformer-impl local to use it")
+    if not cfg.use_gpu:
+        for gpu_only, what in ((cp > 1, f"--context-parallel-size {cp}"), (m.sequence_parallel, "--sequence-parallel"),
+                               (te, "--transformer-impl transformer_engine"),
+                               (cfg.dist.distributed_backend == "nccl", "--distributed-backend nccl")):
+            require(not gpu_only, f"{what} needs a GPU and none is visible; drop it to train on CPU (tensor, pipeline "
+                                  f"and data parallelism, the distributed optimizer, --bf16 and --fp16 run on CPU)")
+    elif te:
+        require(package_installed("transformer_engine"),
+                "--transformer-impl transformer_engine: transformer-engine is not installed; pip install "
+                "transformer-engine[pytorch] or use --transformer-impl local")
+    require(cp == 1 or te, f"--context-parallel-size {cp} needs --transformer-impl transformer_engine")
+    require(not m.apply_layernorm_1p or te,
+            "--apply-layernorm-1p (zero-centred gamma) needs transformer-engine layers: megatron-core's local layers "
+            "build a torch LayerNorm, which has none (as in Megatron-LM without apex); add --transformer-impl "
+            "transformer_engine on a GPU with transformer-engine, or drop it")
+    require(not (m.fp32_residual_connection and (m.bf16 or m.fp16)) or te,
+            "--fp32-residual-connection needs transformer-engine layers: the local layers' torch norms take no fp32 "
+            "input with half-precision weights; add --transformer-impl transformer_engine on a GPU with "
+            "transformer-engine, or drop it")
+    if not te and m.attention_backend != "local":
+        for on, what in ((m.window_size is not None, f"--window-size {m.window_size}"),
+                         (m.softmax_type != "vanilla", f"--softmax-type {m.softmax_type}")):
+            require(not on, f"{what} runs in megatron-core's own core attention, and the local layers use PyTorch's "
+                            f"SDPA unless asked; add --attention-backend local")
+    if te:
+        # transformer-engine takes query-key layer scaling from the environment only; megatron-core checks they agree.
+        env = os.environ.get("NVTE_APPLY_QK_LAYER_SCALING", "0").strip() not in ("", "0")
+        require(env or not m.apply_query_key_layer_scaling,
+                "--apply-query-key-layer-scaling with transformer-engine layers needs NVTE_APPLY_QK_LAYER_SCALING=1 in "
+                "the environment (transformer-engine reads it there); set it")
+        require(m.apply_query_key_layer_scaling or not env,
+                "NVTE_APPLY_QK_LAYER_SCALING asks transformer-engine for query-key layer scaling; add "
+                "--apply-query-key-layer-scaling or unset it")
+
+
+def check_peft(cfg: ConfigContainer) -> None:
+    p, c = cfg.peft, cfg.checkpoint
+    if p.peft == "none":
+        return
+    require(c.pretrained_checkpoint, f"--peft {p.peft} trains adapters on base weights: give them with "
+                                     f"--pretrained-checkpoint (a checkpoint of train.py; --load then resumes the "
+                                     f"{p.peft} run itself)")
+    require(c.ckpt_format == "torch_dist", f"--peft {p.peft} saves the adapters only, which needs --ckpt-format torch_dist")
+    require(p.lora_target_modules, "--lora-target-modules is empty: name at least one linear layer (e.g. linear_qkv)")
+
+
+# Megatron-LM `megatron/training/determinism.py`: the environment a bitwise-reproducible run needs.
+DETERMINISM_ENV_DEFAULTS = {"NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
+                            "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+DETERMINISM_ENV_ACCEPTED = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": ("0",), "CUBLAS_WORKSPACE_CONFIG": (":4096:8", ":16:8")}
+DETERMINISTIC_NCCL_ALGOS = ("Ring", "CollnetDirect", "CollnetChain", "^NVLS")  # Tree's reduction order can vary
+
+
+def check_deterministic_mode(cfg: ConfigContainer, env=None) -> None:
+    """Bridge's `_validate_and_apply_deterministic_mode`, Megatron-LM's `apply_determinism_to_args`: refuse
+    what cannot be deterministic rather than silently change it. Applying the mode (environment defaults,
+    `torch.use_deterministic_algorithms`) is `train.apply_deterministic_mode`."""
+    if not cfg.model.deterministic_mode:
+        return
+    env = os.environ if env is None else env
+    require(not cfg.model.cross_entropy_loss_fusion,
+            "--deterministic-mode: --cross-entropy-loss-fusion is not deterministic; drop it")
+    algo = env.get("NCCL_ALGO")
+    require(algo is None or all(a.strip() in DETERMINISTIC_NCCL_ALGOS for a in algo.split(",") if a.strip()),
+            f"--deterministic-mode: NCCL_ALGO={algo} may reduce in a varying order; unset it or use one of "
+            f"{', '.join(DETERMINISTIC_NCCL_ALGOS)}")
+    for name, accepted in DETERMINISM_ENV_ACCEPTED.items():
+        require(env.get(name) is None or env[name] in accepted,
+                f"--deterministic-mode: {name}={env.get(name)} is not deterministic; unset it or use "
+                f"{' or '.join(accepted)}")
+
+
+def check_callbacks(cfg: ConfigContainer) -> None:
+    """Manual GC, profiling and straggler settings (Megatron-LM's validate_args, Bridge's ProfilingConfig.finalize)."""
+    t, p, st = cfg.train, cfg.profiling, cfg.straggler
+    require(t.manual_gc_interval >= 0, f"--manual-gc-interval must be non-negative, got {t.manual_gc_interval}")
+    require(st.straggler_minmax_count >= 1, f"--straggler-minmax-count must be at least 1, got "
+                                            f"{st.straggler_minmax_count}")
+    if p.use_pytorch_profiler or p.use_nsys_profiler or p.record_memory_history:
+        require(0 <= p.profile_step_start < p.profile_step_end,
+                f"--profile-step-start {p.profile_step_start} and --profile-step-end {p.profile_step_end}: need "
+                f"0 <= start < end")
+        bad = [r for r in p.profile_ranks if not 0 <= r < cfg.world_size]
+        require(not bad, f"--profile-ranks {' '.join(map(str, bad))}: no such rank in a world of {cfg.world_size}")
+    require(not p.use_pytorch_profiler or cfg.logger.tensorboard_dir,
+            "--use-pytorch-profiler writes its trace to the TensorBoard directory, which --no-tensorboard turned off; "
+            "drop --no-tensorboard or give --tensorboard-dir DIR")
+    if not cfg.use_gpu:
+        for gpu_only, what in ((p.use_nsys_profiler and not p.use_pytorch_profiler,
+                                "--profile alone profiles with Nsight Systems, which"),
+                               (p.nvtx_ranges, "--nvtx-ranges marks ranges for Nsight Systems, which"),
+                               (p.record_memory_history, "--record-memory-history records the CUDA allocator, which")):
+            require(not gpu_only, f"{what} needs a GPU and none is visible; on CPU, profile with --use-pytorch-profiler "
+                                  f"--tensorboard-dir DIR")
+
+
+# --------------------------------------------------------------------------------------------------
+# Printing the config: Megatron's argument list, or Bridge's summary of non-default values
+# --------------------------------------------------------------------------------------------------
+
+
+def _get_non_default_values(config_obj: Any, default_class: type) -> dict:
+    """Bridge's `_get_non_default_values`: {field: (value, default)} for the fields of config_obj whose value
+    differs from default_class's default. Fields without a default, callables, private fields and values
+    derived during validation (they have no default to differ from) are left out."""
+    defaults = {}
+    for f in dataclasses.fields(default_class):
+        if f.default is not dataclasses.MISSING:
+            defaults[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            defaults[f.name] = f.default_factory()
+    changed = {}
+    for f in dataclasses.fields(config_obj):
+        if f.name.startswith("_") or f.name not in defaults or f.metadata.get("derived"):
+            continue
+        value, default = getattr(config_obj, f.name), defaults[f.name]
+        if callable(value) or callable(default):
+            continue
+        if value != default:
+            changed[f.name] = (value, default)
+    return changed
+
+
+def _get_key_config_values(config_obj: Any) -> dict:
+    """Bridge's `_get_key_config_values`: {field: value} of a config object, leaving out None values,
+    callables, private fields and nested configs (the container's sub-configs)."""
+    if not dataclasses.is_dataclass(config_obj):
+        return {}
+    values = {}
+    for f in dataclasses.fields(config_obj):
+        value = getattr(config_obj, f.name)
+        if f.name.startswith("_") or value is None or callable(value) or dataclasses.is_dataclass(value):
+            continue
+        values[f.name] = value
+    return values
+
+
+def print_config(cfg: ConfigContainer, file=sys.stdout) -> None:
+    """The resolved config, Megatron-style: one dotted line per setting, by section; with
+    --log-non-default-values, Bridge's summary of the settings that differ from their defaults."""
+    fused = inert_flags(cfg, fused_only=True)
+    if fused:
+        print(f" inert here (fused GPU kernels the local layers never use): {' '.join(fused)}", file=file)
+    other = inert_flags(cfg)[len(fused):]
+    if other:
+        print(f" inert here (Megatron-LM placement, memory, logging and deprecated switches with no effect in this "
+              f"trainer): "
+              f"{' '.join(other)}", file=file)
+    if cfg.logger.log_non_default_values:
+        cfg.log_non_default_values(file)
+        return
+    print("------------------------ arguments ------------------------", file=file)
+    for section in SECTIONS:
+        if not dataclasses.is_dataclass(getattr(cfg, section)):  # an optional section left unset, or a recipe name
+            print(f"  {section} {'.' * max(3, 48 - len(section))} {getattr(cfg, section)}", file=file)
+            continue
+        for f in dataclasses.fields(getattr(cfg, section)):
+            name = f"{section}.{f.name}"
+            value = getattr(getattr(cfg, section), f.name)
+            value = "(hidden)" if value and f.name == "comet_api_key" else value
+            print(f"  {name} {'.' * max(3, 48 - len(name))} {value}", file=file)
+    for name in ("world_size", "data_parallel_size", "use_gpu", "padded_vocab_size"):
+        print(f"  {name} {'.' * max(3, 48 - len(name))} {getattr(cfg, name)}", file=file)
+    for setting, (value, why) in cfg.derived.items():  # validation's fill-ins and rewrites, each with its source
+        print(f"  derived: {setting} = {value!r} ({why})", file=file)
+    print("-------------------- end of arguments ---------------------", file=file, flush=True)
+
+
+def _own_core_attention(cfg: ConfigContainer) -> bool:
+    """Whether the layers run megatron-core's local DotProductAttention (--attention-backend local), whose softmax
+    --attention-softmax-in-fp32 and --apply-query-key-layer-scaling set (SDPA and transformer-engine pick their own)."""
+    return cfg.model.transformer_impl != "transformer_engine" and cfg.model.attention_backend == "local"
+
+
+def _setting_flag(cfg: ConfigContainer, section: str, name: str) -> Optional[str]:
+    """The flag (with its value, for a non-switch) of a setting that differs from its default; None if it does not."""
+    sub = getattr(cfg, section)
+    f = next((f for f in dataclasses.fields(sub) if f.name == name), None)
+    if f is None or getattr(sub, name) == (f.default_factory() if f.default is dataclasses.MISSING else f.default):
+        return None
+    value = getattr(sub, name)
+    flag = f.metadata["flag"] or "--" + name.replace("_", "-")
+    return flag if isinstance(value, bool) else f"{flag} {value}"
+
+
+def inert_flags(cfg: ConfigContainer, fused_only: bool = False) -> list:
+    """The Megatron-LM flags given that change nothing here, as flags: the kernel-fusion switches and the first group
+    of MEGATRON_LM_INERT_FLAGS, then (unless fused_only) INERT_SETTINGS and the other MEGATRON_LM_INERT_FLAGS given."""
+    given = cfg.megatron_lm_inert or []
+    kernels = {flag for flag, _ in MEGATRON_LM_INERT_FLAGS[0][1]}
+    flags = ["--" + name.replace("_", "-") for name in INERT if getattr(cfg.model, name)]
+    flags += [flag for flag in given if flag.split(" ", 1)[0] in kernels]
+    for (section, name), when in ([] if fused_only else INERT_SETTINGS.items()):
+        flag = _setting_flag(cfg, section, name)
+        if flag and (when is None or when(cfg)):
+            flags.append(flag)
+    return flags + ([] if fused_only else [flag for flag in given if flag.split(" ", 1)[0] not in kernels])
+
+
+def transformer_config_extras(cfg: ConfigContainer) -> dict:
+    """megatron-core TransformerConfig fields set by Megatron-LM's flags beyond model.transformer_config's own
+    (Megatron-LM's core_transformer_config_from_args): `TransformerConfig(..., **transformer_config_extras(cfg))`.
+    Imports megatron-core: call it when building the model, not during validation."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    m = cfg.model
+    extras = dict(calculate_per_token_loss=m.calculate_per_token_loss,
+                  layernorm_zero_centered_gamma=m.apply_layernorm_1p,
+                  add_qkv_bias=m.add_qkv_bias,
+                  qk_layernorm=m.qk_layernorm,  # with the layer spec's q/k norms (model.layer_spec)
+                  qk_l2_norm=m.qk_l2_norm,
+                  # Megatron-LM's default is off (store_true), megatron-core's TransformerConfig's on.
+                  attention_softmax_in_fp32=m.attention_softmax_in_fp32,
+                  apply_query_key_layer_scaling=m.apply_query_key_layer_scaling,
+                  fp32_residual_connection=m.fp32_residual_connection,
+                  glu_linear_offset=m.glu_linear_offset,
+                  activation_func_clamp_value=m.activation_func_clamp_value,
+                  rotary_interleaved=m.rotary_interleaved,
+                  no_rope_freq=None if m.no_rope_freq is None else layer_pattern(m.no_rope_freq, "--no-rope-freq",
+                                                                                 m.num_layers),
+                  embedding_init_method_std=m.embedding_init_method_std,
+                  perform_initialization=m.perform_initialization,
+                  window_size=None if m.window_size is None else parse_window_size(m.window_size),
+                  window_attn_skip_freq=None if m.window_attn_skip_freq is None else layer_pattern(
+                      m.window_attn_skip_freq, "--window-attn-skip-freq", m.num_layers),
+                  softmax_type=m.softmax_type,
+                  attention_output_gate=m.attention_output_gate,
+                  disable_bf16_reduced_precision_matmul=m.disable_bf16_reduced_precision_matmul)
+    if m.init_method_xavier_uniform:  # Megatron-LM's init_method and scaled_init_method (megatron-core's output_layer_)
+        import torch
+
+        extras.update(init_method=torch.nn.init.xavier_uniform_, output_layer_init_method=torch.nn.init.xavier_uniform_)
+    if m.transformer_impl == "transformer_engine":  # TE's kernel choice; the local layers keep their own
+        extras["attention_backend"] = AttnBackend[m.attention_backend]
+    return extras
+
+
+# --------------------------------------------------------------------------------------------------
+# Settings with no machinery of their own here, last: Bridge's sections kept for compatibility (validation,
+# mixed_precision, comm_overlap: thin names over the settings above), and the NVIDIA service configs (accepted at
+# their defaults, one line when enabled)
+# --------------------------------------------------------------------------------------------------
+
+
+def derive_bridge_sections(cfg: ConfigContainer) -> None:
+    """Bridge's sections onto the settings they name (the part of Bridge's runtime_config_update that resolves
+    mixed_precision and comm_overlap), so the rest of the code reads one place for each."""
+    t, v = cfg.train, cfg.validation
+    for name in ("eval_iters", "eval_interval", "skip_train"):
+        if getattr(v, name) is not None:
+            derive_value(cfg, f"train.{name}", getattr(v, name), f"validation.{name}")
+    if cfg.mixed_precision is not None:
+        mp = get_mixed_precision_config(cfg.mixed_precision)
+        why = f"mixed_precision {cfg.mixed_precision if isinstance(cfg.mixed_precision, str) else ''}".strip()
+        derive_value(cfg, "model.bf16", mp.bf16, why)
+        derive_value(cfg, "model.fp16", mp.fp16, why)
+        derive_value(cfg, "ddp.grad_reduce_in_fp32", mp.grad_reduce_in_fp32 if (mp.bf16 or mp.fp16) else None, why)
+        if mp.fp16:
+            for name in LOSS_SCALING:
+                derive_value(cfg, f"optimizer.{name}", getattr(mp, name), why)
+    co = cfg.comm_overlap
+    if co is not None:
+        if co.overlap_p2p_comm is not None:
+            derive_value(cfg, "model.overlap_p2p_comm", co.overlap_p2p_comm, "comm_overlap.overlap_p2p_comm")
+        for name in ("overlap_grad_reduce", "overlap_param_gather"):
+            if getattr(co, name) is not None:
+                derive_value(cfg, f"ddp.{name}", getattr(co, name), f"comm_overlap.{name}")
+
+
+def check_bridge_sections(cfg: ConfigContainer) -> None:
+    """What Bridge's sections ask for that this trainer cannot do."""
+    t = cfg.train
+    check_unset(cfg, "validation", ["start_eval_at_iter", "test_mode", "full_validation", "multiple_validation_sets",
+                                    "validation_set_names"])
+    for name, train_value in (("eval_global_batch_size", t.global_batch_size), ("eval_micro_batch_size", t.micro_batch_size)):
+        value = getattr(cfg.validation, name)
+        require(value is None or value == train_value, f"validation.{name} {value} differs from the training batch "
+                                                       f"({train_value}); evaluation here uses the training batch "
+                                                       f"sizes: drop it")
+    if cfg.mixed_precision is not None:
+        mp = get_mixed_precision_config(cfg.mixed_precision)
+        require(not (mp.fp8 or mp.fp4), "mixed_precision: fp8/fp4 need transformer-engine on a GPU, which this trainer "
+                                        "does not drive; use bf16_mixed or fp16_mixed")
+        check_unset(cfg, "mixed_precision", ["autocast_enabled"], mp)
+        require(sum((mp.bf16, mp.fp16, mp.fp32)) <= 1, "mixed_precision: set one of bf16, fp16 and fp32")
+        dtype = "bfloat16" if mp.bf16 else "float16" if mp.fp16 else "float32"
+        for name in ("params_dtype", "pipeline_dtype"):
+            require(getattr(mp, name) in (None, dtype),
+                    f"mixed_precision.{name} {getattr(mp, name)} is not {dtype}, the precision it sets")
+    co = cfg.comm_overlap
+    if co is not None:
+        require(not co.tp_comm_overlap,
+                "comm_overlap.tp_comm_overlap needs transformer-engine's userbuffers on GPUs "
+                + ("(none visible here)" if not cfg.use_gpu else
+                   "(transformer-engine is not installed)" if not package_installed("transformer_engine") else
+                   "(this trainer does not set them up)") + "; set it to false")
+        check_unset(cfg, "comm_overlap", ["batch_p2p_comm", "overlap_param_gather_with_optimizer_step",
+                                          "align_param_gather", "bucket_size", "defer_embedding_wgrad_compute",
+                                          "wgrad_deferral_limit"])
+
+
+def check_unset(cfg: ConfigContainer, section: str, names: list, sub=None) -> None:
+    """Bridge settings this trainer has no machinery for: accepted at their defaults, a one-line error when set."""
+    sub = sub if sub is not None else getattr(cfg, section)
+    defaults = type(sub)()
+    for name in names:
+        require(getattr(sub, name) == getattr(defaults, name),
+                f"{section}.{name} {getattr(sub, name)!r} is not supported by this trainer; drop it (see README, "
+                f"Compared with Megatron-LM)")
+
+
+def derive_services(cfg: ConfigContainer) -> None:
+    """Bridge's defaults of tensor_inspect (the run is then refused by check_services: no service runs here)."""
+    ti = cfg.tensor_inspect
+    if ti.enabled and ti.log_dir is None:
+        derive_value(cfg, "tensor_inspect.log_dir", cfg.checkpoint.save or ".", "--save, else here")
+    if ti.enabled and ti.init_training_step == 0 and cfg.checkpoint.ckpt_step is not None:
+        derive_value(cfg, "tensor_inspect.init_training_step", int(cfg.checkpoint.ckpt_step), "--ckpt-step")
+
+
+def check_services(cfg: ConfigContainer) -> None:
+    """The NVIDIA service configs: their documented constraints (Bridge's `finalize` methods, Megatron-LM's
+    --inprocess-* flags), then the service's package. Disabled sections are only checked for consistency."""
+    ft, nv, ipr, ti = cfg.ft, cfg.nvrx_straggler, cfg.inprocess_restart, cfg.tensor_inspect
+    require(ft.enable_ft_package or not (ft.calc_ft_timeouts or ft.simulate_fault),  # they act inside the FT package
+            "ft.calc_ft_timeouts and ft.simulate_fault need --enable-ft-package")
+    require(ft.simulated_fault_type in ("rank_hung", "rank_killed", "random"),
+            f"ft.simulated_fault_type {ft.simulated_fault_type}: expected rank_hung, rank_killed or random")
+    require(ft.simulated_fault_rank is None or 0 <= ft.simulated_fault_rank < cfg.world_size,
+            f"ft.simulated_fault_rank {ft.simulated_fault_rank} is not a rank of this world (size {cfg.world_size})")
+    require(ft.simulated_fault_base_delay >= 0, "ft.simulated_fault_base_delay must be non-negative")
+    if ft.enable_ft_package:
+        require_service("--enable-ft-package", "fault tolerance", "nvidia-resiliency-ext")
+    if nv.enabled:
+        require(nv.calc_relative_gpu_perf or nv.calc_individual_gpu_perf,
+                "nvrx_straggler: set calc_relative_gpu_perf or calc_individual_gpu_perf (or both)")
+        require(nv.report_time_interval > 0,
+                f"nvrx_straggler.report_time_interval must be positive, got {nv.report_time_interval}")
+        for name in ("gpu_relative_perf_threshold", "gpu_individual_perf_threshold"):
+            require(0 <= getattr(nv, name) <= 1, f"nvrx_straggler.{name} must be between 0 and 1, got {getattr(nv, name)}")
+        require(nv.profiling_interval >= 1 and nv.num_gpu_perf_scores_to_print >= 0,
+                "nvrx_straggler.profiling_interval must be at least 1 and num_gpu_perf_scores_to_print non-negative")
+        require_service("nvrx_straggler.enabled", "NVRx straggler detection", "nvidia-resiliency-ext")
+    if ipr.enabled:
+        for f in dataclasses.fields(ipr):
+            if f.type == "float":  # the intervals and timeouts
+                require(getattr(ipr, f.name) > 0, f"{f.metadata['flag']} must be positive, got {getattr(ipr, f.name)}")
+        require(ipr.soft_timeout < ipr.hard_timeout, f"--inprocess-soft-timeout {ipr.soft_timeout} must be below "
+                                                     f"--inprocess-hard-timeout {ipr.hard_timeout}")
+        require(ipr.granularity in ("node", "rank"), f"--inprocess-granularity {ipr.granularity}: expected node or rank")
+        require(ipr.active_world_size is None or 1 <= ipr.active_world_size <= cfg.world_size,
+                f"--inprocess-active-world-size {ipr.active_world_size} must be between 1 and the world size "
+                f"{cfg.world_size}")
+        require(ipr.max_iterations is None or ipr.max_iterations >= 1, "--inprocess-max-iterations must be positive")
+        require_service("--inprocess-restart", "in-process restart", "nvidia-resiliency-ext")
+    if ti.enabled:
+        require(not isinstance(ti.features, str) or os.path.isfile(ti.features),
+                f"tensor_inspect.features {ti.features}: no such file; give a YAML file or a mapping")
+        require(ti.init_training_step >= 0, "tensor_inspect.init_training_step must be non-negative")
+        require_service("tensor_inspect.enabled", "tensor inspection", "nvdlfw-inspect")
+
+
+def require_service(setting: str, service: str, package: str) -> None:
+    """An enabled NVIDIA service: name the package it needs; this training loop does not run it either way."""
+    require(package_installed(package.replace("-", "_")),
+            f"{setting}: {service} needs the {package} package, which is not installed (pip install {package}); "
+            f"this training loop does not run it either, so drop the setting")
+    require(False, f"{setting}: {package} is installed, but this training loop does not run {service} "
+                   f"(see README, 'NVIDIA service configs'); drop the setting")
+
+
+# --------------------------------------------------------------------------------------------------
+# Megatron-LM flags with no machinery here: inert ones (accepted, named once in the printed config) and
+# refused ones (a one-line error naming the machinery). build_parser and unsupported_flag read them.
+# --------------------------------------------------------------------------------------------------
+
+
+# Megatron-LM flags (arguments.py, core_v0.16.1) accepted with no effect here and named once as inert in the printed
+# config: (why, ((flag, what it takes), ...)). What a flag takes: None for a switch, a type for one value, "*" for
+# any number of words, a list for its choices. The first group's are printed with the fused-kernel switches.
+MEGATRON_LM_INERT_FLAGS = [
+    ("a GPU kernel choice the local layers never use", (
+        ("--disable-jit-fuser", None), ("--use-te-activation-func", None),
+        ("--cross-entropy-fusion-impl", ["native", "te"]))),
+    ("no effect in Megatron-LM's own megatron-core GPT either (deprecated, or never read by megatron-core's "
+     "GPTModel and layers)", (
+        ("--use-flash-attn", None), ("--no-async-tensor-model-parallel-allreduce", None),
+        ("--disable-async-tensor-model-parallel-allreduce", None), ("--use-dist-ckpt", None),
+        ("--dist-ckpt-format", str), ("--ckpt-fully-parallel-save", None), ("--apply-residual-connection-post-layernorm", None),
+        ("--rotary-seq-len-interpolation-factor", int), ("--rope-scaling-factor", float), ("--onnx-safe", str),
+        ("--no-use-tokenizer-model-from-checkpoint-args", None),  # with --use-checkpoint-args only
+        ("--disable-use-tokenizer-model-from-checkpoint-args", None))),
+    ("a GPU placement, overlap, memory or launcher setting: it changes speed and memory, not what is computed", (
+        ("--local-rank", int),  # torchrun sets LOCAL_RANK, which is what is read here
+        ("--delay-wgrad-compute", None), ("--use-ring-exchange-p2p", None), ("--defer-embedding-wgrad-compute", None),
+        ("--wgrad-deferral-limit", int), ("--microbatch-group-size-per-virtual-pipeline-stage", int),
+        ("--account-for-embedding-in-pipeline-split", None), ("--account-for-loss-in-pipeline-split", None),
+        ("--pipeline-model-parallel-comm-backend", str), ("--max-seqlen-per-dp-cp-rank", int),
+        ("--distribute-saved-activations", None), ("--recompute-modules", "*"),
+        ("--no-clone-scatter-output-in-embedding", None), ("--disable-clone-scatter-output-in-embedding", None),
+        ("--symmetric-ar-type", str), ("--train-sync-interval", int), ("--no-pin-cpu-grads", None),
+        ("--no-pin-cpu-params", None), ("--high-priority-stream-groups", "*"), ("--disable-gloo-process-groups", None),
+        ("--no-scatter-gather-tensors-in-pipeline", None), ("--no-align-grad-reduce", None),
+        ("--no-align-param-gather", None), ("--no-gradient-reduce-div-fusion", None),
+        ("--use-nccl-ub", None), ("--disable-symmetric-registration", None), ("--use-sharp", None),
+        ("--sharp-enabled-group", ["dp", "dp_replica"]), ("--create-all-gather-group", None),
+        ("--nccl-communicator-config-path", str), ("--use-tp-pp-dp-mapping", None),
+        ("--distributed-timeout-seconds-after-init", int), ("--inprocess-empty-cuda-cache", None),
+        ("--exit-signal-handler-for-dataloader", None), ("--no-ckpt-fully-parallel-save", None),
+        ("--disable-ckpt-fully-parallel-save", None), ("--ckpt-fully-parallel-load", None),
+        ("--ckpt-assume-constant-structure", None), ("--distrib-optim-fully-reshardable-mem-efficient", None),
+        ("--dataloader-fast-cache-load", None), ("--dataloader-defer-npy-index-mmap", None),
+        ("--num-dataset-builder-threads", int), ("--per-dataset-sequences-path", str), ("--disable-msc", None))),
+    ("a tokenizer-library choice with no effect on the tokenizers here", (
+        ("--legacy-tokenizer", None), ("--tokenizer-hf-use-fast", None), ("--trust-remote-code", None),
+        ("--tiktoken-num-special-tokens", int), ("--tiktoken-special-tokens", "*"),
+        ("--tokenizer-sentencepiece-legacy", None), ("--sft-tokenizer-prompt-format", str))),
+    ("a logging setting of Megatron-LM's", (
+        ("--log-progress", None), ("--timing-log-option", ["max", "minmax", "all"]), ("--tensorboard-queue-size", int),
+        ("--no-log-loss-scale-to-tensorboard", None), ("--disable-log-loss-scale-to-tensorboard", None),
+        ("--log-memory-interval", int), ("--log-device-memory-used", None), ("--log-max-attention-logit", None),
+        ("--no-barrier-with-level-1-timing", None), ("--log-world-size-to-tensorboard", None), ("--log-energy", None),
+        ("--straggler-ctrlr-port", int), ("--disable-straggler-on-startup", None),
+        ("--result-rejected-tracker-filename", str), ("--config-logger-dir", str), ("--ft-num-warmup-iters", int))),
+]
 
 # Megatron-LM flags (arguments.py, core_v0.16.1) of machinery this trainer does not have: a name ending in "-" is a
 # prefix. Given one, the error names the flag and the machinery instead of argparse's "unrecognized arguments".
@@ -1315,1231 +2688,6 @@ MEGATRON_LM_REFUSED_FLAGS = [
       "--reuse-grad-buf-for-mxfp8-param-ag"), _NO_FP8),
 ]
 
-
-def unsupported_flag(token: str) -> Optional[str]:
-    """The one-line reason a Megatron-LM flag is refused here, or None for a flag not in UNSUPPORTED_FLAGS or
-    MEGATRON_LM_REFUSED_FLAGS."""
-    name = token.split("=", 1)[0]
-    for names, machinery in UNSUPPORTED_FLAGS:
-        if any(name == n or (n.endswith("-") and name.startswith(n)) for n in names):
-            return (f"{name} is a Megatron-LM setting of {machinery}, which this trainer does not have (it trains dense "
-                    f"GPT models); drop it")
-    for names, reason in MEGATRON_LM_REFUSED_FLAGS:
-        if name in names:
-            return f"{name} {reason}"
-    return None
-
-
-def config_from_flags(argv: list, world_size: Optional[int] = None, gpu: Optional[bool] = None,
-                      parser: Optional[argparse.ArgumentParser] = None) -> ConfigContainer:
-    """parse_args without the exit: an impossible combination raises ConfigError (for callers that are not the
-    command line, such as hf.py's import)."""
-    parser = parser or build_parser()
-    ns, unknown = parser.parse_known_args(argv)
-    if unknown:
-        reasons = [unsupported_flag(t) for t in unknown if t.startswith("--")]
-        if any(reasons):
-            raise ConfigError(next(r for r in reasons if r))
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    ns = vars(ns)
-    cfg = ConfigContainer()
-    if "config_file" in ns:
-        apply_overrides(cfg, _load_yaml(ns.pop("config_file")), source="--config-file")
-    inert = [(dest[len(INERT_DEST):], ns.pop(dest)) for dest in list(ns) if dest.startswith(INERT_DEST)]
-    cfg.megatron_lm_inert = [flag if value is True else " ".join([flag, *map(str, value)]) if isinstance(value, list)
-                             else f"{flag} {value}" for flag, value in inert] or None
-    flags: dict = {}
-    for dest, value in ns.items():
-        section, name = dest.split(".", 1)
-        flags.setdefault(section, {})[name] = value
-    apply_overrides(cfg, flags, source="flags")
-    return validate(cfg, world_size=world_size, gpu=gpu)
-
-
-def _load_yaml(path: str) -> dict:
-    import yaml
-
-    if not os.path.isfile(path):
-        raise ConfigError(f"--config-file {path}: no such file")
-    try:
-        with open(path) as fh:
-            data = yaml.safe_load(fh) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--config-file {path}: not valid YAML ({str(e).splitlines()[0]})")
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config-file {path}: expected a mapping of sections (model:, train:, ...)")
-    return data
-
-
-def to_yaml(cfg: ConfigContainer) -> str:
-    """The resolved config as YAML: what `run_config.yaml` holds and `--config-file` reads back."""
-    import yaml
-
-    d = cfg.to_dict()
-    return yaml.safe_dump({s: d[s] for s in SECTIONS}, sort_keys=False)
-
-
-def gpu_visible() -> bool:
-    """Whether an NVIDIA GPU is visible, answered without importing torch (train.py re-checks with torch)."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
-        return False
-    return bool(glob.glob("/dev/nvidia[0-9]*"))
-
-
-def package_installed(module: str) -> bool:
-    """Whether a package can be imported (e.g. transformer_engine), answered without importing it."""
-    return importlib.util.find_spec(module) is not None
-
-
-# --------------------------------------------------------------------------------------------------
-# Validation: every impossible setting is one clear line, before any work
-# --------------------------------------------------------------------------------------------------
-
-
-def max_data_workers() -> int:
-    """The most DataLoader workers per rank accepted: 4 per CPU core (at least 8)."""
-    return max(8, 4 * (os.cpu_count() or 1))
-
-
-def _interval(spec: str) -> tuple:
-    """"[0, 1)" -> (0.0, 1.0, True, False): low, high, and whether each end is included."""
-    low, high = (x.strip() for x in spec[1:-1].split(","))
-    return float(low), float(high), spec[0] == "[", spec[-1] == "]"
-
-
-def runtime_sections_update(cfg: ConfigContainer) -> None:
-    """Bridge's sections onto the settings they name (the part of Bridge's runtime_config_update that
-    resolves mixed_precision and comm_overlap), so the rest of the code reads one place for each."""
-    t, v = cfg.train, cfg.validation
-    for name in ("eval_iters", "eval_interval", "skip_train"):
-        if getattr(v, name) is not None:
-            setattr(t, name, getattr(v, name))
-    _refuse_set(cfg, "validation", ["start_eval_at_iter", "test_mode", "full_validation", "multiple_validation_sets",
-                                    "validation_set_names"])
-    for name, train_value in (("eval_global_batch_size", t.global_batch_size), ("eval_micro_batch_size", t.micro_batch_size)):
-        if getattr(v, name) is not None and getattr(v, name) != train_value:
-            raise ConfigError(f"validation.{name} {getattr(v, name)} differs from the training batch ({train_value}); "
-                              f"evaluation here uses the training batch sizes: drop it")
-    if cfg.mixed_precision is not None:
-        mp = get_mixed_precision_config(cfg.mixed_precision)
-        if mp.fp8 or mp.fp4:
-            raise ConfigError("mixed_precision: fp8/fp4 need transformer-engine on a GPU, which this trainer does not "
-                              "drive; use bf16_mixed or fp16_mixed")
-        _refuse_set(cfg, "mixed_precision", ["autocast_enabled"], mp)
-        if sum((mp.bf16, mp.fp16, mp.fp32)) > 1:
-            raise ConfigError("mixed_precision: set one of bf16, fp16 and fp32")
-        dtype = "bfloat16" if mp.bf16 else "float16" if mp.fp16 else "float32"
-        for name in ("params_dtype", "pipeline_dtype"):
-            if getattr(mp, name) not in (None, dtype):
-                raise ConfigError(f"mixed_precision.{name} {getattr(mp, name)} is not {dtype}, the precision it sets")
-        cfg.model.bf16, cfg.model.fp16 = mp.bf16, mp.fp16
-        cfg.ddp.grad_reduce_in_fp32 = mp.grad_reduce_in_fp32 if (mp.bf16 or mp.fp16) else None
-        if mp.fp16:
-            for name in ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis"):
-                setattr(cfg.optimizer, name, getattr(mp, name))
-    co = cfg.comm_overlap
-    if co is not None:
-        if co.tp_comm_overlap:
-            raise ConfigError("comm_overlap.tp_comm_overlap needs transformer-engine's userbuffers on GPUs "
-                              + ("(none visible here)" if not cfg.use_gpu else
-                                 "(transformer-engine is not installed)" if not package_installed("transformer_engine") else
-                                 "(this trainer does not set them up)") + "; set it to false")
-        if co.overlap_p2p_comm is not None:
-            cfg.model.overlap_p2p_comm = co.overlap_p2p_comm
-        _refuse_set(cfg, "comm_overlap", ["batch_p2p_comm", "overlap_param_gather_with_optimizer_step",
-                                          "align_param_gather", "bucket_size", "defer_embedding_wgrad_compute",
-                                          "wgrad_deferral_limit"])
-        for name in ("overlap_grad_reduce", "overlap_param_gather"):
-            if getattr(co, name) is not None:
-                setattr(cfg.ddp, name, getattr(co, name))
-
-
-def _refuse_set(cfg: ConfigContainer, section: str, names: list, sub=None) -> None:
-    """Bridge settings this trainer has no machinery for: accepted at their defaults, a one-line error when set."""
-    sub = sub if sub is not None else getattr(cfg, section)
-    defaults = type(sub)()
-    for name in names:
-        if getattr(sub, name) != getattr(defaults, name):
-            raise ConfigError(f"{section}.{name} {getattr(sub, name)!r} is not supported by this trainer; drop it "
-                              f"(see README, Compared with Megatron-LM)")
-
-
-def runtime_config_update(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Optional[bool] = None):
-    """Bridge's runtime_config_update: resolve the Bridge sections (mixed_precision, comm_overlap,
-    validation), set the data-parallel size, and validate. Call it on a ConfigContainer built in Python
-    before pretrain()/finetune(); parse_args() does it for the command line."""
-    return validate(cfg, world_size=world_size, gpu=gpu)
-
-
-def _check_bounds(cfg: ConfigContainer) -> None:
-    """Every number declared with `bounds` lies in its interval (None means unset; NaN is never in one)."""
-    for section, sub in section_configs(cfg):
-        for f in dataclasses.fields(sub):
-            value, spec = getattr(sub, f.name), f.metadata.get("bounds")
-            if spec is None or value is None or isinstance(value, bool):
-                continue
-            low, high, low_in, high_in = _interval(spec)
-            ok = isinstance(value, (int, float)) and (low <= value if low_in else low < value) and (
-                value <= high if high_in else value < high)
-            if not ok:
-                flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
-                raise ConfigError(f"{flag} {value!r} is out of range: it must lie in {spec}")
-
-
-def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Optional[bool] = None) -> ConfigContainer:
-    """Check the settings against each other and the machine, and fill in derived values, one concern after
-    another (each check below, in this order, in the sections that follow).
-
-    Raises ConfigError with a one-line message. Mirrors the checks of Megatron-LM's `validate_args`
-    and Megatron Bridge's `ConfigContainer.validate`.
-    """
-    cfg.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
-    cfg.use_gpu = gpu_visible() if gpu is None else gpu
-    runtime_sections_update(cfg)
-    _check_bounds(cfg)
-    _validate_model_sizes(cfg)
-    _validate_parallelism(cfg)
-    _validate_batch_sizes_and_length(cfg)
-    _validate_mixed_precision_consistency(cfg)
-    _validate_rerun_state_machine(cfg)
-    _validate_optimizer_and_schedule(cfg)
-    _validate_data(cfg)
-    _validate_fim(cfg)
-    _validate_loggers(cfg)
-    _validate_checkpointing(cfg)
-    _validate_machine(cfg)
-    _validate_peft(cfg)
-    _validate_deterministic_mode(cfg)
-    _validate_callbacks(cfg)
-    _validate_services(cfg)  # the NVIDIA service configs, last
-    return cfg
-
-
-# --------------------------------------------------------------------------------------------------
-# The checks validate() calls, in the order it calls them (Bridge's ConfigContainer._validate_* and
-# Megatron-LM's validate_args)
-# --------------------------------------------------------------------------------------------------
-
-
-def _validate_model_sizes(cfg: ConfigContainer) -> None:
-    """Sizes of the GPT; derived: kv-channels, query groups, the MLP size, the position table."""
-    m, t = cfg.model, cfg.train
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by"):
-        if not (getattr(m, name) > 0):
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(m, name)}")
-    if not (t.micro_batch_size > 0):
-        raise ConfigError(f"--micro-batch-size must be positive, got {t.micro_batch_size}")
-    if not (m.hidden_size % m.num_attention_heads == 0 or m.kv_channels is not None):
-        raise ConfigError(f"--num-attention-heads {m.num_attention_heads} does not divide --hidden-size {m.hidden_size}; "
-                          f"pick heads that divide it (or set --kv-channels)")
-    if m.kv_channels is None:
-        m.kv_channels = m.hidden_size // m.num_attention_heads
-    if m.num_query_groups is None:
-        # Megatron-LM: --group-query-attention alone means its --num-query-groups default, 1 (multi-query attention).
-        m.num_query_groups = 1 if m.group_query_attention else m.num_attention_heads
-    if not (m.num_query_groups > 0 and m.num_attention_heads % m.num_query_groups == 0):
-        raise ConfigError(f"--num-query-groups {m.num_query_groups} must divide --num-attention-heads {m.num_attention_heads}")
-    if m.swiglu and m.openai_gelu:
-        raise ConfigError("--openai-gelu is a GeLU, --swiglu replaces GeLU: give one")
-    if m.ffn_hidden_size is None:
-        # Megatron-LM: SwiGLU keeps the MLP's parameter count of 4h by using 2/3 of it, rounded to 64.
-        m.ffn_hidden_size = max(64, int((4 * m.hidden_size * 2 / 3) / 64) * 64) if m.swiglu else 4 * m.hidden_size
-    if m.max_position_embeddings is None:
-        m.max_position_embeddings = m.seq_length
-    if not (m.position_embedding_type != "learned_absolute" or m.max_position_embeddings >= m.seq_length):
-        raise ConfigError(f"--max-position-embeddings {m.max_position_embeddings} is shorter than --seq-length {m.seq_length}")
-    for name in ("hidden_dropout", "attention_dropout"):
-        if not (0.0 <= getattr(m, name) < 1.0):
-            raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(m, name)}")
-    _validate_architecture(cfg)
-
-
-def layer_pattern(spec: str, flag: str, num_layers: int):
-    """Megatron-LM's per-layer pattern (--no-rope-freq, --window-attn-skip-freq) as megatron-core's TransformerConfig
-    takes it: an integer N as it is, or a list expression of 0/1 entries joined by + and repeated by *, such as
-    '([0]*3+[1])*2', read without eval (Megatron-LM evals it), as a list with one entry per layer."""
-    text = str(spec).strip()
-    if text.isdigit() and int(text) > 0:
-        return int(text)
-
-    def value(node):
-        if isinstance(node, ast.List) and all(isinstance(e, ast.Constant) and e.value in (0, 1) and type(e.value) is int
-                                              for e in node.elts):
-            return [e.value for e in node.elts]
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
-            left, right = value(node.left), value(node.right)
-            if isinstance(left, list) and isinstance(right, list):
-                return left + right
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
-            left = node.left if isinstance(node.left, ast.Constant) else node.right
-            pattern = value(node.right if left is node.left else node.left)
-            if isinstance(left, ast.Constant) and type(left.value) is int and isinstance(pattern, list) and \
-                    0 <= left.value and len(pattern) * left.value <= 100000:
-                return pattern * left.value
-        raise ValueError
-
-    try:
-        pattern = value(ast.parse(text, mode="eval").body)
-    except (SyntaxError, ValueError, RecursionError):
-        raise ConfigError(f"{flag} {text!r} is neither a positive integer nor a list of 0s and 1s such as "
-                          f"'([0]*3+[1])*2'") from None
-    if len(pattern) != num_layers:
-        raise ConfigError(f"{flag} {text!r} has {len(pattern)} entries for {num_layers} layers (--num-layers); give "
-                          f"one per layer")
-    return pattern
-
-
-def parse_window_size(spec: str) -> tuple:
-    """--window-size 'LEFT,RIGHT' as megatron-core's (left, right) tuple (Megatron-LM's tuple_type)."""
-    try:
-        left, right = (int(x) for x in str(spec).strip("()[] ").split(","))
-    except ValueError:
-        raise ConfigError(f"--window-size {spec!r} must be two integers LEFT,RIGHT (-1: unlimited), e.g. 4096,0") from None
-    if min(left, right) < -1:
-        raise ConfigError(f"--window-size {spec!r}: each side is a number of tokens, or -1 for all of them")
-    return left, right
-
-
-def _validate_architecture(cfg: ConfigContainer) -> None:
-    """Megatron-LM's architecture flags that megatron-core's TransformerConfig takes (transformer_config_extras):
-    what Megatron-LM's validate_args and TransformerConfig refuse, and what would change nothing, is one line here."""
-    m = cfg.model
-    activations = [flag for flag, on in (("--swiglu", m.swiglu), ("--squared-relu", m.squared_relu),
-                                         ("--quick-geglu", m.quick_geglu), ("--openai-gelu", m.openai_gelu)) if on]
-    if len(activations) > 1:
-        raise ConfigError(f"{' and '.join(activations)} each choose the MLP's activation; give one")
-    if m.glu_linear_offset and not (m.swiglu or m.quick_geglu):
-        raise ConfigError("--glu-linear-offset shifts the linear half of a gated MLP; add --swiglu or --quick-geglu, "
-                          "or drop it")
-    if m.activation_func_clamp_value is not None and not m.quick_geglu:
-        raise ConfigError("--activation-func-clamp-value clamps the halves of --quick-geglu's MLP; add --quick-geglu or "
-                          "drop it")
-    if m.qk_layernorm and m.qk_l2_norm:
-        raise ConfigError("--qk-layernorm and --qk-l2-norm each normalize the queries and keys; give one")
-    if m.rope_type == "yarn":
-        raise ConfigError("--rope-type yarn is multi-latent attention's rotary embedding, which this trainer does not "
-                          "have (dense attention uses rope); drop it")
-    if not m.add_position_embedding and m.position_embedding_type != "rope":
-        raise ConfigError(f"--no-position-embedding is deprecated, and Megatron-LM refuses it without rope too "
-                          f"(--position-embedding-type {m.position_embedding_type}); use --position-embedding-type "
-                          f"none for no position embedding")
-    if m.position_embedding_type != "rope":
-        for on, flag in ((m.rotary_interleaved, "--rotary-interleaved"), (m.no_rope_freq is not None, "--no-rope-freq")):
-            if on:
-                raise ConfigError(f"{flag} changes the rotary embedding, but --position-embedding-type is "
-                                  f"{m.position_embedding_type}; add --position-embedding-type rope or drop it")
-    if m.no_rope_freq is not None:
-        pattern = layer_pattern(m.no_rope_freq, "--no-rope-freq", m.num_layers)
-        if isinstance(pattern, int) and m.num_layers % pattern:
-            raise ConfigError(f"--no-rope-freq {pattern} must divide --num-layers {m.num_layers} (megatron-core repeats "
-                              f"its pattern over the layers)")
-    if m.window_attn_skip_freq is not None:
-        if m.window_size is None:
-            raise ConfigError("--window-attn-skip-freq picks the layers of --window-size's sliding window; add "
-                              "--window-size or drop it")
-        layer_pattern(m.window_attn_skip_freq, "--window-attn-skip-freq", m.num_layers)
-    if m.window_size is not None:
-        parse_window_size(m.window_size)
-
-
-
-def _validate_parallelism(cfg: ConfigContainer) -> None:
-    """Tensor, pipeline and context sizes against the world and the model; derived: the data-parallel size."""
-    m = cfg.model
-    tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
-    if not (min(tp, pp, cp) >= 1):
-        raise ConfigError("parallel sizes must be at least 1")
-    mp = tp * pp * cp
-    if not (cfg.world_size % mp == 0):
-        raise ConfigError(f"tensor ({tp}) x pipeline ({pp}) x context ({cp}) parallel sizes = {mp} do not divide the world size "
-                          f"{cfg.world_size}; launch a multiple of {mp} processes or reduce the parallel sizes")
-    cfg.data_parallel_size = cfg.get_data_parallel_size(cfg.world_size)
-    if not (m.num_attention_heads % tp == 0):
-        raise ConfigError(f"--tensor-model-parallel-size {tp} must divide --num-attention-heads {m.num_attention_heads}")
-    if not (m.num_query_groups % tp == 0):
-        raise ConfigError(f"--tensor-model-parallel-size {tp} must divide the number of query groups {m.num_query_groups}")
-    _validate_pipeline_split(cfg)
-    _validate_virtual_pipeline(cfg)
-    _validate_recompute(cfg)
-    if tp == 1:
-        m.sequence_parallel = False  # as Megatron-LM: nothing to parallelise without tensor parallelism
-    _validate_context_parallel(cfg)
-
-
-def pipeline_stage_layers(m: ModelConfig) -> list:
-    """Layers per pipeline stage: --decoder-first/last-pipeline-num-layers where given, the rest evenly
-    (megatron-core's num_layers_in_first/last_pipeline_stage). Uneven leftovers are for the caller to refuse."""
-    pp, first, last = m.pipeline_model_parallel_size, m.decoder_first_pipeline_num_layers, m.decoder_last_pipeline_num_layers
-    if pp == 1:
-        return [m.num_layers]
-    fixed = {0: first, pp - 1: last}
-    middle = [i for i in range(pp) if fixed.get(i) is None]
-    rest = m.num_layers - sum(v for v in fixed.values() if v is not None)
-    even = rest // len(middle) if middle else 0
-    return [fixed[i] if fixed.get(i) is not None else even for i in range(pp)]
-
-
-def _validate_pipeline_split(cfg: ConfigContainer) -> None:
-    m = cfg.model
-    if m.num_virtual_stages_per_pipeline_rank is not None:
-        # Megatron-LM's other way to ask for virtual stages: their number, the layers of a stage split evenly over them
-        v, pp = m.num_virtual_stages_per_pipeline_rank, m.pipeline_model_parallel_size
-        if m.num_layers_per_virtual_pipeline_stage is not None:
-            raise ConfigError("--num-virtual-stages-per-pipeline-rank and --num-layers-per-virtual-pipeline-stage "
-                              "both set the virtual stages; give one")
-        if v > 1 and (pp == 1 or m.num_layers % pp or (m.num_layers // pp) % v):
-            raise ConfigError(f"--num-virtual-stages-per-pipeline-rank {v} needs --pipeline-model-parallel-size 2 or "
-                              f"more and layers that split evenly: {m.num_layers} layers over {pp} stages of {v} "
-                              f"virtual stages each")
-        if v > 1:  # one virtual stage per rank is no interleaving (Megatron-LM: None)
-            m.num_layers_per_virtual_pipeline_stage = m.num_layers // pp // v
-        m.num_virtual_stages_per_pipeline_rank = None  # said once, as layers per stage (run_config.yaml, generate.py)
-    pp, uneven = m.pipeline_model_parallel_size, (m.decoder_first_pipeline_num_layers, m.decoder_last_pipeline_num_layers)
-    if pp == 1 and any(v is not None for v in uneven):
-        raise ConfigError("--decoder-first/last-pipeline-num-layers set a pipeline stage's layers; add "
-                          "--pipeline-model-parallel-size 2 or more")
-    if sum(pipeline_stage_layers(m)) != m.num_layers or min(pipeline_stage_layers(m)) < 0:
-        split = ("the layers the first/last stages leave" if any(v is not None for v in uneven) else "--num-layers")
-        raise ConfigError(f"--pipeline-model-parallel-size {pp} must divide {split} evenly ({m.num_layers} layers); "
-                          f"change --num-layers, --decoder-first-pipeline-num-layers or --decoder-last-pipeline-num-layers")
-    if m.num_layers_per_virtual_pipeline_stage is not None and any(v is not None for v in uneven):
-        raise ConfigError("--num-layers-per-virtual-pipeline-stage needs evenly split pipeline stages; drop "
-                          "--decoder-first/last-pipeline-num-layers")
-
-
-def _validate_virtual_pipeline(cfg: ConfigContainer) -> None:
-    """--num-layers-per-virtual-pipeline-stage as Megatron-LM's validate_args: each pipeline rank holds
-    (layers / pipeline size) / (layers per virtual stage) chunks and runs the interleaved schedule."""
-    m = cfg.model
-    n = m.num_layers_per_virtual_pipeline_stage
-    if n is None:
-        m.virtual_pipeline_model_parallel_size = None
-        # As Megatron-LM: 1F1B has no p2p to overlap; its sends and receives go in batches.
-        m.overlap_p2p_comm = m.overlap_p2p_comm_warmup_flush = False
-        m.batch_p2p_comm = True
-        return
-    pp = m.pipeline_model_parallel_size
-    if pp == 1:
-        raise ConfigError("--num-layers-per-virtual-pipeline-stage interleaves pipeline stages; add "
-                          "--pipeline-model-parallel-size 2 or more")
-    if n <= 0 or (m.num_layers // pp) % n:
-        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {n} must divide the {m.num_layers // pp} layers of "
-                          f"each pipeline stage (--num-layers {m.num_layers} / --pipeline-model-parallel-size {pp})")
-    m.virtual_pipeline_model_parallel_size = (m.num_layers // pp) // n
-    m.batch_p2p_comm = not m.overlap_p2p_comm  # Megatron-LM's core_transformer_config_from_args
-    if m.overlap_p2p_comm_warmup_flush and not m.overlap_p2p_comm:
-        raise ConfigError("--overlap-p2p-communication-warmup-flush overlaps p2p communication; drop it or "
-                          "--no-overlap-p2p-communication")
-    if pp == 2 and m.batch_p2p_comm:
-        # megatron-core 0.16.1 defect (README: defects): with 2 pipeline ranks the previous and the next rank are
-        # one peer, and a batch of sends and receives to it pairs them in posting order, so activations land in
-        # gradient buffers (p2p_communication.py:16-51). Megatron-LM asks for more than 2 ranks here too.
-        raise ConfigError("--no-overlap-p2p-communication with --pipeline-model-parallel-size 2 and virtual stages "
-                          "swaps activations and gradients (megatron-core 0.16.1 batches both directions to the one "
-                          "peer); drop --no-overlap-p2p-communication or use 3 or more pipeline stages")
-
-
-def _validate_recompute(cfg: ConfigContainer) -> None:
-    """Megatron-LM's validate_args and TransformerConfig's checks of the recompute settings."""
-    m = cfg.model
-    if m.recompute_activations:
-        if m.recompute_granularity == "full":
-            raise ConfigError("--recompute-activations means --recompute-granularity selective, not full; give one")
-        m.recompute_granularity = "selective"
-    if m.recompute_granularity == "selective" and m.recompute_method is not None:
-        raise ConfigError("--recompute-method applies to --recompute-granularity full; selective recomputation "
-                          "recomputes the core attention of every layer")
-    if m.recompute_granularity != "full" and (m.recompute_method or m.recompute_num_layers):
-        raise ConfigError("--recompute-method and --recompute-num-layers need --recompute-granularity full")
-    if m.recompute_granularity == "full":
-        if m.recompute_method is None:
-            raise ConfigError("--recompute-granularity full needs --recompute-method uniform or block")
-        if m.recompute_num_layers is None:
-            m.recompute_num_layers = 1
-        per_stage = max(pipeline_stage_layers(m))
-        most = per_stage if m.recompute_method == "block" else m.num_layers
-        if m.recompute_num_layers > most:
-            raise ConfigError(f"--recompute-num-layers {m.recompute_num_layers} is more than the {most} layers "
-                              f"{'of a pipeline stage' if m.recompute_method == 'block' else 'of the model'}")
-
-
-def _validate_context_parallel(cfg: ConfigContainer) -> None:
-    """Bridge's `_validate_cp_comm_type` and the context-parallel checks of `validate` (Megatron-LM's
-    validate_args): each rank holds two chunks of the sequence (to balance causal attention), and
-    a2a+p2p needs the hierarchy of context-parallel groups it communicates over."""
-    m = cfg.model
-    cp, kinds, sizes = m.context_parallel_size, m.cp_comm_type, m.hierarchical_context_parallel_sizes
-    known = ("p2p", "all_gather", "a2a", "a2a+p2p")
-    bad = [k for k in kinds if k not in known]
-    if not (kinds and not bad):
-        raise ConfigError(f"--cp-comm-type {' '.join(bad or kinds)}: expected {', '.join(known)}")
-    if not (len(kinds) in (1, m.num_layers)):
-        raise ConfigError(f"--cp-comm-type gives {len(kinds)} types; give one for all layers or one "
-                          f"per layer (--num-layers {m.num_layers})")
-    if not (cp == 1 or m.seq_length % (2 * cp) == 0):
-        raise ConfigError(f"--seq-length {m.seq_length} must be a multiple of 2 x "
-                          f"--context-parallel-size = {2 * cp} (each rank holds two chunks)")
-    if not (cp == 1 or "a2a+p2p" not in kinds or sizes):
-        raise ConfigError("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes (e.g. 8 2 for 16 ranks over 2 nodes); "
-                          "without it context parallelism would not communicate")
-    if not (not sizes or math.prod(sizes) == cp):
-        raise ConfigError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes or []))}"
-                          f" multiply to {math.prod(sizes or [])}, not --context-parallel-size {cp}")
-
-
-def _validate_batch_sizes_and_length(cfg: ConfigContainer) -> None:
-    """Batch sizes, the run's length, ramp-up and the reporting intervals; derived: the global batch, --train-iters."""
-    m, t, lg = cfg.model, cfg.train, cfg.logger
-    pp = m.pipeline_model_parallel_size
-    dp = cfg.data_parallel_size
-    if t.global_batch_size is None:
-        t.global_batch_size = t.micro_batch_size * dp
-    if not (t.global_batch_size > 0 and t.global_batch_size % (t.micro_batch_size * dp) == 0):
-        raise ConfigError(f"--global-batch-size {t.global_batch_size} is not a multiple of --micro-batch-size {t.micro_batch_size} "
-                          f"x data-parallel size {dp} = {t.micro_batch_size * dp}; use a multiple of {t.micro_batch_size * dp}")
-    microbatches = t.global_batch_size // (t.micro_batch_size * dp)  # at the full batch (ramp-up only grows to it)
-    if not (not m.virtual_pipeline_model_parallel_size or microbatches % pp == 0):
-        raise ConfigError(f"the interleaved schedule runs microbatches in groups of --pipeline-model-parallel-size {pp}, but there are "
-                          f"{microbatches} per step; make --global-batch-size / (--micro-batch-size x data-parallel size) a "
-                          f"multiple of {pp}")
-    if not (t.train_iters is None or t.train_samples is None or t.train_iters == t.train_samples // t.global_batch_size):  # equal: a sample-based run_config.yaml
-        raise ConfigError("--train-iters and --train-samples are exclusive; give one")
-    if t.train_samples is not None:
-        if not (t.train_samples >= t.global_batch_size):
-            raise ConfigError(f"--train-samples {t.train_samples} is less than one global batch ({t.global_batch_size})")
-        t.train_iters = t.train_samples // t.global_batch_size
-    elif t.train_iters is None:
-        t.train_iters = 300
-    _validate_rampup(cfg)
-    if not (t.train_iters >= 0):
-        raise ConfigError(f"--train-iters must be non-negative, got {t.train_iters}")
-    if not (t.eval_interval > 0):
-        raise ConfigError(f"--eval-interval must be positive, got {t.eval_interval}")
-    if not (t.eval_iters >= 0):
-        raise ConfigError(f"--eval-iters must be non-negative, got {t.eval_iters}")
-    if not (lg.log_interval > 0):
-        raise ConfigError(f"--log-interval must be positive, got {lg.log_interval}")
-    if not (lg.tensorboard_log_interval > 0):
-        raise ConfigError(f"--tensorboard-log-interval must be positive, got {lg.tensorboard_log_interval}")
-    if not (lg.throughput_window_size >= 2):
-        raise ConfigError(f"--throughput-window-size must be at least 2, got {lg.throughput_window_size}")
-    if not (lg.logging_level is None or lg.logging_level >= 0):
-        raise ConfigError(f"--logging-level must be a logging level like 10 (DEBUG), 20 (INFO) or 30 (WARNING), got {lg.logging_level}")
-    if not (t.exit_interval is None or t.exit_interval > 0):
-        raise ConfigError(f"--exit-interval must be positive, got {t.exit_interval}")
-    if not (t.exit_signal in signal.Signals.__members__):
-        raise ConfigError(f"--exit-signal {t.exit_signal} is not a signal name; use e.g. SIGTERM, SIGINT or SIGUSR1")
-
-
-def _validate_rampup(cfg: ConfigContainer) -> None:
-    """--rampup-batch-size START INCR SAMPLES, checked so megatron-core's RampupBatchsizeNumMicroBatchesCalculator
-    never fails mid-run: every batch size on the way (START, START + INCR, ..., --global-batch-size) must split
-    into microbatches on each data-parallel rank. Iteration-based only, as Megatron Bridge's TrainingConfig."""
-    t, dp = cfg.train, cfg.data_parallel_size
-    if t.rampup_batch_size is None:
-        return
-    unit, gbs = t.micro_batch_size * dp, t.global_batch_size
-    if len(t.rampup_batch_size) != 3:
-        raise ConfigError("--rampup-batch-size takes three numbers, START INCR SAMPLES (e.g. --rampup-batch-size 8 8 10000)")
-    start, incr, samples = t.rampup_batch_size
-    if start <= 0 or incr <= 0 or samples < 0:
-        raise ConfigError(f"--rampup-batch-size {start} {incr} {samples}: START and INCR must be positive, SAMPLES non-negative")
-    if start >= gbs:
-        raise ConfigError(f"--rampup-batch-size START {start} must be less than --global-batch-size {gbs}, the batch it "
-                          f"ramps up to; drop --rampup-batch-size for a constant batch")
-    if (gbs - start) % incr:
-        raise ConfigError(f"--rampup-batch-size INCR {incr} does not divide --global-batch-size {gbs} - START {start} "
-                          f"= {gbs - start}; pick an INCR that does")
-    if start % unit or incr % unit:
-        raise ConfigError(f"--rampup-batch-size START {start} and INCR {incr} must be multiples of --micro-batch-size "
-                          f"{t.micro_batch_size} x data-parallel size {dp} = {unit}")
-    if t.train_samples is not None:
-        raise ConfigError("--rampup-batch-size counts --train-iters iterations (as Megatron Bridge); use --train-iters "
-                          "instead of --train-samples")
-    if getattr(cfg.dataset, "sft", False) or getattr(cfg.dataset, "dataloader_type", None) == "batch":
-        raise ConfigError("--rampup-batch-size does not work with the batch dataloader (--sft pads each fixed-size "
-                          "global batch); drop one")
-
-
-def _validate_mixed_precision_consistency(cfg: ConfigContainer) -> None:
-    """Precision settings that agree with each other (Bridge's `_validate_mixed_precision_consistency`, with
-    Megatron-LM's `validate_args` for the loss-scaling flags): one half-precision type at most, loss-scaling
-    settings only under --fp16 and within megatron-core's DynamicGradScaler's bounds."""
-    m, o, t = cfg.model, cfg.optimizer, cfg.train
-    if m.bf16 and m.fp16:
-        raise ConfigError("--bf16 and --fp16 are exclusive; pick one")
-    defaults = OptimizerConfig()
-    scaling = ["loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis"]
-    changed = [name for name in scaling if getattr(o, name) != getattr(defaults, name)]
-    if changed and not m.fp16:
-        flag = "--" + changed[0].replace("_", "-")
-        raise ConfigError(f"{flag} {getattr(o, changed[0])} sets fp16 loss scaling, but --fp16 is not set "
-                          f"({'bf16' if m.bf16 else 'fp32'} training needs no loss scale); add --fp16 or drop it")
-    if o.loss_scale is not None and not o.loss_scale > 0:
-        raise ConfigError(f"--loss-scale must be positive, got {o.loss_scale}; omit it for dynamic loss scaling")
-    if not 0 < o.min_loss_scale <= o.initial_loss_scale:
-        raise ConfigError(f"--min-loss-scale {o.min_loss_scale} must be positive and at most --initial-loss-scale "
-                          f"{o.initial_loss_scale}")
-    if o.loss_scale_window < 1 or o.hysteresis < 1:
-        raise ConfigError(f"--loss-scale-window ({o.loss_scale_window}) and --hysteresis ({o.hysteresis}) must be at "
-                          f"least 1")
-    if m.fp16 and o.loss_scale is None:
-        # Megatron-LM: under dynamic loss scaling an Inf/NaN gradient is the scaler's signal to back off
-        # (the step is skipped), not an error.
-        t.check_for_nan_in_loss_and_grad = False
-    _validate_fp8(cfg)
-    _resolve_grad_reduce_dtype(cfg)
-
-
-FP8_FIELDS = ("fp8_format", "fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_param_gather")
-
-
-def _validate_fp8(cfg: ConfigContainer) -> None:
-    """Megatron-LM's --fp8-* flags: FP8 runs inside transformer-engine's layers under megatron-core's fp8 contexts,
-    which this trainer does not set up; without transformer-engine there is nothing to run it at all. Refused by
-    name, before any work (--bf16 runs the same command line without them)."""
-    m, defaults = cfg.model, ModelConfig()
-    given = [name for name in FP8_FIELDS if getattr(m, name) != getattr(defaults, name)]
-    if not given:
-        return
-    if m.fp8_format is None:
-        flag = "--" + given[0].replace("_", "-")
-        raise ConfigError(f"{flag} {_flag_value(getattr(m, given[0]))}sets FP8 training, but --fp8-format is not set; "
-                          f"drop it")
-    what = f"--fp8-format {m.fp8_format}"
-    if not package_installed("transformer_engine"):
-        raise ConfigError(f"{what}: FP8 runs in transformer-engine's layers, and transformer-engine is not installed; "
-                          f"drop the --fp8-* flags (--bf16 trains without them)")
-    raise ConfigError(f"{what}: this trainer does not drive transformer-engine's FP8 (megatron-core's fp8 contexts "
-                      f"and FP8 weights); drop the --fp8-* flags (--bf16 trains without them)")
-
-
-def _flag_value(value) -> str:
-    """A flag's value as it follows the flag in a message: nothing for a switch."""
-    return "" if isinstance(value, bool) else f"{value} "
-
-
-def _resolve_grad_reduce_dtype(cfg: ConfigContainer) -> None:
-    """The dtype of megatron-core DDP's gradient buffer, as Megatron-LM's validate_args sets
-    accumulate_allreduce_grads_in_fp32: fp32 with --bf16 (unless --grad-reduce-in-bf16), the parameters' dtype
-    otherwise (fp16 gradients under --fp16) unless --accumulate-allreduce-grads-in-fp32. A value set in YAML or by
-    a mixed_precision recipe stands unless one of the two flags says otherwise."""
-    m, d = cfg.model, cfg.ddp
-    if d.accumulate_allreduce_grads_in_fp32 and d.grad_reduce_in_bf16:
-        raise ConfigError("--accumulate-allreduce-grads-in-fp32 and --grad-reduce-in-bf16 are exclusive; pick one")
-    if d.grad_reduce_in_bf16 and not m.bf16:
-        raise ConfigError("--grad-reduce-in-bf16 reduces the gradients of --bf16 training in bf16; add --bf16 or drop it")
-    if d.grad_reduce_in_bf16:
-        d.grad_reduce_in_fp32 = False
-    elif d.accumulate_allreduce_grads_in_fp32:
-        d.grad_reduce_in_fp32 = True
-    elif d.grad_reduce_in_fp32 is None and m.fp16:
-        d.grad_reduce_in_fp32 = False
-    # otherwise None: model.megatron_ddp_config reduces in fp32 exactly when the weights are bf16 (or fp16, when set so
-    # after validation)
-
-
-def _validate_rerun_state_machine(cfg: ConfigContainer) -> None:
-    """Settings of the rerun state machine that can do what they say (megatron-core's RerunStateMachine)."""
-    r, t = cfg.rerun_state_machine, cfg.train
-    r.check_for_nan_in_loss = r.check_for_nan_in_loss and t.check_for_nan_in_loss_and_grad
-    if not r.spiky_loss_factor > 1:
-        raise ConfigError(f"--spiky-loss-factor must be greater than 1 (a loss that many times the largest seen), "
-                          f"got {r.spiky_loss_factor}")
-    if r.error_injection_rate < 0:
-        raise ConfigError(f"--error-injection-rate must be non-negative, got {r.error_injection_rate}")
-    if r.error_injection_rate and r.rerun_mode != "validate_results":
-        raise ConfigError(f"--error-injection-rate tests the reruns of --rerun-mode validate_results, not "
-                          f"{r.rerun_mode}; add --rerun-mode validate_results")
-    if r.rerun_mode == "validate_results" and not (r.check_for_nan_in_loss or r.check_for_spiky_loss):
-        raise ConfigError("--rerun-mode validate_results has nothing to validate: the NaN check is off "
-                          "(--no-check-for-nan-in-loss-and-grad, or --fp16's dynamic loss scaling); add "
-                          "--check-for-spiky-loss or use --rerun-mode disabled")
-
-
-def _validate_optimizer_and_schedule(cfg: ConfigContainer) -> None:
-    """The optimizer's numbers and the learning-rate schedule (converted to samples)."""
-    o, s = cfg.optimizer, cfg.scheduler
-    if not (o.lr > 0):
-        raise ConfigError(f"--lr must be positive, got {o.lr}")
-    if not (0 <= o.min_lr <= o.lr):
-        raise ConfigError(f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}")
-    if not (o.clip_grad >= 0):
-        raise ConfigError(f"--clip-grad must be non-negative, got {o.clip_grad}")
-    if s.decoupled_min_lr is not None and s.decoupled_lr is None:
-        raise ConfigError("--decoupled-min-lr ends the schedule of --decoupled-lr; add --decoupled-lr or drop it")
-    if s.decoupled_lr is not None:
-        low = o.min_lr if s.decoupled_min_lr is None else s.decoupled_min_lr
-        if not (low <= s.decoupled_lr):
-            raise ConfigError(f"--decoupled-lr {s.decoupled_lr} is below its minimum {low} "
-                              f"({'--min-lr' if s.decoupled_min_lr is None else '--decoupled-min-lr'}); "
-                              f"give --decoupled-min-lr at most --decoupled-lr")
-    if s.override_opt_param_scheduler and s.use_checkpoint_opt_param_scheduler:
-        raise ConfigError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are exclusive")
-    _validate_training_scheduler_compatibility(cfg)
-    _calculate_scheduler_steps(cfg)
-    _validate_and_sync_distributed_optimizer_settings(cfg)
-    _validate_overlap(cfg)
-    _validate_ddp(cfg)
-
-
-def _validate_training_scheduler_compatibility(cfg: ConfigContainer) -> None:
-    """Bridge's `_validate_training_scheduler_compatibility` and `SchedulerConfig.finalize` (Megatron-LM's
-    validate_args): iteration-based training takes the *-iters schedule flags, sample-based training the
-    *-samples ones; --lr-warmup-fraction replaces either warmup length."""
-    t, s = cfg.train, cfg.scheduler
-    iters = [(s.lr_decay_iters, "--lr-decay-iters"), (s.lr_warmup_iters, "--lr-warmup-iters"),
-             (s.lr_wsd_decay_iters, "--lr-wsd-decay-iters")]
-    samples = [(s.lr_decay_samples, "--lr-decay-samples"), (s.lr_warmup_samples or None, "--lr-warmup-samples"),
-               (s.lr_wsd_decay_samples, "--lr-wsd-decay-samples")]
-    for value, flag in iters + samples:  # a warmup may be 0 (none), a decay may not
-        if not (value is None or value > 0 or (value == 0 and "warmup" in flag)):
-            raise ConfigError(f"{flag} must be positive, got {value}")
-    for value, flag in iters if t.train_samples is not None else ():
-        if value:
-            raise ConfigError(f"{flag} is for iteration-based training; with --train-samples use "
-                              f"{flag.replace('-iters', '-samples')}")
-    for value, flag in samples if t.train_samples is None else ():
-        if not (value is None):
-            raise ConfigError(f"{flag} is for sample-based training (--train-samples); with --train-iters use "
-                              f"{flag.replace('-samples', '-iters')}")
-    if s.lr_warmup_fraction is not None:
-        if not (0 <= s.lr_warmup_fraction <= 1):
-            raise ConfigError(f"--lr-warmup-fraction must be between 0 and 1, got {s.lr_warmup_fraction}")
-        if s.lr_warmup_iters or s.lr_warmup_samples:
-            raise ConfigError("--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are exclusive; give one")
-
-
-def _calculate_scheduler_steps(cfg: ConfigContainer) -> None:
-    """Scheduler lengths in samples, for iteration- and sample-based training (Bridge's
-    `ConfigContainer._calculate_scheduler_steps`, Megatron-LM's `get_optimizer_param_scheduler`):
-    megatron-core's scheduler is stepped by the global batch size each iteration, so iteration counts
-    are multiplied by it and sample counts are taken as they are.
-
-    iteration-based: decay = (--lr-decay-iters or --train-iters) x batch, weight decay over --train-iters x batch,
-                     warmup = --lr-warmup-fraction x decay, else --lr-warmup-iters x batch
-    sample-based:    decay = --lr-decay-samples or --train-samples, weight decay over --train-samples,
-                     warmup = --lr-warmup-fraction x decay, else --lr-warmup-samples
-    WSD: the decay phase is --lr-wsd-decay-iters x batch / --lr-wsd-decay-samples, by default the whole decay
-    (as Bridge; megatron-core needs a length).
-    """
-    t, s, o = cfg.train, cfg.scheduler, cfg.optimizer
-    gbs = t.global_batch_size
-    if t.train_samples is None:
-        s.lr_decay_steps = (s.lr_decay_iters or t.train_iters) * gbs
-        s.wd_incr_steps = t.train_iters * gbs
-        s.wsd_decay_steps = s.lr_wsd_decay_iters * gbs if s.lr_wsd_decay_iters else None
-        warmup = (s.lr_warmup_iters or 0) * gbs  # None: a run_config.yaml of before the default became 0
-    else:
-        s.lr_decay_steps = s.lr_decay_samples or t.train_samples
-        s.wd_incr_steps = t.train_samples
-        s.wsd_decay_steps = s.lr_wsd_decay_samples
-        warmup = s.lr_warmup_samples
-    s.lr_warmup_steps = s.lr_warmup_fraction * s.lr_decay_steps if s.lr_warmup_fraction is not None else warmup
-    if s.lr_decay_style == "WSD" and s.wsd_decay_steps is None:
-        s.wsd_decay_steps = s.lr_decay_steps
-    # A run of no iterations (--skip-train, --train-iters 0) has nothing to schedule, but megatron-core's
-    # scheduler still asserts a positive decay; and a run shorter than its warmup would never decay, so
-    # the warmup is capped below the decay, as Bridge does.
-    s.lr_decay_steps = max(s.lr_decay_steps, 1)
-    if s.lr_warmup_steps >= s.lr_decay_steps:
-        s.lr_warmup_steps = s.lr_decay_steps - 1
-    if s.start_weight_decay is None:
-        s.start_weight_decay = o.weight_decay
-    if s.end_weight_decay is None:
-        s.end_weight_decay = o.weight_decay
-    if s.weight_decay_incr_style == "constant" and s.start_weight_decay != s.end_weight_decay:
-        raise ConfigError("--start-weight-decay and --end-weight-decay differ but --weight-decay-incr-style is "
-                          "constant; use linear or cosine")
-    # megatron-core's OptimizerParamScheduler asserts these; say so before its import.
-    if not 0 <= s.start_weight_decay <= s.end_weight_decay:
-        raise ConfigError(f"--start-weight-decay {s.start_weight_decay} must be non-negative and at most "
-                          f"--end-weight-decay {s.end_weight_decay} (weight decay can only grow)")
-    if s.lr_warmup_init > o.lr:
-        raise ConfigError(f"--lr-warmup-init {s.lr_warmup_init} is above --lr {o.lr}; warmup rises to --lr")
-
-
-def _validate_and_sync_distributed_optimizer_settings(cfg: ConfigContainer) -> None:
-    """Megatron Bridge's: the distributed-optimizer setting lives in both the DDP and the optimizer config
-    (megatron-core reads it from each); if either asks for it, both get it. --use-distributed-optimizer sets
-    the optimizer's; the DDP's, settable from YAML or Python only, is noted when it alone asks."""
-    ddp_setting, optimizer_setting = cfg.ddp.use_distributed_optimizer, cfg.optimizer.use_distributed_optimizer
-    if ddp_setting or optimizer_setting:
-        if ddp_setting and not optimizer_setting and os.environ.get("RANK", "0") == "0":
-            print(f"train.py: note: ddp.use_distributed_optimizer={ddp_setting} and optimizer.use_distributed_optimizer="
-                  f"{optimizer_setting} disagreed; using the distributed optimizer for both", file=sys.stderr)
-        cfg.ddp.use_distributed_optimizer = cfg.optimizer.use_distributed_optimizer = True
-
-
-def _validate_ddp(cfg: ConfigContainer) -> None:
-    """Megatron-LM's --ddp-* flags and megatron-core DistributedDataParallelConfig fields (model.megatron_ddp_config)."""
-    d = cfg.ddp
-    if d.num_distributed_optimizer_instances != 1:
-        raise ConfigError(f"--num-distributed-optimizer-instances {d.num_distributed_optimizer_instances}: partial "
-                          f"distributed optimizers need process groups this trainer does not create; use 1 (or drop it)")
-    if d.ddp_average_in_collective and cfg.model.calculate_per_token_loss:
-        raise ConfigError("--ddp-average-in-collective averages over data-parallel ranks, but --calculate-per-token-loss "
-                          "sums and divides by the tokens (megatron-core refuses both); drop one")
-
-
-def _validate_overlap(cfg: ConfigContainer) -> None:
-    """--overlap-param-gather as Megatron-LM's validate_args: it gathers the distributed optimizer's
-    parameter shards in forward pre-hooks of megatron-core's DDP, behind an overlapped gradient reduce."""
-    ddp = cfg.ddp
-    if not ddp.overlap_param_gather:
-        return
-    if not ddp.use_distributed_optimizer:
-        raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer (it overlaps gathering that "
-                          "optimizer's parameter shards with the forward pass)")
-    if not ddp.overlap_grad_reduce:
-        raise ConfigError("--overlap-param-gather needs --overlap-grad-reduce; add it")
-
-
-def parse_data_path(paths: list) -> tuple:
-    """'0.7 A 0.3 B' or 'A B' -> (prefixes, weights or None), as Megatron-LM's --data-path."""
-    paths = [str(p) for p in paths for p in str(p).split()]
-    if len(paths) == 1:
-        return paths, None
-    try:
-        weights = [float(w) for w in paths[0::2]]
-    except ValueError:
-        return paths, None
-    prefixes = paths[1::2]
-    if len(weights) != len(prefixes):
-        raise ConfigError(f"--data-path {' '.join(paths)}: weights and prefixes must alternate ('0.7 A 0.3 B')")
-    if any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ConfigError(f"--data-path {' '.join(paths)}: weights must be non-negative and not all zero")
-    return prefixes, weights
-
-
-def _validate_data(cfg: ConfigContainer) -> None:
-    d = cfg.dataset
-    split_paths = [d.train_data_path, d.valid_data_path, d.test_data_path]
-    if d.mock_data and (d.data_path or any(split_paths)):
-        raise ConfigError("--mock-data and --data-path/--train-data-path are exclusive; drop one")
-    if d.data_path and any(split_paths):
-        raise ConfigError("--data-path and --train/valid/test-data-path are exclusive; use --split with --data-path")
-    try:
-        parts = [float(x) for x in d.split.replace("/", ",").split(",")]
-    except ValueError:
-        raise ConfigError(f"--split {d.split}: expected comma-separated numbers like 969,30,1")
-    if len(parts) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
-        raise ConfigError(f"--split {d.split}: expected up to three non-negative proportions like 969,30,1")
-    if d.dataloader_type is None:
-        d.dataloader_type = "batch" if d.sft else "single"
-    if d.dataloader_type == "batch" and not d.sft:
-        raise ConfigError("--dataloader-type batch pads variable-length examples: it needs --sft")
-    if d.sft_pack_sequences and not d.sft:
-        raise ConfigError("--sft-pack-sequences needs --sft")
-    if d.sft and not (d.data_path or d.train_data_path):
-        raise ConfigError("--sft needs --data-path (or --train-data-path): JSONL files of prompt/response pairs")
-    if d.sft and d.mock_data:
-        raise ConfigError("--sft reads JSONL files: give --data-path (or --train-data-path), not --mock-data")
-    if d.num_workers < 0:
-        raise ConfigError(f"--num-workers must be non-negative, got {d.num_workers}")
-    most = max_data_workers()
-    if d.num_workers > most:  # each worker is a forked process; thousands would exhaust the machine first
-        raise ConfigError(f"--num-workers {d.num_workers} would fork more DataLoader processes per rank than 4 per CPU "
-                          f"core here; use at most {most}")
-    for flag, paths in (("--data-path", d.data_path), ("--train-data-path", d.train_data_path),
-                        ("--valid-data-path", d.valid_data_path), ("--test-data-path", d.test_data_path)):
-        if not paths:
-            continue
-        prefixes, _ = parse_data_path(paths)
-        for prefix in prefixes:
-            if d.sft:
-                if not os.path.isfile(prefix):
-                    raise ConfigError(f"{flag}: {prefix} not found; with --sft give JSONL files of prompt/response pairs")
-                continue
-            for ext in (".bin", ".idx"):
-                if not os.path.isfile(prefix + ext):
-                    raise ConfigError(f"{flag}: {prefix}{ext} not found; give the prefix of an indexed dataset "
-                                      f"(PREFIX.bin and PREFIX.idx, e.g. from `python data.py preprocess`)")
-    if not getattr(d, "create_attention_mask_in_dataloader", True) and d.reset_attention_mask:
-        raise ConfigError("--reset-attention-mask is an attention mask the dataloader builds, and "
-                          "--no-create-attention-mask-in-dataloader builds none; drop one")
-    tk = cfg.tokenizer
-    _validate_megatron_lm_tokenizer(tk)
-    if tk.tokenizer_type == "NullTokenizer" and not tk.vocab_size:
-        raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size")
-    if tk.tokenizer_type != "NullTokenizer" and tk.vocab_size is not None:
-        raise ConfigError(f"--vocab-size is only for --tokenizer-type NullTokenizer; {tk.tokenizer_type} has its own vocabulary")
-    if tk.tokenizer_type == "HuggingFaceTokenizer":
-        if not tk.tokenizer_model:
-            raise ConfigError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a tokenizer.json or its directory)")
-        model_file = os.path.join(tk.tokenizer_model, "tokenizer.json") if os.path.isdir(tk.tokenizer_model) else tk.tokenizer_model
-        if not os.path.isfile(model_file):
-            raise ConfigError(f"--tokenizer-model {tk.tokenizer_model}: no tokenizer.json there")
-        if not package_installed("tokenizers"):
-            raise ConfigError("--tokenizer-type HuggingFaceTokenizer needs the tokenizers package: pip install tokenizers")
-    elif tk.tokenizer_model:
-        raise ConfigError("--tokenizer-model is only for --tokenizer-type HuggingFaceTokenizer")
-    if not (d.mock_data or d.data_path or any(split_paths)) and tk.tokenizer_type != "ByteTokenizer":
-        raise ConfigError("the built-in corpus is byte-level text; use --tokenizer-type ByteTokenizer or give --data-path/--mock-data")
-
-
-def _validate_megatron_lm_tokenizer(tk: TokenizerConfig) -> None:
-    """Megatron-LM's tokenizer types that have no tokenizer here, and their files: one line saying what to use."""
-    if tk.tokenizer_type in MEGATRON_LM_TOKENIZERS and tk.tokenizer_type != "GPT2BPETokenizer":
-        raise ConfigError(f"--tokenizer-type {tk.tokenizer_type} is Megatron-LM's and not built in here; use "
-                          f"HuggingFaceTokenizer with the model's tokenizer.json, NullTokenizer or ByteTokenizer")
-    if tk.tokenizer_type == "GPT2BPETokenizer" or tk.vocab_file or tk.merge_file:  # GPT-2's files, whatever the type
-        vocab, merges = tk.vocab_file or "gpt2-vocab.json", tk.merge_file or "gpt2-merges.txt"
-        raise ConfigError(f"--tokenizer-type GPT2BPETokenizer (--vocab-file, --merge-file) is not built in here; convert "
-                          f"the two files once with python -c \"from tokenizers import ByteLevelBPETokenizer as T; "
-                          f"T('{vocab}', '{merges}').save('tokenizer.json')\" and give --tokenizer-type "
-                          f"HuggingFaceTokenizer --tokenizer-model tokenizer.json")
-
-
-def _validate_fim(cfg: ConfigContainer) -> None:
-    """--fim-* settings (Megatron-LM's validate_args: FIM needs real data and its sentinel tokens)."""
-    d = cfg.dataset
-    if not d.fim_data:
-        given = [f.name for f in dataclasses.fields(d) if f.name.startswith("fim_") and getattr(d, f.name) != f.default]
-        if given:
-            raise ConfigError(f"--{given[0].replace('_', '-')} is a Fill-in-the-Middle setting; add --fim-data")
-        return
-    if d.mock_data or d.sft:
-        raise ConfigError(f"--fim-data reorders pretraining documents; it does not apply to {'--mock-data' if d.mock_data else '--sft'}")
-    for flag, rate in (("--fim-rate", d.fim_rate), ("--fim-spm-rate", d.fim_spm_rate), ("--fim-fragment-rate", d.fim_fragment_rate)):
-        if rate is not None and not 0.0 <= rate <= 1.0:
-            raise ConfigError(f"{flag} is a probability; give a value in [0, 1], got {rate}")
-    names = [d.fim_prefix_token, d.fim_middle_token, d.fim_suffix_token, d.fim_pad_token]
-    if not all(names) or len(set(names)) != 4:
-        raise ConfigError(f"--fim-prefix/middle/suffix/pad-token must be four different non-empty names, got {names}")
-    if d.fim_split_sample == "" or d.fim_no_prefix == "":
-        raise ConfigError("--fim-split-sample and --fim-no-prefix need non-empty text")
-
-
-def _import_logger(module: str, flag: str, pip: str):
-    """The tracker's package, imported now, so a missing one is a one-line error before any work."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        reason = (str(e).splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"{flag} needs the {module} package, which does not import ({reason}); pip install {pip}")
-
-
-def _validate_loggers(cfg: ConfigContainer) -> None:
-    """W&B, MLflow and Comet settings: each tracker is on when its switch is set (Bridge's LoggerConfig.finalize
-    checks the MLflow dependency; here every tracker's package and store are checked before any work)."""
-    lg = cfg.logger
-    for prefix, switch in (("wandb_", "wandb_project"), ("mlflow_", "mlflow_experiment"), ("comet_", "comet_project")):
-        given = [f.name for f in dataclasses.fields(lg) if f.name.startswith(prefix) and getattr(lg, f.name)]
-        if given and not getattr(lg, switch):
-            raise ConfigError(f"--{given[0].replace('_', '-')} needs --{switch.replace('_', '-')}, which turns that logger on")
-    if isinstance(lg.mlflow_tags, list):  # from the command line: KEY=VALUE words
-        bad = [t for t in lg.mlflow_tags if "=" not in t]
-        if bad:
-            raise ConfigError(f"--mlflow-tags {bad[0]}: expected KEY=VALUE pairs, e.g. --mlflow-tags team=nlp size=125m")
-        lg.mlflow_tags = dict(t.split("=", 1) for t in lg.mlflow_tags)
-    # Comet first: it asks to be imported before the libraries it watches (mlflow among them).
-    if lg.comet_project:
-        comet_ml = _import_logger("comet_ml", "--comet-project", "comet_ml")
-        comet_config = comet_ml.config.get_config()
-        online = comet_config["comet.start.online"] is not False and not comet_config["comet.offline"]
-        if online and not (lg.comet_api_key or comet_config["comet.api_key"]):
-            raise ConfigError("--comet-project: no Comet API key; set COMET_API_KEY (or run `comet login`), or set "
-                              "COMET_START_ONLINE=0 to write an offline experiment")
-    if lg.wandb_project:
-        _import_logger("wandb", "--wandb-project", "wandb")
-        if not lg.wandb_exp_name:
-            raise ConfigError("--wandb-project needs --wandb-exp-name (the run's name), as in Megatron-LM")
-    if lg.mlflow_experiment:
-        mlflow = _import_logger("mlflow", "--mlflow-experiment", "mlflow-skinny")
-        _check_mlflow_store(lg.mlflow_tracking_uri or mlflow.get_tracking_uri())
-
-
-def _check_mlflow_store(uri: str) -> None:
-    """MLflow 3 opens a file store (a path or file://) only with MLFLOW_ALLOW_FILE_STORE=true, and a database store
-    (its default is sqlite:///mlflow.db) only with SQLAlchemy, which mlflow-skinny lacks: say so now, not mid-run."""
-    scheme = uri.split("://", 1)[0] if "://" in uri else "file"
-    if scheme == "file":
-        from mlflow import environment_variables
-
-        allow = getattr(environment_variables, "MLFLOW_ALLOW_FILE_STORE", None)  # absent: an MLflow that allows it
-        if allow is not None and not allow.get():
-            raise ConfigError(f"MLflow tracking store {uri} is a file store, which MLflow opens only with "
-                              f"MLFLOW_ALLOW_FILE_STORE=true; set it, or give --mlflow-tracking-uri http://HOST:PORT")
-    elif scheme.split("+")[0] in ("sqlite", "postgresql", "mysql", "mssql") and not package_installed("sqlalchemy"):
-        raise ConfigError(f"MLflow tracking store {uri} is a database, which needs the full mlflow package (pip install "
-                          f"mlflow); or give --mlflow-tracking-uri http://HOST:PORT, or file:///DIR with MLFLOW_ALLOW_FILE_STORE=true")
-
-
-def _validate_checkpointing(cfg: ConfigContainer) -> None:
-    """Save intervals and formats."""
-    c, o = cfg.checkpoint, cfg.optimizer
-    if not (c.save_interval is None or c.save_interval > 0):
-        raise ConfigError(f"--save-interval must be positive, got {c.save_interval}")
-    if not (c.most_recent_k == -1 or c.most_recent_k > 0):
-        raise ConfigError(f"--most-recent-k must be positive or -1, got {c.most_recent_k}")
-    if not (c.ckpt_format == "torch_dist" or not o.use_distributed_optimizer):
-        raise ConfigError("--ckpt-format torch keeps one copy of the optimizer per tensor/pipeline rank, but --use-distributed-optimizer "
-                          "shards it over data-parallel ranks; use --ckpt-format torch_dist")
-    if c.async_save and not c.save:
-        raise ConfigError("--async-save writes checkpoints in the background but --no-save saves nothing; drop one")
-
-
-
-def _validate_machine(cfg: ConfigContainer) -> None:
-    """What this machine can run: the layer implementation, and the GPU-only features refused on CPU."""
-    m = cfg.model
-    cp = m.context_parallel_size
-    if m.transformer_impl is None:
-        m.transformer_impl = "transformer_engine" if cfg.use_gpu and package_installed("transformer_engine") else "local"
-    if m.transformer_impl == "transformer_engine" and m.attention_backend == "local":
-        raise ConfigError("--attention-backend local picks the core attention of megatron-core's local layers, and "
-                          "transformer-engine layers use TE's own; add --transformer-impl local to use it")
-    if not cfg.use_gpu:
-        gpu_only = [
-            (cp > 1, f"--context-parallel-size {cp}"),
-            (m.sequence_parallel, "--sequence-parallel"),
-            (m.transformer_impl == "transformer_engine", "--transformer-impl transformer_engine"),
-            (cfg.dist.distributed_backend == "nccl", "--distributed-backend nccl"),
-        ]
-        for bad, what in gpu_only:
-            if bad:
-                raise ConfigError(f"{what} needs a GPU and none is visible; drop it to train on CPU "
-                                  f"(tensor, pipeline and data parallelism, the distributed optimizer, --bf16 and --fp16 run on CPU)")
-    elif m.transformer_impl == "transformer_engine":
-        if not package_installed("transformer_engine"):
-            raise ConfigError("--transformer-impl transformer_engine: transformer-engine is not installed; "
-                              "pip install transformer-engine[pytorch] or use --transformer-impl local")
-    if not (cp == 1 or m.transformer_impl == "transformer_engine"):
-        raise ConfigError(f"--context-parallel-size {cp} needs --transformer-impl transformer_engine")
-    if m.apply_layernorm_1p and m.transformer_impl != "transformer_engine":
-        raise ConfigError("--apply-layernorm-1p (zero-centred gamma) needs transformer-engine layers: megatron-core's "
-                          "local layers build a torch LayerNorm, which has none (as in Megatron-LM without apex); "
-                          "add --transformer-impl transformer_engine on a GPU with transformer-engine, or drop it")
-    if m.fp32_residual_connection and (m.bf16 or m.fp16) and m.transformer_impl != "transformer_engine":
-        raise ConfigError("--fp32-residual-connection needs transformer-engine layers: the local layers' torch norms "
-                          "take no fp32 input with half-precision weights; add --transformer-impl transformer_engine "
-                          "on a GPU with transformer-engine, or drop it")
-    if m.transformer_impl != "transformer_engine" and m.attention_backend != "local":
-        for on, what in ((m.window_size is not None, f"--window-size {m.window_size}"),
-                         (m.softmax_type != "vanilla", f"--softmax-type {m.softmax_type}")):
-            if on:
-                raise ConfigError(f"{what} runs in megatron-core's own core attention, and the local layers use "
-                                  f"PyTorch's SDPA unless asked; add --attention-backend local")
-    if m.transformer_impl == "transformer_engine":
-        # transformer-engine takes query-key layer scaling from the environment only; megatron-core checks they agree.
-        env = os.environ.get("NVTE_APPLY_QK_LAYER_SCALING", "0").strip() not in ("", "0")
-        if m.apply_query_key_layer_scaling and not env:
-            raise ConfigError("--apply-query-key-layer-scaling with transformer-engine layers needs "
-                              "NVTE_APPLY_QK_LAYER_SCALING=1 in the environment (transformer-engine reads it there); "
-                              "set it")
-        if env and not m.apply_query_key_layer_scaling:
-            raise ConfigError("NVTE_APPLY_QK_LAYER_SCALING asks transformer-engine for query-key layer scaling; add "
-                              "--apply-query-key-layer-scaling or unset it")
-
-
-def _validate_peft(cfg: ConfigContainer) -> None:
-    p, c = cfg.peft, cfg.checkpoint
-    if p.peft == "none":
-        return
-    if not c.pretrained_checkpoint:
-        raise ConfigError(f"--peft {p.peft} trains adapters on base weights: give them with --pretrained-checkpoint "
-                          f"(a checkpoint of train.py; --load then resumes the {p.peft} run itself)")
-    if c.ckpt_format != "torch_dist":
-        raise ConfigError(f"--peft {p.peft} saves the adapters only, which needs --ckpt-format torch_dist")
-    if not p.lora_target_modules:
-        raise ConfigError("--lora-target-modules is empty: name at least one linear layer (e.g. linear_qkv)")
-
-
-# Megatron-LM `megatron/training/determinism.py`: the environment a bitwise-reproducible run needs.
-DETERMINISM_ENV_DEFAULTS = {"NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
-                            "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-DETERMINISM_ENV_ACCEPTED = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": ("0",), "CUBLAS_WORKSPACE_CONFIG": (":4096:8", ":16:8")}
-DETERMINISTIC_NCCL_ALGOS = ("Ring", "CollnetDirect", "CollnetChain", "^NVLS")  # Tree's reduction order can vary
-
-
-def _validate_deterministic_mode(cfg: ConfigContainer, env=None) -> None:
-    """Bridge's `_validate_and_apply_deterministic_mode`, Megatron-LM's `apply_determinism_to_args`: refuse
-    what cannot be deterministic rather than silently change it. Applying the mode (environment defaults,
-    `torch.use_deterministic_algorithms`) is `train.apply_deterministic_mode`."""
-    if not cfg.model.deterministic_mode:
-        return
-    env = os.environ if env is None else env
-    if cfg.model.cross_entropy_loss_fusion:
-        raise ConfigError("--deterministic-mode: --cross-entropy-loss-fusion is not deterministic; drop it")
-    algo = env.get("NCCL_ALGO")
-    if not (algo is None or all(a.strip() in DETERMINISTIC_NCCL_ALGOS for a in algo.split(",") if a.strip())):
-        raise ConfigError(f"--deterministic-mode: NCCL_ALGO={algo} may reduce in a varying order; unset it or use one of "
-                          f"{', '.join(DETERMINISTIC_NCCL_ALGOS)}")
-    for name, accepted in DETERMINISM_ENV_ACCEPTED.items():
-        if not (env.get(name) is None or env[name] in accepted):
-            raise ConfigError(f"--deterministic-mode: {name}={env.get(name)} is not deterministic; unset it or use {' or '.join(accepted)}")
-
-
-def _validate_callbacks(cfg: ConfigContainer) -> None:
-    """Manual GC, profiling and straggler settings (Megatron-LM's validate_args, Bridge's ProfilingConfig.finalize)."""
-    t, p, st = cfg.train, cfg.profiling, cfg.straggler
-    if t.manual_gc_interval < 0:
-        raise ConfigError(f"--manual-gc-interval must be non-negative, got {t.manual_gc_interval}")
-    if st.straggler_minmax_count < 1:
-        raise ConfigError(f"--straggler-minmax-count must be at least 1, got {st.straggler_minmax_count}")
-    profiling = p.use_pytorch_profiler or p.use_nsys_profiler
-    if profiling or p.record_memory_history:
-        if not 0 <= p.profile_step_start < p.profile_step_end:
-            raise ConfigError(f"--profile-step-start {p.profile_step_start} and --profile-step-end {p.profile_step_end}: "
-                              f"need 0 <= start < end")
-        bad = [r for r in p.profile_ranks if not 0 <= r < cfg.world_size]
-        if bad:
-            raise ConfigError(f"--profile-ranks {' '.join(map(str, bad))}: no such rank in a world of {cfg.world_size}")
-    if p.use_pytorch_profiler and not cfg.logger.tensorboard_dir:
-        raise ConfigError("--use-pytorch-profiler writes its trace to the TensorBoard directory, which --no-tensorboard "
-                          "turned off; drop --no-tensorboard or give --tensorboard-dir DIR")
-    if not cfg.use_gpu:
-        gpu_only = [
-            (p.use_nsys_profiler and not p.use_pytorch_profiler, "--profile alone profiles with Nsight Systems, which"),
-            (p.nvtx_ranges, "--nvtx-ranges marks ranges for Nsight Systems, which"),
-            (p.record_memory_history, "--record-memory-history records the CUDA allocator, which"),
-        ]
-        for bad_setting, what in gpu_only:
-            if bad_setting:
-                raise ConfigError(f"{what} needs a GPU and none is visible; on CPU, profile with "
-                                  f"--use-pytorch-profiler --tensorboard-dir DIR")
-
-
-# --------------------------------------------------------------------------------------------------
-# The NVIDIA service configs: accepted at their defaults, one line when enabled (validate's last
-# check)
-# --------------------------------------------------------------------------------------------------
-
-
-def _validate_services(cfg: ConfigContainer) -> None:
-    """The NVIDIA service configs: their documented constraints (Bridge's `finalize` methods, Megatron-LM's
-    --inprocess-* flags), then the service's package. Disabled sections are only checked for consistency."""
-    ft, nv, ipr, ti = cfg.ft, cfg.nvrx_straggler, cfg.inprocess_restart, cfg.tensor_inspect
-    if not (ft.enable_ft_package or not (ft.calc_ft_timeouts or ft.simulate_fault)):  # they act inside the FT package
-        raise ConfigError("ft.calc_ft_timeouts and ft.simulate_fault need --enable-ft-package")
-    if not (ft.simulated_fault_type in ("rank_hung", "rank_killed", "random")):
-        raise ConfigError(f"ft.simulated_fault_type {ft.simulated_fault_type}: expected rank_hung, rank_killed or random")
-    if not (ft.simulated_fault_rank is None or 0 <= ft.simulated_fault_rank < cfg.world_size):
-        raise ConfigError(f"ft.simulated_fault_rank {ft.simulated_fault_rank} is not a rank of this world (size {cfg.world_size})")
-    if not (ft.simulated_fault_base_delay >= 0):
-        raise ConfigError("ft.simulated_fault_base_delay must be non-negative")
-    if ft.enable_ft_package:
-        _require_service("--enable-ft-package", "fault tolerance", "nvidia-resiliency-ext")
-    if nv.enabled:
-        if not (nv.calc_relative_gpu_perf or nv.calc_individual_gpu_perf):
-            raise ConfigError("nvrx_straggler: set calc_relative_gpu_perf or calc_individual_gpu_perf (or both)")
-        if not (nv.report_time_interval > 0):
-            raise ConfigError(f"nvrx_straggler.report_time_interval must be positive, got "
-                              f"{nv.report_time_interval}")
-        for name in ("gpu_relative_perf_threshold", "gpu_individual_perf_threshold"):
-            if not (0 <= getattr(nv, name) <= 1):
-                raise ConfigError(f"nvrx_straggler.{name} must be between 0 and 1, got {getattr(nv, name)}")
-        if not (nv.profiling_interval >= 1 and nv.num_gpu_perf_scores_to_print >= 0):
-            raise ConfigError("nvrx_straggler.profiling_interval must be at least 1 and num_gpu_perf_scores_to_print non-negative")
-        _require_service("nvrx_straggler.enabled", "NVRx straggler detection", "nvidia-resiliency-ext")
-    if ipr.enabled:
-        for f in dataclasses.fields(ipr):
-            if f.type == "float":  # the intervals and timeouts
-                if not (getattr(ipr, f.name) > 0):
-                    raise ConfigError(f"{f.metadata['flag']} must be positive, got {getattr(ipr, f.name)}")
-        if not (ipr.soft_timeout < ipr.hard_timeout):
-            raise ConfigError(f"--inprocess-soft-timeout {ipr.soft_timeout} must be below "
-                              f"--inprocess-hard-timeout {ipr.hard_timeout}")
-        if not (ipr.granularity in ("node", "rank")):
-            raise ConfigError(f"--inprocess-granularity {ipr.granularity}: expected node or rank")
-        if not (ipr.active_world_size is None or 1 <= ipr.active_world_size <= cfg.world_size):
-            raise ConfigError(f"--inprocess-active-world-size {ipr.active_world_size} must be between 1 and the world size "
-                              f"{cfg.world_size}")
-        if not (ipr.max_iterations is None or ipr.max_iterations >= 1):
-            raise ConfigError("--inprocess-max-iterations must be positive")
-        _require_service("--inprocess-restart", "in-process restart", "nvidia-resiliency-ext")
-    if ti.enabled:
-        if not (not isinstance(ti.features, str) or os.path.isfile(ti.features)):
-            raise ConfigError(f"tensor_inspect.features {ti.features}: no such file; give a YAML file or a mapping")
-        if not (ti.init_training_step >= 0):
-            raise ConfigError("tensor_inspect.init_training_step must be non-negative")
-        if ti.log_dir is None:  # Bridge's defaults
-            ti.log_dir = cfg.checkpoint.save or "."
-        if ti.init_training_step == 0 and cfg.checkpoint.ckpt_step is not None:
-            ti.init_training_step = int(cfg.checkpoint.ckpt_step)
-        _require_service("tensor_inspect.enabled", "tensor inspection", "nvdlfw-inspect")
-
-
-def _require_service(setting: str, service: str, package: str) -> None:
-    """An enabled NVIDIA service: name the package it needs; this training loop does not run it either way."""
-    if not package_installed(package.replace("-", "_")):
-        raise ConfigError(f"{setting}: {service} needs the {package} package, which is not installed (pip install {package}); "
-                          f"this training loop does not run it either, so drop the setting")
-    raise ConfigError(f"{setting}: {package} is installed, but this training loop does not run {service} "
-                          f"(see README, 'NVIDIA service configs'); drop the setting")
-
-
-# --------------------------------------------------------------------------------------------------
-# Printing the config: Megatron's argument list, or Bridge's summary of non-default values
-# --------------------------------------------------------------------------------------------------
-
-
-def _get_non_default_values(config_obj: Any, default_class: type) -> dict:
-    """Bridge's `_get_non_default_values`: {field: (value, default)} for the fields of config_obj whose value
-    differs from default_class's default. Fields without a default, callables, private fields and values
-    derived during validation (they have no default to differ from) are left out."""
-    defaults = {}
-    for f in dataclasses.fields(default_class):
-        if f.default is not dataclasses.MISSING:
-            defaults[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            defaults[f.name] = f.default_factory()
-    changed = {}
-    for f in dataclasses.fields(config_obj):
-        if f.name.startswith("_") or f.name not in defaults or f.metadata.get("derived"):
-            continue
-        value, default = getattr(config_obj, f.name), defaults[f.name]
-        if callable(value) or callable(default):
-            continue
-        if value != default:
-            changed[f.name] = (value, default)
-    return changed
-
-
-def _get_key_config_values(config_obj: Any) -> dict:
-    """Bridge's `_get_key_config_values`: {field: value} of a config object, leaving out None values,
-    callables, private fields and nested configs (the container's sub-configs)."""
-    if not dataclasses.is_dataclass(config_obj):
-        return {}
-    values = {}
-    for f in dataclasses.fields(config_obj):
-        value = getattr(config_obj, f.name)
-        if f.name.startswith("_") or value is None or callable(value) or dataclasses.is_dataclass(value):
-            continue
-        values[f.name] = value
-    return values
-
-
-def print_config(cfg: ConfigContainer, file=sys.stdout) -> None:
-    """The resolved config, Megatron-style: one dotted line per setting, by section; with
-    --log-non-default-values, Bridge's summary of the settings that differ from their defaults."""
-    fused = inert_flags(cfg, fused_only=True)
-    if fused:
-        print(f" inert here (fused GPU kernels the local layers never use): {' '.join(fused)}", file=file)
-    other = inert_flags(cfg)[len(fused):]
-    if other:
-        print(f" inert here (Megatron-LM placement, memory, logging and deprecated switches with no effect in this "
-              f"trainer): "
-              f"{' '.join(other)}", file=file)
-    if cfg.logger.log_non_default_values:
-        cfg.log_non_default_values(file)
-        return
-    print("------------------------ arguments ------------------------", file=file)
-    for section in SECTIONS:
-        if not dataclasses.is_dataclass(getattr(cfg, section)):  # an optional section left unset, or a recipe name
-            print(f"  {section} {'.' * max(3, 48 - len(section))} {getattr(cfg, section)}", file=file)
-            continue
-        for f in dataclasses.fields(getattr(cfg, section)):
-            name = f"{section}.{f.name}"
-            value = getattr(getattr(cfg, section), f.name)
-            value = "(hidden)" if value and f.name == "comet_api_key" else value
-            print(f"  {name} {'.' * max(3, 48 - len(name))} {value}", file=file)
-    for name in ("world_size", "data_parallel_size", "use_gpu", "padded_vocab_size"):
-        print(f"  {name} {'.' * max(3, 48 - len(name))} {getattr(cfg, name)}", file=file)
-    print("-------------------- end of arguments ---------------------", file=file, flush=True)
-
-
 INERT = ("no_persist_layer_norm", "no_gradient_accumulation_fusion", "no_masked_softmax_fusion", "no_bias_gelu_fusion",
          "no_bias_swiglu_fusion", "no_bias_dropout_fusion", "no_rope_fusion")
 # Megatron-LM's other settings accepted with no effect here (placement, memory and deprecated switches), by section:
@@ -2561,72 +2709,3 @@ INERT_SETTINGS = {
     ("model", "apply_query_key_layer_scaling"): lambda cfg: cfg.model.transformer_impl != "transformer_engine" and not _own_core_attention(cfg),
     ("ddp", "ddp_bucket_size"): lambda cfg: not cfg.ddp.overlap_grad_reduce,  # megatron-core: one bucket without overlap
 }
-
-
-def _own_core_attention(cfg: ConfigContainer) -> bool:
-    """Whether the layers run megatron-core's local DotProductAttention (--attention-backend local), whose softmax
-    --attention-softmax-in-fp32 and --apply-query-key-layer-scaling set (SDPA and transformer-engine pick their own)."""
-    return cfg.model.transformer_impl != "transformer_engine" and cfg.model.attention_backend == "local"
-
-
-def _setting_flag(cfg: ConfigContainer, section: str, name: str) -> Optional[str]:
-    """The flag (with its value, for a non-switch) of a setting that differs from its default; None if it does not."""
-    sub = getattr(cfg, section)
-    f = next((f for f in dataclasses.fields(sub) if f.name == name), None)
-    if f is None or getattr(sub, name) == (f.default_factory() if f.default is dataclasses.MISSING else f.default):
-        return None
-    value = getattr(sub, name)
-    flag = f.metadata["flag"] or "--" + name.replace("_", "-")
-    return flag if isinstance(value, bool) else f"{flag} {value}"
-
-
-def inert_flags(cfg: ConfigContainer, fused_only: bool = False) -> list:
-    """The Megatron-LM flags given that change nothing here, as flags: the kernel-fusion switches and the first group
-    of MEGATRON_LM_INERT_FLAGS, then (unless fused_only) INERT_SETTINGS and the other MEGATRON_LM_INERT_FLAGS given."""
-    given = cfg.megatron_lm_inert or []
-    kernels = {flag for flag, _ in MEGATRON_LM_INERT_FLAGS[0][1]}
-    flags = ["--" + name.replace("_", "-") for name in INERT if getattr(cfg.model, name)]
-    flags += [flag for flag in given if flag.split(" ", 1)[0] in kernels]
-    for (section, name), when in ([] if fused_only else INERT_SETTINGS.items()):
-        flag = _setting_flag(cfg, section, name)
-        if flag and (when is None or when(cfg)):
-            flags.append(flag)
-    return flags + ([] if fused_only else [flag for flag in given if flag.split(" ", 1)[0] not in kernels])
-
-
-def transformer_config_extras(cfg: ConfigContainer) -> dict:
-    """megatron-core TransformerConfig fields set by Megatron-LM's flags beyond model.transformer_config's own
-    (Megatron-LM's core_transformer_config_from_args): `TransformerConfig(..., **transformer_config_extras(cfg))`.
-    Imports megatron-core: call it when building the model, not during validation."""
-    from megatron.core.transformer.enums import AttnBackend
-
-    m = cfg.model
-    extras = dict(calculate_per_token_loss=m.calculate_per_token_loss,
-                  layernorm_zero_centered_gamma=m.apply_layernorm_1p,
-                  add_qkv_bias=m.add_qkv_bias,
-                  qk_layernorm=m.qk_layernorm,  # with the layer spec's q/k norms (model.layer_spec)
-                  qk_l2_norm=m.qk_l2_norm,
-                  # Megatron-LM's default is off (store_true), megatron-core's TransformerConfig's on.
-                  attention_softmax_in_fp32=m.attention_softmax_in_fp32,
-                  apply_query_key_layer_scaling=m.apply_query_key_layer_scaling,
-                  fp32_residual_connection=m.fp32_residual_connection,
-                  glu_linear_offset=m.glu_linear_offset,
-                  activation_func_clamp_value=m.activation_func_clamp_value,
-                  rotary_interleaved=m.rotary_interleaved,
-                  no_rope_freq=None if m.no_rope_freq is None else layer_pattern(m.no_rope_freq, "--no-rope-freq",
-                                                                                 m.num_layers),
-                  embedding_init_method_std=m.embedding_init_method_std,
-                  perform_initialization=m.perform_initialization,
-                  window_size=None if m.window_size is None else parse_window_size(m.window_size),
-                  window_attn_skip_freq=None if m.window_attn_skip_freq is None else layer_pattern(
-                      m.window_attn_skip_freq, "--window-attn-skip-freq", m.num_layers),
-                  softmax_type=m.softmax_type,
-                  attention_output_gate=m.attention_output_gate,
-                  disable_bf16_reduced_precision_matmul=m.disable_bf16_reduced_precision_matmul)
-    if m.init_method_xavier_uniform:  # Megatron-LM's init_method and scaled_init_method (megatron-core's output_layer_)
-        import torch
-
-        extras.update(init_method=torch.nn.init.xavier_uniform_, output_layer_init_method=torch.nn.init.xavier_uniform_)
-    if m.transformer_impl == "transformer_engine":  # TE's kernel choice; the local layers keep their own
-        extras["attention_backend"] = AttnBackend[m.attention_backend]
-    return extras

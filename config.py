@@ -1736,10 +1736,20 @@ def derive_precision(cfg: ConfigContainer) -> None:
 
 
 def check_precision(cfg: ConfigContainer) -> None:
-    """Precision settings that agree with each other (Bridge's `_validate_mixed_precision_consistency`, with
-    Megatron-LM's `validate_args` for the loss-scaling flags): one half-precision type at most, loss-scaling
-    settings only under --fp16 and within megatron-core's DynamicGradScaler's bounds."""
-    m, o, d = cfg.model, cfg.optimizer, cfg.ddp
+    """Precision settings that agree with each other: Bridge's checks, then FP8's and the gradient reduction's."""
+    _validate_mixed_precision_consistency(cfg)
+    check_fp8(cfg)
+    d, m = cfg.ddp, cfg.model
+    require(not (d.accumulate_allreduce_grads_in_fp32 and d.grad_reduce_in_bf16),
+            "--accumulate-allreduce-grads-in-fp32 and --grad-reduce-in-bf16 are exclusive; pick one")
+    require(m.bf16 or not d.grad_reduce_in_bf16,
+            "--grad-reduce-in-bf16 reduces the gradients of --bf16 training in bf16; add --bf16 or drop it")
+
+
+def _validate_mixed_precision_consistency(config: ConfigContainer) -> None:
+    """Bridge's name, with Megatron-LM's `validate_args` for the loss-scaling flags: one half-precision type at
+    most, loss-scaling settings only under --fp16 and within megatron-core's DynamicGradScaler's bounds."""
+    m, o = config.model, config.optimizer
     require(not (m.bf16 and m.fp16), "--bf16 and --fp16 are exclusive; pick one")
     defaults = OptimizerConfig()
     changed = [name for name in LOSS_SCALING if getattr(o, name) != getattr(defaults, name)]
@@ -1753,11 +1763,6 @@ def check_precision(cfg: ConfigContainer) -> None:
             f"--min-loss-scale {o.min_loss_scale} must be positive and at most --initial-loss-scale {o.initial_loss_scale}")
     require(o.loss_scale_window >= 1 and o.hysteresis >= 1,
             f"--loss-scale-window ({o.loss_scale_window}) and --hysteresis ({o.hysteresis}) must be at least 1")
-    check_fp8(cfg)
-    require(not (d.accumulate_allreduce_grads_in_fp32 and d.grad_reduce_in_bf16),
-            "--accumulate-allreduce-grads-in-fp32 and --grad-reduce-in-bf16 are exclusive; pick one")
-    require(m.bf16 or not d.grad_reduce_in_bf16,
-            "--grad-reduce-in-bf16 reduces the gradients of --bf16 training in bf16; add --bf16 or drop it")
 
 
 def check_fp8(cfg: ConfigContainer) -> None:
@@ -1813,7 +1818,8 @@ def derive_optimizer_and_schedule(cfg: ConfigContainer) -> None:
                      warmup = --lr-warmup-fraction x decay, else --lr-warmup-samples
     WSD: the decay phase is --lr-wsd-decay-iters x batch / --lr-wsd-decay-samples, by default the whole decay
     (as Bridge; megatron-core needs a length).
-    Also: the weight-decay schedule's ends from --weight-decay, and the distributed optimizer in both configs.
+    Also: the weight-decay schedule's ends from --weight-decay, and the distributed optimizer in both configs
+    (_validate_and_sync_distributed_optimizer_settings).
     """
     t, s, o = cfg.train, cfg.scheduler, cfg.optimizer
     gbs = t.global_batch_size
@@ -1844,17 +1850,20 @@ def derive_optimizer_and_schedule(cfg: ConfigContainer) -> None:
     for name in ("start_weight_decay", "end_weight_decay"):
         if getattr(s, name) is None:
             derive_value(cfg, f"scheduler.{name}", o.weight_decay, "--weight-decay")
-    # The distributed-optimizer setting lives in both the DDP and the optimizer config (megatron-core reads it from
-    # each; Bridge's _validate_and_sync_distributed_optimizer_settings): if either asks for it, both get it.
-    # --use-distributed-optimizer sets the optimizer's; the DDP's, settable from YAML or Python only, is said when it
-    # alone asks.
-    ddp_setting, optimizer_setting = cfg.ddp.use_distributed_optimizer, o.use_distributed_optimizer
+    _validate_and_sync_distributed_optimizer_settings(cfg)
+
+
+def _validate_and_sync_distributed_optimizer_settings(config: ConfigContainer) -> None:
+    """Bridge's name, a derivation here: the distributed-optimizer setting lives in both the DDP and the optimizer
+    config (megatron-core reads it from each); if either asks for it, both get it. --use-distributed-optimizer sets
+    the optimizer's; the DDP's, settable from YAML or Python only, is said when it alone asks."""
+    ddp_setting, optimizer_setting = config.ddp.use_distributed_optimizer, config.optimizer.use_distributed_optimizer
     if ddp_setting and not optimizer_setting and os.environ.get("RANK", "0") == "0":
         print(f"train.py: note: ddp.use_distributed_optimizer={ddp_setting} and optimizer.use_distributed_optimizer="
               f"{optimizer_setting} disagreed; using the distributed optimizer for both", file=sys.stderr)
     if ddp_setting or optimizer_setting:
         for setting in ("ddp.use_distributed_optimizer", "optimizer.use_distributed_optimizer"):
-            derive_value(cfg, setting, True, "the distributed optimizer in both configs")
+            derive_value(config, setting, True, "the distributed optimizer in both configs")
 
 
 def check_optimizer_and_schedule(cfg: ConfigContainer) -> None:

@@ -384,7 +384,7 @@ class DistributedDataParallelConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfigOverrideProviderContext:
-    """What an OptimizerConfigOverrideProvider sees (Megatron Bridge): the scheduler config, megatron-core's
+    """What an OptimizerConfigOverrideProvider sees: the scheduler config, megatron-core's
     optimizer config (model.OptimizerConfig) and the model chunks, as the optimizer will group them."""
 
     scheduler_config: Any
@@ -394,7 +394,7 @@ class OptimizerConfigOverrideProviderContext:
 
 @dataclass
 class OptimizerConfigOverrideProvider:
-    """Per-parameter optimizer settings (Megatron Bridge): `build_config_overrides` maps megatron-core
+    """Per-parameter optimizer settings: `build_config_overrides` maps megatron-core
     `ParamKey`s to `ParamGroupOverride`s (lr: `max_lr`/`min_lr`, weight decay: `wd_mult`/`start_wd`/`end_wd`).
     Parameters with the same overrides share a parameter group, on CPU and GPU alike.
 
@@ -461,7 +461,7 @@ class SchedulerConfig:
 
 @dataclass
 class DataloaderConfig:
-    """How batches are drawn (Bridge's DataloaderConfig): the base of the dataset configs."""
+    """How batches are drawn: the base of the dataset configs."""
 
     dataloader_type: Optional[str] = arg(
         None, "'single': one pass in order; 'cyclic': reshuffled passes; 'batch': in order, each global batch padded "
@@ -532,7 +532,7 @@ class FinetuningDatasetConfig(DatasetConfig):
 @dataclass
 class DatasetBuildContext:
     """What a DatasetProvider gets to build its datasets: how many samples each split must supply,
-    and the tokenizer (Megatron Bridge's DatasetBuildContext)."""
+    and the tokenizer."""
 
     train_samples: int
     valid_samples: int
@@ -542,7 +542,7 @@ class DatasetBuildContext:
 
 @dataclass
 class DatasetProvider(abc.ABC):
-    """Your own datasets (Megatron Bridge's DatasetProvider): subclass it, implement build_datasets, and
+    """Your own datasets: subclass it, implement build_datasets, and
     put an instance in `cfg.dataset`. Each dataset yields dicts of tokens, labels, loss_mask and
     position_ids tensors (attention_mask optional), as megatron-core's GPTDataset does."""
 
@@ -629,7 +629,7 @@ class LoggerConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Saving and loading (Megatron Bridge's CheckpointConfig)."""
+    """Saving and loading."""
 
     save: Optional[str] = arg(
         "checkpoints", "Directory to save checkpoints to: the final one, and every --save-interval iterations. Default: "
@@ -682,7 +682,7 @@ class RNGConfig:
 @dataclass
 class ProfilingConfig:
     """Profiling a window of iterations: PyTorch profiler traces, Nsight Systems ranges, CUDA memory history
-    (Megatron-LM's ProfilingConfig; Megatron Bridge's profiles rank 0 by default)."""
+    (rank 0 by default, as Megatron Bridge)."""
 
     use_nsys_profiler: bool = arg(
         False, "Profile iterations --profile-step-start to --profile-step-end: with Nsight Systems (GPU; run under "
@@ -706,7 +706,7 @@ class ProfilingConfig:
 
 @dataclass
 class StragglerDetectionConfig:
-    """Finding slow ranks (Megatron-LM's StragglerDetectionConfig)."""
+    """Finding slow ranks."""
 
     log_straggler: bool = arg(
         False, "Every --log-interval, rank 0 prints each rank's forward-step time and names the slowest and fastest ranks.")
@@ -716,7 +716,7 @@ class StragglerDetectionConfig:
 @dataclass
 class RerunStateMachineConfig:
     """megatron-core's rerun state machine: validate each microbatch's loss, rerun a step to attribute a
-    fault, or measure how deterministic the computation is (Megatron Bridge's RerunStateMachineConfig)."""
+    fault, or measure how deterministic the computation is."""
 
     error_injection_rate: int = arg(
         0, "Inject an unexpected result once every this many result validations, to test --rerun-mode "
@@ -741,7 +741,7 @@ class RerunStateMachineConfig:
 
 @dataclass
 class PEFTConfig:
-    """Parameter-efficient fine-tuning (Bridge's `peft`): low-rank adapters on the frozen base weights (peft.py)."""
+    """Parameter-efficient fine-tuning: low-rank adapters on the frozen base weights (peft.py)."""
 
     peft: str = arg("none", "Fine-tune low-rank adapters instead of the weights: lora, dora (LoRA with a per-row "
                             "magnitude), or none. Needs --pretrained-checkpoint (the base weights).",
@@ -1348,8 +1348,7 @@ def check_bounds(cfg: ConfigContainer) -> None:
 
 
 def derive_model_sizes(cfg: ConfigContainer) -> None:
-    """kv-channels, query groups, the MLP size and the position table, from the sizes given (Megatron-LM's
-    validate_args)."""
+    """kv-channels, query groups, the MLP size and the position table, from the sizes given."""
     m = cfg.model
     if m.kv_channels is None and m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads == 0:
         derive_value(cfg, "model.kv_channels", m.hidden_size // m.num_attention_heads,
@@ -1489,7 +1488,7 @@ def _virtual_stages_split(m: ModelConfig) -> bool:
 
 def derive_parallelism(cfg: ConfigContainer) -> None:
     """The data-parallel size; virtual stages as layers per stage; the p2p mode and the recompute settings
-    each implies; sequence parallelism off without tensor parallelism (all as Megatron-LM's validate_args)."""
+    each implies; sequence parallelism off without tensor parallelism ."""
     m = cfg.model
     tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
     if min(tp, pp, cp) >= 1:
@@ -1564,7 +1563,7 @@ def check_pipeline_split(cfg: ConfigContainer) -> None:
 
 
 def check_virtual_pipeline(cfg: ConfigContainer) -> None:
-    """--num-layers-per-virtual-pipeline-stage as Megatron-LM's validate_args: each pipeline rank holds
+    """--num-layers-per-virtual-pipeline-stage: each pipeline rank holds
     (layers / pipeline size) / (layers per virtual stage) chunks and runs the interleaved schedule."""
     m = cfg.model
     n, pp = m.num_layers_per_virtual_pipeline_stage, m.pipeline_model_parallel_size
@@ -1588,7 +1587,7 @@ def check_virtual_pipeline(cfg: ConfigContainer) -> None:
 
 
 def check_recompute(cfg: ConfigContainer) -> None:
-    """Megatron-LM's validate_args and TransformerConfig's checks of the recompute settings."""
+    """The recompute settings, as megatron-core's TransformerConfig would assert them."""
     m = cfg.model
     require(not m.recompute_activations or m.recompute_granularity == "selective",
             "--recompute-activations means --recompute-granularity selective, not full; give one")
@@ -1606,8 +1605,7 @@ def check_recompute(cfg: ConfigContainer) -> None:
 
 
 def check_context_parallel(cfg: ConfigContainer) -> None:
-    """Bridge's `_validate_cp_comm_type` and the context-parallel checks of `validate` (Megatron-LM's
-    validate_args): each rank holds two chunks of the sequence (to balance causal attention), and
+    """Context parallelism: each rank holds two chunks of the sequence (to balance causal attention), and
     a2a+p2p needs the hierarchy of context-parallel groups it communicates over."""
     m = cfg.model
     cp, kinds, sizes = m.context_parallel_size, m.cp_comm_type, m.hierarchical_context_parallel_sizes
@@ -1679,7 +1677,7 @@ def check_batch_sizes_and_length(cfg: ConfigContainer) -> None:
 def check_rampup(cfg: ConfigContainer) -> None:
     """--rampup-batch-size START INCR SAMPLES, checked so megatron-core's RampupBatchsizeNumMicroBatchesCalculator
     never fails mid-run: every batch size on the way (START, START + INCR, ..., --global-batch-size) must split
-    into microbatches on each data-parallel rank. Iteration-based only, as Megatron Bridge's TrainingConfig."""
+    into microbatches on each data-parallel rank. Iteration-based only."""
     t, dp = cfg.train, cfg.data_parallel_size
     if t.rampup_batch_size is None:
         return
@@ -1711,8 +1709,7 @@ LOSS_SCALING = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scal
 
 
 def derive_precision(cfg: ConfigContainer) -> None:
-    """The NaN check off under fp16's dynamic loss scaling, and the dtype of megatron-core DDP's gradient buffer
-    (Megatron-LM's validate_args)."""
+    """The NaN check off under fp16's dynamic loss scaling, and the dtype of megatron-core DDP's gradient buffer."""
     m, d, t, r = cfg.model, cfg.ddp, cfg.train, cfg.rerun_state_machine
     if m.fp16 and cfg.optimizer.loss_scale is None:
         # Megatron-LM: under dynamic loss scaling an Inf/NaN gradient is the scaler's signal to back off (the step
@@ -1904,8 +1901,7 @@ def check_optimizer_and_schedule(cfg: ConfigContainer) -> None:
 
 
 def check_schedule_lengths(cfg: ConfigContainer) -> None:
-    """Bridge's `_validate_training_scheduler_compatibility` and `SchedulerConfig.finalize` (Megatron-LM's
-    validate_args): iteration-based training takes the *-iters schedule flags, sample-based training the
+    """Iteration-based training takes the *-iters schedule flags, sample-based training the
     *-samples ones; --lr-warmup-fraction replaces either warmup length."""
     t, s = cfg.train, cfg.scheduler
     iters = [(s.lr_decay_iters, "--lr-decay-iters"), (s.lr_warmup_iters, "--lr-warmup-iters"),
@@ -2027,7 +2023,7 @@ def check_megatron_lm_tokenizer(tk: TokenizerConfig) -> None:
 
 
 def check_fim(cfg: ConfigContainer) -> None:
-    """--fim-* settings (Megatron-LM's validate_args: FIM needs real data and its sentinel tokens)."""
+    """--fim-* settings: FIM needs real data and its sentinel tokens."""
     d = cfg.dataset
     if not d.fim_data:
         given = [f.name for f in dataclasses.fields(d) if f.name.startswith("fim_") and getattr(d, f.name) != f.default]
@@ -2213,7 +2209,7 @@ def check_deterministic_mode(cfg: ConfigContainer, env=None) -> None:
 
 
 def check_callbacks(cfg: ConfigContainer) -> None:
-    """Manual GC, profiling and straggler settings (Megatron-LM's validate_args, Bridge's ProfilingConfig.finalize)."""
+    """Manual GC, profiling and straggler settings."""
     t, p, st = cfg.train, cfg.profiling, cfg.straggler
     require(t.manual_gc_interval >= 0, f"--manual-gc-interval must be non-negative, got {t.manual_gc_interval}")
     require(st.straggler_minmax_count >= 1, f"--straggler-minmax-count must be at least 1, got "
@@ -2242,7 +2238,7 @@ def check_callbacks(cfg: ConfigContainer) -> None:
 
 
 def _get_non_default_values(config_obj: Any, default_class: type) -> dict:
-    """Bridge's `_get_non_default_values`: {field: (value, default)} for the fields of config_obj whose value
+    """{field: (value, default)} for the fields of config_obj whose value
     differs from default_class's default. Fields without a default, callables, private fields and values
     derived during validation (they have no default to differ from) are left out."""
     defaults = {}
@@ -2264,7 +2260,7 @@ def _get_non_default_values(config_obj: Any, default_class: type) -> dict:
 
 
 def _get_key_config_values(config_obj: Any) -> dict:
-    """Bridge's `_get_key_config_values`: {field: value} of a config object, leaving out None values,
+    """{field: value} of a config object, leaving out None values,
     callables, private fields and nested configs (the container's sub-configs)."""
     if not dataclasses.is_dataclass(config_obj):
         return {}
@@ -2461,8 +2457,7 @@ def derive_services(cfg: ConfigContainer) -> None:
 
 
 def check_services(cfg: ConfigContainer) -> None:
-    """The NVIDIA service configs: their documented constraints (Bridge's `finalize` methods, Megatron-LM's
-    --inprocess-* flags), then the service's package. Disabled sections are only checked for consistency."""
+    """The NVIDIA service configs: their documented constraints, then the service's package. Disabled sections are only checked for consistency."""
     ft, nv, ipr, ti = cfg.ft, cfg.nvrx_straggler, cfg.inprocess_restart, cfg.tensor_inspect
     require(ft.enable_ft_package or not (ft.calc_ft_timeouts or ft.simulate_fault),  # they act inside the FT package
             "ft.calc_ft_timeouts and ft.simulate_fault need --enable-ft-package")

@@ -1840,10 +1840,10 @@ def derive_optimizer_and_schedule(cfg: ConfigContainer) -> None:
     derive_value(cfg, "scheduler.lr_decay_steps", decay, why + ", in samples")
     derive_value(cfg, "scheduler.lr_warmup_steps", warmup, warmup_why + ", in samples")
     derive_value(cfg, "scheduler.wd_incr_steps", wd_incr, "the run's samples")
+    wsd_why = "--lr-wsd-decay-iters x batch or --lr-wsd-decay-samples"
     if s.lr_decay_style == "WSD" and wsd is None:
-        wsd, why = decay, "WSD: the whole decay, as Bridge"
-    derive_value(cfg, "scheduler.wsd_decay_steps", wsd, "--lr-wsd-decay-iters x batch or --lr-wsd-decay-samples"
-                 if wsd is not decay else why)
+        wsd, wsd_why = decay, "WSD: the whole decay, as Bridge"
+    derive_value(cfg, "scheduler.wsd_decay_steps", wsd, wsd_why)
     for name in ("start_weight_decay", "end_weight_decay"):
         if getattr(s, name) is None:
             derive_value(cfg, f"scheduler.{name}", o.weight_decay, "--weight-decay")

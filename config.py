@@ -136,8 +136,10 @@ class ModelConfig:
     batch_p2p_comm: bool = arg(
         True, "Post each step's pipeline sends and receives as one batch_isend_irecv: the opposite of "
               "--overlap-p2p-communication, as Megatron-LM sets it.", derived=True)
-    context_parallel_size: int = arg(1, "Context-parallel size (splits the sequence). GPU and transformer-engine only.")
-    sequence_parallel: bool = arg(False, "Sequence parallelism inside tensor-parallel regions. GPU only.")
+    context_parallel_size: int = arg(1, "Context-parallel size (splits the sequence into 2 x CP chunks, two per rank). "
+                                        "Local layers: --cp-comm-type all_gather, in SDPAttention.")
+    sequence_parallel: bool = arg(False, "Sequence parallelism: the sequence split over the tensor-parallel ranks "
+                                         "outside the tensor-parallel regions (norms, dropout, residuals).")
     bf16: bool = arg(False, "bfloat16 mixed precision: bf16 weights under Float16Module, fp32 main weights in the "
                             "optimizer.")
     fp16: bool = arg(False, "float16 mixed precision with dynamic loss scaling (see --initial-loss-scale): fp16 "
@@ -162,7 +164,8 @@ class ModelConfig:
                "NCCL_ALGO set for it (slower; for debugging and testing).")
     cross_entropy_loss_fusion: bool = arg(False, "megatron-core's fused vocab-parallel cross entropy (not deterministic).")
     cp_comm_type: list[str] = arg(
-        ["p2p"], "Context-parallel communication: p2p, all_gather, a2a or a2a+p2p; one for all layers or one per layer.")
+        ["p2p"], "Context-parallel communication: p2p, all_gather, a2a or a2a+p2p (transformer-engine's), or all_gather "
+                 "(the local layers'); one for all layers or one per layer.")
     hierarchical_context_parallel_sizes: Optional[list[int]] = arg(
         None, "Context-parallel group sizes from inner to outer level (their product is --context-parallel-size); "
               "needed by a2a+p2p.")
@@ -2137,16 +2140,28 @@ def check_machine(cfg: ConfigContainer) -> None:
             "--attention-backend local picks the core attention of megatron-core's local layers, and transformer-engine "
             "layers use TE's own; add --transformer-impl local to use it")
     if not cfg.use_gpu:
-        for gpu_only, what in ((cp > 1, f"--context-parallel-size {cp}"), (m.sequence_parallel, "--sequence-parallel"),
-                               (te, "--transformer-impl transformer_engine"),
+        for gpu_only, what in ((te, "--transformer-impl transformer_engine"),
                                (cfg.dist.distributed_backend == "nccl", "--distributed-backend nccl")):
-            require(not gpu_only, f"{what} needs a GPU and none is visible; drop it to train on CPU (tensor, pipeline "
-                                  f"and data parallelism, the distributed optimizer, --bf16 and --fp16 run on CPU)")
+            require(not gpu_only, f"{what} needs a GPU and none is visible; drop it to train on CPU (every parallelism, "
+                                  f"the distributed optimizer, --bf16 and --fp16 run on CPU)")
     elif te:
         require(package_installed("transformer_engine"),
                 "--transformer-impl transformer_engine: transformer-engine is not installed; pip install "
                 "transformer-engine[pytorch] or use --transformer-impl local")
-    require(cp == 1 or te, f"--context-parallel-size {cp} needs --transformer-impl transformer_engine")
+    if cp > 1 and not te:
+        # The local layers' context parallelism is SDPAttention's (model.py): keys and values all-gathered over the
+        # CP group. megatron-core's own DotProductAttention refuses CP, and the ring (p2p) and all-to-all exchanges
+        # are transformer-engine's.
+        needs_dpa = ("--window-size" if m.window_size is not None else f"--softmax-type {m.softmax_type}"
+                     if m.softmax_type != "vanilla" else "--attention-backend local" if m.attention_backend == "local"
+                     else None)
+        require(needs_dpa is None, f"{needs_dpa} runs in megatron-core's DotProductAttention, which refuses "
+                                   f"--context-parallel-size {cp}; the local layers' context parallelism is SDPAttention's: "
+                                   f"drop {needs_dpa.split()[0] if needs_dpa else ''}, or use transformer-engine layers on a GPU")
+        kinds = sorted(set(m.cp_comm_type) - {"all_gather"})
+        require(not kinds, f"--cp-comm-type {' '.join(kinds)} is transformer-engine's context-parallel attention; the "
+                           f"local layers gather keys and values: add --cp-comm-type all_gather (or use "
+                           f"--transformer-impl transformer_engine on a GPU)")
     require(not m.apply_layernorm_1p or te,
             "--apply-layernorm-1p (zero-centred gamma) needs transformer-engine layers: megatron-core's local layers "
             "build a torch LayerNorm, which has none (as in Megatron-LM without apex); add --transformer-impl "

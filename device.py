@@ -20,7 +20,9 @@ What the shim answers (file:line in megatron-core 0.16.1), and why:
                                                rotary_pos_embedding.py:162,297, rerun_state_
                                                machine.py:261-265, async_utils.py:165
     Tensor.cuda(), Tensor.to("cuda")           grad_scaler.py:140, optimizer.py:375-380,       the tensor, on the CPU
-                                               rotary_pos_embedding.py:162
+                                               rotary_pos_embedding.py:162, rope_utils.py:64
+    torch.*(..., pin_memory=True)              rope_utils.py:63 (RoPE's chunks under context    pin_memory=False
+                                               parallelism)
     Tensor.type() of a parameter or gradient   optimizer.py:671,690, distrib_optimizer.py:     "torch.cuda.FloatTensor"
                                                361,420,582, clip_grads.py:167                  (the type checks pass)
     torch.cuda.current_device()                the device= arguments above; rerun_state_       0 (mapped to the CPU
@@ -50,8 +52,13 @@ Beyond the shim, the machines differ in only these, each answered here once:
     collective backend         nccl                                 gloo                 (`backend()`)
     where a batch lives        the local GPU (copied, non-blocking)  where it is          (`to_device()`)
     layer implementation       transformer-engine if installed      megatron-core local  (config.validate)
-    GPU-only features          context/sequence parallelism, TE,    one-line error       (config.validate)
-                               nccl, Nsight, CUDA memory history
+    GPU-only features          TE (its norms, its p2p/a2a context-  one-line error       (config.validate)
+                               parallel attention), nccl, Nsight,
+                               CUDA memory history
+    sequence parallelism       TE's norms (weights marked           model.Norm: torch's  (model.layer_spec)
+                               sequence_parallel)                   norms, marked alike
+    context parallelism        TE's attention (p2p, all_gather,     SDPAttention gathers (model.SDPAttention)
+                               a2a)                                 K/V (all_gather)
     where the model lives      moved to the local GPU               the CPU              (model.build_model)
     weight initialisation      each TP rank its slice, in place     the full weight, then (model.transformer_
                                (the RNG tracker)                    each rank its slice   config: use_cpu_init)
@@ -152,6 +159,8 @@ class CudaOnCpu(TorchFunctionMode):
             device = kwargs.get("device")
             if device is not None and _is_cuda(device):
                 kwargs = dict(kwargs, device="cpu")
+            if kwargs.get("pin_memory"):  # page-locked memory is for copies to a GPU; torch has none without one
+                kwargs = dict(kwargs, pin_memory=False)
         else:
             kwargs = {}
         if func is torch.Tensor.cuda:

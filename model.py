@@ -26,6 +26,7 @@ import math
 import os
 import random
 from datetime import timedelta
+from typing import Optional
 
 import numpy as np
 import torch
@@ -45,6 +46,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func as mcore_g
 from megatron.core.transformer import MegatronModule, TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 device.install_cpu_shim()  # without CUDA: megatron-core's CUDA calls answered on the CPU (device.py); else nothing
 
@@ -61,12 +63,37 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: 
 # --------------------------------------------------------------------------------------------------
 
 
+class Norm:
+    """The local layers' LayerNorm or RMSNorm (torch's, as megatron-core's WrappedTorchNorm builds them), which also
+    runs under sequence parallelism.
+
+    WrappedTorchNorm asserts that sequence parallelism is off (transformer/torch_norm.py:32), although a norm
+    acts on each token alone and needs nothing from the other tokens. What sequence parallelism asks of a norm is
+    what megatron-core's TE and apex norms do: mark the weights `sequence_parallel`, so that finalize_model_grads
+    sums their gradients, computed on each rank's part of the sequence, over the tensor-parallel group. A torch
+    module, so the parameter names and the checkpoint are WrappedTorchNorm's."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+        assert not config.layernorm_zero_centered_gamma, "zero-centred gamma needs transformer-engine's norms"
+        norm = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}[config.normalization](hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
 class SDPAttention(MegatronModule):
     """Core attention through `torch.nn.functional.scaled_dot_product_attention`.
 
     Drop-in for megatron-core's local `DotProductAttention`, which allocates its buffers on
     `torch.cuda.current_device()` and has no flash kernel: SDPA runs on CPU and picks flash or
     memory-efficient kernels on a GPU. Takes `[s, b, heads, head_dim]` and returns `[s, b, heads*head_dim]`.
+
+    Under context parallelism (megatron-core's `cp_comm_type all_gather` contract; its own DotProductAttention
+    refuses CP) each rank holds two chunks of the sequence, `r` and `2 x CP - 1 - r` of `2 x CP` (the batch was cut
+    by megatron-core's `get_batch_on_this_cp_rank`): its queries attend to the keys and values of the whole
+    sequence, gathered from the CP group (the gather's backward reduce-scatters their gradients back), under a
+    causal mask offset by each chunk's position.
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type=None, attention_dropout=None,
@@ -75,11 +102,18 @@ class SDPAttention(MegatronModule):
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale  # None: 1/sqrt(head_dim), SDPA's default
         self.attn_mask_type = attn_mask_type
+        cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+        self.cp_group = cp if cp is not None else parallel_state.get_context_parallel_group(check_initialized=False)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         assert packed_seq_params is None and attention_bias is None, "SDPAttention: packed sequences are not supported"
         s, b = query.shape[0], query.shape[1]
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        if self.cp_group is not None and self.cp_group.size() > 1:
+            key, value = (gather_context_parallel_chunks(x, self.cp_group) for x in (key, value))
+            if attention_mask is None and mask_type == AttnMaskType.causal:
+                attention_mask = context_parallel_causal_mask(s, self.cp_group, query.device)
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # -> [b, heads, s, d]
         kwargs = dict(dropout_p=self.dropout_p if self.training else 0.0, scale=self.softmax_scale,
                       enable_gqa=k.shape[1] != q.shape[1])
@@ -95,12 +129,38 @@ class SDPAttention(MegatronModule):
                 # megatron-core's rule (fused_softmax.py:323): a causal mask only where several query positions
                 # attend to each other. A decode step's one new query (megatron passes no_mask then) sees every
                 # cached key; SDPA's causal mask, aligned top-left, would show it only the first.
-                mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
                 causal = mask_type == AttnMaskType.causal and s > 1
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, **kwargs)
             else:  # megatron masks mark positions to drop with True; SDPA's boolean masks mark positions to keep
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, **kwargs)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def context_parallel_chunk_order(cp_size: int) -> list:
+    """Which of the sequence's 2 x CP chunks each CP rank holds, rank by rank: r and 2 x CP - 1 - r (megatron-core's
+    load-balanced layout, `get_batch_on_this_cp_rank`: causal attention's work is then even over the ranks)."""
+    return [chunk for r in range(cp_size) for chunk in (r, 2 * cp_size - 1 - r)]
+
+
+def gather_context_parallel_chunks(x: torch.Tensor, cp_group) -> torch.Tensor:
+    """`[s/CP, b, ...]` on each CP rank -> `[s, b, ...]` in sequence order: megatron-core's all-gather along the
+    first dimension (its backward reduce-scatters the gradients to the ranks that hold the chunks), then the
+    gathered chunks put back in order."""
+    cp = cp_group.size()
+    gathered = tensor_parallel.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=cp_group)
+    order = torch.tensor(context_parallel_chunk_order(cp), device=x.device).argsort()
+    chunks = gathered.view(2 * cp, gathered.shape[0] // (2 * cp), *gathered.shape[1:])
+    return chunks.index_select(0, order).view(gathered.shape)
+
+
+def context_parallel_causal_mask(local_len: int, cp_group, device) -> torch.Tensor:
+    """The causal mask of this CP rank's queries (its two chunks) over the whole sequence's keys, in megatron's
+    convention (True: masked): a query at sequence position p sees the keys at positions 0..p."""
+    cp, rank, chunk = cp_group.size(), cp_group.rank(), local_len // 2
+    query_positions = torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device)
+                                 for c in (rank, 2 * cp - 1 - rank)])
+    key_positions = torch.arange(2 * cp * chunk, device=device)
+    return key_positions[None, :] > query_positions[:, None]
 
 
 def transformer_config(cfg) -> TransformerConfig:
@@ -163,7 +223,7 @@ def transformer_config(cfg) -> TransformerConfig:
 def layer_spec(cfg):
     """transformer-engine layers when asked for (the default on a GPU with TE installed), else
     megatron-core's local layers, with SDPAttention as the core attention unless --attention-backend local
-    asks for megatron-core's own DotProductAttention."""
+    asks for megatron-core's own DotProductAttention, and Norm (sequence parallelism too) as their norms."""
     m = cfg.model
     if m.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -172,9 +232,23 @@ def layer_spec(cfg):
     # --qk-layernorm / --qk-l2-norm: the spec's q/k norms (Megatron-LM's gpt_builders passes the local spec no
     # qk_l2_norm, which leaves it without effect there; here it means on the local layers what it means on TE's).
     spec = get_gpt_layer_local_spec(normalization=m.normalization, qk_layernorm=m.qk_layernorm, qk_l2_norm=m.qk_l2_norm)
+    layer, attention = spec.submodules, spec.submodules.self_attention.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = Norm
+    if m.qk_layernorm and not m.qk_l2_norm:
+        attention.q_layernorm = attention.k_layernorm = Norm
     if cfg.model.attention_backend != "local":
-        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+        attention.core_attention = SDPAttention
     return spec
+
+
+def block_spec(cfg, config: TransformerConfig, vp_stage: Optional[int]):
+    """The decoder block of one model chunk: its layers' spec, once per layer it builds, and the final norm
+    (megatron-core picks the block's norm by what is installed; on the local layers it is Norm here)."""
+    spec = layer_spec(cfg)
+    if cfg.model.transformer_impl == "transformer_engine":
+        return spec
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                      layer_norm=Norm)
 
 
 def build_model(cfg, vocab_size: int) -> list:
@@ -190,7 +264,7 @@ def build_model(cfg, vocab_size: int) -> list:
         stage = dict(ignore_virtual=False, vp_stage=vp_stage) if vpp else {}
         chunks.append(GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(cfg),
+            transformer_layer_spec=block_spec(cfg, config, vp_stage if vpp else None),
             vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, m.tensor_model_parallel_size),
             max_sequence_length=m.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(**stage),

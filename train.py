@@ -62,7 +62,7 @@ from model import (build_model, build_optimizer, build_rerun_state_machine, dest
 from megatron.core import parallel_state
 from megatron.core import rerun_state_machine as mcore_rerun
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler, get_canonical_lr_for_logging
-from megatron.core.utils import configure_nvtx_profiling, nvtx_range_pop, nvtx_range_push
+from megatron.core.utils import configure_nvtx_profiling, get_batch_on_this_cp_rank, nvtx_range_pop, nvtx_range_push
 
 import checkpoint
 import data
@@ -866,9 +866,13 @@ def prepare_forward_step_func(forward_step_func: Callable, state: GlobalState) -
 
 
 def get_batch(data_iterator):
-    """Next microbatch, on this rank's device: tokens, labels, loss mask, attention mask (None: causal), position ids."""
+    """Next microbatch, on this rank's device: tokens, labels, loss mask, attention mask (None: causal), position ids.
+    Under context parallelism every rank of a CP group reads the same microbatch, and megatron-core's
+    `get_batch_on_this_cp_rank` keeps this rank's two chunks of the sequence (see model.SDPAttention)."""
     batch = device.to_device(next(data_iterator))
-    return batch["tokens"], batch["labels"], batch["loss_mask"], batch.get("attention_mask"), batch["position_ids"]
+    keys = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+    batch = get_batch_on_this_cp_rank({key: batch.get(key) for key in keys})
+    return tuple(batch[key] for key in keys)
 
 
 def masked_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

@@ -129,8 +129,15 @@ def test_megatron_lm_cpu_command_line_switches_are_accepted_and_named_as_inert(s
      "= 6 do not divide the world size 8"),
     (["--pipeline-model-parallel-size", "2", "--num-layers", "6", "--num-layers-per-virtual-pipeline-stage", "2"], 8,
      False, "must divide the 3 layers of each pipeline stage"),
-    (["--sequence-parallel", "--tensor-model-parallel-size", "2"], 2, False, "needs a GPU"),
-    (["--context-parallel-size", "2"], 2, True, "needs --transformer-impl transformer_engine"),
+    # context parallelism on the local layers is SDPAttention's all-gather of keys and values (model.py)
+    (["--context-parallel-size", "2"], 2, False, "--cp-comm-type p2p is transformer-engine's context-parallel attention; "
+     "the local layers gather keys and values: add --cp-comm-type all_gather"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--attention-backend", "local"], 2, False,
+     "--attention-backend local runs in megatron-core's DotProductAttention, which refuses --context-parallel-size 2"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--window-size", "8,0"], 2, False,
+     "--window-size runs in megatron-core's DotProductAttention, which refuses --context-parallel-size 2"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--seq-length", "250"], 2, False,
+     "--seq-length 250 must be a multiple of 2 x --context-parallel-size = 4"),
     # transformer-engine layers bring their own core attention: the local choice would be silently ignored
     (["--transformer-impl", "transformer_engine", "--attention-backend", "local"], 1, True,
      "add --transformer-impl local to use it"),

@@ -3,8 +3,10 @@
 megatron-core's DDP, optimizer (distributed too), pipeline schedules (1F1B and interleaved) and
 dist_checkpointing run on CPU over gloo through device.py's shim, in real torchrun jobs.
 
-The layout matrix: a 1-rank run saves at iteration 6. Every layout continues that checkpoint (resharded on load)
-to 12 and must print the 1-rank run's lm loss and grad norm at every iteration, read back from TensorBoard.
+The layout matrix: a 1-rank run saves at iteration 6. Every layout (data, tensor, sequence, pipeline, virtual-pipeline and
+context parallelism, the distributed optimizer, and their products on 4 and 8 ranks) continues that checkpoint
+(resharded on load) to 12 and must print the 1-rank run's lm loss and grad norm at every iteration, read back from
+TensorBoard; CP with rotary positions continues a 1-rank RoPE run's checkpoint.
 The 4- and 8-rank layouts also stop at 9 and resume bitwise, and the 8-rank checkpoint goes back to 1 rank.
 Every run is planned for 15 iterations (the schedule a checkpoint holds) and most stop at 12 (--exit-interval)."""
 
@@ -20,6 +22,10 @@ FLAGS = [*TINY, "--num-layers", "4", "--mock-data", "--global-batch-size", "8", 
 DOPT = ["--use-distributed-optimizer"]
 # TP pads the vocabulary to a multiple of 128 x TP by default; 64 x 2 keeps the 1-rank run's 128 rows.
 TP2 = ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"]
+SP = ["--sequence-parallel"]
+# Context parallelism on the local layers: SDPAttention all-gathers keys and values over the CP group.
+CP2 = ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"]
+ROPE = ["--position-embedding-type", "rope"]
 METRICS = ("lm loss", "grad-norm")
 
 
@@ -56,6 +62,10 @@ class Runs:
         return self("dopt", 1, *DOPT, "--dist-ckpt-optim-fully-reshardable", "--exit-interval", "6",
                     *self.saving("dopt", 6))
 
+    def rope(self):
+        """The reference with rotary positions (under CP each rank rotates its two chunks by their positions)."""
+        return self("rope", 1, *ROPE, *self.saving("rope", 6))
+
     def resume(self, name, nproc, source, step, *flags):
         return self(name, nproc, *flags, "--load", self.ckpt(source), "--ckpt-step", str(step))
 
@@ -84,12 +94,19 @@ LAYOUTS = {
     "pp2_vpp2": (2, "plain", ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
     # Loads the fully_reshardable checkpoint of 1 rank into 2 shards, saves dp_reshardable at 9 (resumed below).
     "dp2_dopt": (2, "dopt", [*DOPT, "--save-interval", "9"]),
-    # 4 ranks, with an uneven pipeline split (1 + 3 layers); saves at 9 (resumed below).
-    "tp2_pp2": (4, "plain", [*TP2, "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1",
+    # Sequence parallelism: each tensor-parallel rank holds half of the sequence outside the tensor-parallel regions.
+    "tp2_sp": (2, "plain", [*TP2, *SP]),
+    # Context parallelism, learned positions: each rank holds chunks r and 3 - r of 4; runs on to 15 and saves at 12
+    # (continued on one rank below).
+    "cp2": (2, "plain", [*CP2, "--exit-interval", "15", "--save-interval", "12"]),
+    "cp2_rope": (2, "rope", [*CP2, *ROPE]),
+    "tp2_cp2": (4, "plain", [*TP2, *CP2]),
+    # 4 ranks, with an uneven pipeline split (1 + 3 layers) and sequence parallelism; saves at 9 (resumed below).
+    "tp2_pp2": (4, "plain", [*TP2, *SP, "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1",
                              "--save-interval", "9"]),
-    # 8 ranks: TP 2 x PP 2 x DP 2, the distributed optimizer, fully_reshardable so 1 rank can read it back.
-    "tp2_pp2_dp2": (8, "dopt", [*TP2, "--pipeline-model-parallel-size", "2", *DOPT, "--dist-ckpt-optim-fully-reshardable",
-                                "--save-interval", "9"]),
+    # 8 ranks: TP 2 (with SP) x PP 2 x DP 2, the distributed optimizer, fully_reshardable so 1 rank can read it back.
+    "tp2_pp2_dp2": (8, "dopt", [*TP2, *SP, "--pipeline-model-parallel-size", "2", *DOPT,
+                                "--dist-ckpt-optim-fully-reshardable", "--save-interval", "9"]),
 }
 
 
@@ -111,8 +128,8 @@ def test_every_layout_continues_the_one_rank_checkpoint_with_its_losses_and_grad
     tensor-parallel shards, pipeline stages (1F1B, interleaved, uneven) or distributed-optimizer shards:
     the same lm loss and grad norm at every iteration."""
     run = layout(runs, name)
-    assert run["iterations"] == list(range(7, 13))
-    assert_same(run, runs.plain(), range(7, 13))
+    assert run["iterations"][:6] == list(range(7, 13))
+    assert_same(run, runs.rope() if LAYOUTS[name][1] == "rope" else runs.plain(), range(7, 13))
 
 
 def test_distributed_optimizer_resumes_bitwise_in_each_checkpoint_format(runs):
@@ -149,6 +166,16 @@ def test_the_eight_rank_checkpoint_continues_on_one_rank(runs):
     one = runs.resume("one_from_eight", 1, "tp2_pp2_dp2", 12, *DOPT, "--exit-interval", "15")
     assert one["iterations"] == [13, 14, 15]
     assert_same(one, eight, [13, 14, 15])
+
+
+def test_the_context_parallel_checkpoint_continues_on_one_rank(runs):
+    """The CP=2 run's checkpoint of 12 (each rank saved the same weights: CP ranks are replicas of the model),
+    continued by one process, gives the CP run's losses from 13 to 15."""
+    cp = layout(runs, "cp2")
+    assert cp["iterations"] == list(range(7, 16))
+    one = runs.resume("one_from_cp2", 1, "cp2", 12, "--exit-interval", "15")
+    assert one["iterations"] == [13, 14, 15]
+    assert_same(one, cp, [13, 14, 15])
 
 
 def test_memory_report_covers_the_first_two_iterations_after_a_resume(runs):

@@ -183,7 +183,7 @@ def test_theoretical_memory_is_bridges_under_its_assumptions(layout, world_size,
     cfg = _cfg("--num-layers", str(L), "--hidden-size", str(h), "--num-attention-heads", str(a), "--seq-length", str(s),
                "--micro-batch-size", str(b), "--bf16", "--use-distributed-optimizer", "--sequence-parallel",
                "--tensor-model-parallel-size", str(tp), "--recompute-granularity", "selective", "--global-batch-size",
-               "64", *layout, world_size=world_size, gpu=True)
+               "64", *layout, world_size=world_size)  # on the CPU path: sequence parallelism runs there too
     m, pp, dp = cfg.model, cfg.model.pipeline_model_parallel_size, cfg.data_parallel_size
     untied, vp = m.untie_embeddings_and_output_weights, m.virtual_pipeline_model_parallel_size
     layers = 2 * L * h * h * ((1 + 1) * 1 + 4 + 2 / h + 1 / (L * h))
@@ -219,10 +219,19 @@ def test_activation_memory_is_table_2_of_korthikanti_et_al():
     vpp = _cfg(*base, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
                "--global-batch-size", "8", world_size=2)
     assert metrics.compute_activation_memory(vpp, 4) == pytest.approx((2 * layer + embedding) * 2 * 1.25)
-    # Context parallelism splits the sequence: each rank keeps half of every activation.
-    cp = _cfg(*base)
-    cp.model.context_parallel_size = 2
+    # Context parallelism splits the sequence: each rank keeps half of every activation (a CPU run's config).
+    cp = _cfg(*base, "--context-parallel-size", "2", "--cp-comm-type", "all_gather", world_size=2)
     assert metrics.compute_activation_memory(cp, 1) == pytest.approx((L * layer + embedding + output) / 2)
+
+
+def test_sequence_and_context_parallelism_change_no_flops():
+    """A step's FLOPs are the model's and the batch's (Bridge's flop_utils): splitting the sequence over tensor-parallel
+    (SP) or context-parallel ranks changes where they run, not their number."""
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64"]
+    flops = {name: metrics.num_floating_point_operations(_cfg(*base, *flags, world_size=4), 8, 384) for name, flags in (
+        ("tp2", ["--tensor-model-parallel-size", "2"]), ("tp2_sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        ("cp2", ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"]), ("dp4", []))}
+    assert len(set(flops.values())) == 1 and flops["dp4"] > 0, flops
 
 
 def test_progress_log_restarts_on_another_world_size(tmp_path):

@@ -52,6 +52,24 @@ def test_one_query_against_cached_keys_is_the_last_row_of_causal_attention(singl
                                    rtol=1e-5, atol=1e-5)
 
 
+def test_sdpa_attention_under_context_parallelism_is_one_process_attention():
+    """Two CP ranks, each with its two chunks of the sequence (megatron-core's cut), give the one-process attention's
+    output and Q/K/V gradients at their positions, with the causal mask from the chunks' offsets and with an
+    explicit mask over the whole sequence; without the offsets the output is another one (tests/scripts)."""
+    import json
+
+    from conftest import torchrun
+
+    proc = torchrun([], nproc=2, script="tests/scripts/cp_attention.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in ranks) == [0, 1]
+    for r in ranks:
+        for mask in ("causal", "explicit"):
+            assert max(r[mask][what] for what in ("out", "dq", "dk", "dv")) < 1e-12, r  # float64
+            assert r[mask]["unshifted_out"] > 0.1, r
+
+
 @pytest.mark.parametrize("flags", [
     ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear"],
     ["--num-query-groups", "2", "--untie-embeddings-and-output-weights", "--attention-backend", "local"],

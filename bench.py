@@ -9,6 +9,7 @@ Names here are this project's own.
     python bench.py ladder                                               # tokens/s, TFLOP/s, MFU, memory by size
     python bench.py hotpath                                              # each hot-path choice, off vs on
     python bench.py generate [train.py model flags]                      # generate.py's tokens/s vs transformers
+    python bench.py parallel [train.py flags]                            # SP and CP per iteration vs TP=2, 2 processes
 
 Benchmarks report; the tests never assert on timings.
 """
@@ -550,6 +551,44 @@ def bench_generate(argv) -> list:
     return rows
 
 
+PARALLEL_LAYOUTS = {  # 2 processes each; the vocabulary padded alike (64 x TP 2 = 128 x 1)
+    "TP=2": ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"],
+    "TP=2 + SP": ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64", "--sequence-parallel"],
+    "CP=2 (all_gather)": ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"],
+    "DP=2": [],
+}
+
+
+def bench_parallel(argv) -> list:
+    """train.py's time per iteration under sequence and context parallelism beside TP=2 without SP (and DP=2), on
+    the same model and global batch, 2 processes under torchrun each. Three alternating rounds; the best round's
+    median iteration time (the log line's elapsed time, iterations 6-20) of each layout."""
+    import re
+    import subprocess
+
+    base = ["--mock-data", "--eval-iters", "0", "--train-iters", "20", "--log-interval", "1", "--no-save",
+            "--no-tensorboard", "--num-workers", "0", *argv]
+    elapsed = re.compile(r"iteration +(\d+)/ +\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)")
+    best = {name: float("inf") for name in PARALLEL_LAYOUTS}
+    with tempfile.TemporaryDirectory() as work:
+        for _ in range(3):
+            for name, flags in PARALLEL_LAYOUTS.items():
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
+                       os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"), *base, *flags,
+                       "--data-cache-path", os.path.join(work, "cache")]
+                out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                times = sorted(float(ms) for it, ms in elapsed.findall(out.stdout) if int(it) > 5)
+                if out.returncode or not times:
+                    sys.exit(f"bench.py parallel: {name} failed:\n{out.stderr[-2000:]}")
+                best[name] = min(best[name], times[len(times) // 2])
+    cfg = config_lib.parse_args(base, world_size=2)
+    setup = (f"{cfg.model.num_layers}x{cfg.model.hidden_size}, seq {cfg.model.seq_length}, gbs "
+             f"{cfg.train.global_batch_size}, 2 processes x 1 thread")
+    tp2 = best["TP=2"]
+    return [("parallel" if i == 0 else "", setup if i == 0 else "", name, f"{ms:.1f} ms/it",
+             f"{100 * (ms - tp2) / tp2:+.1f}% vs TP=2") for i, (name, ms) in enumerate(best.items())]
+
+
 def print_table(rows) -> None:
     header = ("benchmark", "setup", "what", "time", "rate")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
@@ -560,7 +599,7 @@ def print_table(rows) -> None:
 if __name__ == "__main__":
     benches = {"checkpoint": bench_checkpoint, "logging": bench_logging, "data": bench_data,
                "overhead": bench_overhead, "ladder": bench_ladder, "hotpath": bench_hotpath,
-               "generate": bench_generate}
+               "generate": bench_generate, "parallel": bench_parallel}
     name = sys.argv[1] if len(sys.argv) > 1 else "checkpoint"
     if name == "_one_size":  # a ladder size in its own process (bench_ladder runs it)
         import json

@@ -108,10 +108,19 @@ def _atomic_save(obj, path: str) -> None:
 
 
 def _atomic_write_text(text: str, path: str) -> None:
+    """Write, then rename into place, durably: the file's bytes reach the disk before the rename, and the rename
+    (the directory's entry) after it, so a power loss after "successfully saved" keeps the tracker."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as fh:
         fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
     os.replace(tmp, path)
+    folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
 
 
 def _first_line(e: BaseException) -> str:
@@ -622,23 +631,55 @@ def resolve_load_dir(load: str, ckpt_step=None):
     if os.path.basename(os.path.normpath(load)).startswith("iter_") and ckpt_step is None:
         if not os.path.isdir(load):
             raise CheckpointError(f"--load {load}: no such directory")
-        return load
+        return check_published(load, f"--load {load}")
     if ckpt_step is not None:
         directory = iter_dir(load, ckpt_step)
         if not os.path.isdir(directory):
             raise CheckpointError(f"--ckpt-step {ckpt_step}: {directory} does not exist")
-        return directory
+        return check_published(directory, f"--ckpt-step {ckpt_step}")
+    text = tracked_iteration(load)
+    if text is None:
+        return None
     tracker = os.path.join(load, TRACKER)
+    directory = iter_dir(load, int(text))
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{tracker} names iteration {text} but {directory} does not exist; "
+                              f"pass --ckpt-step with an iteration that exists")
+    return directory
+
+
+def tracked_iteration(save: str):
+    """The iteration the save directory's tracker publishes (as its text), or None without a tracker."""
+    tracker = os.path.join(save, TRACKER)
     if not os.path.isfile(tracker):
         return None
     text = open(tracker).read().strip()
     if not text.isdigit():
         raise CheckpointError(f"{tracker}: expected an iteration number, found {text[:40]!r}; "
                               f"fix the file or pass --ckpt-step")
-    directory = iter_dir(load, int(text))
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"{tracker} names iteration {text} but {directory} does not exist; "
-                              f"pass --ckpt-step with an iteration that exists")
+    return text
+
+
+def check_published(directory: str, named: str) -> str:
+    """An iter_* directory named directly (--ckpt-step, --load DIR/iter_N) bypasses the tracker, so it must show that
+    its save finished: torch_dist's index (.metadata, written when every rank's tensors are) and the publish step's
+    train_state.pt (ours and Bridge's; written after every rank's files), or, in Megatron-LM's form, which has no
+    train_state.pt, a tracker that has published this iteration or a later one."""
+    directory = os.path.normpath(directory)
+    save, name = os.path.split(directory)
+    step = int(name[len("iter_"):]) if name[len("iter_"):].isdigit() else None
+    torch_dist = not any(entry.startswith("mp_rank_") for entry in os.listdir(directory))
+    tracked = tracked_iteration(save)
+    published = (not torch_dist or os.path.isfile(os.path.join(directory, ".metadata"))) and (
+        os.path.isfile(os.path.join(directory, "train_state.pt"))
+        or (tracked is not None and step is not None and int(tracked) >= step))
+    if not published:
+        missing = ".metadata" if torch_dist and not os.path.isfile(os.path.join(directory, ".metadata")) else \
+            "train_state.pt"
+        newest = f"the newest published is iteration {int(tracked)} (--ckpt-step {int(tracked)})" if tracked else \
+            f"{save} has no published checkpoint ({TRACKER})"
+        raise CheckpointError(f"{named}: the save of iteration {step if step is not None else name} did not finish "
+                              f"({directory} has no {missing}); {newest}")
     return directory
 
 
@@ -686,7 +727,37 @@ def _run_config(directory: str) -> dict:
     return saved if isinstance(saved, dict) else {}
 
 
-SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size")  # what makes another model
+# What makes another model: every setting that changes a tensor's shape (or whether a tensor exists), under its
+# Megatron-LM name (the checkpoint's `args`; Bridge's run_config.yaml shares the names it has), with this run's value.
+# check_saved_model compares the ones the checkpoint names, before any weight loads.
+SHAPE = {
+    "num_layers": lambda cfg: cfg.model.num_layers,
+    "hidden_size": lambda cfg: cfg.model.hidden_size,
+    "ffn_hidden_size": lambda cfg: cfg.model.ffn_hidden_size,
+    "num_attention_heads": lambda cfg: cfg.model.num_attention_heads,
+    "num_query_groups": lambda cfg: cfg.model.num_query_groups,
+    "kv_channels": lambda cfg: cfg.model.kv_channels,
+    "padded_vocab_size": lambda cfg: getattr(cfg, "padded_vocab_size", None),
+    "normalization": lambda cfg: cfg.model.normalization,
+    "position_embedding_type": lambda cfg: cfg.model.position_embedding_type,
+    "swiglu": lambda cfg: cfg.model.swiglu,
+    "qk_layernorm": lambda cfg: cfg.model.qk_layernorm,
+    "untie_embeddings_and_output_weights": lambda cfg: cfg.model.untie_embeddings_and_output_weights,
+}
+
+
+def saved_shape(settings: dict, name: str):
+    """A SHAPE setting as the saving run built it. The key/value groups are the one exception to reading it as
+    saved: Megatron-LM keeps --num-query-groups in `args` (default 1) but builds them only with
+    --group-query-attention (arguments.py:1348-1351), and Bridge's None means one group per head."""
+    if name == "num_query_groups" and (settings.get("group_query_attention") is False
+                                       or settings.get("num_query_groups") is None):
+        return settings.get("num_attention_heads")
+    return settings.get(name)
+
+
+def _shape_flag(name: str) -> str:
+    return "the padded vocabulary" if name == "padded_vocab_size" else "--" + name.replace("_", "-")
 
 
 def saved_settings(directory: str, common: dict) -> tuple:
@@ -713,11 +784,13 @@ def check_saved_model(cfg, directory: str, common: dict, settings: dict, where: 
     if version is not None and version != CHECKPOINT_VERSION:
         raise CheckpointError(f"{path}: checkpoint_version {version} is not {CHECKPOINT_VERSION}, the one this code "
                               f"reads; convert it with Megatron-LM's tools/checkpoint/convert.py first")
-    differ = [f"--{k.replace('_', '-')} {settings[k]} (this run: {getattr(cfg.model, k)})" for k in SHAPE
-              if settings.get(k) is not None and getattr(cfg.model, k, None) is not None
-              and settings[k] != getattr(cfg.model, k)]
+    differ = [k for k, ours in SHAPE.items()
+              if saved_shape(settings, k) is not None and ours(cfg) is not None and saved_shape(settings, k) != ours(cfg)]
     if differ:
-        raise CheckpointError(f"{where}: saved by another model shape: {', '.join(differ)}; pass the checkpoint's sizes")
+        shapes = ", ".join(f"{_shape_flag(k)} {saved_shape(settings, k)} (this run: {SHAPE[k](cfg)})" for k in differ)
+        vocab = (" (the padded vocabulary follows the tokenizer, --make-vocab-size-divisible-by and the tensor-parallel "
+                 "size)" if "padded_vocab_size" in differ else "")
+        raise CheckpointError(f"{where}: saved by another model shape: {shapes}; pass the checkpoint's settings{vocab}")
 
 
 def progress_from(directory: str, common: dict) -> dict:

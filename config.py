@@ -188,8 +188,8 @@ class ModelConfig:
                                         "GPTModel is the only model here, so it is inert.")
     group_query_attention: bool = arg(
         False, "Grouped-query attention, as Megatron-LM's switch: --num-query-groups key/value groups, one group "
-               "(Megatron-LM's default for --num-query-groups) when that is not given. Here --num-query-groups alone "
-               "also turns it on.")
+               "(Megatron-LM's default for --num-query-groups) when that is not given. Megatron-LM ignores "
+               "--num-query-groups without it; here fewer groups than heads turn it on, named in the printed config.")
     apply_layernorm_1p: bool = arg(
         False, "LayerNorm with zero-centred gamma (weight = 1 + gamma, gamma starting at 0): megatron-core's "
                "layernorm_zero_centered_gamma. transformer-engine layers only (megatron-core's local layers build a "
@@ -1361,6 +1361,13 @@ def derive_model_sizes(cfg: ConfigContainer) -> None:
         derive_value(cfg, "model.num_query_groups", 1 if m.group_query_attention else m.num_attention_heads,
                      "--group-query-attention alone: one group" if m.group_query_attention else
                      "--num-attention-heads: no grouping")
+    elif m.num_query_groups != m.num_attention_heads and not m.group_query_attention:
+        # Megatron-LM passes --num-query-groups to megatron-core only with --group-query-attention (arguments.py:
+        # 1348-1351) and builds multi-head attention without it. Here fewer groups than heads mean what they say, and
+        # the switch is set so the checkpoint's args tell Megatron-LM's loader to build the same grouped attention.
+        derive_value(cfg, "model.group_query_attention", True,
+                     f"--num-query-groups {m.num_query_groups}: grouped-query attention (Megatron-LM reads it only with "
+                     f"--group-query-attention, which the checkpoint's args now carry)")
     if m.ffn_hidden_size is None:
         # Megatron-LM: SwiGLU keeps the MLP's parameter count of 4h by using 2/3 of it, rounded to 64.
         derive_value(cfg, "model.ffn_hidden_size",

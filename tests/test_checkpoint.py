@@ -179,7 +179,18 @@ def _rewrite_common(directory, **changes):
     ("none", ["--tokenizer-type", "NullTokenizer", "--vocab-size", "300"],
      r"identity.json: the weights were trained with tokenizer .*ByteTokenizer.* pass the checkpoint's tokenizer flags"),
     ("none", ["--hidden-size", "128"], r"common.pt: saved by another model shape: --hidden-size 64 \(this run: 128\)"),
+    # every setting that changes a tensor's shape, from one list (checkpoint.SHAPE)
+    ("none", ["--num-query-groups", "2"], r"saved by another model shape: --num-query-groups 4 \(this run: 2\);"),
+    ("none", ["--kv-channels", "8"], r"saved by another model shape: --kv-channels 16 \(this run: 8\);"),
+    ("none", ["--normalization", "RMSNorm"], r"--normalization LayerNorm \(this run: RMSNorm\)"),
+    ("none", ["--position-embedding-type", "rope"], r"--position-embedding-type learned_absolute \(this run: rope\)"),
+    ("none", ["--make-vocab-size-divisible-by", "256"],
+     r"the padded vocabulary 384 \(this run: 512\); .*--make-vocab-size-divisible-by"),
     ("none", ["--ckpt-step", "20"], "--ckpt-step 20:"),
+    # a save that never published (its tracker still names 15) is not read as complete when named directly
+    ("unpublished", ["--ckpt-step", "30"], r"--ckpt-step 30: the save of iteration 30 did not finish \(.*iter_0000030 has "
+                                           r"no train_state.pt\); the newest published is iteration 15 \(--ckpt-step 15\)"),
+    ("no_index", ["--ckpt-step", "30"], r"the save of iteration 30 did not finish \(.*iter_0000030 has no \.metadata\)"),
     ("none", ["--train-iters", "40"], "pass --override-opt-param-scheduler"),
 ])
 def test_bad_checkpoints_give_clear_errors(mock_run, tmp_path, damage, flags, message):
@@ -218,12 +229,37 @@ def test_bad_checkpoints_give_clear_errors(mock_run, tmp_path, damage, flags, me
             pickle.dump(index, fh)
     elif damage == "corrupt_tokenizer":
         (it / "tokenizer" / "identity.json").write_text("{")
+    elif damage == "unpublished":  # the tensors of 30 written, its publish step (train_state.pt, the tracker) never run
+        os.remove(it / "train_state.pt")
+        (ckpt / "latest_checkpointed_iteration.txt").write_text("15")
+    elif damage == "no_index":  # killed while torch_dist wrote: no index of the tensors
+        os.remove(it / ".metadata")
     cfg = _cfg(tmp_path, "--train-iters", "30", "--global-batch-size", "8", "--load", str(ckpt), *flags)
     with pytest.raises(checkpoint.CheckpointError, match=message) as e:
         train.pretrain(cfg)
     assert str(ckpt) in str(e.value) or "--ckpt-step" in str(e.value)
     assert "\n" not in str(e.value)
     assert not torch.distributed.is_initialized()
+
+
+def test_the_tracker_is_published_durably(tmp_path, monkeypatch):
+    """The tracker's bytes are synced before the rename that publishes it, and its directory after the rename, so a
+    power loss after "successfully saved" cannot take the publication back."""
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.isdir(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("rename", os.path.basename(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    checkpoint._atomic_write_text("30", str(tmp_path / checkpoint.TRACKER))
+    assert events == [("fsync", False), ("rename", checkpoint.TRACKER), ("fsync", True)]
+    assert (tmp_path / checkpoint.TRACKER).read_text() == "30"
 
 
 def test_truncated_file_stops_every_rank_with_one_line(mock_run, tmp_path):

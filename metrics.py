@@ -498,9 +498,10 @@ class Scalar:
 
 
 def step_report(loss_dict: dict, learning_rate, decoupled_learning_rate, batch_size: int, loss_scale: float,
-                grad_norm, num_zeros_in_grad, params_norm) -> list:
+                grad_norm, num_zeros_in_grad, params_norm, seconds_per_iteration: Optional[float] = None) -> list:
     """The iteration's scalars, in the console line's order: Megatron's names on the console, Megatron's
-    TensorBoard tags. A new scalar is one more line here."""
+    TensorBoard tags. A new scalar is one more line here. `seconds_per_iteration` is the log interval's so far (the
+    log line's elapsed time per iteration, evaluation and saves left out): what a rate divides by."""
     return [
         Scalar("learning rate", "learning-rate", learning_rate),
         Scalar("", "decoupled-learning-rate", decoupled_learning_rate),

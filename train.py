@@ -410,10 +410,14 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
         history_wct.append(time.time() - global_state.start_time)  # this job's wall clock, per iteration
 
         # One report per iteration: the log line, TensorBoard and the trackers all read it (metrics.step_report).
+        # Its time is the log interval's so far, as the log line's: the interval timer over the iterations it ran.
+        interval = cfg.logger.log_interval
+        in_interval = ts.step - max(global_state.start_step, (ts.step - 1) // interval * interval)
         report = metrics.step_report(
             step.loss_dict, *logged_learning_rates(cfg, optimizer), batch_size, float(optimizer.get_loss_scale()),
             step.grad_norm, step.num_zeros_in_grad,
-            metrics.calc_params_l2_norm(model) if cfg.logger.log_params_norm else None)
+            metrics.calc_params_l2_norm(model) if cfg.logger.log_params_norm else None,
+            timers("interval-time").elapsed(reset=False) / in_interval)
         report_memory_flag = metrics.log_step(report, total_loss_dict, report_memory_flag, step.skipped_iter,
                                               global_state, history_wct, model)
         if cfg.train.eval_iters and valid_data_iterator is not None and ts.step % cfg.train.eval_interval == 0:

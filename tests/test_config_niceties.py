@@ -93,3 +93,25 @@ def test_deterministic_mode_repeats_a_gpu_run_bitwise(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
     losses = _scalars(tmp_path / "a", "lm loss")
     assert len(losses) == 6 and losses == _scalars(tmp_path / "b", "lm loss")
+
+
+def test_the_readmes_flag_list_names_flags_that_exist():
+    """README.md's "Flags" list, kept readable by hand, stays true: every flag it names is one `--help` lists (the
+    parser's option strings), one of Megatron-LM's inert flags, or a refused one; and every flag of the train,
+    optimizer, scheduler and checkpoint sections is in it."""
+    import os
+    import re
+
+    import config
+
+    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    section = text[text.index("## Flags"):text.index("Megatron-LM's own GPT example scripts")]
+    named = set(re.findall(r"(--[a-z0-9][a-z0-9_-]*[a-z0-9])", section))
+    known = {o for action in config.build_parser()._actions for o in action.option_strings}
+    known |= {flag for _, flags in config.MEGATRON_LM_INERT_FLAGS for flag, _ in flags}
+    known |= {flag for prefixes, _ in config.MEGATRON_LM_REFUSED_FLAGS for flag in prefixes}
+    families = ("--inprocess", "--fp8")  # named as --inprocess-* and --fp8-*
+    assert sorted(f for f in named if f not in known and f not in families) == []
+    main = {"--" + f.name.replace("_", "-") for name, f, _ in config._cli_fields()
+            if name in ("train", "optimizer", "scheduler", "checkpoint") and not f.metadata.get("flag")}
+    assert sorted(main - named) == []

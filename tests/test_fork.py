@@ -39,20 +39,28 @@ def test_a_new_scalar_is_one_line_of_the_step_report(tmp_path, capsys, monkeypat
 
     original = metrics.step_report
 
-    def with_tokens_per_sample(*args):
+    def with_a_rate(*args):
+        batch_size, seconds_per_iteration = args[3], args[-1]  # step_report's arguments, as train.py passes them
         return [*original(*args), metrics.Scalar("seq len", "seq-len", 64, "d"),
-                metrics.Scalar("not a number", "not-a-number", float("nan"), ".1f")]
+                metrics.Scalar("not a number", "not-a-number", float("nan"), ".1f"),
+                # the guide's example: a rate, from the interval's seconds per iteration the report receives
+                metrics.Scalar("samples per second", "samples-per-second", batch_size / seconds_per_iteration, ".1f")]
 
-    monkeypatch.setattr(metrics, "step_report", with_tokens_per_sample)
+    monkeypatch.setattr(metrics, "step_report", with_a_rate)
     flags = [a for a in TINY if a != "--no-tensorboard"]
     cfg = config.parse_args([*flags, "--mock-data", "--num-workers", "0", "--eval-iters", "0", "--log-interval", "2",
                              "--global-batch-size", "4", "--train-iters", "4", "--tensorboard-dir", str(tmp_path / "tb"),
                              "--data-cache-path", str(tmp_path / "cache")], world_size=1, gpu=False)
     train.pretrain(cfg)
     lines = [l for l in capsys.readouterr().out.splitlines() if " iteration " in l and "/       4 |" in l]
-    assert len(lines) == 2 and all("| seq len: 64 | not a number: nan |" in l for l in lines)
+    assert len(lines) == 2 and all("| seq len: 64 | not a number: nan | samples per second: " in l for l in lines)
+    for line in lines:  # the rate agrees with the line's own elapsed time per iteration (both the interval timer's)
+        rate = float(re.search(r"samples per second: ([\d.]+) \|", line)[1])
+        elapsed = float(re.search(r"elapsed time per iteration \(ms\): ([\d.]+) \|", line)[1]) / 1000
+        assert rate == pytest.approx(4 / elapsed, rel=0.15), line
     assert all("number of nan iterations:   0 |" in l for l in lines)
     tb = tensorboard_scalars(tmp_path / "tb")
+    assert sorted(tb["samples-per-second"]) == [1, 2, 3, 4] and min(tb["samples-per-second"].values()) > 0
     assert tb["seq-len"] == {1: 64.0, 2: 64.0, 3: 64.0, 4: 64.0} and tb["seq-len vs samples"] == {4: 64.0, 8: 64.0, 12: 64.0, 16: 64.0}
 
 

@@ -96,3 +96,28 @@ def test_our_checkpoint_holds_what_their_loaders_read(continued):
     assert run_config["model"]["tensor_model_parallel_size"] == 1 and run_config["model"]["pipeline_model_parallel_size"] == 1
     assert run_config["checkpoint"]["save_rng"] is True and run_config["checkpoint"]["save_optim"] is True
     assert json.loads((it / "tokenizer" / "identity.json").read_text()) == {"class": "NullTokenizer", "vocab_size": 60}
+
+
+def test_megatron_lm_continues_our_grouped_query_checkpoint_with_our_losses(tmp_path):
+    """Megatron-LM builds --num-query-groups only with --group-query-attention (arguments.py:1348-1351). train.py's
+    checkpoint of a grouped-query model made with --num-query-groups 2 alone carries the switch in its args, and
+    Megatron-LM's pretrain_gpt.py went on from it (fixture megatron_lm_gqa: its printed losses, 6-10) with the losses
+    train.py prints going on from the same checkpoint, written again here."""
+    with open(os.path.join(FIXTURES, "megatron_lm_gqa", "printed.json")) as fh:
+        printed = json.load(fh)
+    flags, cache = [*printed["flags"], "--data-cache-path", str(tmp_path / "cache")], tmp_path / "ck"
+    first = torchrun([*flags, "--save", str(cache), "--save-interval", "5", "--exit-interval", "5",
+                      "--tensorboard-dir", str(tmp_path / "tb1")])
+    assert first.returncode == 0, first.stderr[-3000:]
+    args = torch.load(cache / "iter_0000005" / "common.pt", weights_only=False)["args"]
+    assert args.group_query_attention is True and args.num_query_groups == 2 and args.num_attention_heads == 4
+    assert "derived: model.group_query_attention = True (--num-query-groups 2: grouped-query attention" in first.stdout
+    written = tensorboard_scalars(tmp_path / "tb1")["lm loss"]
+    assert [f"{written[i]:.6E}" for i in range(1, 6)] == [printed["first_run"][str(i)]["lm loss"] for i in range(1, 6)]
+    second = torchrun([*flags, "--load", str(cache), "--no-save", "--tensorboard-dir", str(tmp_path / "tb2")])
+    assert second.returncode == 0, second.stderr[-3000:]
+    ours, theirs = tensorboard_scalars(tmp_path / "tb2"), printed["continued"]
+    for step in range(6, 11):
+        got = ours["lm loss"][step] if step != 7 else (ours["lm loss"][6] + ours["lm loss"][7]) / 2  # its mean(6, 7)
+        assert got == pytest.approx(float(theirs[str(step)]["lm loss"]), rel=1e-6), step
+        assert f"{ours['grad-norm'][step]:.3f}" == theirs[str(step)]["grad norm"], step

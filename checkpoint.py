@@ -737,7 +737,7 @@ SHAPE = {
     "num_attention_heads": lambda cfg: cfg.model.num_attention_heads,
     "num_query_groups": lambda cfg: cfg.model.num_query_groups,
     "kv_channels": lambda cfg: cfg.model.kv_channels,
-    "padded_vocab_size": lambda cfg: getattr(cfg, "padded_vocab_size", None),
+    "padded_vocab_size": lambda cfg: getattr(cfg, "padded_vocab_size", None) or None,  # 0: not known (generate.py)
     "normalization": lambda cfg: cfg.model.normalization,
     "position_embedding_type": lambda cfg: cfg.model.position_embedding_type,
     "swiglu": lambda cfg: cfg.model.swiglu,
@@ -753,6 +753,8 @@ def saved_shape(settings: dict, name: str):
     if name == "num_query_groups" and (settings.get("group_query_attention") is False
                                        or settings.get("num_query_groups") is None):
         return settings.get("num_attention_heads")
+    if name == "padded_vocab_size":  # 0: not recorded (a merged or imported checkpoint names no tokenizer padding)
+        return settings.get(name) or None
     return settings.get(name)
 
 
@@ -823,8 +825,8 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
                               f"{ck.ckpt_format}; pass --ckpt-format {saved_format}")
     common = _read_common(directory, saved_format)
     settings, where = saved_settings(directory, common)
+    check_tokenizer(getattr(state, "tokenizer", None), directory, common)  # first: another tokenizer pads another vocabulary
     check_saved_model(cfg, directory, common, settings, where, finetune)
-    check_tokenizer(getattr(state, "tokenizer", None), directory, common)
     # --no-load-optim skips the optimizer and its schedule, --finetune everything but the weights.
     load_optim = ck.load_optim and not finetune and optimizer is not None
     load_rng = ck.load_rng and not finetune

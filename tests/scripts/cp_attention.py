@@ -5,7 +5,7 @@ parallelism on the whole sequence. Under CP=2 each rank holds its two chunks of 
 get_batch_on_this_cp_rank), and its output and the gradients of its Q, K and V must be the reference's at the same
 positions. That holds for both ways a mask reaches the attention: none (causal, built from the chunks' offsets) and
 an explicit mask over the whole sequence (here --reset-attention-mask's, two documents). Prints one JSON line per
-rank: the largest differences."""
+rank, printed by rank 0: the largest differences."""
 
 import json
 import os
@@ -69,6 +69,9 @@ for name, mask in (("causal", None), ("explicit", explicit)):
     # Without the offsets (each rank's chunks read as if they began the sequence) the output is another one.
     result[name]["unshifted_out"] = (run(reference, this_rank(q), this_rank(k), this_rank(v), None,
                                          this_rank(weights))[0] - this_rank(full[0])).abs().max().item()
-print(json.dumps({"rank": torch.distributed.get_rank(), **result}), flush=True)
+gathered = [None, None]
+torch.distributed.all_gather_object(gathered, {"rank": torch.distributed.get_rank(), **result})
+if torch.distributed.get_rank() == 0:  # one writer: two ranks' lines would interleave
+    print("\n".join(json.dumps(r) for r in gathered), flush=True)
 parallel_state.destroy_model_parallel()
 torch.distributed.destroy_process_group()

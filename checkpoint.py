@@ -250,19 +250,33 @@ def _shield_write_results_queue() -> None:
     fails with a BrokenPipeError. So the queue is made here, first, by a Manager that blocks SIGTERM and
     SIGINT; it is shut down with its rank, as megatron-core's own would be.
 
+    Blind to the job's signals, it must still end with its rank however the rank ends (an OOM kill, `kill -9`): it
+    asks Linux for SIGKILL when its parent dies (prctl PR_SET_PDEATHSIG), and exits at once if the rank is already
+    gone. Without that each killed rank leaves one orphan that ignores SIGTERM.
+
     The Manager is a spawned interpreter, which would import the launching script (train.py, with torch and
     megatron-core) before serving a queue: seconds per rank at the first save. It needs none of it, so it is
-    started with a bare __main__ and an initializer from the standard library."""
+    started with a bare __main__ and an initializer from the standard library (exec of MANAGER_INIT)."""
     if filesystem_async._results_queue is None:
         manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        block_job_signals = functools.partial(signal.pthread_sigmask, signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
         main = sys.modules["__main__"]
         sys.modules["__main__"] = types.ModuleType("__main__")
         try:
-            manager.start(initializer=block_job_signals)
+            manager.start(initializer=exec, initargs=(MANAGER_INIT, {"RANK_PID": os.getpid()}))
         finally:
             sys.modules["__main__"] = main
         filesystem_async._results_queue = manager.Queue()
+
+
+# What the writer's Manager runs first (standard library only): the job's signals blocked, death with its rank.
+MANAGER_INIT = """
+import ctypes, os, signal, sys
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+if sys.platform == "linux":
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+if os.getppid() != RANK_PID:  # the rank died before the request took effect
+    os._exit(0)
+"""
 
 
 def save_checkpoint(state, model: list, optimizer, scheduler) -> str:

@@ -332,6 +332,32 @@ def test_sigterm_on_one_rank_saves_and_stops_all_ranks(tmp_path):
     assert "rng_state/shard_0.0_1.1" in checkpoint_keys(tmp_path / "ck" / f"iter_{step:07d}")
 
 
+def test_nothing_outlives_a_killed_rank(tmp_path):
+    """`kill -9` of one rank (an OOM kill, say), after its first save: within 10 seconds no process it started is
+    left (the torch_dist writer's Manager, which blocks SIGTERM and SIGINT, dies with it; DataLoader workers watch
+    their parent), and torchrun stops the job, naming the lost rank."""
+    log = tmp_path / "log"
+    args = [*TINY, "--mock-data", "--train-iters", "3000", "--log-interval", "1", "--eval-iters", "0",
+            "--num-workers", "2", "--save", str(tmp_path / "ck"), "--save-interval", "2",
+            "--distributed-timeout-minutes", "2", "--data-cache-path", str(tmp_path / "cache")]
+    proc = _launch(args, log)
+    try:
+        assert _wait_for(lambda: "successfully saved checkpoint from iteration       2" in log.read_text())
+        assert _wait_for(lambda: "iteration        3/" in log.read_text())
+        rank = next(p for p in psutil.Process(proc.pid).children() if p.environ().get("RANK") == "1")
+        helpers = rank.children(recursive=True)
+        names = [" ".join(p.cmdline()) for p in helpers]
+        assert any("multiprocessing" in n and "spawn" in n for n in names), names  # the writer's Manager
+        rank.kill()
+        gone, alive = psutil.wait_procs(helpers, timeout=10)
+        assert not alive, [" ".join(p.cmdline()) for p in alive]
+        assert proc.wait(timeout=150) != 0
+    finally:
+        _kill_9(proc)
+    out = log.read_text()
+    assert "local_rank: 1" in out and "Signal 9 (SIGKILL)" in out, out[-3000:]
+
+
 def _signal_the_job(args, log, sig, after="iteration        3/"):
     """Start a 2-rank torchrun in a session of its own, signal its whole process group (torchrun, ranks,
     DataLoader workers, checkpoint writers: as SLURM, `timeout` and Ctrl-C do) once `after` is logged."""

@@ -1315,6 +1315,7 @@ def check(cfg: ConfigContainer) -> None:
     check_loggers(cfg)
     check_checkpointing(cfg)
     check_machine(cfg)
+    check_fits_in_memory(cfg)
     check_peft(cfg)
     check_deterministic_mode(cfg)
     check_callbacks(cfg)
@@ -2191,6 +2192,73 @@ def check_machine(cfg: ConfigContainer) -> None:
         require(m.apply_query_key_layer_scaling or not env,
                 "NVTE_APPLY_QK_LAYER_SCALING asks transformer-engine for query-key layer scaling; add "
                 "--apply-query-key-layer-scaling or unset it")
+
+
+def machine_memory_bytes(cfg: ConfigContainer) -> Optional[int]:
+    """What the run must fit in: one GPU's memory per rank, or this machine's RAM, shared by its ranks. None when
+    it cannot be told (a GPU visible to a torch that cannot use it: that is its own error)."""
+    if cfg.use_gpu:
+        import torch
+
+        return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def model_parameters(m: ModelConfig, padded_vocab: int) -> int:
+    """The GPT's weights (biases left out: a lower bound): per layer the attention's Q, K, V and output projections,
+    the MLP (two input matrices when gated) and two norms; the embedding, a learned position table, an untied
+    output layer."""
+    h, ffn, q, kv = m.hidden_size, m.ffn_hidden_size, m.num_attention_heads * m.kv_channels, m.num_query_groups * m.kv_channels
+    layer = h * (q + 2 * kv) + q * h + h * ffn * (2 if m.swiglu or m.quick_geglu else 1) + ffn * h + 4 * h
+    positions = m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0
+    return m.num_layers * layer + padded_vocab * h * (2 if m.untie_embeddings_and_output_weights else 1) + positions
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB"
+
+
+def check_fits_in_memory(cfg: ConfigContainer) -> None:
+    """A run whose model or dataset index cannot fit is refused before anything is built (else the allocator or
+    megatron-core's dataset builder dies with a traceback). Lower bounds, so a run that fits is never refused:
+    the weights, gradients and Adam state (Megatron-LM's bytes per parameter: 16 in fp32, 18 in mixed precision,
+    the optimizer's part sharded by --use-distributed-optimizer) of each rank's share of the model, one
+    microbatch's logits and layer inputs; and megatron-core's sample index, 16 bytes per sample (its sample-to-
+    document pairs and its shuffle)."""
+    m, t, o = cfg.model, cfg.train, cfg.optimizer
+    total = machine_memory_bytes(cfg)
+    if total is None or None in (m.kv_channels, m.num_query_groups, m.ffn_hidden_size, m.max_position_embeddings):
+        return
+    tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+    divisible = m.make_vocab_size_divisible_by * tp
+    vocab = {"ByteTokenizer": 257, "NullTokenizer": (cfg.tokenizer.vocab_size or 0) + 1}.get(cfg.tokenizer.tokenizer_type, 1)
+    padded_vocab = -(-vocab // divisible) * divisible
+    params = model_parameters(m, padded_vocab)
+    half = m.bf16 or m.fp16
+    shards = cfg.data_parallel_size * cp if o.use_distributed_optimizer else 1
+    per_param = (6 if half else 8) + ((12 if half else 8) if o.optimizer == "adam" else 4) / shards
+    activations = (m.seq_length // cp) * t.micro_batch_size * (padded_vocab // tp + 2 * m.hidden_size * m.num_layers // pp) * 4
+    ranks = 1 if cfg.use_gpu else int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
+    need = ranks * (params / (tp * pp) * per_param + activations)
+    require(need <= total,
+            f"the model needs at least {_gb(need)} for its weights, gradients, optimizer state and one microbatch's "
+            f"activations ({params:,} parameters: --num-layers {m.num_layers}, --hidden-size {m.hidden_size}, "
+            f"--ffn-hidden-size {m.ffn_hidden_size}, a vocabulary padded to {padded_vocab:,} rows by "
+            f"--make-vocab-size-divisible-by {m.make_vocab_size_divisible_by}, --seq-length {m.seq_length}, "
+            f"--micro-batch-size {t.micro_batch_size}; {ranks} rank(s) here), more than the "
+            f"{_gb(total)} of {'its GPU' if cfg.use_gpu else 'RAM on this machine'}; make it smaller or split it "
+            f"over more devices")
+    if t.train_iters is None or t.global_batch_size is None:
+        return
+    evaluations = t.train_iters // t.eval_interval + 2 if t.eval_interval > 0 else 2  # validation, and the test set
+    training = t.train_samples or t.train_iters * t.global_batch_size
+    samples = training + evaluations * t.eval_iters * t.global_batch_size
+    require(16 * samples <= total,
+            f"{samples:,} samples ({training:,} to train: " + (f"--train-samples {t.train_samples}" if t.train_samples
+            else f"--train-iters {t.train_iters} x --global-batch-size {t.global_batch_size}") + f"; --eval-iters "
+            f"{t.eval_iters} x --global-batch-size at each of {evaluations} evaluations) need a dataset index of at "
+            f"least {_gb(16 * samples)}, more than the {_gb(total)} of RAM on this machine; train or evaluate on fewer "
+            f"samples")
 
 
 def check_peft(cfg: ConfigContainer) -> None:

@@ -3,6 +3,7 @@
 These tests import neither torch nor megatron-core: that is part of what they prove."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -196,6 +197,14 @@ OUT_OF_RANGE = [  # each once crashed with a traceback after the model was built
     (["--sgd-momentum", "-1"], "--sgd-momentum -1.0 is out of range: it must lie in [0, inf)"),
     (["--adam-beta1", "nan"], "--adam-beta1 nan is out of range"),
     (["--num-workers", "999999999999"], "--num-workers 999999999999 would fork more DataLoader processes"),
+    # sizes that validation accepts one by one but no machine holds: once 128 TB asked of the allocator, a traceback
+    (["--make-vocab-size-divisible-by", "999999999999"], "the model needs at least 8,192,000.1 GB for its weights"),
+    (["--seq-length", "999999999"], "the model needs at least 43,008.1 GB"),
+    (["--micro-batch-size", "999999999"], "the model needs at least 2,490,368.1 GB"),
+    # ... and sample counts whose dataset index no machine holds (megatron-core's builder died with a traceback)
+    (["--train-iters", "999999999999"], "4,400,000,000,036 samples (3,999,999,999,996 to train: --train-iters "
+                                        "999999999999 x --global-batch-size 4; --eval-iters 10"),
+    (["--eval-iters", "999999999999"], "20,000,000,001,180 samples (1,200 to train"),
 ]
 
 
@@ -211,6 +220,21 @@ def test_out_of_range_numbers_stop_before_torch_loads():
         out, err = run.communicate(timeout=60)
         assert out.strip() == "exit 2 torch imported: False", (argv, out, err)
         assert err.startswith(f"train.py: error: {message}") and err.count("\n") == 1, (argv, err)
+
+
+def test_a_model_that_cannot_fit_names_the_figures_and_the_flags(capsys):
+    """One line with what the run needs, what the machine has, and the flags that made the size."""
+    err = config_error(["--make-vocab-size-divisible-by", "999999999999"], capsys)
+    assert "a vocabulary padded to 999,999,999,999 rows by --make-vocab-size-divisible-by 999999999999" in err
+    assert " GB of RAM on this machine; make it smaller or split it over more devices" in err
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert f"more than the {ram / 1e9:,.1f} GB of RAM" in err
+    # The same model on 2 ranks of this machine needs twice the weights: the machine's RAM is shared.
+    one = int(re.search(r"needs at least ([\d,]+)", config_error(["--hidden-size", "60000", "--num-attention-heads", "4"],
+                                                                 capsys))[1].replace(",", ""))
+    two = int(re.search(r"needs at least ([\d,]+)", config_error(["--hidden-size", "60000", "--num-attention-heads", "4"],
+                                                                 capsys, world_size=2))[1].replace(",", ""))
+    assert two == pytest.approx(2 * one, rel=0.01)
 
 
 # --- scheduler lengths, compatibility checks, determinism, the config summary, NVIDIA service configs -----------

@@ -37,7 +37,6 @@ import multiprocessing
 import os
 import random
 import shutil
-import signal
 import sys
 import threading
 import types

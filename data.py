@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 import device  # first: it quiets megatron-core's import-time warnings
-from config import ConfigError, DatasetBuildContext, DatasetProvider, parse_data_path
+from config import BUILTIN_BPE_VOCAB, ConfigError, DatasetBuildContext, DatasetProvider, builtin_bpe_path, parse_data_path
 from device import any_rank
 from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -112,6 +112,8 @@ def embedding_rows(tokenizer) -> int:
 def build_tokenizer(cfg):
     tk = cfg.tokenizer
     if tk.tokenizer_type == "HuggingFaceTokenizer":
+        if tk.tokenizer_model == builtin_bpe_path(cfg):
+            train_builtin_bpe(tk.tokenizer_model)
         tokenizer = HuggingFaceTokenizer(tk.tokenizer_model)
     else:
         tokenizer = NullTokenizer(tk.vocab_size) if tk.tokenizer_type == "NullTokenizer" else ByteTokenizer()
@@ -140,20 +142,46 @@ def write_indexed_dataset(documents, tokenizer, prefix: str) -> str:
     return prefix
 
 
-def builtin_corpus_prefix(cfg) -> str:
-    """The default training text: the topic pages of CPython's bundled documentation (`pydoc_data`,
-    ~465 kB of English prose and code), byte-tokenized into an indexed dataset on first use."""
+def builtin_corpus_paragraphs() -> list:
+    """The default training text: the topic pages of CPython's bundled documentation (`pydoc_data`, ~465 kB of English
+    prose and code), one document per paragraph: ~2,600 of them, enough that a 969,30,1 split leaves every set
+    non-empty."""
     import pydoc_data.topics
 
+    topics = pydoc_data.topics.topics
+    return [p for k in sorted(topics) for p in topics[k].split("\n\n") if p.strip()]
+
+
+def builtin_corpus_prefix(cfg, tokenizer) -> str:
+    """The built-in corpus, tokenized into an indexed dataset on first use: by bytes, or by the run's BPE tokenizer
+    (one dataset per tokenizer file)."""
     cache = cfg.dataset.data_cache_path or os.path.join(os.path.expanduser("~"), ".cache", "train-py")
-    prefix = os.path.join(cache, "pydoc_topics_text_document")
+    name = "pydoc_topics" if isinstance(tokenizer, ByteTokenizer) else \
+        f"pydoc_topics_{tokenizer.unique_identifiers['sha256']}"
+    prefix = os.path.join(cache, f"{name}_text_document")
     if torch.distributed.get_rank() == 0 and not os.path.exists(prefix + ".idx"):
-        # One document per paragraph: ~2,600 of them, enough that a 969,30,1 split leaves every set non-empty.
-        topics = pydoc_data.topics.topics
-        paragraphs = [p for k in sorted(topics) for p in topics[k].split("\n\n") if p.strip()]
-        write_indexed_dataset(paragraphs, ByteTokenizer(), prefix)
+        write_indexed_dataset(builtin_corpus_paragraphs(), tokenizer, prefix)
     torch.distributed.barrier()
     return prefix
+
+
+def train_builtin_bpe(path: str) -> None:
+    """The quick start's tokenizer: a byte-level BPE of BUILTIN_BPE_VOCAB tokens (GPT-2's kind, with its
+    <|endoftext|>) trained on the built-in corpus with `tokenizers`, by rank 0 on first use (under a second), then
+    read by every rank. Saved with each checkpoint (iter_N/tokenizer/), where generate.py and hf.py read it."""
+    if torch.distributed.get_rank() == 0 and not os.path.isfile(path):
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        bpe = Tokenizer(models.BPE())
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        bpe.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=BUILTIN_BPE_VOCAB, special_tokens=["<|endoftext|>"],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        bpe.train_from_iterator(builtin_corpus_paragraphs(), trainer)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        bpe.save(f"{path}.tmp{os.getpid()}")
+        os.replace(f"{path}.tmp{os.getpid()}", path)
+    torch.distributed.barrier()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -177,7 +205,7 @@ def build_datasets(cfg, tokenizer) -> list:
     elif d.data_path:
         blend = parse_data_path(d.data_path)
     elif not d.mock_data:
-        blend = ([builtin_corpus_prefix(cfg)], None)
+        blend = ([builtin_corpus_prefix(cfg, tokenizer)], None)
     config = (GPTFIMDatasetConfig if d.fim_data else GPTDatasetConfig)(
         **(fim_settings(d) if d.fim_data else {}),
         random_seed=cfg.rng.seed,

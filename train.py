@@ -31,6 +31,7 @@ tracker and dist_checkpointing on both; on a CPU, device.py's shim answers megat
 
 from __future__ import annotations
 
+import os
 import sys
 
 import config as config_lib
@@ -38,7 +39,9 @@ import config as config_lib
 if __name__ == "__main__":
     # Parse and validate before the imports below: `--help` and a bad flag answer in a fraction of a
     # second instead of after megatron-core's ~8 s import, and no process starts work it cannot finish.
-    CLI_CONFIG = config_lib.parse_args(sys.argv[1:])
+    CLI_CONFIG = config_lib.parse_args(sys.argv[1:] or config_lib.QUICK_START)
+    if not sys.argv[1:] and os.environ.get("RANK", "0") == "0":
+        print("quick start (no flag given): " + " ".join(config_lib.QUICK_START), flush=True)
 
 import contextlib
 import dataclasses
@@ -48,7 +51,6 @@ import inspect
 import itertools
 import logging
 import math
-import os
 import signal
 import time
 from typing import Callable, NamedTuple, Optional

@@ -4,6 +4,7 @@ sampling follows its seed and limits, bad input is one line, and the quick start
 no flag under tensor parallelism."""
 
 import io
+import os
 import shutil
 import types
 
@@ -182,34 +183,62 @@ def test_a_prompt_past_the_context_or_a_tokenizer_without_text_is_one_line(mock_
 
 
 def test_quick_start_outputs_feed_generate_with_no_flag_under_tensor_parallelism(tmp_path, monkeypatch):
-    """The quick start's run, shortened, in an empty folder and with no output flag: a checkpoint in checkpoints/
-    and TensorBoard files in runs/; then `generate.py --prompt` (2 ranks, tensor-parallel) there writes what a
-    one-process greedy loop writes."""
+    """The quick start's configuration (config.QUICK_START: its own BPE tokenizer of the built-in corpus), shrunk, in
+    an empty folder and with no output flag: the tokenizer is trained on first use and reads the corpus back exactly;
+    a checkpoint in checkpoints/ that carries it, TensorBoard files in runs/; then `generate.py --prompt` (2 ranks,
+    tensor-parallel) there reads it and writes what a one-process greedy loop writes. Another tokenizer file is one
+    line naming both vocabularies."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+    import checkpoint
     import config
+    import data
     import generate
     import train
 
     monkeypatch.chdir(tmp_path)
-    cfg = config.parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
-                             "64", "--micro-batch-size", "4", "--train-iters", "20", "--eval-iters", "0", "--num-workers",
-                             "0", "--data-cache-path", str(tmp_path / "cache")], world_size=1, gpu=False)
+    shrunk = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--train-iters", "20",
+              "--eval-iters", "0", "--num-workers", "0", "--data-cache-path", str(tmp_path / "cache")]
+    cfg = config.parse_args([*config.QUICK_START, *shrunk], world_size=1, gpu=False)
     assert (cfg.checkpoint.save, cfg.logger.tensorboard_dir) == ("checkpoints", "runs")
+    bpe = tmp_path / "cache" / "pydoc_topics_bpe2048" / "tokenizer.json"
+    assert cfg.tokenizer.tokenizer_model == str(bpe) and not bpe.exists()  # derived, trained at setup
     train.pretrain(cfg)
+    tokenizer = data.HuggingFaceTokenizer(str(bpe))
+    assert tokenizer.vocab_size == 2048 and tokenizer.eod == tokenizer._tokenizer.token_to_id("<|endoftext|>")
+    paragraphs = data.builtin_corpus_paragraphs()[:200]
+    assert all(tokenizer.detokenize(tokenizer.tokenize(p)) == p for p in paragraphs)  # the round trip, exact
+    text = "".join(paragraphs)
+    assert len(text.encode()) / len(tokenizer.tokenize(text)) > 3  # bytes per token: the point of it
+    saved = tmp_path / "checkpoints" / "iter_0000020" / "tokenizer" / "tokenizer.json"
+    assert saved.read_bytes() == bpe.read_bytes()
     assert open(tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").read() == "20"
     tb = EventAccumulator(str(tmp_path / "runs"), size_guidance={"scalars": 0})
     tb.Reload()
     assert [e.step for e in tb.Scalars("lm loss")] == list(range(1, 21))
 
+    other = Tokenizer(models.BPE())
+    other.pre_tokenizer = pre_tokenizers.ByteLevel()
+    other.train_from_iterator(paragraphs, trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>"],
+                                                              show_progress=False))
+    other.save(str(tmp_path / "other.json"))
+    wrong = config.parse_args([*config.QUICK_START, *shrunk, "--tokenizer-model", str(tmp_path / "other.json"),
+                               "--load", "checkpoints", "--no-save", "--train-iters", "21"], world_size=1, gpu=False)
+    with pytest.raises(checkpoint.CheckpointError, match=r"trained with tokenizer .*'vocab_size': 2048.* but the flags "
+                                                         r"give .*'vocab_size': 600") as e:
+        train.pretrain(wrong)
+    assert "\n" not in str(e.value)
+
     proc = torchrun(["--prompt", "The Python", "--greedy", "--max-new-tokens", "40"], script="generate.py", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     model, tokenizer, cfg = generate.load_model("checkpoints")
-    assert cfg.model.tensor_model_parallel_size == 1
+    assert cfg.model.tensor_model_parallel_size == 1 and os.path.samefile(tokenizer.file, saved)  # the checkpoint's copy
     new = generate.generate(model, tokenizer, tokenizer.tokenize("The Python"), max_new_tokens=40)
     assert proc.stdout == "The Python" + tokenizer.detokenize(new) + "\n"
     assert len(new) > 0 and "loaded checkpoint" in proc.stderr
     assert "iter_0000020 at iteration 0 (weights only), trained for 20 iterations" in proc.stderr  # the real one
+
 
 
 def test_the_default_folders_can_be_turned_off():

@@ -2265,13 +2265,17 @@ def check_fits_in_memory(cfg: ConfigContainer) -> None:
     params = model_parameters(m, padded_vocab)
     half = m.bf16 or m.fp16
     shards = cfg.data_parallel_size * cp if o.use_distributed_optimizer else 1
-    per_param = (6 if half else 8) + ((12 if half else 8) if o.optimizer == "adam" else 4) / shards
+    # A run that trains holds weights, gradients and the optimizer's state; one that does not (generate.py, hf.py's
+    # import: --train-iters 0) only the weights.
+    trains = t.train_iters != 0 and not t.skip_train
+    per_param = ((6 if half else 8) + ((12 if half else 8) if o.optimizer == "adam" else 4) / shards if trains
+                 else 2 if half else 4)
     activations = (m.seq_length // cp) * t.micro_batch_size * (padded_vocab // tp + 2 * m.hidden_size * m.num_layers // pp) * 4
     ranks = 1 if cfg.use_gpu else int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
     need = ranks * (params / (tp * pp) * per_param + activations)
     require(need <= total,
-            f"the model needs at least {_gb(need)} for its weights, gradients, optimizer state and one microbatch's "
-            f"activations ({params:,} parameters: --num-layers {m.num_layers}, --hidden-size {m.hidden_size}, "
+            f"the model needs at least {_gb(need)} for its weights"
+            + (", gradients, optimizer state" if trains else "") + f" and one microbatch's activations ({params:,} parameters: --num-layers {m.num_layers}, --hidden-size {m.hidden_size}, "
             f"--ffn-hidden-size {m.ffn_hidden_size}, a vocabulary padded to {padded_vocab:,} rows by "
             f"--make-vocab-size-divisible-by {m.make_vocab_size_divisible_by}, --seq-length {m.seq_length}, "
             f"--micro-batch-size {t.micro_batch_size}; {ranks} rank(s) here), more than the "

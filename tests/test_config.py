@@ -237,6 +237,19 @@ def test_a_model_that_cannot_fit_names_the_figures_and_the_flags(capsys):
     assert two == pytest.approx(2 * one, rel=0.01)
 
 
+def test_a_run_that_does_not_train_needs_room_for_its_weights_alone():
+    """generate.py and hf.py's import (--train-iters 0) hold no gradients nor optimizer state: a model whose weights
+    fit this machine's RAM is accepted there, and refused for training, where it needs four times as much."""
+    import math
+
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    hidden = int(math.sqrt(ram / 8 / 24)) // 64 * 64  # 2 layers of ~12 h^2 parameters: weights ~ RAM / 2
+    flags = ["--num-layers", "2", "--hidden-size", str(hidden), "--num-attention-heads", "4", "--mock-data"]
+    config.config_from_flags([*flags, "--train-iters", "0"], world_size=1, gpu=False)
+    with pytest.raises(config.ConfigError, match="for its weights, gradients, optimizer state and one microbatch"):
+        config.config_from_flags(flags, world_size=1, gpu=False)
+
+
 # --- scheduler lengths, compatibility checks, determinism, the config summary, NVIDIA service configs -----------
 
 

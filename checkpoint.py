@@ -658,7 +658,15 @@ def resolve_load_dir(load: str, ckpt_step=None):
     if not os.path.isdir(directory):
         raise CheckpointError(f"{tracker} names iteration {text} but {directory} does not exist; "
                               f"pass --ckpt-step with an iteration that exists")
+    if _is_torch_dist(directory) and not os.path.isfile(os.path.join(directory, ".metadata")):
+        raise CheckpointError(f"{directory}: no .metadata (torch_dist's index of the tensors); the checkpoint is "
+                              f"damaged: load an older iteration with --ckpt-step")
     return directory
+
+
+def _is_torch_dist(directory: str) -> bool:
+    """torch_dist's layout, not the torch format's per-rank mp_rank_* folders."""
+    return not any(entry.startswith("mp_rank_") for entry in os.listdir(directory))
 
 
 def tracked_iteration(save: str):
@@ -681,7 +689,7 @@ def check_published(directory: str, named: str) -> str:
     directory = os.path.normpath(directory)
     save, name = os.path.split(directory)
     step = int(name[len("iter_"):]) if name[len("iter_"):].isdigit() else None
-    torch_dist = not any(entry.startswith("mp_rank_") for entry in os.listdir(directory))
+    torch_dist = _is_torch_dist(directory)
     tracked = tracked_iteration(save)
     published = (not torch_dist or os.path.isfile(os.path.join(directory, ".metadata"))) and (
         os.path.isfile(os.path.join(directory, "train_state.pt"))

@@ -191,6 +191,7 @@ def _rewrite_common(directory, **changes):
     ("unpublished", ["--ckpt-step", "30"], r"--ckpt-step 30: the save of iteration 30 did not finish \(.*iter_0000030 has "
                                            r"no train_state.pt\); the newest published is iteration 15 \(--ckpt-step 15\)"),
     ("no_index", ["--ckpt-step", "30"], r"the save of iteration 30 did not finish \(.*iter_0000030 has no \.metadata\)"),
+    ("no_index", [], r"iter_0000030: no \.metadata \(torch_dist's index of the tensors\); the checkpoint is damaged"),
     ("none", ["--train-iters", "40"], "pass --override-opt-param-scheduler"),
 ])
 def test_bad_checkpoints_give_clear_errors(mock_run, tmp_path, damage, flags, message):

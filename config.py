@@ -1982,10 +1982,14 @@ def uses_builtin_corpus(cfg: ConfigContainer) -> bool:
     return not (d.mock_data or d.data_path or d.train_data_path or d.valid_data_path or d.test_data_path or d.sft)
 
 
+def builtin_corpus_cache(cfg: ConfigContainer) -> str:
+    """Where the built-in corpus's datasets and tokenizer are kept: --data-cache-path, else ~/.cache/train-py."""
+    return cfg.dataset.data_cache_path or os.path.join(os.path.expanduser("~"), ".cache", "train-py")
+
+
 def builtin_bpe_path(cfg: ConfigContainer) -> str:
     """Where the built-in corpus's BPE tokenizer is kept (trained by data.build_tokenizer on first use)."""
-    cache = cfg.dataset.data_cache_path or os.path.join(os.path.expanduser("~"), ".cache", "train-py")
-    return os.path.join(cache, f"pydoc_topics_bpe{BUILTIN_BPE_VOCAB}", "tokenizer.json")
+    return os.path.join(builtin_corpus_cache(cfg), f"pydoc_topics_bpe{BUILTIN_BPE_VOCAB}", "tokenizer.json")
 
 
 def check_data(cfg: ConfigContainer) -> None:

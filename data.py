@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 import device  # first: it quiets megatron-core's import-time warnings
-from config import BUILTIN_BPE_VOCAB, ConfigError, DatasetBuildContext, DatasetProvider, builtin_bpe_path, parse_data_path
+from config import (BUILTIN_BPE_VOCAB, ConfigError, DatasetBuildContext, DatasetProvider, builtin_bpe_path,
+                    builtin_corpus_cache, parse_data_path)
 from device import any_rank
 from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -155,7 +156,7 @@ def builtin_corpus_paragraphs() -> list:
 def builtin_corpus_prefix(cfg, tokenizer) -> str:
     """The built-in corpus, tokenized into an indexed dataset on first use: by bytes, or by the run's BPE tokenizer
     (one dataset per tokenizer file)."""
-    cache = cfg.dataset.data_cache_path or os.path.join(os.path.expanduser("~"), ".cache", "train-py")
+    cache = builtin_corpus_cache(cfg)
     name = "pydoc_topics" if isinstance(tokenizer, ByteTokenizer) else \
         f"pydoc_topics_{tokenizer.unique_identifiers['sha256']}"
     prefix = os.path.join(cache, f"{name}_text_document")

@@ -764,6 +764,9 @@ SHAPE = {
     "swiglu": lambda cfg: cfg.model.swiglu,
     "qk_layernorm": lambda cfg: cfg.model.qk_layernorm,
     "untie_embeddings_and_output_weights": lambda cfg: cfg.model.untie_embeddings_and_output_weights,
+    "num_experts": lambda cfg: cfg.model.num_experts or 0,  # 0: a dense model (Megatron-LM's None)
+    "moe_ffn_hidden_size": lambda cfg: cfg.model.moe_ffn_hidden_size,
+    "moe_shared_expert_intermediate_size": lambda cfg: cfg.model.moe_shared_expert_intermediate_size or 0,
 }
 
 
@@ -774,6 +777,9 @@ def saved_shape(settings: dict, name: str):
     if name == "num_query_groups" and (settings.get("group_query_attention") is False
                                        or settings.get("num_query_groups") is None):
         return settings.get("num_attention_heads")
+    if name in ("num_experts", "moe_shared_expert_intermediate_size"):  # None there: none (Bridge: num_moe_experts)
+        key = "num_moe_experts" if name == "num_experts" and name not in settings else name
+        return (settings.get(key) or 0) if key in settings else None
     if name == "padded_vocab_size":  # 0: not recorded (a merged or imported checkpoint names no tokenizer padding)
         return settings.get(name) or None
     return settings.get(name)
@@ -858,6 +864,14 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
     if load_rng and settings.get("no_save_rng", False):
         print_rank_0(f" {directory} was saved without random states (--no-save-rng): they start afresh from --seed")
         load_rng = False
+    # megatron-core builds the experts their own optimizer when EP > 1 (a ChainedOptimizer of two) and none at EP=1,
+    # and its loaders do not move the state between the two (optimizer.py:1221).
+    saved_ep, ep = settings.get("expert_model_parallel_size") or 1, cfg.model.expert_model_parallel_size
+    if load_optim and cfg.model.num_experts and (saved_ep > 1) != (ep > 1):
+        raise CheckpointError(f"{directory}: its optimizer state was saved at --expert-model-parallel-size {saved_ep}, "
+                              f"which megatron-core cannot load at {ep} (one optimizer for all parameters at EP=1, the "
+                              f"experts' own beside it at EP>1); add --no-load-optim to continue its weights with a "
+                              f"fresh optimizer, or resume at --expert-model-parallel-size {saved_ep}")
     peft_run = cfg.peft.peft != "none" and not finetune  # a PEFT run's own checkpoint: adapters only
     if saved_format == "torch_dist":
         payload = _load_sharded(cfg, directory, model, optimizer, scheduler, peft_run, load_optim, load_rng)

@@ -276,6 +276,66 @@ class ModelConfig:
     fp8_amax_compute_algo: str = arg("most_recent", "FP8 amax from the history: most_recent or max (with --fp8-format).",
                                      choices=["most_recent", "max"])
     fp8_param_gather: bool = arg(False, "Keep the compute weights in FP8 and all-gather them so (with --fp8-format).")
+    # Mixture of Experts: Megatron-LM's --num-experts and --moe-* flags (arguments.py and megatron-core's
+    # TransformerConfig fields, core_v0.16.1), with their defaults. model.block_spec places megatron-core's MoELayer.
+    num_experts: Optional[int] = arg(
+        None, "Experts of each MoE layer: megatron-core's MoELayer (a TopKRouter and SequentialMLP experts) instead of "
+              "the MLP. Default: no MoE (0 too, as in Megatron-LM).")
+    moe_layer_freq: str = arg(
+        "1", "Which layers are MoE layers: N makes every Nth layer one (from the first), or a 0/1 list with one entry "
+             "per layer such as '([0]+[1]*3)' (1: MoE).")
+    moe_ffn_hidden_size: Optional[int] = arg(
+        None, "Each expert's MLP hidden size. Default: --ffn-hidden-size.", bounds="(0, inf)")
+    moe_router_topk: int = arg(2, "Experts each token is routed to.", bounds="(0, inf)")
+    moe_router_load_balancing_type: list[str] = arg(
+        ["aux_loss"], "Load balancing: aux_loss (GShard/Switch, over the micro batch), seq_aux_loss (DeepSeek-V2, per "
+                      "sequence), global_aux_loss (over the global batch), sinkhorn (S-BASE) or none; several with one "
+                      "--moe-aux-loss-coeff each.")
+    moe_aux_loss_coeff: list[float] = arg([0.0], "Scale of each load-balancing loss (1e-2 is a usual start).")
+    moe_z_loss_coeff: Optional[float] = arg(None, "Scale of the router's z-loss (ST-MoE; 1e-3 is a usual start).",
+                                            bounds="[0, inf)")
+    moe_router_score_function: str = arg("softmax", "The router's scores: softmax or sigmoid (DeepSeek-V3).",
+                                         choices=["softmax", "sigmoid"])
+    moe_router_enable_expert_bias: bool = arg(
+        False, "A per-expert bias added to the scores for choosing the top-k only, updated each step towards balance "
+               "(DeepSeek-V3's loss-free balancing); with --moe-router-score-function sigmoid.")
+    moe_router_bias_update_rate: float = arg(1e-3, "Step of the expert-bias update.", bounds="[0, inf)")
+    moe_router_pre_softmax: bool = arg(False, "Softmax over all experts before the top-k (instead of over the top-k).")
+    moe_router_topk_scaling_factor: Optional[float] = arg(None, "Scale of the top-k routing weights.",
+                                                          bounds="(0, inf)")
+    moe_router_num_groups: Optional[int] = arg(
+        None, "Group-limited routing: experts in this many groups, each token routed within --moe-router-group-topk "
+              "of them (DeepSeek-V2/V3).", bounds="(0, inf)")
+    moe_router_group_topk: Optional[int] = arg(None, "Groups each token may route to (with --moe-router-num-groups).",
+                                               bounds="(0, inf)")
+    moe_router_dtype: Optional[str] = arg(None, "Precision of the router's matmul and scores: fp32 or fp64. Default: "
+                                                "the model's.", choices=["fp32", "fp64"])
+    moe_input_jitter_eps: Optional[float] = arg(None, "Multiplicative uniform noise of this size on the router's input "
+                                                      "in training.", bounds="[0, inf)")
+    moe_token_dispatcher_type: str = arg(
+        "allgather", "How tokens reach their experts' ranks: allgather or alltoall (flex: DeepEP's, GPU only).",
+        choices=["allgather", "alltoall", "flex"])
+    moe_expert_capacity_factor: Optional[float] = arg(
+        None, "Token dropping: each expert takes at most this factor x its even share of the tokens. Default: no "
+              "dropping.", bounds="(0, inf)")
+    moe_pad_expert_input_to_capacity: bool = arg(
+        False, "With --moe-expert-capacity-factor: pad every expert's input to its capacity.")
+    moe_token_drop_policy: str = arg("probs", "With --moe-expert-capacity-factor: drop the tokens of lowest routing "
+                                              "probability or the last in position.", choices=["probs", "position"])
+    moe_shared_expert_intermediate_size: Optional[int] = arg(
+        None, "Hidden size of the shared experts that every token passes through beside the routed ones (for N "
+              "shared experts, N x --moe-ffn-hidden-size). Default: none.", bounds="(0, inf)")
+    moe_shared_expert_overlap: bool = arg(
+        False, "Overlap the shared experts with the token dispatch (alltoall or allgather dispatchers).")
+    moe_per_layer_logging: bool = arg(False, "Also write each MoE layer's auxiliary losses to TensorBoard "
+                                             "(moe/<loss>_layer_<N>).")
+    moe_grouped_gemm: bool = arg(False, "transformer-engine's grouped GEMM for the local experts (GPU only).")
+    moe_permute_fusion: bool = arg(False, "transformer-engine's fused token permutation (GPU only).")
+    moe_router_fusion: bool = arg(False, "transformer-engine's fused router top-k and scores (GPU only).")
+    expert_model_parallel_size: int = arg(1, "Expert-parallel size: the experts of each MoE layer split over this many "
+                                             "ranks (it must divide --num-experts).")
+    expert_tensor_parallel_size: Optional[int] = arg(
+        None, "Tensor-parallel size inside each expert. Default: --tensor-model-parallel-size.")
 
 
 @dataclass
@@ -1168,8 +1228,7 @@ def unsupported_flag(token: str) -> Optional[str]:
     name = token.split("=", 1)[0]
     for names, machinery in UNSUPPORTED_FLAGS:
         if any(name == n or (n.endswith("-") and name.startswith(n)) for n in names):
-            return (f"{name} is a Megatron-LM setting of {machinery}, which this trainer does not have (it trains dense "
-                    f"GPT models); drop it")
+            return (f"{name} is a Megatron-LM setting of {machinery}, which this trainer does not have; drop it")
     for names, reason in MEGATRON_LM_REFUSED_FLAGS:
         if name in names:
             return f"{name} {reason}"
@@ -1290,6 +1349,7 @@ def derive(cfg: ConfigContainer) -> None:
     derive_bridge_sections(cfg)  # first: they set settings of the other sections (at the end of the module)
     derive_model_sizes(cfg)
     derive_parallelism(cfg)
+    derive_moe(cfg)
     derive_batch_sizes_and_length(cfg)
     derive_precision(cfg)
     derive_optimizer_and_schedule(cfg)
@@ -1306,6 +1366,7 @@ def check(cfg: ConfigContainer) -> None:
     check_model_sizes(cfg)
     check_architecture(cfg)
     check_parallelism(cfg)
+    check_moe(cfg)
     check_batch_sizes_and_length(cfg)
     check_precision(cfg)
     check_rerun_state_machine(cfg)
@@ -1634,6 +1695,100 @@ def check_context_parallel(cfg: ConfigContainer) -> None:
     require(not sizes or math.prod(sizes) == cp,
             f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes or []))} multiply to "
             f"{math.prod(sizes or [])}, not --context-parallel-size {cp}")
+
+
+# -- Mixture of Experts ----------------------------------------------------------------------------
+
+
+def moe_layers(m: ModelConfig) -> list:
+    """1 for each MoE layer, 0 for each dense one: --moe-layer-freq as Megatron-LM reads it (an integer N: layers 0, N,
+    2N, ...), all 0 without --num-experts."""
+    if not m.num_experts:
+        return [0] * m.num_layers
+    pattern = layer_pattern(m.moe_layer_freq, "--moe-layer-freq", m.num_layers)
+    return [int(i % pattern == 0) for i in range(m.num_layers)] if isinstance(pattern, int) else pattern
+
+
+def derive_moe(cfg: ConfigContainer) -> None:
+    """Megatron-LM's fill-ins: --num-experts 0 is no MoE; the experts' MLP size; the experts' tensor parallelism."""
+    m = cfg.model
+    if m.num_experts == 0:
+        derive_value(cfg, "model.num_experts", None, "--num-experts 0: no MoE, as in Megatron-LM")
+    if m.num_experts and m.moe_ffn_hidden_size is None and m.ffn_hidden_size is not None:
+        derive_value(cfg, "model.moe_ffn_hidden_size", m.ffn_hidden_size, "--ffn-hidden-size")
+    if m.expert_tensor_parallel_size is None:
+        derive_value(cfg, "model.expert_tensor_parallel_size", m.tensor_model_parallel_size,
+                     "--tensor-model-parallel-size")
+
+
+def check_moe(cfg: ConfigContainer) -> None:
+    """The MoE settings, as Megatron-LM's validate_args and megatron-core's TransformerConfig and MoE layers would
+    refuse them, and what needs a GPU: each a one-line error before anything is built."""
+    m = cfg.model
+    ep, etp, tp, pp = (m.expert_model_parallel_size, m.expert_tensor_parallel_size, m.tensor_model_parallel_size,
+                       m.pipeline_model_parallel_size)
+    require(ep >= 1 and etp >= 1, "--expert-model-parallel-size and --expert-tensor-parallel-size must be at least 1")
+    if not m.num_experts:
+        require(ep == 1, f"--expert-model-parallel-size {ep} splits experts over ranks; add --num-experts (a multiple "
+                         f"of {ep})")
+        return
+    n, k = m.num_experts, m.moe_router_topk
+    require(n > 0, f"--num-experts must be positive (0: no MoE), got {n}")
+    require(n % ep == 0, f"--expert-model-parallel-size {ep} must divide --num-experts {n} (each rank holds "
+                         f"num-experts / EP experts)")
+    require(cfg.world_size % (etp * ep * pp) == 0,
+            f"expert tensor ({etp}) x expert ({ep}) x pipeline ({pp}) parallel sizes = {etp * ep * pp} do not divide "
+            f"the world size {cfg.world_size}; launch a multiple of {etp * ep * pp} processes")
+    require(k <= n, f"--moe-router-topk {k} routes each token to more experts than --num-experts {n}; lower it")
+    layers = moe_layers(m)
+    require(any(layers), f"--moe-layer-freq {m.moe_layer_freq!r} makes no layer an MoE layer; mark at least one with "
+                         f"a 1, or drop --num-experts")
+    kinds, coeffs = m.moe_router_load_balancing_type, m.moe_aux_loss_coeff
+    known = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+    bad = [t for t in kinds if t not in known]
+    require(kinds and not bad, f"--moe-router-load-balancing-type {' '.join(bad or kinds)}: expected {', '.join(known)}")
+    require(len(coeffs) == len(kinds), f"--moe-aux-loss-coeff gives {len(coeffs)} values for {len(kinds)} "
+                                       f"--moe-router-load-balancing-type types; give one per type")
+    require(k > 1 or m.moe_router_score_function != "softmax" or m.moe_router_pre_softmax or kinds == ["sinkhorn"],
+            "--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax (a softmax over one expert has no "
+            "gradient)")
+    require(not m.moe_router_enable_expert_bias or m.moe_router_score_function == "sigmoid",
+            "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
+    g, gk = m.moe_router_num_groups, m.moe_router_group_topk
+    require(not gk or g, "--moe-router-group-topk needs --moe-router-num-groups")
+    require(not g or (n % g == 0 and (gk or 0) <= g),
+            f"--moe-router-num-groups {g} must divide --num-experts {n}, and --moe-router-group-topk {gk} be at most it")
+    if m.moe_expert_capacity_factor is not None:
+        require(all(t in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none") for t in kinds),
+                "--moe-expert-capacity-factor works with the aux_loss, seq_aux_loss, global_aux_loss or none "
+                "balancing types, not sinkhorn")
+    require(not m.moe_pad_expert_input_to_capacity or m.moe_expert_capacity_factor is not None,
+            "--moe-pad-expert-input-to-capacity pads to a capacity: add --moe-expert-capacity-factor")
+    require(not m.moe_shared_expert_overlap or m.moe_shared_expert_intermediate_size,
+            "--moe-shared-expert-overlap overlaps the shared experts: add --moe-shared-expert-intermediate-size")
+    require(not m.moe_shared_expert_overlap or m.moe_token_dispatcher_type in ("alltoall", "allgather"),
+            "--moe-shared-expert-overlap works with the alltoall or allgather dispatcher")
+    require(not (m.add_bias_linear and m.moe_shared_expert_intermediate_size),
+            "megatron-core's shared experts have no biases (shared_experts.py); add --disable-bias-linear, or drop "
+            "--moe-shared-expert-intermediate-size")
+    require(not m.add_bias_linear or etp == 1,
+            f"biases in MoE experts need --expert-tensor-parallel-size 1 (megatron-core); add "
+            f"--disable-bias-linear or --expert-tensor-parallel-size 1")
+    # megatron-core's MoELayer raises in training with tensor parallelism and no sequence parallelism (moe_layer.py:379).
+    require(tp == 1 or m.sequence_parallel,
+            f"MoE with --tensor-model-parallel-size {tp} needs --sequence-parallel (megatron-core's MoE layer refuses "
+            f"tensor parallelism without it)")
+    te = m.transformer_impl == "transformer_engine"
+    for flag, on in (("--moe-grouped-gemm", m.moe_grouped_gemm), ("--moe-permute-fusion", m.moe_permute_fusion),
+                     ("--moe-router-fusion", m.moe_router_fusion)):
+        require(not on or te, f"{flag} is a transformer-engine kernel (GPU, --transformer-impl transformer_engine); "
+                              f"drop it")
+    require(m.moe_token_dispatcher_type != "flex" or (cfg.use_gpu and te),
+            "--moe-token-dispatcher-type flex is DeepEP's (GPU with transformer-engine); use alltoall or allgather")
+    # gloo has no all-gather of unequal sizes, which the experts' tensor parallelism needs (token_dispatcher.py:696).
+    require(etp == 1 or cfg.use_gpu,
+            f"--expert-tensor-parallel-size {etp} needs a GPU (gloo has no uneven all-gather); add "
+            f"--expert-tensor-parallel-size 1 (the default is --tensor-model-parallel-size)")
 
 
 # -- batch sizes and the run's length --------------------------------------------------------------
@@ -2491,6 +2646,30 @@ def transformer_config_extras(cfg: ConfigContainer) -> dict:
                   softmax_type=m.softmax_type,
                   attention_output_gate=m.attention_output_gate,
                   disable_bf16_reduced_precision_matmul=m.disable_bf16_reduced_precision_matmul)
+    if m.num_experts:
+        one = lambda values: values[0] if len(values) == 1 else list(values)  # Megatron-LM: a list of one is its item
+        extras.update(num_moe_experts=m.num_experts, moe_layer_freq=layer_pattern(m.moe_layer_freq, "--moe-layer-freq",
+                                                                                m.num_layers),
+                      moe_ffn_hidden_size=m.moe_ffn_hidden_size, moe_router_topk=m.moe_router_topk,
+                      moe_router_load_balancing_type=one(m.moe_router_load_balancing_type),
+                      moe_aux_loss_coeff=one(m.moe_aux_loss_coeff), moe_z_loss_coeff=m.moe_z_loss_coeff,
+                      moe_router_score_function=m.moe_router_score_function,
+                      moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
+                      moe_router_bias_update_rate=m.moe_router_bias_update_rate,
+                      moe_router_pre_softmax=m.moe_router_pre_softmax,
+                      moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
+                      moe_router_num_groups=m.moe_router_num_groups, moe_router_group_topk=m.moe_router_group_topk,
+                      moe_router_dtype=m.moe_router_dtype, moe_input_jitter_eps=m.moe_input_jitter_eps,
+                      moe_token_dispatcher_type=m.moe_token_dispatcher_type,
+                      moe_expert_capacity_factor=m.moe_expert_capacity_factor,
+                      moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity,
+                      moe_token_drop_policy=m.moe_token_drop_policy,
+                      moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+                      moe_shared_expert_overlap=m.moe_shared_expert_overlap,
+                      moe_per_layer_logging=m.moe_per_layer_logging, moe_grouped_gemm=m.moe_grouped_gemm,
+                      moe_permute_fusion=m.moe_permute_fusion, moe_router_fusion=m.moe_router_fusion,
+                      expert_model_parallel_size=m.expert_model_parallel_size,
+                      expert_tensor_parallel_size=m.expert_tensor_parallel_size)
     if m.init_method_xavier_uniform:  # Megatron-LM's init_method and scaled_init_method (megatron-core's output_layer_)
         import torch
 
@@ -2691,9 +2870,11 @@ MEGATRON_LM_INERT_FLAGS = [
 # Megatron-LM flags (arguments.py, core_v0.16.1) of machinery this trainer does not have: a name ending in "-" is a
 # prefix. Given one, the error names the flag and the machinery instead of argparse's "unrecognized arguments".
 UNSUPPORTED_FLAGS = [
-    (("--moe-", "--num-experts", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
-      "--overlap-moe-expert-parallel-comm", "--ep-overlap-early-attn-memory-release", "--use-fused-weighted-squared-relu"),
-     "Mixture-of-Experts layers"),
+    # The MoE flags that are not ModelConfig fields (those are recognised before this list is read).
+    (("--moe-", "--overlap-moe-expert-parallel-comm", "--ep-overlap-early-attn-memory-release",
+      "--use-fused-weighted-squared-relu"),
+     "Mixture-of-Experts machinery beyond megatron-core's MoELayer with SequentialMLP experts (upcycling, latent MoE, "
+     "DeepEP and HybridEP dispatch, expert-parallel communication overlap, MoE recomputation)"),
     (("--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
       "--v-head-dim", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim", "--cache-mla-latents"),
      "multi-latent attention (MLA)"),

@@ -196,7 +196,39 @@ class _Stream:
         pass
 
     def record_event(self, event=None):
-        return event
+        return event or _Event()
+
+
+class _Event:
+    """A CUDA event on a machine with one in-order stream: what it marks has already happened."""
+
+    def synchronize(self):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+
+def _split_sizes_on_host(tensor, as_numpy=False, record_stream=False):
+    """megatron-core's `maybe_move_tensor_to_cpu` (moe_utils.py:1080) for tensors that are on the CPU already: the
+    alltoall dispatcher's split sizes as the numpy arrays it asks for, which `all_to_all_single` takes
+    (megatron-core converts CUDA tensors only, and gloo refuses tensors there)."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
+def fill_missing_te_names() -> None:
+    """megatron-core's MoE router reads `te_general_gemm`, which moe_utils defines only when transformer-engine
+    imports (moe_utils.py:22-39, read unguarded at :1192): without TE every MoE forward is a NameError. None is what
+    the router's own check (`te_general_gemm is not None`) expects then. Nothing with TE installed."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def install_cpu_shim() -> None:
@@ -206,6 +238,7 @@ def install_cpu_shim() -> None:
     if _mode is not None or cuda():
         return
     from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     stream = _Stream()
     torch.cuda.current_device = lambda: 0
@@ -221,6 +254,7 @@ def install_cpu_shim() -> None:
     torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
     mcore_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
     mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_on_host
     _mode = CudaOnCpu()
     _mode.__enter__()  # entered for good: the mode stack is per thread, and training runs on this one
 

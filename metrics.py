@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import time
 import warnings
@@ -495,23 +496,68 @@ class Scalar:
     value: Any
     fmt: str = ".6E"
     is_loss: bool = False
+    by_samples: bool = True  # the "<tag> vs samples" twin (Megatron-LM writes none for the MoE losses)
 
 
 def step_report(loss_dict: dict, learning_rate, decoupled_learning_rate, batch_size: int, loss_scale: float,
-                grad_norm, num_zeros_in_grad, params_norm, seconds_per_iteration: Optional[float] = None) -> list:
+                grad_norm, num_zeros_in_grad, params_norm, seconds_per_iteration: Optional[float] = None,
+                moe_losses: Optional[dict] = None) -> list:
     """The iteration's scalars, in the console line's order: Megatron's names on the console, Megatron's
     TensorBoard tags. A new scalar is one more line here. `seconds_per_iteration` is the log interval's so far (the
-    log line's elapsed time per iteration, evaluation and saves left out): what a rate divides by."""
+    log line's elapsed time per iteration, evaluation and saves left out): what a rate divides by. `moe_losses`: the
+    MoE layers' auxiliary losses (moe_auxiliary_losses), averaged over the interval on the console as the lm loss;
+    the per-layer ones ("moe/...") only in TensorBoard and the trackers."""
     return [
         Scalar("learning rate", "learning-rate", learning_rate),
         Scalar("", "decoupled-learning-rate", decoupled_learning_rate),
         Scalar("global batch size", "batch-size", batch_size, "5d"),
         *(Scalar(key, key, value, is_loss=True) for key, value in loss_dict.items()),
+        *(Scalar("" if key.startswith("moe/") else key, key, value, is_loss=not key.startswith("moe/"),
+                 by_samples=False) for key, value in (moe_losses or {}).items()),
         Scalar("loss scale", "loss-scale", loss_scale, ".1f"),
         Scalar("grad norm", "grad-norm", grad_norm, ".3f"),
         Scalar("num zeros", "num-zeros", num_zeros_in_grad, ".1f"),
         Scalar("params norm", "params-norm", params_norm, ".3f"),
     ]
+
+
+def moe_loss_names(m) -> list:
+    """The MoE auxiliary losses Megatron-LM's training_log tracks (training.py:1957-1967): one per load-balancing type,
+    and z_loss with --moe-z-loss-coeff. With one type Megatron-LM tests the names as substrings of it, so
+    seq_aux_loss also shows load_balancing_loss (0: no layer adds to it); kept, for the same log line."""
+    kinds = m.moe_router_load_balancing_type
+    kind = kinds[0] if len(kinds) == 1 else kinds
+    names = [name for key, name in (("aux_loss", "load_balancing_loss"), ("seq_aux_loss", "seq_load_balancing_loss"),
+                                    ("global_aux_loss", "global_load_balancing_loss")) if key in kind]
+    return names + (["z_loss"] if m.moe_z_loss_coeff is not None else [])
+
+
+class _Collected(dict):
+    """A writer that keeps what is written: {tag: value}."""
+
+    def add_scalar(self, tag, value, step):
+        self[tag] = float(value)
+
+
+def moe_auxiliary_losses(cfg, num_microbatches: int) -> dict:
+    """This iteration's MoE auxiliary losses, {name: value} (and {"moe/<name>_layer_<N>": value} with
+    --moe-per-layer-logging), as Megatron-LM logs them: megatron-core's track_moe_metrics sums each loss over the
+    pipeline stages and its reduce groups, averages it over the data-parallel ranks and the microbatches and divides
+    it by the MoE layers; then it clears the layers' tracker for the next iteration. A collective: every rank calls
+    it every iteration. {} for a dense model."""
+    m = cfg.model
+    if not m.num_experts:
+        return {}
+    from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+
+    from config import layer_pattern
+
+    collected = _Collected()
+    track_moe_metrics(loss_scale=1 / num_microbatches, iteration=0, writer=collected,
+                      per_layer_logging=m.moe_per_layer_logging, force_initialize=True, track_names=moe_loss_names(m),
+                      num_layers=m.num_layers, moe_layer_freq=layer_pattern(m.moe_layer_freq, "--moe-layer-freq",
+                                                                            m.num_layers))
+    return dict(collected)
 
 
 def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_rate, loss_scale,
@@ -594,7 +640,8 @@ def write_report(report: list, extra: dict, global_state) -> None:
     for scalar in report:
         if scalar.tag and scalar.value is not None:
             writer.add_scalar(scalar.tag, float(scalar.value), ts.step)
-            writer.add_scalar(scalar.tag + " vs samples", float(scalar.value), ts.consumed_train_samples)
+            if scalar.by_samples:
+                writer.add_scalar(scalar.tag + " vs samples", float(scalar.value), ts.consumed_train_samples)
     for name, value in extra.items():
         writer.add_scalar(name, value, ts.step)
 
@@ -696,36 +743,65 @@ def _sum_over(value: torch.Tensor, group) -> torch.Tensor:
     return value
 
 
+def _is_expert(param) -> bool:
+    """megatron-core marks the MoE experts' parameters `allreduce = False`: their gradients are reduced over the
+    expert data-parallel group, and each expert-parallel rank holds other experts."""
+    return not getattr(param, "allreduce", True)
+
+
+def _squares(tensors: list, where) -> torch.Tensor:
+    return torch.stack([t.float().pow(2).sum() for t in tensors]).sum() if tensors else torch.zeros((), device=where)
+
+
 def calc_params_l2_norm(model, model_config=None, use_megatron_fsdp: bool = False,
                         force_create_fp32_copy: bool = False) -> float:
     """L2 norm of all parameters of the model, over every rank's shard.
 
     Each parameter counted once (see _counted_params); the fp32 main copy where the
-    megatron optimizer keeps one (`param.main_param`) unless force_create_fp32_copy; main copies sharded
-    by the distributed optimizer (`main_param_sharded`) summed over the data-parallel group too; the
-    squares summed over the model-parallel group (tensor and pipeline).
+    megatron optimizer keeps one (`param.main_param`) unless force_create_fp32_copy. Dense parameters: main copies
+    sharded by the distributed optimizer (`main_param_sharded`) summed over the data-parallel group, then the squares
+    summed over the model-parallel group (tensor and pipeline). MoE experts' parameters: their shards summed over the
+    expert data-parallel group (which the distributed optimizer shards them over), then the squares over the expert
+    model-parallel group (expert-tensor, expert and pipeline): the same norm for any expert-parallel size.
     """
 
-    dense, sharded = [], []
+    params = {False: ([], []), True: ([], [])}  # expert? -> (whole, sharded)
+    any_sharded = False
     for _, p in _counted_params(model):
+        whole, sharded = params[_is_expert(p)]
         main = getattr(p, "main_param", None)
         if force_create_fp32_copy:
-            dense.append(p.detach().float())
+            whole.append(p.detach().float())
         elif getattr(p, "main_param_sharded", False):
             # The distributed optimizer's fp32 shard of this parameter on this rank, or None when all of it
             # lives on other data-parallel ranks: they count it, and the data-parallel sum below adds it once.
+            any_sharded = True
             if main is not None:
                 sharded.append(main)
         else:
-            dense.append(main if main is not None else p.detach().float())
-    where = dense[0].device if dense else (sharded[0].device if sharded else "cpu")
+            whole.append(main if main is not None else p.detach().float())
+    where = device.current()
+    groups = {False: (parallel_state.get_data_parallel_group(with_context_parallel=True),
+                      parallel_state.get_model_parallel_group())}
+    chunks = model if isinstance(model, list) else [model]
+    if getattr(unwrap_config(chunks[0]), "num_moe_experts", None):  # every rank reduces, experts here or not
+        groups[True] = (parallel_state.get_expert_data_parallel_group(),
+                        parallel_state.get_expert_tensor_model_pipeline_parallel_group())
     total = torch.zeros((), dtype=torch.float32, device=where)
-    if sharded:
-        total += _sum_over(torch.stack([t.float().pow(2).sum() for t in sharded]).sum(),
-                           parallel_state.get_data_parallel_group(with_context_parallel=True))
-    if dense:
-        total += torch.stack([t.float().pow(2).sum() for t in dense]).sum()
-    return _sum_over(total, parallel_state.get_model_parallel_group()).sqrt().item()
+    for expert, (dp_group, mp_group) in groups.items():
+        whole, sharded = params[expert]
+        squares = _squares(whole, where)
+        if any_sharded:
+            squares = squares + _sum_over(_squares(sharded, where), dp_group)
+        total += _sum_over(squares, mp_group)
+    return total.sqrt().item()
+
+
+def unwrap_config(chunk):
+    """The megatron-core TransformerConfig of a (wrapped) model chunk."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return getattr(chunk, "config", None)
 
 
 def calc_dtensor_params_l2_norm(params) -> float:
@@ -770,21 +846,39 @@ def logical_and_across_model_parallel_group(input: bool) -> bool:
 
 def report_l2_norm_grad(model) -> dict:
     """`l2_norm/grad/global` and `l2_norm/grad/NAME` per parameter, after the data-parallel reduction
-    (and after unscaling): tensor-parallel shards summed, duplicates counted once. Walks every parameter:
-    only with --log-l2-norm-grad."""
+    (and after unscaling): tensor-parallel shards summed, duplicates counted once. MoE experts are named by their
+    global index (`local_experts.<i>` of expert-parallel rank r is expert r x local experts + i), gathered from every
+    expert-parallel rank. Walks every parameter: only with --log-l2-norm-grad."""
 
 
     # Every tensor-parallel rank lists the same names in the same order (so the per-name sums line up);
     # a duplicate counts as zero except on tensor-parallel rank 0.
     model = model if isinstance(model, list) else [model]
     named = [(n, p) for chunk in model for n, p in chunk.named_parameters() if param_is_not_shared(p)]
-    squares = torch.stack([
-        _grad_of(p).float().pow(2).sum()
-        if _grad_of(p) is not None and tensor_parallel.param_is_not_tensor_parallel_duplicate(p)
-        else torch.zeros((), device=p.device) for _, p in named])
-    squares = _sum_over(squares, parallel_state.get_tensor_model_parallel_group())
-    report = {f"l2_norm/grad/{n.removeprefix('module.')}": v.sqrt().item() for (n, _), v in zip(named, squares)}
-    total = _sum_over(squares.sum(), parallel_state.get_pipeline_model_parallel_group())
+    report, total = {}, torch.zeros((), device=device.current())
+    for expert in (False, True):
+        part = [(n, p) for n, p in named if _is_expert(p) == expert]
+        if expert and not getattr(unwrap_config(model[0]), "num_moe_experts", None):
+            break
+        squares = torch.stack([
+            _grad_of(p).float().pow(2).sum()
+            if _grad_of(p) is not None and tensor_parallel.param_is_not_tensor_parallel_duplicate(p)
+            else torch.zeros((), device=p.device) for _, p in part] or [torch.zeros((), device=device.current())])
+        if not expert:
+            squares = _sum_over(squares, parallel_state.get_tensor_model_parallel_group())
+            report.update({f"l2_norm/grad/{n.removeprefix('module.')}": v.sqrt().item() for (n, _), v in zip(part, squares)})
+            total += _sum_over(squares[:len(part)].sum(), parallel_state.get_pipeline_model_parallel_group())
+            continue
+        total += _sum_over(squares[:len(part)].sum(), parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+        squares = _sum_over(squares, parallel_state.get_expert_tensor_parallel_group())
+        ep_group = parallel_state.get_expert_model_parallel_group()
+        gathered = [torch.empty_like(squares) for _ in range(torch.distributed.get_world_size(ep_group))]
+        torch.distributed.all_gather(gathered, squares, group=ep_group)
+        local = 1 + max((int(i) for n, _ in part for i in re.findall(r"local_experts\.(\d+)\.", n)), default=0)
+        for rank, values in enumerate(gathered):
+            for (n, _), v in zip(part, values):
+                name = re.sub(r"local_experts\.(\d+)\.", lambda g: f"local_experts.{rank * local + int(g[1])}.", n)
+                report[f"l2_norm/grad/{name.removeprefix('module.')}"] = v.sqrt().item()
     report["l2_norm/grad/global"] = total.sqrt().item()
     return report
 

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 import device  # first: it quiets megatron-core's import-time warnings
-from config import transformer_config_extras
+from config import moe_layers, transformer_config_extras
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core import rerun_state_machine as mcore_rerun
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
@@ -46,9 +46,14 @@ from megatron.core.pipeline_parallel import get_forward_backward_func as mcore_g
 from megatron.core.transformer import MegatronModule, TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import Float16Module
+from megatron.core.tensor_parallel import RowParallelLinear
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 device.install_cpu_shim()  # without CUDA: megatron-core's CUDA calls answered on the CPU (device.py); else nothing
+device.fill_missing_te_names()  # without transformer-engine: the name megatron-core's MoE router reads
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:
@@ -220,35 +225,89 @@ def transformer_config(cfg) -> TransformerConfig:
     )
 
 
-def layer_spec(cfg):
-    """transformer-engine layers when asked for (the default on a GPU with TE installed), else
-    megatron-core's local layers, with SDPAttention as the core attention unless --attention-backend local
-    asks for megatron-core's own DotProductAttention, and Norm (sequence parallelism too) as their norms."""
+def layer_spec(cfg, num_experts: Optional[int] = None):
+    """One transformer layer, its MLP an MoE layer of `num_experts` experts when given. transformer-engine layers when
+    asked for (the default on a GPU with TE installed), else megatron-core's local layers, with SDPAttention as the
+    core attention unless --attention-backend local asks for megatron-core's own DotProductAttention, Norm
+    (sequence parallelism too) as their norms, and SequentialExperts as the MoE layer's experts."""
     m = cfg.model
     if m.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=m.qk_layernorm, qk_l2_norm=m.qk_l2_norm)
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=m.moe_grouped_gemm,
+                                                          qk_layernorm=m.qk_layernorm, qk_l2_norm=m.qk_l2_norm)
     # --qk-layernorm / --qk-l2-norm: the spec's q/k norms (Megatron-LM's gpt_builders passes the local spec no
     # qk_l2_norm, which leaves it without effect there; here it means on the local layers what it means on TE's).
-    spec = get_gpt_layer_local_spec(normalization=m.normalization, qk_layernorm=m.qk_layernorm, qk_l2_norm=m.qk_l2_norm)
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, normalization=m.normalization, qk_layernorm=m.qk_layernorm,
+                                    qk_l2_norm=m.qk_l2_norm)
     layer, attention = spec.submodules, spec.submodules.self_attention.submodules
     layer.input_layernorm = layer.pre_mlp_layernorm = Norm
     if m.qk_layernorm and not m.qk_l2_norm:
         attention.q_layernorm = attention.k_layernorm = Norm
     if cfg.model.attention_backend != "local":
         attention.core_attention = SDPAttention
+    if num_experts:
+        experts = layer.mlp.submodules.experts
+        experts.module = SequentialExperts
+        experts.submodules = MLPSubmodules(linear_fc1=experts.submodules.linear_fc1, linear_fc2=ExpertRowParallelLinear)
     return spec
 
 
 def block_spec(cfg, config: TransformerConfig, vp_stage: Optional[int]):
-    """The decoder block of one model chunk: its layers' spec, once per layer it builds, and the final norm
+    """The decoder block of one model chunk: one layer spec per layer it builds (an MoE layer where --num-experts and
+    --moe-layer-freq put one, as Megatron-LM's get_gpt_decoder_block_spec places them), and the final norm
     (megatron-core picks the block's norm by what is installed; on the local layers it is Norm here)."""
-    spec = layer_spec(cfg)
-    if cfg.model.transformer_impl == "transformer_engine":
-        return spec
-    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
-                                      layer_norm=Norm)
+    m = cfg.model
+    if m.transformer_impl == "transformer_engine" and not m.num_experts:
+        return layer_spec(cfg)
+    dense, moe = layer_spec(cfg), layer_spec(cfg, m.num_experts) if m.num_experts else None
+    kinds, first = moe_layers(m), get_transformer_layer_offset(config, vp_stage=vp_stage)
+    layers = [moe if kinds[first + i] else dense for i in range(get_num_layers_to_build(config, vp_stage=vp_stage))]
+    if m.transformer_impl == "transformer_engine":
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TransformerBlockSubmodules(layer_specs=layers, layer_norm=TENorm)
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=Norm)
+
+
+class SequentialExperts(SequentialMLP):
+    """megatron-core's SequentialMLP (each local expert an MLP, run one after another), whose experts are the same
+    weights for any expert-parallel size.
+
+    With CPU initialisation megatron-core draws each local expert's weights from the one CPU generator, without the
+    expert-parallel RNG stream: at EP=2 rank 1's experts are copies of rank 0's, and the draws after them (the next
+    layers) depend on the EP size (Megatron-LM behaves the same). Here each MoE layer takes one seed from the model's
+    stream, and draws the experts from it in global order: this rank builds the experts before its own too and
+    drops them, so its experts are what one process holds at their global index."""
+
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
+        if not (config.use_cpu_initialization and config.perform_initialization):
+            super().__init__(num_local_experts, config, submodules, pg_collection)  # each rank its own stream
+            return
+        seed = int(torch.randint(2 ** 62, ()))  # one draw from the model's stream, whatever the EP size
+        super().__init__(0, config, submodules, pg_collection)  # the config, the groups; the experts below
+        first = self.ep_group.rank() * num_local_experts
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            for index in range(first + num_local_experts):
+                expert = MLP(self.config, submodules, ffn_hidden_size=self.config.moe_ffn_hidden_size, is_expert=True,
+                             tp_group=pg_collection.expt_tp)
+                if index >= first:
+                    self.local_experts.append(expert)
+        self.num_local_experts = num_local_experts
+
+
+class ExpertRowParallelLinear(RowParallelLinear):
+    """An expert's output projection that leaves its output to the token dispatcher, as megatron-core's does with
+    expert or expert-tensor parallelism, at EP=1 and ETP=1 too.
+
+    There megatron-core passes the output through `_ReduceFromModelParallelRegion`, which returns its input unchanged
+    for a group of one; megatron-core's MLP then adds the expert bias to it in place (mlp.py:247), and autograd refuses
+    an in-place change of an autograd Function's returned input. With one rank there is nothing to reduce."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.explicit_expert_comm = self.is_expert
 
 
 def build_model(cfg, vocab_size: int) -> list:
@@ -496,7 +555,9 @@ def initialize_distributed(cfg) -> None:
     parallel_state.initialize_model_parallel(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
                                              m.virtual_pipeline_model_parallel_size,
                                              context_parallel_size=m.context_parallel_size,
-                                             hierarchical_context_parallel_sizes=m.hierarchical_context_parallel_sizes)
+                                             hierarchical_context_parallel_sizes=m.hierarchical_context_parallel_sizes,
+                                             expert_model_parallel_size=m.expert_model_parallel_size,
+                                             expert_tensor_parallel_size=m.expert_tensor_parallel_size)
 
 
 def destroy_distributed() -> None:

@@ -64,6 +64,7 @@ from model import (build_model, build_optimizer, build_rerun_state_machine, dest
 from megatron.core import parallel_state
 from megatron.core import rerun_state_machine as mcore_rerun
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler, get_canonical_lr_for_logging
+from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 from megatron.core.utils import configure_nvtx_profiling, get_batch_on_this_cp_rank, nvtx_range_pop, nvtx_range_push
 
 import checkpoint
@@ -419,7 +420,8 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
             step.loss_dict, *logged_learning_rates(cfg, optimizer), batch_size, float(optimizer.get_loss_scale()),
             step.grad_norm, step.num_zeros_in_grad,
             metrics.calc_params_l2_norm(model) if cfg.logger.log_params_norm else None,
-            timers("interval-time").elapsed(reset=False) / in_interval)
+            timers("interval-time").elapsed(reset=False) / in_interval,
+            moe_losses=metrics.moe_auxiliary_losses(cfg, global_state.num_microbatches))
         report_memory_flag = metrics.log_step(report, total_loss_dict, report_memory_flag, step.skipped_iter,
                                               global_state, history_wct, model)
         if cfg.train.eval_iters and valid_data_iterator is not None and ts.step % cfg.train.eval_interval == 0:
@@ -962,6 +964,8 @@ def evaluate(state: GlobalState, forward_step_func, data_iterator, model, proces
             )
     for m in model:
         m.train()
+    if config.model.num_experts:  # what the MoE layers tracked in evaluation is not training's (as Megatron-LM)
+        clear_aux_losses_tracker()
     losses = reduce_losses(reports) if parallel_state.is_pipeline_last_stage() else {}
     return {k: float(v) for k, v in losses.items()}, collected
 

@@ -24,7 +24,7 @@ LOG_LINE = re.compile(
     r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| (?:skipped samples: +\d+ \| )?"
     r"elapsed time per iteration \(ms\): [\d.]+ \|"
     r"(?: throughput per GPU \(TFLOP/s/GPU\): [\d.]+ \| MFU: [^|]+ \|)? learning rate: [\d.E+-]+ \| "
-    r"global batch size: +(\d+) \| lm loss: ([\d.E+-]+) \|(?: [a-z ]+: [\d.E+-]+ \|)* loss scale: [\d.]+ \| "
+    r"global batch size: +(\d+) \| lm loss: ([\d.E+-]+) \|(?: [a-z_ ]+: [\d.E+-]+ \|)* loss scale: [\d.]+ \| "
     r"grad norm: [\d.]+ \|(?: (?:num zeros|params norm): [\d.]+ \|)*(?: trainable params: [^|]+ \|)? "
     r"number of skipped iterations: +(\d+) \| number of nan iterations: +(\d+) \|$", re.M)
 
@@ -78,6 +78,44 @@ def tensorboard_scalars(path) -> dict:
 
 def _listing(folder: str) -> list:
     return sorted((os.path.join(d, f), os.path.getmtime(os.path.join(d, f))) for d, _, fs in os.walk(folder) for f in fs)
+
+
+class Launches:
+    """torchrun jobs of train.py sharing one scratch folder and one dataset cache, each launched once by name, with
+    the named TensorBoard scalars read back (the layout matrices of test_engine and test_moe)."""
+
+    def __init__(self, out, flags: list, metrics: tuple):
+        self.out, self.flags, self.metrics, self.done = out, flags, metrics, {}
+
+    def __call__(self, name, nproc, *flags):
+        if name not in self.done:
+            proc = torchrun([*self.flags, *flags, "--tensorboard-dir", str(self.out / name / "tb"),
+                             "--data-cache-path", str(self.out / "cache")], nproc=nproc, timeout=600)
+            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+            tb = tensorboard_scalars(self.out / name / "tb")
+            self.done[name] = dict(stdout=proc.stdout, **{m: tb.get(m, {}) for m in self.metrics},
+                                   iterations=[it for it, *_ in log_lines(proc.stdout)])
+        return self.done[name]
+
+    def ckpt(self, name):
+        return str(self.out / name / "ckpt")
+
+    def saving(self, name, every):
+        return ["--save", self.ckpt(name), "--save-interval", str(every)]
+
+    def resume(self, name, nproc, source, step, *flags):
+        return self(name, nproc, *flags, "--load", self.ckpt(source), "--ckpt-step", str(step))
+
+
+def assert_same(run, reference, iterations, metrics, rel=1e-5):
+    for metric in metrics:
+        for it in iterations:
+            assert run[metric][it] == pytest.approx(reference[metric][it], rel=rel), (metric, it)
+
+
+def assert_bitwise(run, reference, iterations, metrics):
+    for metric in metrics:
+        assert [run[metric][it] for it in iterations] == [reference[metric][it] for it in iterations], metric
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -13,7 +13,9 @@ Every run is planned for 15 iterations (the schedule a checkpoint holds) and mos
 import pytest
 import torch
 
-from conftest import TINY, log_lines, tensorboard_scalars, torchrun
+from conftest import TINY, Launches
+from conftest import assert_bitwise as conftest_assert_bitwise
+from conftest import assert_same as conftest_assert_same
 
 # Four layers so two pipeline stages can each hold two virtual stages; no dropout, so layouts compare exactly.
 FLAGS = [*TINY, "--num-layers", "4", "--mock-data", "--global-batch-size", "8", "--train-iters", "15", "--exit-interval", "12",
@@ -29,27 +31,11 @@ ROPE = ["--position-embedding-type", "rope"]
 METRICS = ("lm loss", "grad-norm")
 
 
-class Runs:
-    """The matrix's torchrun jobs, in one scratch folder and one dataset cache; each is launched once."""
+class Runs(Launches):
+    """The matrix's torchrun jobs (conftest.Launches) and the references they continue."""
 
     def __init__(self, out):
-        self.out, self.done = out, {}
-
-    def __call__(self, name, nproc, *flags):
-        if name not in self.done:
-            proc = torchrun([*FLAGS, *flags, "--tensorboard-dir", str(self.out / name / "tb"),
-                             "--data-cache-path", str(self.out / "cache")], nproc=nproc, timeout=600)
-            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-            tb = tensorboard_scalars(self.out / name / "tb")
-            self.done[name] = dict(stdout=proc.stdout, **{m: tb[m] for m in METRICS},
-                                   iterations=[it for it, *_ in log_lines(proc.stdout)])
-        return self.done[name]
-
-    def ckpt(self, name):
-        return str(self.out / name / "ckpt")
-
-    def saving(self, name, every):
-        return ["--save", self.ckpt(name), "--save-interval", str(every)]
+        super().__init__(out, FLAGS, METRICS)
 
     def plain(self):
         """The reference: one rank, megatron-core's (non-distributed) optimizer, a save at 6."""
@@ -66,9 +52,6 @@ class Runs:
         """The reference with rotary positions (under CP each rank rotates its two chunks by their positions)."""
         return self("rope", 1, *ROPE, *self.saving("rope", 6))
 
-    def resume(self, name, nproc, source, step, *flags):
-        return self(name, nproc, *flags, "--load", self.ckpt(source), "--ckpt-step", str(step))
-
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
@@ -76,14 +59,11 @@ def runs(tmp_path_factory):
 
 
 def assert_same(run, reference, iterations, rel=1e-5):
-    for metric in METRICS:
-        for it in iterations:
-            assert run[metric][it] == pytest.approx(reference[metric][it], rel=rel), (metric, it)
+    conftest_assert_same(run, reference, iterations, METRICS, rel)
 
 
 def assert_bitwise(run, reference, iterations):
-    for metric in METRICS:
-        assert [run[metric][it] for it in iterations] == [reference[metric][it] for it in iterations], metric
+    conftest_assert_bitwise(run, reference, iterations, METRICS)
 
 
 LAYOUTS = {

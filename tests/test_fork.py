@@ -39,9 +39,9 @@ def test_a_new_scalar_is_one_line_of_the_step_report(tmp_path, capsys, monkeypat
 
     original = metrics.step_report
 
-    def with_a_rate(*args):
+    def with_a_rate(*args, **kwargs):
         batch_size, seconds_per_iteration = args[3], args[-1]  # step_report's arguments, as train.py passes them
-        return [*original(*args), metrics.Scalar("seq len", "seq-len", 64, "d"),
+        return [*original(*args, **kwargs), metrics.Scalar("seq len", "seq-len", 64, "d"),
                 metrics.Scalar("not a number", "not-a-number", float("nan"), ".1f"),
                 # the guide's example: a rate, from the interval's seconds per iteration the report receives
                 metrics.Scalar("samples per second", "samples-per-second", batch_size / seconds_per_iteration, ".1f")]

@@ -1,0 +1,183 @@
+"""Mixture of Experts: megatron-core's MoELayer, its router's auxiliary losses, and expert parallelism equal to one
+process, in real torchrun jobs on the CPU (device.py answers the MoE layers' CUDA calls).
+
+The matrix: a tiny MoE GPT (4 layers, every other one an MoE layer of 4 experts with top-2 routing, a shared expert,
+the load-balancing and z losses) trains 6 iterations from scratch on one rank. Every expert-parallel layout starts
+from the same weights (SequentialExperts draws each expert at its global index), so each must print the one-rank
+lm loss, auxiliary losses, grad norm and params norm at every iteration. Checkpoints cross expert-parallel sizes:
+the weights reshard on load; the optimizer state does not (megatron-core keeps the experts a ChainedOptimizer of
+their own at EP > 1 only), which is one line naming --no-load-optim."""
+
+import pytest
+
+from conftest import TINY, Launches, assert_bitwise, assert_same, config_error
+
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "2", "--moe-aux-loss-coeff", "1e-2",
+       "--moe-z-loss-coeff", "1e-3", "--moe-shared-expert-intermediate-size", "64", "--disable-bias-linear"]
+FLAGS = [*TINY, "--num-layers", "4", *MOE, "--mock-data", "--global-batch-size", "8", "--train-iters", "12",
+         "--exit-interval", "6", "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0",
+         "--attention-dropout", "0", "--num-workers", "0", "--lr-decay-style", "constant", "--log-params-norm",
+         "--moe-per-layer-logging", "--log-l2-norm-grad"]
+# z_loss is left out of the comparisons: megatron-core tracks it without a reduce group (router.py), so Megatron-LM
+# logs the last rank's own figure, which depends on the data-parallel layout; the load-balancing loss is averaged.
+# With --moe-per-layer-logging and --log-l2-norm-grad: layer 3's (the second MoE layer's) load-balancing loss, the
+# gradient norm of expert 3 (on EP rank 1 at EP=2: its norm is gathered) and the global gradient norm.
+EXPERT_3 = "l2_norm/grad/decoder.layers.2.mlp.experts.local_experts.3.linear_fc1.weight"
+METRICS = ("lm loss", "load_balancing_loss", "grad-norm", "params-norm", "moe/load_balancing_loss_layer_2", EXPERT_3,
+           "l2_norm/grad/global")
+EP2 = ["--expert-model-parallel-size", "2"]
+A2A = ["--moe-token-dispatcher-type", "alltoall"]
+DOPT = ["--use-distributed-optimizer"]
+
+LAYOUTS = {
+    "ep2": (2, EP2),                                                  # the allgather dispatcher (the default)
+    # Saves at 6 and runs on to 9: the EP=2 checkpoint of the crossing test below.
+    "ep2_alltoall": (2, [*EP2, *A2A, "--exit-interval", "9", "--save", "CKPT", "--save-interval", "6"]),
+    "ep2_dopt": (2, [*EP2, *A2A, *DOPT]),                             # each rank holds all of its experts' Adam state
+    # Each stage one MoE and one dense layer. Pipeline stages draw their weights from streams of their own (as
+    # Megatron-LM seeds them), so this layout continues the one-rank checkpoint of 6 (with a fresh optimizer).
+    "ep2_pp2": (4, [*EP2, "--pipeline-model-parallel-size", "2"]),
+    "ep2_dp2": (4, [*EP2, *A2A, *DOPT]),                              # expert data parallelism 2: their shards
+    # Tensor parallelism with MoE needs sequence parallelism; the experts themselves are not tensor-split (ETP=1).
+    "tp2_sp_ep2": (4, [*EP2, *A2A, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                       "--expert-tensor-parallel-size", "1", "--make-vocab-size-divisible-by", "64"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return Launches(tmp_path_factory.mktemp("moe"), FLAGS, (*METRICS, "z_loss"))
+
+
+def one_rank(runs):
+    """The reference: one rank from scratch to 12, saved at 6 (plain optimizer)."""
+    return runs("one", 1, "--exit-interval", "12", *runs.saving("one", 6))
+
+
+FRESH = ["--exit-interval", "9", "--no-load-optim"]
+
+
+def one_fresh(runs):
+    """The one-rank checkpoint of 6 continued to 9 with a fresh optimizer: what a run that loads it across the
+    EP=1 / EP>1 line (weights only) must give."""
+    one_rank(runs)
+    return runs.resume("one_fresh", 1, "one", 6, *FRESH)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_every_expert_parallel_layout_is_the_one_rank_run(runs, name):
+    """The same weights at any EP size, tokens dispatched to the experts' ranks by all-gather or all-to-all, expert
+    gradients reduced over the expert data-parallel group, expert parameters counted once in the params norm: the
+    one-rank losses, grad norms and params norms at every iteration."""
+    nproc, flags = LAYOUTS[name]
+    if "--pipeline-model-parallel-size" in flags:
+        reference, iterations = one_fresh(runs), [7, 8, 9]
+        run = runs.resume(name, nproc, "one", 6, *flags, *FRESH)
+    else:
+        flags = [runs.ckpt(name) if f == "CKPT" else f for f in flags]
+        reference, iterations = one_rank(runs), list(range(1, 7))
+        run = runs(name, nproc, *flags)
+    assert run["iterations"][:len(iterations)] == iterations
+    # Under the distributed optimizer each rank holds only its shard of the reduced gradients, so the per-parameter
+    # gradient norms (read from the gradient buffers, as Bridge's report_l2_norm_grad reads them) are not compared;
+    # a pipeline stage names its layers from 0 (megatron-core's module names), so expert 3's name is another there.
+    compared = [m for m in METRICS if not ("l2_norm" in m and DOPT[0] in flags)
+                and not (m == EXPERT_3 and "--pipeline-model-parallel-size" in flags)]
+    assert_same(run, reference, iterations, compared)
+
+
+def test_the_log_line_shows_megatron_lms_auxiliary_losses(runs):
+    """Megatron-LM's log line: `lm loss: ... | load_balancing_loss: ... | z_loss: ... |`, averaged over the interval;
+    TensorBoard holds them by iteration (no "vs samples" twin, as Megatron-LM's track_moe_metrics writes them)."""
+    run = one_rank(runs)
+    line = next(line for line in run["stdout"].splitlines() if " iteration        3/" in line)
+    assert " | lm loss: " in line and " | load_balancing_loss: " in line and " | z_loss: " in line
+    aux = float(line.split("load_balancing_loss: ")[1].split(" |")[0])
+    assert aux == pytest.approx(run["load_balancing_loss"][3], rel=1e-6)
+    assert 0.9 < aux < 1.2  # near 1: the balanced value of Switch's loss for top-2 of 4 experts (coefficient left out)
+
+
+def test_expert_parallel_checkpoints_cross_expert_parallel_sizes(runs):
+    """An EP=2 checkpoint continued at EP=1 and the EP=1 checkpoint continued at EP=2 with a fresh optimizer give
+    the one-rank run's continuation with a fresh optimizer; EP=2 resumes its own checkpoint bitwise, Adam state and
+    all. Loading the optimizer state across the EP=1 / EP>1 line is one line that names --no-load-optim."""
+    reference = one_fresh(runs)
+    nproc, flags = LAYOUTS["ep2_alltoall"]
+    straight = runs("ep2_alltoall", nproc, *[runs.ckpt("ep2_alltoall") if f == "CKPT" else f for f in flags])
+    assert reference["iterations"] == [7, 8, 9]
+    assert_same(runs.resume("ep2_from_one", 2, "one", 6, *EP2, *FRESH), reference, [7, 8, 9], METRICS)
+    assert_same(runs.resume("one_from_ep2", 1, "ep2_alltoall", 6, *FRESH), reference, [7, 8, 9], METRICS)
+    assert_bitwise(runs.resume("ep2_resumed", 2, "ep2_alltoall", 6, *EP2, *A2A, "--exit-interval", "9"), straight,
+                   [7, 8, 9], METRICS)
+    import checkpoint
+    import config
+    import train
+
+    cfg = config.parse_args([*FLAGS, "--load", runs.ckpt("ep2_alltoall"), "--ckpt-step", "6", "--data-cache-path",
+                             str(runs.out / "cache"), "--no-tensorboard"], world_size=1, gpu=False)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        train.pretrain(cfg)
+    assert "saved at --expert-model-parallel-size 2, which megatron-core cannot load at 1" in str(e.value)
+    assert "add --no-load-optim" in str(e.value)
+
+
+def test_experts_with_biases_train_at_expert_parallel_size_1():
+    """Megatron-LM's default biases, one rank: megatron-core's MLP adds each expert's bias in place to what its
+    output projection returned (mlp.py:247), which at EP=1 is the reduce Function's own input, and autograd refuses
+    (ExpertRowParallelLinear leaves it to the dispatcher, as at EP>1). Three iterations that learn."""
+    import config
+    import train
+
+    cfg = config.parse_args([*TINY, "--num-experts", "4", "--mock-data", "--train-iters", "3", "--eval-iters", "0",
+                             "--num-workers", "0", "--log-interval", "1"], world_size=1, gpu=False)
+    assert cfg.model.add_bias_linear
+    state = train.pretrain(cfg)
+    assert state.train_state.step == 3
+
+
+@pytest.mark.parametrize("saved, loading, expected", [
+    ([], MOE, "--num-experts 0 (this run: 4)"),       # a dense checkpoint into an MoE model
+    (MOE, [], "--num-experts 4 (this run: 0)"),       # and the reverse
+    (MOE, [*MOE, "--moe-ffn-hidden-size", "128"], "--moe-ffn-hidden-size 256 (this run: 128)"),
+])
+def test_a_checkpoint_of_the_other_kind_names_both_shapes(saved, loading, expected, tmp_path):
+    """What a checkpoint's `args` say against this run's model, before any weight loads: one line."""
+    import checkpoint
+    import config
+
+    (tmp_path / "common.pt").touch()  # the file the message names
+    args = vars(checkpoint.megatron_lm_args(config.parse_args([*TINY, *saved], world_size=1, gpu=False),
+                                            checkpoint.TrainState()))
+    cfg = config.parse_args([*TINY, *loading], world_size=1, gpu=False)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.check_saved_model(cfg, str(tmp_path), {"checkpoint_version": checkpoint.CHECKPOINT_VERSION}, args,
+                                     "common.pt", finetune=False)
+    assert "saved by another model shape: " + expected in str(e.value)
+
+
+@pytest.mark.parametrize("flags, world_size, expected", [
+    (["--num-experts", "6", "--expert-model-parallel-size", "4"], 4, "--expert-model-parallel-size 4 must divide "
+                                                                      "--num-experts 6"),
+    (["--num-experts", "2", "--moe-router-topk", "3"], 1, "--moe-router-topk 3 routes each token to more experts"),
+    (["--num-experts", "-1"], 1, "--num-experts must be positive"),
+    (["--num-experts", "1", "--moe-router-topk", "1"], 1, "--moe-router-topk 1 with softmax scores needs "
+                                                          "--moe-router-pre-softmax"),
+    (["--num-experts", "4", "--moe-layer-freq", "([0]*2)"], 1, "makes no layer an MoE layer"),
+    (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], 1, "add --moe-expert-capacity-factor"),
+    (["--num-experts", "4", "--moe-expert-capacity-factor", "1.0", "--moe-router-load-balancing-type", "sinkhorn",
+      "--moe-router-topk", "1"], 1, "--moe-expert-capacity-factor works with the aux_loss"),
+    (["--expert-model-parallel-size", "2"], 2, "add --num-experts"),
+    (["--num-experts", "4", "--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"], 2,
+     "needs --sequence-parallel"),
+    (["--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--disable-bias-linear"], 2,
+     "--expert-tensor-parallel-size 2 needs a GPU"),
+    (["--num-experts", "4", "--moe-grouped-gemm"], 1, "--moe-grouped-gemm is a transformer-engine kernel"),
+    (["--num-experts", "4", "--moe-token-dispatcher-type", "flex"], 1, "flex is DeepEP's"),
+    (["--num-experts", "4", "--moe-router-enable-expert-bias"], 1, "needs --moe-router-score-function sigmoid"),
+    (["--num-experts", "4", "--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss"], 1,
+     "--moe-aux-loss-coeff gives 1 values for 2"),
+    (["--moe-use-upcycling"], 1, "Mixture-of-Experts machinery beyond megatron-core's MoELayer"),
+    (["--num-experts", "4", "--moe-shared-expert-intermediate-size", "64"], 1, "shared experts have no biases"),
+])
+def test_bad_moe_settings_are_one_line(flags, world_size, expected, capsys):
+    assert expected in config_error([*TINY, *flags], capsys, world_size=world_size)

@@ -36,6 +36,11 @@ What the shim answers (file:line in megatron-core 0.16.1), and why:
                                                Python: random.py:557 (recomputation), whose    with the mode on (torch
                                                causal mask is built on "cuda" (transformer/    turns it off inside its
                                                utils.py:35)                                    own handler)
+    stream.record_event(), event.synchronize() token_dispatcher.py:895,899 (the alltoall        an event that has
+                                               dispatcher's split sizes)                        happened
+    moe_utils.maybe_move_tensor_to_cpu(        moe_utils.py:1080-1100, read at token_           the split sizes as
+    ..., as_numpy=True)                        dispatcher.py:876-890 (it converts CUDA tensors  numpy arrays, as on
+                                               only; all_to_all_single refuses the rest)        a GPU
     torch.cuda.get_rng_state / set_rng_state   random.py:235-238 (tracker.add), rerun_state_   the CPU default generator
     / manual_seed, random._get_cuda_rng_state  machine.py:957,970, random.py:41,72 (fork()     (the tracker swaps its
     / random._set_cuda_rng_state               swaps the tracker's streams in and out)          streams through it)
@@ -62,6 +67,8 @@ Beyond the shim, the machines differ in only these, each answered here once:
     where the model lives      moved to the local GPU               the CPU              (model.build_model)
     weight initialisation      each TP rank its slice, in place     the full weight, then (model.transformer_
                                (the RNG tracker)                    each rank its slice   config: use_cpu_init)
+    MoE experts' weights       each EP rank from its expert stream  every expert at its   (model.Sequential-
+                                                                    global index          Experts)
     Adam's kernel              megatron-core's choice               torch's fused CPU    (model.build_optimizer)
                                                                     AdamW (same update)
     straggler timing           wall clock and CUDA events           wall clock           (metrics.StragglerTimer)

@@ -1186,6 +1186,10 @@ def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
     return parser
 
 
+# Bridge's names (its GPTModelProvider's TransformerConfig fields) for settings this config names as Megatron-LM's flag.
+BRIDGE_SETTING_NAMES = {("model", "num_moe_experts"): "num_experts"}
+
+
 def apply_overrides(cfg: ConfigContainer, overrides: dict, source: str) -> None:
     """Set `{section: {field: value}}` on cfg, refusing unknown sections and fields by name."""
     for section, values in (overrides or {}).items():
@@ -1204,6 +1208,7 @@ def apply_overrides(cfg: ConfigContainer, overrides: dict, source: str) -> None:
         names = {f.name for f in dataclasses.fields(sub)}
         for key, value in values.items():
             key = key.replace("-", "_")
+            key = BRIDGE_SETTING_NAMES.get((section, key), key)
             if key not in names:
                 raise ConfigError(f"{source}: '{section}' has no setting '{key}' (see --help for the {section} group)")
             setattr(sub, key, value)

@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 
 import device  # first: it quiets megatron-core's import-time warnings
+from config import moe_layers as config_moe_layers
 from config import pipeline_stage_layers
 from megatron.core import parallel_state, tensor_parallel
 
@@ -167,13 +168,22 @@ def num_floating_point_operations(cfg, batch_size: int, padded_vocab_size: int) 
     query_projection_ratio = m.kv_channels * m.num_attention_heads / h
     gated_multiplier = 3 / 2 if m.swiglu else 1
     weights = ((1 + m.num_query_groups / m.num_attention_heads) * query_projection_ratio  # attention projections
-               + (m.ffn_hidden_size / h) * gated_multiplier  # MLP
+               + (active_mlp_width(m) / h) * gated_multiplier  # MLP
                + padded_vocab_size / (2 * L * h))  # logits
     core_attention = s / h / 2 * query_projection_ratio
     if cfg.peft.peft == "none":
         return 12 * batch_size * s * L * h * h * (weights + core_attention)
     return 12 * batch_size * s * L * h * h * (weights * 2 / 3 + core_attention) + \
         batch_size * s * adapter_flops_per_token(cfg)
+
+
+def active_mlp_width(m) -> float:
+    """The MLP width a token passes through, averaged over the layers: --ffn-hidden-size in a dense layer; in an MoE
+    layer --moe-router-topk experts of --moe-ffn-hidden-size each and the shared experts (Megatron-LM's
+    transformer_flops, training.py:520-530; the router's small matmul is not counted there either)."""
+    moe = sum(config_moe_layers(m))
+    routed = m.moe_router_topk * (m.moe_ffn_hidden_size or 0) + (m.moe_shared_expert_intermediate_size or 0)
+    return ((m.num_layers - moe) * m.ffn_hidden_size + moe * routed) / m.num_layers
 
 
 def adapter_flops_per_token(cfg) -> float:
@@ -895,58 +905,88 @@ def _grad_of(p):
 NUM_BYTES_IN_MEGABYTE = 1024 * 1024
 
 
-def bytes_per_parameter(config) -> tuple:
+def bytes_per_parameter(config, expert: bool = False) -> tuple:
     """(bytes of a trainable parameter, bytes of a frozen one) on its rank.
 
     Trainable: weight + gradient + optimizer state. Mixed precision: 2 (16-bit weight) + 4 (megatron DDP's
     fp32 gradient buffer) + 4 (fp32 main copy) + 8 (Adam's two moments) = 18, Megatron-LM's figure; fp32
     training has no separate main copy: 4 + 4 + 8 = 16. SGD keeps one moment (4). The distributed optimizer
     shards the main copy and the moments over the data-parallel x context-parallel ranks (Bridge): 6 + 12/N
-    with mixed precision. Frozen (PEFT): the weight alone, no gradient, no optimizer state."""
+    with mixed precision; an MoE expert's over the expert data-parallel ranks (world / (expert-TP x EP x PP)),
+    as megatron-core's optimizer for the experts does. Frozen (PEFT): the weight alone, no gradient, no optimizer
+    state."""
     m, o = config.model, config.optimizer
     weight = 2 if (m.bf16 or m.fp16) else 4
     gradient = 2 if weight == 2 and config.ddp.grad_reduce_in_fp32 is False else 4
     sharded = (4 if weight == 2 else 0) + (8 if o.optimizer == "adam" else 4)
-    shards = config.data_parallel_size * m.context_parallel_size if o.use_distributed_optimizer else 1
+    if not o.use_distributed_optimizer:
+        shards = 1
+    elif expert:
+        ep_grid = (m.expert_tensor_parallel_size or 1) * m.expert_model_parallel_size * m.pipeline_model_parallel_size
+        shards = max(1, config.world_size // ep_grid)
+    else:
+        shards = config.data_parallel_size * m.context_parallel_size
     return weight + gradient + sharded / shards, weight
+
+
+def layer_parameters(m) -> list:
+    """(non-expert, expert) parameters of each transformer layer, biases left out: 2h^2 x (attention (1 + groups/
+    heads) x q-projection/h + 2/h for the two norms), and the MLP: 2h x ffn (x 3/2 for SwiGLU) in a dense layer; in
+    an MoE layer the router (experts x h) and the shared experts beside it, and the experts, 2h x
+    moe-ffn x experts (x 3/2), apart (Megatron-LM's theoretical_memory_usage.py, with the router megatron-core
+    builds)."""
+    h = m.hidden_size
+    gated = 3 / 2 if m.swiglu else 1
+    attention = 2 * h * h * ((1 + m.num_query_groups / m.num_attention_heads) * m.kv_channels * m.num_attention_heads / h
+                             + 2 / h)
+    dense = attention + 2 * h * m.ffn_hidden_size * gated
+    moe = (attention + (m.num_experts or 0) * h + 2 * h * (m.moe_shared_expert_intermediate_size or 0) * gated,
+           2 * h * (m.moe_ffn_hidden_size or 0) * (m.num_experts or 0) * gated)
+    return [moe if is_moe else (dense, 0) for is_moe in config_moe_layers(m)]
 
 
 def compute_weight_and_optimizer_memory(config, verbose: bool = False) -> float:
     """Bytes of weights, gradients and optimizer state on the most loaded shard.
 
-    Parameters: per layer 2h^2 x (attention (1 + groups/heads) x q-projection/h + MLP ffn/h x 3/2 for
-    SwiGLU + 2/h for the norms) + the final norm, plus the h x vocab embedding (twice if untied). The most
-    loaded shard is the pipeline stage with the most parameters (its layers, uneven with
-    --decoder-first/last-pipeline-num-layers; the embedding on the first, the output layer on the last),
-    split over tensor parallelism. Bytes per parameter: bytes_per_parameter(), frozen weights (PEFT,
-    `config.trainable_fraction`) at the weight's bytes only.
+    Parameters: each layer's (layer_parameters) plus the final norm, plus the h x vocab embedding (twice if
+    untied). The most loaded shard is the pipeline stage with the most bytes (its layers, uneven with
+    --decoder-first/last-pipeline-num-layers; the embedding on the first, the output layer on the last), its
+    non-expert parameters split over tensor parallelism, its MoE experts over expert x expert-tensor parallelism.
+    Bytes per parameter: bytes_per_parameter(), frozen weights (PEFT, `config.trainable_fraction`) at the weight's
+    bytes only.
     """
 
     m = config.model
-    h, L = m.hidden_size, m.num_layers
-    q_ratio = m.kv_channels * m.num_attention_heads / h
-    gated = 3 / 2 if m.swiglu else 1
-    per_layer = 2 * h * h * ((1 + m.num_query_groups / m.num_attention_heads) * q_ratio + (m.ffn_hidden_size / h) * gated
-                             + 2 / h)
+    h = m.hidden_size
+    layers = layer_parameters(m)
     final_norm = 2 * h
-    layers = per_layer * L + final_norm
     embedding = h * config.padded_vocab_size
     untied = m.untie_embeddings_and_output_weights
-    total = layers + (2 if untied else 1) * embedding
-    # The final norm is counted in the even split, as Bridge's formula does (it lives on the last stage: 2h
-    # parameters, nothing beside a layer's 12h^2).
-    stages = [per_layer * n + final_norm / len(pipeline_stage_layers(m)) for n in pipeline_stage_layers(m)]
-    stages[0] += embedding
-    stages[-1] += embedding if untied or len(stages) > 1 else 0  # the output layer (a tied copy on the last stage)
-    most_loaded = max(stages) / m.tensor_model_parallel_size
+    in_layers = sum(a + b for a, b in layers) + final_norm
+    total = in_layers + (2 if untied else 1) * embedding
+    # Each stage's (non-expert, expert) parameters. The final norm is counted in the even split, as Bridge's formula
+    # does (it lives on the last stage: 2h parameters, nothing beside a layer's 12h^2).
+    counts, stages, first = pipeline_stage_layers(m), [], 0
+    for n in counts:
+        own = layers[first:first + n]
+        stages.append([sum(a for a, _ in own) + final_norm / len(counts), sum(b for _, b in own)])
+        first += n
+    stages[0][0] += embedding
+    stages[-1][0] += embedding if untied or len(stages) > 1 else 0  # the output layer (a tied copy on the last stage)
+    experts_split = m.expert_model_parallel_size * (m.expert_tensor_parallel_size or 1)
+    shards = [(dense / m.tensor_model_parallel_size, expert / experts_split) for dense, expert in stages]
     trainable, frozen = bytes_per_parameter(config)
+    expert_trainable, _ = bytes_per_parameter(config, expert=True)
     share = config.trainable_fraction
+    per_stage = [dense * (share * trainable + (1 - share) * frozen) + expert * (share * expert_trainable + (1 - share) * frozen)
+                 for dense, expert in shards]
+    most_loaded = sum(shards[per_stage.index(max(per_stage))])
     if verbose:
-        print_rank_0(f" > number of parameters in transformer layers: {layers / 1e6:.2f}M, in embeddings: "
-                     f"{(total - layers) / 1e6:.2f}M, total: {total / 1e6:.2f}M; most loaded shard: "
+        print_rank_0(f" > number of parameters in transformer layers: {in_layers / 1e6:.2f}M, in embeddings: "
+                     f"{(total - in_layers) / 1e6:.2f}M, total: {total / 1e6:.2f}M; most loaded shard: "
                      f"{most_loaded / 1e6:.2f}M, {trainable:.2f} bytes per trainable parameter"
                      + (f", {100 * share:.1f}% trainable" if share < 1 else ""))
-    return most_loaded * (share * trainable + (1 - share) * frozen)
+    return max(per_stage)
 
 
 def activation_bytes_per_layer(config) -> float:

@@ -181,3 +181,56 @@ def test_a_checkpoint_of_the_other_kind_names_both_shapes(saved, loading, expect
 ])
 def test_bad_moe_settings_are_one_line(flags, world_size, expected, capsys):
     assert expected in config_error([*TINY, *flags], capsys, world_size=world_size)
+
+
+def test_bridges_moe_settings_in_yaml_are_the_flags(tmp_path):
+    """A Bridge-style model section (TransformerConfig's names: num_moe_experts, moe_*, expert_*) sets what the
+    flags set."""
+    import config
+
+    (tmp_path / "moe.yaml").write_text("model:\n  num_moe_experts: 8\n  moe_router_topk: 1\n  moe_router_pre_softmax: "
+                                       "true\n  expert_model_parallel_size: 2\n  moe_token_dispatcher_type: alltoall\n")
+    cfg = config.parse_args([*TINY, "--config-file", str(tmp_path / "moe.yaml")], world_size=2, gpu=False)
+    m = cfg.model
+    assert (m.num_experts, m.moe_router_topk, m.expert_model_parallel_size, m.moe_token_dispatcher_type) == \
+        (8, 1, 2, "alltoall")
+    assert config.transformer_config_extras(cfg)["num_moe_experts"] == 8
+
+
+def test_flops_count_the_routed_and_shared_experts_as_megatron_lm():
+    """Megatron-LM's transformer_flops (training.py:520-530), written out: per token 3 x 2 x h x (ffn x dense layers
+    + moe-ffn x top-k x MoE layers + shared x MoE layers) x (3 with SwiGLU, else 2), beside the attention and logits
+    terms of a dense GPT (test_metrics checks those)."""
+    import config
+    import metrics
+
+    flags = [*TINY, "--num-layers", "4", "--hidden-size", "128", "--swiglu", "--disable-bias-linear"]
+    moe = config.parse_args([*flags, "--num-experts", "8", "--moe-router-topk", "2", "--moe-layer-freq", "2",
+                             "--moe-ffn-hidden-size", "96", "--moe-shared-expert-intermediate-size", "64"],
+                            world_size=1, gpu=False)
+    dense = config.parse_args(flags, world_size=1, gpu=False)
+    b, s, h, ffn = 8, 64, 128, dense.model.ffn_hidden_size
+    mlp = lambda width_by_layer: b * s * 3 * 2 * h * sum(width_by_layer) * 3
+    difference = metrics.num_floating_point_operations(moe, b, 384) - metrics.num_floating_point_operations(dense, b, 384)
+    assert difference == pytest.approx(mlp([2 * 96 + 64, 0, 2 * 96 + 64, 0]) - mlp([ffn, 0, ffn, 0]), rel=1e-12)
+
+
+def test_memory_estimate_counts_the_built_moe_model_and_shards_experts_over_ep(single_rank_groups):
+    """The estimate's parameters are megatron-core's MoE GPT's (no biases, no position table); at EP=2 the experts'
+    share of the most loaded shard halves, and the distributed optimizer shards their Adam state over the expert
+    data-parallel ranks, the rest over the data-parallel ranks."""
+    import config
+    import metrics
+    from model import build_model
+
+    flags = [*TINY, "--num-layers", "4", *MOE, "--position-embedding-type", "rope", "--hidden-size", "128"]
+    cfg = config.parse_args(flags, world_size=1, gpu=False)
+    cfg.padded_vocab_size = 384
+    model = build_model(cfg, 384)
+    n = sum(p.numel() for p in model[0].parameters())
+    experts = sum(p.numel() for name, p in model[0].named_parameters() if ".experts." in name)
+    assert metrics.compute_weight_and_optimizer_memory(cfg) == pytest.approx(16 * n)
+    ep2 = config.parse_args([*flags, *EP2, *DOPT, "--bf16"], world_size=8, gpu=False)  # DP 8, expert DP 4
+    ep2.padded_vocab_size = 384
+    assert metrics.compute_weight_and_optimizer_memory(ep2) == pytest.approx(
+        (n - experts) * (6 + 12 / 8) + experts / 2 * (6 + 12 / 4))

@@ -189,11 +189,24 @@ def sharded_rng_state() -> ShardedObject:
     """The `rng_state` object of a torch_dist checkpoint, laid out as Megatron-LM and Bridge lay it out: one list
     per (pipeline, tensor) rank, written by data-parallel rank 0. Data-parallel replicas seed alike (seed + 100 x
     pipeline rank, set_random_seed), so their states are the same; a resume with other TP/PP sizes starts them
-    afresh (load_rng_state)."""
+    afresh (load_rng_state). With expert parallelism, one list per (pipeline, tensor, data-parallel) rank, as
+    Megatron-LM shards it then (checkpointing.py:363-375): data-parallel ranks hold other experts."""
     pp, tp = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
     shape = (parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_world_size())
-    return ShardedObject("rng_state", [get_rng_state()], shape, (pp, tp),
-                         replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True))
+    dp = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        return ShardedObject("rng_state", [get_rng_state()], (*shape, dp_size), (pp, tp, dp), replica_id=0)
+    return ShardedObject("rng_state", [get_rng_state()], shape, (pp, tp), replica_id=dp)
+
+
+def rng_layout(settings: dict) -> tuple:
+    """How a run's `rng_state` is sharded (sharded_rng_state): (TP, PP), and the data-parallel x context-parallel
+    size with expert parallelism, from a checkpoint's settings or (as Megatron-LM names them) this run's."""
+    get = lambda name: settings.get(name) or 1
+    tp_pp = (get("tensor_model_parallel_size"), get("pipeline_model_parallel_size"))
+    return tp_pp if get("expert_model_parallel_size") == 1 else (*tp_pp, get("data_parallel_size") *
+                                                                     get("context_parallel_size"))
 
 
 def _plain(value):
@@ -857,9 +870,15 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
     # --no-load-optim skips the optimizer and its schedule, --finetune everything but the weights.
     load_optim = ck.load_optim and not finetune and optimizer is not None
     load_rng = ck.load_rng and not finetune
-    saved_tp_pp = (settings.get("tensor_model_parallel_size", 1), settings.get("pipeline_model_parallel_size", 1))
-    if load_rng and saved_tp_pp != (cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size):
-        print_rank_0(f" {directory} was saved with (TP, PP) = {saved_tp_pp}: random states start afresh from --seed")
+    m = cfg.model
+    saved_layout = rng_layout(settings)
+    ours = rng_layout(dict(tensor_model_parallel_size=m.tensor_model_parallel_size,
+                           pipeline_model_parallel_size=m.pipeline_model_parallel_size,
+                           expert_model_parallel_size=m.expert_model_parallel_size,
+                           data_parallel_size=cfg.data_parallel_size, context_parallel_size=m.context_parallel_size))
+    if load_rng and saved_layout != ours:
+        print_rank_0(f" {directory} was saved with (TP, PP{', DP x CP' if len(saved_layout) > 2 else ''}) = "
+                     f"{saved_layout}: random states start afresh from --seed")
         load_rng = False
     if load_rng and settings.get("no_save_rng", False):
         print_rank_0(f" {directory} was saved without random states (--no-save-rng): they start afresh from --seed")

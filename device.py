@@ -262,6 +262,7 @@ def install_cpu_shim() -> None:
     mcore_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
     mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
     moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_on_host
+    fill_missing_te_names()  # a CPU has no transformer-engine
     _mode = CudaOnCpu()
     _mode.__enter__()  # entered for good: the mode stack is per thread, and training runs on this one
 

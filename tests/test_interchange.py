@@ -25,7 +25,7 @@ def _printed(program):
         return json.load(fh)
 
 
-@pytest.fixture(scope="module", params=["megatron_lm", "bridge"])
+@pytest.fixture(scope="module", params=["megatron_lm", "bridge", "megatron_lm_moe"])
 def continued(request, tmp_path_factory):
     """train.py going on from the program's checkpoint with the program's own flags, saving at iteration 10."""
     program, out = request.param, tmp_path_factory.mktemp(request.param)
@@ -38,16 +38,20 @@ def continued(request, tmp_path_factory):
 
 
 def test_their_checkpoint_continues_with_their_losses(continued):
+    """megatron_lm_moe: Megatron-LM's MoE GPT (4 experts, top-2, aux loss) saved by 2 ranks at EP=2 with the alltoall
+    dispatcher; its load-balancing loss is compared too."""
     theirs, ours = continued["printed"]["continued"], continued["tb"]
     assert sorted(map(int, theirs)) == sorted(ours["lm loss"]) == [6, 7, 8, 9, 10]
+    losses = ["lm loss", "load_balancing_loss"] if continued["program"] == "megatron_lm_moe" else ["lm loss"]
     for step in range(6, 11):
-        want = float(theirs[str(step)]["lm loss"])
-        got = ours["lm loss"][step]
-        if continued["program"] == "megatron_lm" and step == 7:
-            # Megatron-LM 0.16.1 prints the first iteration of a run on its own, then the mean of the interval
-            # since the start, that first iteration included: with --log-interval 1, iteration 7 is mean(6, 7).
-            got = (ours["lm loss"][6] + ours["lm loss"][7]) / 2
-        assert got == pytest.approx(want, rel=1e-6), (step, got, want)
+        for loss in losses:
+            want = float(theirs[str(step)][loss])
+            got = ours[loss][step]
+            if continued["program"].startswith("megatron_lm") and step == 7:
+                # Megatron-LM 0.16.1 prints the first iteration of a run on its own, then the mean of the interval
+                # since the start, that first iteration included: with --log-interval 1, iteration 7 is mean(6, 7).
+                got = (ours[loss][6] + ours[loss][7]) / 2
+            assert got == pytest.approx(want, rel=1e-6), (loss, step, got, want)
         assert f"{ours['grad-norm'][step]:.3f}" == theirs[str(step)]["grad norm"], step
 
 
@@ -79,10 +83,16 @@ def test_our_checkpoint_holds_what_their_loaders_read(continued):
                         "consumed_train_samples": 80, "skipped_train_samples": 0, "consumed_valid_samples": 0,
                         "no_save_rng": False, "no_save_optim": False, "add_position_embedding": True,
                         "tokenizer_type": "NullTokenizer", "vocab_size": 60, "padded_vocab_size": 64 if
-                        continued["program"] == "megatron_lm" else 128}.items():
+                        continued["program"].startswith("megatron_lm") else 128}.items():
         assert getattr(args, name) == value and type(getattr(args, name)) is type(value), name
-    # The random states as both keep them: one object per (PP, TP) rank, here (1, 1).
-    assert "rng_state/shard_0.0_1.1" in checkpoint_keys(it)
+    if continued["program"] == "megatron_lm_moe":
+        # Every tensor and object Megatron-LM's MoE checkpoint holds, under its names (the experts as one sharded
+        # tensor per weight, its random states one per (PP, TP, DP) rank under expert parallelism).
+        assert (args.num_experts, args.expert_model_parallel_size, args.moe_router_topk) == (4, 2, 2)
+        theirs = checkpoint_keys(os.path.join(FIXTURES, "megatron_lm_moe", "ckpt", "iter_0000005"))
+        assert checkpoint_keys(it) == theirs and "rng_state/shard_0.0.1_1.1.2" in theirs
+    else:  # the random states as both keep them: one object per (PP, TP) rank, here (1, 1)
+        assert "rng_state/shard_0.0_1.1" in checkpoint_keys(it)
     assert "opt_param_scheduler" in common and any(k.startswith("optimizer.") for k in checkpoint_keys(it))
     # Bridge's train_state.pt: 0-d tensors under its eight names.
     state = torch.load(it / "train_state.pt")

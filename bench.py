@@ -10,6 +10,7 @@ Names here are this project's own.
     python bench.py hotpath                                              # each hot-path choice, off vs on
     python bench.py generate [train.py model flags]                      # generate.py's tokens/s vs transformers
     python bench.py parallel [train.py flags]                            # SP and CP per iteration vs TP=2, 2 processes
+    python bench.py moe [train.py flags]                                 # MoE vs dense, EP=2, vs Megatron-LM's
 
 Benchmarks report; the tests never assert on timings.
 """
@@ -589,6 +590,63 @@ def bench_parallel(argv) -> list:
              f"{100 * (ms - tp2) / tp2:+.1f}% vs TP=2") for i, (name, ms) in enumerate(best.items())]
 
 
+# bench.py moe: one MoE GPT (8 experts, top-2, experts half the dense MLP's width: the dense model below has the same
+# active parameters per token), in Megatron-LM's flags so that its pretrain_gpt.py runs the very same command line.
+MOE_FLAGS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "256",
+             "--max-position-embeddings", "256", "--micro-batch-size", "4", "--global-batch-size", "8", "--mock-data",
+             "--train-iters", "20", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
+             "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--lr", "1e-4", "--num-workers", "0",
+             "--hidden-dropout", "0", "--attention-dropout", "0", "--ffn-hidden-size", "1024"]
+MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "512", "--moe-aux-loss-coeff", "1e-2",
+       "--moe-token-dispatcher-type", "alltoall"]
+# What Megatron-LM needs on a CPU (../shared/tools/megatron_lm_cpu.py's docstring); train.py accepts the same line.
+MEGATRON_LM_CPU = ["--transformer-impl", "local", "--no-persist-layer-norm", "--use-cpu-initialization",
+                   "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+                   "--no-bias-dropout-fusion", "--no-rope-fusion", "--distributed-backend", "gloo"]
+
+
+def bench_moe(argv) -> list:
+    """train.py's time per iteration of an MoE GPT beside the dense GPT of the same active parameters (1 process),
+    at EP=2 (2 processes), and, with MEGATRON_LM set to a Megatron-LM core_v0.16.1 checkout, Megatron-LM's own
+    pretrain_gpt.py on the same command line (through ../shared/tools/megatron_lm_cpu.py). Three alternating rounds;
+    the best round's median iteration time (the log line's, iterations 6-20) of each."""
+    import re
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    launcher = os.path.join(os.path.dirname(here), "shared", "tools", "megatron_lm_cpu.py")
+    mlm = os.environ.get("MEGATRON_LM")
+    line = [*MOE_FLAGS, *MEGATRON_LM_CPU, *argv]
+    ours = ["--no-save", "--no-tensorboard"]
+    runs = {"dense, 1 process": (1, "train.py", [*line, *ours]),
+            "MoE, 1 process": (1, "train.py", [*line, *MOE, *ours]),
+            "MoE EP=2, 2 processes": (2, "train.py", [*line, *MOE, "--expert-model-parallel-size", "2", *ours])}
+    if mlm and os.path.isfile(launcher):
+        runs["Megatron-LM MoE, 1 process"] = (1, "mlm", [*line, *MOE])
+        runs["Megatron-LM MoE EP=2, 2 processes"] = (2, "mlm", [*line, *MOE, "--expert-model-parallel-size", "2"])
+    elapsed = re.compile(r"iteration +(\d+)/ +\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)")
+    best = {name: float("inf") for name in runs}
+    with tempfile.TemporaryDirectory() as work:
+        for _ in range(3):
+            for name, (nproc, program, flags) in runs.items():
+                script = [os.path.join(here, "train.py")] if program == "train.py" else [launcher, "mlm"]
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+                       "29518", *script, *flags, "--data-cache-path", os.path.join(work, "cache")]
+                env = dict(os.environ, OMP_NUM_THREADS=str(2 // nproc), MEGATRON_LM=mlm or "", PROJECT=here)
+                out = subprocess.run(cmd, capture_output=True, text=True, cwd=work, env=env)
+                times = sorted(float(ms) for it, ms in elapsed.findall(out.stdout) if int(it) > 5)
+                if out.returncode or not times:
+                    sys.exit(f"bench.py moe: {name} failed:\n{out.stderr[-2000:]}")
+                best[name] = min(best[name], times[len(times) // 2])
+    setup = "4x256, seq 256, gbs 8; MoE: 8 experts of 512, top-2 (dense: ffn 1024); 2 threads in all"
+    dense = best["dense, 1 process"]
+    rows = [("moe" if i == 0 else "", setup if i == 0 else "", name, f"{ms:.1f} ms/it",
+             f"{100 * (ms - dense) / dense:+.1f}% vs dense") for i, (name, ms) in enumerate(best.items())]
+    if not mlm:
+        rows.append(("", "", "Megatron-LM", "not run", "set MEGATRON_LM to a core_v0.16.1 checkout"))
+    return rows
+
+
 def print_table(rows) -> None:
     header = ("benchmark", "setup", "what", "time", "rate")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
@@ -599,7 +657,7 @@ def print_table(rows) -> None:
 if __name__ == "__main__":
     benches = {"checkpoint": bench_checkpoint, "logging": bench_logging, "data": bench_data,
                "overhead": bench_overhead, "ladder": bench_ladder, "hotpath": bench_hotpath,
-               "generate": bench_generate, "parallel": bench_parallel}
+               "generate": bench_generate, "parallel": bench_parallel, "moe": bench_moe}
     name = sys.argv[1] if len(sys.argv) > 1 else "checkpoint"
     if name == "_one_size":  # a ladder size in its own process (bench_ladder runs it)
         import json

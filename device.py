@@ -76,7 +76,9 @@ Beyond the shim, the machines differ in only these, each answered here once:
 """
 
 import contextlib
+import functools
 import os
+import sys
 import warnings
 
 import torch
@@ -87,6 +89,49 @@ warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not ins
 warnings.filterwarnings("ignore", message=r"full scope is deprecated")  # a TransformerConfig default, not ours
 from torch.overrides import TorchFunctionMode
 
+
+def _compile_on_first_call(model=None, **kwargs):
+    """torch.compile, deferred to the function's first call."""
+    if model is None:  # used as @torch.compile(...)
+        return functools.partial(_compile_on_first_call, **kwargs)
+    compiled = None
+
+    @functools.wraps(model)
+    def call(*args, **kw):
+        nonlocal compiled
+        if compiled is None:
+            compiled = _torch_compile(model, **kwargs)
+        return compiled(*args, **kw)
+
+    return call
+
+
+_torch_compile = torch.compile
+
+
+def _import_megatron_core() -> None:
+    """megatron-core, imported here first, without what its import costs every process for nothing it trains with
+    (1.3 s of each rank's 3.9 s start, measured on a CPU; README, "Running on CPU"):
+    - its fused kernels are `torch.compile`d functions (megatron/core/jit.py), decorated at import: that imports
+      torch's compiler stack (dynamo, inductor) although they compile only when called, and they are called only
+      with the fusion flags (--bias-gelu-fusion and the like, off on the local layers). Here they are compiled at
+      their first call instead: the same functions, compiled the same way, when used;
+    - its inference engine's context imports wandb when it is installed (inference/contexts/dynamic_context.py:70),
+      which training never uses: wandb is hidden from it (`import wandb` fails inside it); the W&B writer
+      (metrics.WandbWriter) imports the real wandb when --wandb-project asks for it."""
+    hide = "wandb" not in sys.modules
+    if hide:
+        sys.modules["wandb"] = None
+    torch.compile = _compile_on_first_call
+    try:
+        import megatron.core  # noqa: F401
+    finally:
+        torch.compile = _torch_compile
+        if hide and sys.modules.get("wandb", 0) is None:
+            del sys.modules["wandb"]
+
+
+_import_megatron_core()
 _mode = None  # the CudaOnCpu mode, once installed
 
 

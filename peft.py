@@ -27,6 +27,8 @@ import re
 import sys
 
 import torch
+
+import device  # noqa: F401  (first: megatron-core imported the way every module here imports it)
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                            gather_from_tensor_model_parallel_region)

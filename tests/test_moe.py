@@ -33,11 +33,14 @@ LAYOUTS = {
     "ep2": (2, EP2),                                                  # the allgather dispatcher (the default)
     # Saves at 6 and runs on to 9: the EP=2 checkpoint of the crossing test below.
     "ep2_alltoall": (2, [*EP2, *A2A, "--exit-interval", "9", "--save", "CKPT", "--save-interval", "6"]),
-    "ep2_dopt": (2, [*EP2, *A2A, *DOPT]),                             # each rank holds all of its experts' Adam state
+    # Each rank holds all of its experts' Adam state; saves at 6 (dp_reshardable, the default) and runs on to 9.
+    "ep2_dopt": (2, [*EP2, *A2A, *DOPT, "--exit-interval", "9", "--save", "CKPT", "--save-interval", "6"]),
     # Each stage one MoE and one dense layer. Pipeline stages draw their weights from streams of their own (as
     # Megatron-LM seeds them), so this layout continues the one-rank checkpoint of 6 (with a fresh optimizer).
     "ep2_pp2": (4, [*EP2, "--pipeline-model-parallel-size", "2"]),
-    "ep2_dp2": (4, [*EP2, *A2A, *DOPT]),                              # expert data parallelism 2: their shards
+    # Expert data parallelism 2: the experts' Adam state in 2 shards; saves at 6 in the fully_reshardable format.
+    "ep2_dp2": (4, [*EP2, *A2A, *DOPT, "--dist-ckpt-optim-fully-reshardable", "--exit-interval", "9", "--save", "CKPT",
+                    "--save-interval", "6"]),
     # Tensor parallelism with MoE needs sequence parallelism; the experts themselves are not tensor-split (ETP=1).
     "tp2_sp_ep2": (4, [*EP2, *A2A, "--tensor-model-parallel-size", "2", "--sequence-parallel",
                        "--expert-tensor-parallel-size", "1", "--make-vocab-size-divisible-by", "64"]),
@@ -119,6 +122,29 @@ def test_expert_parallel_checkpoints_cross_expert_parallel_sizes(runs):
         train.pretrain(cfg)
     assert "saved at --expert-model-parallel-size 2, which megatron-core cannot load at 1" in str(e.value)
     assert "add --no-load-optim" in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["ep2_dopt", "ep2_dp2"])
+def test_distributed_optimizer_layouts_resume_bitwise_in_each_checkpoint_format(runs, name):
+    """The experts' distributed Adam state, saved at 6 in each format (2 ranks: dp_reshardable; 4 ranks, expert
+    data parallelism 2: fully_reshardable), resumed: the same run bit for bit."""
+    nproc, flags = LAYOUTS[name]
+    straight = runs(name, nproc, *[runs.ckpt(name) if f == "CKPT" else f for f in flags])
+    kept = [f for f in flags if f not in ("--save", "CKPT", "--save-interval", "6")]
+    resumed = runs.resume(name + "_resumed", nproc, name, 6, *kept)
+    assert resumed["iterations"] == [7, 8, 9]
+    assert_bitwise(resumed, straight, [7, 8, 9], [m for m in METRICS if "l2_norm" not in m])
+
+
+def test_bf16_at_expert_parallel_size_2_is_the_one_rank_bf16_run(runs):
+    """Mixed precision: bf16 weights, fp32 main weights and gradient reduction. EP=2's experts multiply other
+    groupings of tokens (each expert gets both ranks' tokens at once) in bf16: the losses within 1e-4 of one rank,
+    the gradient norm (a sum of bf16-rounded squares) within 1e-3."""
+    one = runs("one_bf16", 1, "--bf16")
+    ep2 = runs("ep2_bf16", 2, "--bf16", *EP2, *A2A)
+    assert ep2["iterations"] == one["iterations"] == list(range(1, 7))
+    assert_same(ep2, one, range(1, 7), ["lm loss", "load_balancing_loss"], rel=1e-4)
+    assert_same(ep2, one, range(1, 7), ["grad-norm"], rel=1e-3)
 
 
 def test_experts_with_biases_train_at_expert_parallel_size_1():

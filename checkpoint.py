@@ -431,6 +431,37 @@ def _restore_step_zero(saved: dict) -> None:
         inner["state"]["common_step"] = torch.zeros((), dtype=torch.float32)
 
 
+def _regrouped(inners: list, saved: dict) -> dict:
+    """A fully_reshardable distributed-optimizer state saved by another grouping of the optimizers: megatron-core
+    gives MoE experts an optimizer of their own only at EP > 1 (a ChainedOptimizer of two), one for all at EP = 1.
+    Each parameter's tensors were requested by name for this run's grouping and loaded as such (the `int` keys of
+    a chained state, or the `param_state` of a single one); what came back in the saver's grouping is the common
+    part (param groups, the sharding type). Each optimizer here gets its own param groups (the schedule sets their
+    learning rates) with the saved Adam step. Unchanged when the groupings agree."""
+    if not isinstance(saved, dict):  # the torch format's chained state: a list, in this run's grouping
+        return saved
+    chained = [k for k in saved if isinstance(k, int)]
+    flat = [k for k in saved if not isinstance(k, int)]
+    if (len(inners) > 1) == bool(chained) and not (chained and flat):
+        return saved
+    common = [saved[k] for k in sorted(chained)] if len(inners) == 1 else [saved]
+    sharding = {part.get("param_state_sharding_type") for part in common} - {None}
+    steps = {g["step"] for part in common for g in part.get("optimizer", {}).get("param_groups", []) if "step" in g}
+    if sharding != {"fully_reshardable"} or len(steps) != 1:
+        raise CheckpointError("the optimizer state was saved by another grouping of optimizers (another expert-"
+                              "parallel size) in a format that does not regroup; load it with --no-load-optim")
+    step = steps.pop()
+
+    def own(inner, loaded):
+        groups = inner.state_dict()["optimizer"]["param_groups"]
+        return {"optimizer": {"param_groups": [dict(g, step=step) for g in groups]},
+                "param_state": loaded["param_state"], "param_state_sharding_type": "fully_reshardable"}
+
+    if len(inners) == 1:
+        return own(inners[0], {k: saved[k] for k in flat})
+    return {i: own(inner, saved[i]) for i, inner in enumerate(inners)}
+
+
 def load_optimizer_state(optimizer, saved) -> None:
     """`optimizer.load_state_dict(saved)`, except that a distributed optimizer over torch's Adam gets back the
     saved step, one tensor per parameter (megatron-core 0.16.1 defect, README: defects).
@@ -444,7 +475,8 @@ def load_optimizer_state(optimizer, saved) -> None:
     from megatron.core.optimizer import DistributedOptimizer
 
     inners = getattr(optimizer, "chained_optimizers", [optimizer])
-    parts = [saved] if len(inners) == 1 else [saved[k] for k in sorted(saved)]
+    saved = _regrouped(inners, saved)
+    parts = [saved] if len(inners) == 1 else list(saved) if isinstance(saved, list) else [saved[k] for k in sorted(saved)]
     for inner, part in zip(inners, parts):
         torch_adam = isinstance(getattr(inner, "optimizer", None), torch.optim.Adam)
         if not (isinstance(inner, DistributedOptimizer) and torch_adam and "param_state" in part):
@@ -884,9 +916,13 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
         print_rank_0(f" {directory} was saved without random states (--no-save-rng): they start afresh from --seed")
         load_rng = False
     # megatron-core builds the experts their own optimizer when EP > 1 (a ChainedOptimizer of two) and none at EP=1,
-    # and its loaders do not move the state between the two (optimizer.py:1221).
+    # and its loaders do not move the state between the two (optimizer.py:1221); only the distributed optimizer's
+    # fully_reshardable state, kept by parameter name, is regrouped here (_regrouped).
     saved_ep, ep = settings.get("expert_model_parallel_size") or 1, cfg.model.expert_model_parallel_size
-    if load_optim and cfg.model.num_experts and (saved_ep > 1) != (ep > 1):
+    crossing = load_optim and cfg.model.num_experts and (saved_ep > 1) != (ep > 1)
+    if crossing and load_metadata(cfg, directory).get("distrib_optim_sharding_type") == "fully_reshardable":
+        crossing = False  # each parameter's state kept whole, by name: load_optimizer_state regroups it
+    if crossing:
         raise CheckpointError(f"{directory}: its optimizer state was saved at --expert-model-parallel-size {saved_ep}, "
                               f"which megatron-core cannot load at {ep} (one optimizer for all parameters at EP=1, the "
                               f"experts' own beside it at EP>1); add --no-load-optim to continue its weights with a "

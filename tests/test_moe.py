@@ -53,8 +53,10 @@ def runs(tmp_path_factory):
 
 
 def one_rank(runs):
-    """The reference: one rank from scratch to 12, saved at 6 (plain optimizer)."""
-    return runs("one", 1, "--exit-interval", "12", *runs.saving("one", 6))
+    """The reference: one rank from scratch to 12, saved at 6 by the distributed optimizer (on one rank the plain
+    optimizer's arithmetic, test_engine checks) in the fully_reshardable format, which crosses EP sizes."""
+    return runs("one", 1, *DOPT, "--dist-ckpt-optim-fully-reshardable", "--exit-interval", "12",
+                *runs.saving("one", 6))
 
 
 FRESH = ["--exit-interval", "9", "--no-load-optim"]
@@ -101,14 +103,24 @@ def test_the_log_line_shows_megatron_lms_auxiliary_losses(runs):
 
 
 def test_expert_parallel_checkpoints_cross_expert_parallel_sizes(runs):
-    """An EP=2 checkpoint continued at EP=1 and the EP=1 checkpoint continued at EP=2 with a fresh optimizer give
-    the one-rank run's continuation with a fresh optimizer; EP=2 resumes its own checkpoint bitwise, Adam state and
-    all. Loading the optimizer state across the EP=1 / EP>1 line is one line that names --no-load-optim."""
-    reference = one_fresh(runs)
+    """Checkpoints cross the EP=1 / EP>1 line, where megatron-core's optimizers regroup (one for all at EP=1, the
+    experts' own beside it at EP>1): with the distributed optimizer's fully_reshardable state, Adam's moments and
+    all, both ways (the one-rank checkpoint at EP=2 gives the uninterrupted one-rank run; EP=2 x DP=2's checkpoint
+    on one rank gives the EP=2 x DP=2 run); the plain optimizer's weights with a fresh optimizer, both ways (the
+    one-rank continuation with a fresh optimizer), its optimizer state one line naming --no-load-optim. EP=2
+    resumes its own plain checkpoint bitwise."""
+    one, reference = one_rank(runs), one_fresh(runs)
     nproc, flags = LAYOUTS["ep2_alltoall"]
     straight = runs("ep2_alltoall", nproc, *[runs.ckpt("ep2_alltoall") if f == "CKPT" else f for f in flags])
     assert reference["iterations"] == [7, 8, 9]
-    assert_same(runs.resume("ep2_from_one", 2, "one", 6, *EP2, *FRESH), reference, [7, 8, 9], METRICS)
+    sharded = [m for m in METRICS if "l2_norm" not in m]  # the distributed optimizer's shard of each gradient
+    assert_same(runs.resume("ep2_from_one", 2, "one", 6, *EP2, *DOPT, "--exit-interval", "9"), one, [7, 8, 9],
+                sharded)
+    nproc, flags = LAYOUTS["ep2_dp2"]
+    four = runs("ep2_dp2", nproc, *[runs.ckpt("ep2_dp2") if f == "CKPT" else f for f in flags])
+    assert_same(runs.resume("one_from_ep2_dp2", 1, "ep2_dp2", 6, *DOPT, "--exit-interval", "9"), four, [7, 8, 9],
+                sharded)
+    assert_same(runs.resume("ep2_fresh_from_one", 2, "one", 6, *EP2, *FRESH), reference, [7, 8, 9], METRICS)
     assert_same(runs.resume("one_from_ep2", 1, "ep2_alltoall", 6, *FRESH), reference, [7, 8, 9], METRICS)
     assert_bitwise(runs.resume("ep2_resumed", 2, "ep2_alltoall", 6, *EP2, *A2A, "--exit-interval", "9"), straight,
                    [7, 8, 9], METRICS)

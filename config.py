@@ -2652,29 +2652,14 @@ def transformer_config_extras(cfg: ConfigContainer) -> dict:
                   attention_output_gate=m.attention_output_gate,
                   disable_bf16_reduced_precision_matmul=m.disable_bf16_reduced_precision_matmul)
     if m.num_experts:
-        one = lambda values: values[0] if len(values) == 1 else list(values)  # Megatron-LM: a list of one is its item
-        extras.update(num_moe_experts=m.num_experts, moe_layer_freq=layer_pattern(m.moe_layer_freq, "--moe-layer-freq",
-                                                                                m.num_layers),
-                      moe_ffn_hidden_size=m.moe_ffn_hidden_size, moe_router_topk=m.moe_router_topk,
+        # The --moe-* and --expert-* settings are TransformerConfig fields of the same names; Megatron-LM passes a
+        # list of one load-balancing type (and coefficient) as its item.
+        extras.update({f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.name.startswith(("moe_", "expert_"))})
+        one = lambda values: values[0] if len(values) == 1 else list(values)
+        extras.update(num_moe_experts=m.num_experts,
+                      moe_layer_freq=layer_pattern(m.moe_layer_freq, "--moe-layer-freq", m.num_layers),
                       moe_router_load_balancing_type=one(m.moe_router_load_balancing_type),
-                      moe_aux_loss_coeff=one(m.moe_aux_loss_coeff), moe_z_loss_coeff=m.moe_z_loss_coeff,
-                      moe_router_score_function=m.moe_router_score_function,
-                      moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
-                      moe_router_bias_update_rate=m.moe_router_bias_update_rate,
-                      moe_router_pre_softmax=m.moe_router_pre_softmax,
-                      moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
-                      moe_router_num_groups=m.moe_router_num_groups, moe_router_group_topk=m.moe_router_group_topk,
-                      moe_router_dtype=m.moe_router_dtype, moe_input_jitter_eps=m.moe_input_jitter_eps,
-                      moe_token_dispatcher_type=m.moe_token_dispatcher_type,
-                      moe_expert_capacity_factor=m.moe_expert_capacity_factor,
-                      moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity,
-                      moe_token_drop_policy=m.moe_token_drop_policy,
-                      moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
-                      moe_shared_expert_overlap=m.moe_shared_expert_overlap,
-                      moe_per_layer_logging=m.moe_per_layer_logging, moe_grouped_gemm=m.moe_grouped_gemm,
-                      moe_permute_fusion=m.moe_permute_fusion, moe_router_fusion=m.moe_router_fusion,
-                      expert_model_parallel_size=m.expert_model_parallel_size,
-                      expert_tensor_parallel_size=m.expert_tensor_parallel_size)
+                      moe_aux_loss_coeff=one(m.moe_aux_loss_coeff))
     if m.init_method_xavier_uniform:  # Megatron-LM's init_method and scaled_init_method (megatron-core's output_layer_)
         import torch
 

@@ -37,13 +37,16 @@ LAYOUTS = {
     "ep2_dopt": (2, [*EP2, *A2A, *DOPT, "--exit-interval", "9", "--save", "CKPT", "--save-interval", "6"]),
     # Each stage one MoE and one dense layer. Pipeline stages draw their weights from streams of their own (as
     # Megatron-LM seeds them), so this layout continues the one-rank checkpoint of 6 (with a fresh optimizer).
-    "ep2_pp2": (4, [*EP2, "--pipeline-model-parallel-size", "2"]),
+    # Saves at 8 (resumed below).
+    "ep2_pp2": (4, [*EP2, "--pipeline-model-parallel-size", "2", "--save", "CKPT", "--save-interval", "8"]),
     # Expert data parallelism 2: the experts' Adam state in 2 shards; saves at 6 in the fully_reshardable format.
     "ep2_dp2": (4, [*EP2, *A2A, *DOPT, "--dist-ckpt-optim-fully-reshardable", "--exit-interval", "9", "--save", "CKPT",
                     "--save-interval", "6"]),
     # Tensor parallelism with MoE needs sequence parallelism; the experts themselves are not tensor-split (ETP=1).
+    # Saves at 6 and runs on to 9 (resumed below).
     "tp2_sp_ep2": (4, [*EP2, *A2A, "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                       "--expert-tensor-parallel-size", "1", "--make-vocab-size-divisible-by", "64"]),
+                       "--expert-tensor-parallel-size", "1", "--make-vocab-size-divisible-by", "64",
+                       "--exit-interval", "9", "--save", "CKPT", "--save-interval", "6"]),
 }
 
 
@@ -69,6 +72,16 @@ def one_fresh(runs):
     return runs.resume("one_fresh", 1, "one", 6, *FRESH)
 
 
+def layout(runs, name):
+    """A layout's run: from scratch, or (pipeline stages) from the one-rank checkpoint of 6 with a fresh optimizer."""
+    nproc, flags = LAYOUTS[name]
+    flags = [runs.ckpt(name) if f == "CKPT" else f for f in flags]
+    if "--pipeline-model-parallel-size" in flags:
+        one_rank(runs)
+        return runs.resume(name, nproc, "one", 6, *flags, *FRESH)
+    return runs(name, nproc, *flags)
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_every_expert_parallel_layout_is_the_one_rank_run(runs, name):
     """The same weights at any EP size, tokens dispatched to the experts' ranks by all-gather or all-to-all, expert
@@ -77,11 +90,9 @@ def test_every_expert_parallel_layout_is_the_one_rank_run(runs, name):
     nproc, flags = LAYOUTS[name]
     if "--pipeline-model-parallel-size" in flags:
         reference, iterations = one_fresh(runs), [7, 8, 9]
-        run = runs.resume(name, nproc, "one", 6, *flags, *FRESH)
     else:
-        flags = [runs.ckpt(name) if f == "CKPT" else f for f in flags]
         reference, iterations = one_rank(runs), list(range(1, 7))
-        run = runs(name, nproc, *flags)
+    run = layout(runs, name)
     assert run["iterations"][:len(iterations)] == iterations
     # Under the distributed optimizer each rank holds only its shard of the reduced gradients, so the per-parameter
     # gradient norms (read from the gradient buffers, as Bridge's report_l2_norm_grad reads them) are not compared;
@@ -136,16 +147,17 @@ def test_expert_parallel_checkpoints_cross_expert_parallel_sizes(runs):
     assert "add --no-load-optim" in str(e.value)
 
 
-@pytest.mark.parametrize("name", ["ep2_dopt", "ep2_dp2"])
-def test_distributed_optimizer_layouts_resume_bitwise_in_each_checkpoint_format(runs, name):
-    """The experts' distributed Adam state, saved at 6 in each format (2 ranks: dp_reshardable; 4 ranks, expert
-    data parallelism 2: fully_reshardable), resumed: the same run bit for bit."""
+@pytest.mark.parametrize("name, step", [("ep2_dopt", 6), ("ep2_dp2", 6), ("tp2_sp_ep2", 6), ("ep2_pp2", 8)])
+def test_layouts_stop_and_resume_bitwise(runs, name, step):
+    """Each layout's own checkpoint, resumed: the same run bit for bit to 9. The experts' distributed Adam state in
+    each format (2 ranks: dp_reshardable; 4 ranks, expert data parallelism 2: fully_reshardable), and the other
+    4-rank layouts (TP=2 + SP x EP=2, EP=2 x PP=2), Adam state and all."""
     nproc, flags = LAYOUTS[name]
-    straight = runs(name, nproc, *[runs.ckpt(name) if f == "CKPT" else f for f in flags])
-    kept = [f for f in flags if f not in ("--save", "CKPT", "--save-interval", "6")]
-    resumed = runs.resume(name + "_resumed", nproc, name, 6, *kept)
-    assert resumed["iterations"] == [7, 8, 9]
-    assert_bitwise(resumed, straight, [7, 8, 9], [m for m in METRICS if "l2_norm" not in m])
+    straight = layout(runs, name)
+    kept = [f for f in flags if f not in ("--save", "CKPT", "--save-interval", str(step))]
+    resumed = runs.resume(name + "_resumed", nproc, name, step, *kept, "--exit-interval", "9")
+    assert resumed["iterations"] == list(range(step + 1, 10))
+    assert_bitwise(resumed, straight, range(step + 1, 10), [m for m in METRICS if "l2_norm" not in m])
 
 
 def test_bf16_at_expert_parallel_size_2_is_the_one_rank_bf16_run(runs):

@@ -111,7 +111,7 @@ _torch_compile = torch.compile
 
 def _import_megatron_core() -> None:
     """megatron-core, imported here first, without what its import costs every process for nothing it trains with
-    (1.3 s of each rank's 3.9 s start, measured on a CPU; README, "Running on CPU"):
+    (1.7 s of the 3.9 s that importing train.py took, measured on a CPU; README, "Running on CPU"):
     - its fused kernels are `torch.compile`d functions (megatron/core/jit.py), decorated at import: that imports
       torch's compiler stack (dynamo, inductor) although they compile only when called, and they are called only
       with the fusion flags (--bias-gelu-fusion and the like, off on the local layers). Here they are compiled at

@@ -1779,8 +1779,9 @@ def check_moe(cfg: ConfigContainer) -> None:
     require(not m.add_bias_linear or etp == 1,
             f"biases in MoE experts need --expert-tensor-parallel-size 1 (megatron-core); add "
             f"--disable-bias-linear or --expert-tensor-parallel-size 1")
-    # megatron-core's MoELayer raises in training with tensor parallelism and no sequence parallelism (moe_layer.py:379).
-    require(tp == 1 or m.sequence_parallel,
+    # megatron-core's MoELayer raises in training with tensor parallelism and no sequence parallelism (moe_layer.py:379);
+    # inference (generate.py: --train-iters 0) runs without it, as megatron-core's own.
+    require(tp == 1 or m.sequence_parallel or cfg.train.train_iters == 0,
             f"MoE with --tensor-model-parallel-size {tp} needs --sequence-parallel (megatron-core's MoE layer refuses "
             f"tensor parallelism without it)")
     te = m.transformer_impl == "transformer_engine"

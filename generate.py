@@ -6,6 +6,7 @@ Names here are this project's own; the KV cache and the model are megatron-core'
     python generate.py --load CKPT [--ckpt-step N] --prompt "..." [--max-new-tokens 200] [--temperature 0.8]
         [--top-k 50] [--top-p 0.95] [--seed 1] [--greedy]
     torchrun --nproc-per-node 2 generate.py --prompt "..."    # tensor-parallel: each rank holds half of each matrix
+    torchrun --nproc-per-node 2 generate.py --expert-model-parallel-size 2 --prompt "..."  # MoE: half the experts each
 
 The checkpoint's run_config.yaml rebuilds the model, so no model flag needs repeating, and its tokenizer
 turns the prompt into ids and the ids back into text, printed as they come.
@@ -48,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--greedy", action="store_true", help="Always take the likeliest token (no sampling).")
     parser.add_argument("--num-samples", type=int, default=1, help="Samples to draw from the prompt, one after "
                                                                     "another (as nanoGPT's sample.py). Default: 1.")
+    parser.add_argument("--expert-model-parallel-size", type=int, default=1,
+                        help="An MoE checkpoint's experts split over this many ranks; the rest of the model is split by "
+                             "tensor parallelism over world size / this. Default: 1 (every rank holds every expert).")
     parser.add_argument("--no-kv-cache", dest="kv_cache", action="store_false",
                         help="A full forward over the whole sequence for every new token: the plain loop, the "
                              "reference the cached decoding must equal.")
@@ -64,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
               (args.top_k >= 0, f"--top-k must be 0 (all tokens) or positive, got {args.top_k}"),
               (0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}"),
               (args.num_samples >= 1, f"--num-samples must be at least 1, got {args.num_samples}"),
+              (args.expert_model_parallel_size >= 1, f"--expert-model-parallel-size must be at least 1, got "
+                                                     f"{args.expert_model_parallel_size}"),
               (args.ckpt_step is None or args.ckpt_step >= 0, f"--ckpt-step must be non-negative, got {args.ckpt_step}"),
               (os.path.exists(args.load), f"--load {args.load}: no such directory (train first: torchrun "
                                           f"--nproc-per-node 2 train.py saves to checkpoints/)")]
@@ -101,10 +107,12 @@ warnings.filterwarnings("ignore", category=FutureWarning, module=r"(megatron|tor
 # --------------------------------------------------------------------------------------------------
 
 
-def inference_config(directory: str, world_size: int) -> config_lib.ConfigContainer:
+def inference_config(directory: str, world_size: int, expert_parallel: int = 1) -> config_lib.ConfigContainer:
     """The model and tokenizer of the run that wrote `directory` (its run_config.yaml), laid out for inference:
     split by tensor parallelism over all ranks (no pipeline, no data parallelism), fp32 weights, no dropout.
-    torch_dist checkpoints reshard to any tensor-parallel size; torch ones need the size they were saved at."""
+    An MoE model's experts are split over `expert_parallel` ranks instead, each expert whole on its rank, and the
+    rest of the model over world_size / expert_parallel. torch_dist checkpoints reshard to any tensor- and
+    expert-parallel size; torch ones need the sizes they were saved at."""
     path = os.path.join(directory, "run_config.yaml")
     if not os.path.isfile(path):
         raise checkpoint.CheckpointError(f"{path}: missing, so the model's shape is unknown")
@@ -117,13 +125,25 @@ def inference_config(directory: str, world_size: int) -> config_lib.ConfigContai
     config_lib.apply_overrides(cfg, {"model": saved["model"], "tokenizer": saved["tokenizer"],
                                      "checkpoint": {"ckpt_format": saved["checkpoint"]["ckpt_format"]}}, source=path)
     m = cfg.model
-    saved_tp = m.tensor_model_parallel_size
-    if cfg.checkpoint.ckpt_format == "torch" and saved_tp != world_size:
-        raise checkpoint.CheckpointError(f"{directory} is in torch format at tensor-parallel size {saved_tp}, which "
-                                         f"loads only at that size: run it with torchrun --nproc-per-node {saved_tp}")
-    m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size = world_size, 1, 1
+    if expert_parallel > 1 and not m.num_experts:
+        raise config_lib.ConfigError(f"--expert-model-parallel-size {expert_parallel}: {directory} holds a dense model "
+                                     f"(no experts); drop the flag")
+    if world_size % expert_parallel:
+        raise config_lib.ConfigError(f"--expert-model-parallel-size {expert_parallel} does not divide the {world_size} "
+                                     f"processes; launch a multiple of it")
+    tp = world_size // expert_parallel
+    saved = (m.tensor_model_parallel_size, m.expert_model_parallel_size)
+    if cfg.checkpoint.ckpt_format == "torch" and saved != (tp, expert_parallel):
+        raise checkpoint.CheckpointError(f"{directory} is in torch format at tensor-parallel size {saved[0]} and "
+                                         f"expert-parallel size {saved[1]}, which loads only at those sizes: run it "
+                                         f"with torchrun --nproc-per-node {saved[0] * saved[1]} and "
+                                         f"--expert-model-parallel-size {saved[1]}")
+    m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size = tp, 1, 1
+    m.expert_model_parallel_size, m.expert_tensor_parallel_size = expert_parallel, 1
     m.num_layers_per_virtual_pipeline_stage = m.virtual_pipeline_model_parallel_size = None
     m.decoder_first_pipeline_num_layers = m.decoder_last_pipeline_num_layers = None
+    # Sequence parallelism splits a sequence over the tensor-parallel ranks, and a decode step's one token cannot be
+    # split; megatron-core's own inference turns it off too (text_generation_controller.py).
     m.sequence_parallel, m.bf16, m.fp16 = False, False, False
     m.recompute_granularity = m.recompute_method = m.recompute_num_layers = None
     m.hidden_dropout = m.attention_dropout = 0.0
@@ -138,14 +158,15 @@ def inference_config(directory: str, world_size: int) -> config_lib.ConfigContai
     return config_lib.validate(cfg, world_size=world_size)
 
 
-def load_model(load: str, ckpt_step=None, text: bool = False):
+def load_model(load: str, ckpt_step=None, text: bool = False, expert_parallel: int = 1):
     """(model, tokenizer, cfg): the checkpoint's GPTModel on every rank of this process group (one process
-    without torchrun), in eval mode, with the tokenizer it was trained with; `text`: one that decodes to text."""
+    without torchrun), in eval mode, with the tokenizer it was trained with; `text`: one that decodes to text;
+    `expert_parallel`: an MoE model's experts split over that many ranks."""
     directory = checkpoint.resolve_load_dir(load, ckpt_step)
     if directory is None:
         raise checkpoint.CheckpointError(f"--load {load}: no {checkpoint.TRACKER} and not an iter_* directory")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg = inference_config(directory, world_size)
+    cfg = inference_config(directory, world_size, expert_parallel)
     if not torch.distributed.is_initialized():
         initialize_distributed(cfg)
     set_random_seed(cfg.rng.seed)
@@ -199,8 +220,9 @@ def shim_free_decode(model) -> bool:
     """Whether a decode step makes no CUDA call, so that on a CPU it can run without device.py's shim (each torch
     call then skips one Python function: 15-25% of a small model's decode step). The prefill allocated the cache
     and RoPE's table. Still on the CUDA device: megatron-core's own DotProductAttention (--attention-backend local)
-    allocates a buffer as the sequence grows, and tensor-parallel collectives their outputs."""
-    return parallel_state.get_tensor_model_parallel_world_size() == 1 and \
+    allocates a buffer as the sequence grows, tensor-parallel collectives their outputs, and an MoE router asks
+    for the device at every call (router.py:88)."""
+    return parallel_state.get_tensor_model_parallel_world_size() == 1 and not model.config.num_moe_experts and \
         not any(isinstance(m, DotProductAttention) for m in model.modules())
 
 
@@ -268,7 +290,8 @@ class TextStream:
 def main(args) -> int:
     try:
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the text alone
-            model, tokenizer, cfg = load_model(args.load, args.ckpt_step, text=True)
+            model, tokenizer, cfg = load_model(args.load, args.ckpt_step, text=True,
+                                               expert_parallel=args.expert_model_parallel_size)
         prompt_ids = tokenizer.tokenize(args.prompt)
         if not prompt_ids:
             raise config_lib.ConfigError("--prompt is empty")

@@ -6,19 +6,23 @@ Names here are this project's own; the other side's (tensor names, config.json k
     python hf.py import --hf DIR --save CKPT                     # a checkpoint for --pretrained-checkpoint
     AutoModelForCausalLM.from_pretrained(DIR)                    # in transformers, on the exported directory
 
-Two layouts, each a megatron-core GPTModel with certain flags:
+Four layouts, each a megatron-core GPTModel with certain flags:
 
-    layout  transformers class  our flags
-    ------  ------------------  -----------------------------------------------------------------------------
-    gpt2    GPT2LMHeadModel     the defaults: learned absolute positions, LayerNorm, GeLU (--openai-gelu: HF's
-                                gelu_new), biases, output tied to the embedding; query groups = heads
-    llama   LlamaForCausalLM    --position-embedding-type rope --normalization RMSNorm --swiglu
-                                [--num-query-groups G] --disable-bias-linear --untie-embeddings-and-output-weights
-                                (HF's attention_bias/mlp_bias and tie_word_embeddings cover the other two choices)
+    layout     transformers class   our flags
+    ---------  -------------------  --------------------------------------------------------------------------
+    gpt2       GPT2LMHeadModel      the defaults: learned absolute positions, LayerNorm, GeLU (--openai-gelu: HF's
+                                    gelu_new), biases, output tied to the embedding; query groups = heads
+    llama      LlamaForCausalLM     --position-embedding-type rope --normalization RMSNorm --swiglu
+                                    [--num-query-groups G] --disable-bias-linear --untie-embeddings-and-output-weights
+                                    (HF's attention_bias/mlp_bias and tie_word_embeddings cover the other two choices)
+    mixtral    MixtralForCausalLM   llama's, no biases, and --num-experts E --moe-router-topk K [--moe-ffn-hidden-size]:
+                                    every layer an MoE layer, softmax over the chosen experts' logits, no shared expert
+    qwen3_moe  Qwen3MoeForCausalLM  mixtral's and --qk-layernorm; dense layers where --moe-layer-freq puts them (HF's
+                                    mlp_only_layers); --moe-router-pre-softmax is HF's norm_topk_prob false
 
 The tensors are renamed, transposed where GPT-2 stores (in, out), and split or joined where megatron-core
 fuses: its linear_qkv holds, per query group, that group's query heads then its key head then its value head;
-its SwiGLU linear_fc1 holds the gate rows then the up rows. The vocabulary written is the tokenizer's (the
+its SwiGLU linear_fc1 (each expert's too) holds the gate rows then the up rows. The vocabulary written is the tokenizer's (the
 rows past it, padding for tensor parallelism, are dropped; an import pads them with zeros). Only safetensors
 are read: pickled `.bin` weights can run code when loaded.
 """
@@ -28,11 +32,17 @@ are read: pickled `.bin` weights can run code when loaded.
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import types
 
 import config as config_lib
+
+
+# Our name of each layout, and its transformers model_type and class.
+LAYOUTS = {"gpt2": ("GPT-2", "GPT2LMHeadModel"), "llama": ("LLaMA", "LlamaForCausalLM"),
+           "mixtral": ("Mixtral", "MixtralForCausalLM"), "qwen3_moe": ("Qwen3-MoE", "Qwen3MoeForCausalLM")}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -43,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     export.add_argument("--load", required=True, help="A save directory (its newest iteration) or an iter_* directory.")
     export.add_argument("--ckpt-step", type=int, help="Export this iteration instead of the newest.")
     export.add_argument("--out", required=True, help="The transformers directory to write.")
+    export.add_argument("--layout", choices=LAYOUTS, help="The transformers layout to write; default: the one the "
+                                                          "model fits. One it does not fit is a one-line error.")
     imp = commands.add_parser("import", help="A transformers directory (safetensors) to a checkpoint.")
     imp.add_argument("--hf", required=True, help="A local transformers directory: config.json and *.safetensors.")
     imp.add_argument("--save", required=True, help="Save directory of the checkpoint (iteration 0) to write.")
@@ -58,6 +70,7 @@ if __name__ == "__main__":
 
 import generate  # (a checkpoint's model for inference; first: quiets megatron-core's import warnings)
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import checkpoint
@@ -86,23 +99,44 @@ def layout_mismatches(m, layout: str) -> list:
                  (m.rotary_percent == 1.0, f"rope on whole heads (has --rotary-percent {m.rotary_percent})"),
                  (m.normalization == "RMSNorm", f"RMSNorm (has {m.normalization})"),
                  (m.swiglu, "SwiGLU (has GeLU)")]
-    # The model variants that neither transformers layout has: each one named, never exported wrongly.
+    if layout in ("gpt2", "llama"):
+        needs += [(not m.num_experts, f"no experts (has --num-experts {m.num_experts})")]
+    else:  # transformers' MoE blocks: a softmax router over routed experts alone, no biases
+        layers = config_lib.moe_layers(m)
+        needs += [(m.num_experts, "experts (has no --num-experts)"),
+                  (not m.add_bias_linear, "no biases (add --disable-bias-linear)"),
+                  (not m.moe_shared_expert_intermediate_size,
+                   f"no shared experts (has --moe-shared-expert-intermediate-size {m.moe_shared_expert_intermediate_size})"),
+                  (m.moe_router_score_function == "softmax",
+                   f"a softmax router (has --moe-router-score-function {m.moe_router_score_function})"),
+                  (not m.moe_router_num_groups, "one group of experts (has --moe-router-num-groups)"),
+                  (m.moe_router_topk_scaling_factor in (None, 1.0),
+                   f"unscaled routing weights (has --moe-router-topk-scaling-factor {m.moe_router_topk_scaling_factor})"),
+                  (m.moe_expert_capacity_factor is None, "no token dropping (has --moe-expert-capacity-factor)")]
+        if layout == "mixtral":
+            needs += [(all(layers) or not m.num_experts, "every layer an MoE layer (has dense layers: --moe-layer-freq)"),
+                      (not m.moe_router_pre_softmax, "softmax over the chosen experts (has --moe-router-pre-softmax)")]
+        else:
+            needs += [(m.qk_layernorm, "--qk-layernorm (RMSNorm on each head's queries and keys)")]
+    # The model variants that no transformers layout has: each one named, never exported wrongly.
     needs += [(not getattr(m, flag, False), f"no --{flag.replace('_', '-')}") for flag in
-              ("add_qkv_bias", "qk_layernorm", "qk_l2_norm", "squared_relu", "quick_geglu", "apply_layernorm_1p",
+              (("add_qkv_bias", "qk_l2_norm", "squared_relu", "quick_geglu", "apply_layernorm_1p",
                "attention_output_gate", "rotary_interleaved", "window_size", "activation_func_clamp_value",
-               "no_rope_freq")]
+               "no_rope_freq") + (() if layout == "qwen3_moe" else ("qk_layernorm",)))]
     needs += [(not getattr(m, "glu_linear_offset", 0.0), "no --glu-linear-offset"),
               (getattr(m, "softmax_type", "vanilla") == "vanilla", "the plain softmax (has --softmax-type)")]
     return [what for ok, what in needs if not ok]
 
 
-def choose_layout(m) -> str:
-    """The layout the model fits, or a one-line error naming what differs from each."""
-    for layout in ("gpt2", "llama"):
+def choose_layout(m, wanted=None) -> str:
+    """`wanted`, or else the layout the model fits; a one-line error naming what differs from each."""
+    candidates = [wanted] if wanted else ["mixtral", "qwen3_moe"] if m.num_experts else ["gpt2", "llama"]
+    for layout in candidates:
         if not layout_mismatches(m, layout):
             return layout
-    raise config_lib.ConfigError("this model fits no transformers layout: " + "; ".join(
-        f"{name} needs {', '.join(layout_mismatches(m, layout))}" for layout, name in (("gpt2", "GPT-2"), ("llama", "LLaMA"))))
+    raise config_lib.ConfigError((f"this model does not fit the {LAYOUTS[wanted][0]} layout: " if wanted else
+                                  "this model fits no transformers layout: ") + "; ".join(
+        f"{LAYOUTS[layout][0]} needs {', '.join(layout_mismatches(m, layout))}" for layout in candidates))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -128,6 +162,18 @@ def join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, grou
     return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
 
 
+def moe_block(layout: str, i: int) -> str:
+    """The transformers prefix of layer i's MoE block: its router is `gate`, its experts `experts.{j}`."""
+    return f"model.layers.{i}.block_sparse_moe." if layout == "mixtral" else f"model.layers.{i}.mlp."
+
+
+def expert_names(layout: str, i: int, j: int) -> tuple:
+    """(gate, up, down) projections of expert j in layer i, as transformers names them (Mixtral: w1, w3, w2)."""
+    prefix = f"{moe_block(layout, i)}experts.{j}."
+    parts = ("w1", "w3", "w2") if layout == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    return tuple(f"{prefix}{p}.weight" for p in parts)
+
+
 def tensor_names(layout: str, m) -> tuple:
     """([(transformers name, our name, transposed)] for each tensor copied as-is, besides the fused ones and the
     embedding; the embedding's transformers name; the output layer's, or None when it is tied)."""
@@ -146,27 +192,38 @@ def tensor_names(layout: str, m) -> tuple:
                           (f"{hf}mlp.c_proj.{kind}", f"{ours}mlp.linear_fc2.{kind}", kind == "weight")]
     else:
         names = [("model.norm.weight", "decoder.final_layernorm.weight", False)]
-        for i in range(m.num_layers):
+        for i, moe in enumerate(config_lib.moe_layers(m)):
             hf, ours = f"model.layers.{i}.", f"decoder.layers.{i}."
             names += [(f"{hf}input_layernorm.weight", f"{ours}input_layernorm.weight", False),
                       (f"{hf}post_attention_layernorm.weight", f"{ours}pre_mlp_layernorm.weight", False)]
+            if layout == "qwen3_moe":  # RMSNorm over each head's queries and keys
+                names += [(f"{hf}self_attn.{p}_norm.weight", f"{ours}self_attention.{p}_layernorm.weight", False)
+                          for p in "qk"]
             for kind in ("weight", "bias") if m.add_bias_linear else ("weight",):
-                names += [(f"{hf}self_attn.o_proj.{kind}", f"{ours}self_attention.linear_proj.{kind}", False),
-                          (f"{hf}mlp.down_proj.{kind}", f"{ours}mlp.linear_fc2.{kind}", False)]
+                names += [(f"{hf}self_attn.o_proj.{kind}", f"{ours}self_attention.linear_proj.{kind}", False)]
+                if not moe:
+                    names += [(f"{hf}mlp.down_proj.{kind}", f"{ours}mlp.linear_fc2.{kind}", False)]
+            if moe:  # the router, and each expert's output projection
+                names += [(f"{moe_block(layout, i)}gate.weight", f"{ours}mlp.router.weight", False)]
+                names += [(expert_names(layout, i, j)[2], f"{ours}mlp.experts.local_experts.{j}.linear_fc2.weight", False)
+                          for j in range(m.num_experts)]
     embedding = "transformer.wte.weight" if layout == "gpt2" else "model.embed_tokens.weight"
     return names, embedding, None if tied else "lm_head.weight"
 
 
 def fused_names(layout: str, m, i: int) -> list:
     """(our fused name, transformers names it splits into) of layer i: the query/key/value projection (and,
-    for LLaMA, SwiGLU's gate and up projections)."""
+    past GPT-2, SwiGLU's gate and up projections: the dense MLP's, or each expert's)."""
     kinds = ("weight", "bias") if m.add_bias_linear else ("weight",)
     ours = f"decoder.layers.{i}."
     if layout == "gpt2":
         return [(f"{ours}self_attention.linear_qkv.{k}", [f"transformer.h.{i}.attn.c_attn.{k}"]) for k in kinds]
     hf = f"model.layers.{i}."
-    return [(f"{ours}self_attention.linear_qkv.{k}", [f"{hf}self_attn.{p}_proj.{k}" for p in "qkv"]) for k in kinds] + \
-        [(f"{ours}mlp.linear_fc1.{k}", [f"{hf}mlp.gate_proj.{k}", f"{hf}mlp.up_proj.{k}"]) for k in kinds]
+    names = [(f"{ours}self_attention.linear_qkv.{k}", [f"{hf}self_attn.{p}_proj.{k}" for p in "qkv"]) for k in kinds]
+    if config_lib.moe_layers(m)[i]:
+        return names + [(f"{ours}mlp.experts.local_experts.{j}.linear_fc1.weight", list(expert_names(layout, i, j)[:2]))
+                        for j in range(m.num_experts)]
+    return names + [(f"{ours}mlp.linear_fc1.{k}", [f"{hf}mlp.gate_proj.{k}", f"{hf}mlp.up_proj.{k}"]) for k in kinds]
 
 
 def to_hf(ours: dict, m, layout: str, vocab: int) -> dict:
@@ -227,13 +284,23 @@ def hf_config(m, layout: str, vocab: int, eod: int, dtype: torch.dtype) -> dict:
                     n_embd=m.hidden_size, n_layer=m.num_layers, n_head=m.num_attention_heads,
                     n_inner=m.ffn_hidden_size, activation_function="gelu_new" if m.openai_gelu else "gelu",
                     layer_norm_epsilon=m.norm_epsilon, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
-    return dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=m.hidden_size,
-                intermediate_size=m.ffn_hidden_size, num_hidden_layers=m.num_layers,
-                num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_query_groups,
-                head_dim=m.kv_channels, max_position_embeddings=m.max_position_embeddings, rms_norm_eps=m.norm_epsilon,
-                hidden_act="silu", attention_bias=m.add_bias_linear, mlp_bias=m.add_bias_linear,
-                rope_theta=float(m.rotary_base), rope_parameters=dict(rope_type="default", rope_theta=float(m.rotary_base)),
-                **common)
+    common.update(hidden_size=m.hidden_size, num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+                  num_key_value_heads=m.num_query_groups, head_dim=m.kv_channels, hidden_act="silu",
+                  max_position_embeddings=m.max_position_embeddings, rms_norm_eps=m.norm_epsilon,
+                  rope_theta=float(m.rotary_base),
+                  rope_parameters=dict(rope_type="default", rope_theta=float(m.rotary_base)))
+    if layout == "llama":
+        return dict(architectures=["LlamaForCausalLM"], model_type="llama", intermediate_size=m.ffn_hidden_size,
+                    attention_bias=m.add_bias_linear, mlp_bias=m.add_bias_linear, **common)
+    common.update(num_experts_per_tok=m.moe_router_topk, output_router_logits=False, sliding_window=None)
+    if layout == "mixtral":
+        return dict(architectures=["MixtralForCausalLM"], model_type="mixtral", intermediate_size=m.moe_ffn_hidden_size,
+                    num_local_experts=m.num_experts, router_jitter_noise=0.0, **common)
+    dense = [i for i, moe in enumerate(config_lib.moe_layers(m)) if not moe]
+    return dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", intermediate_size=m.ffn_hidden_size,
+                moe_intermediate_size=m.moe_ffn_hidden_size, num_experts=m.num_experts, decoder_sparse_step=1,
+                mlp_only_layers=dense, norm_topk_prob=not m.moe_router_pre_softmax, attention_bias=False,
+                use_sliding_window=False, **common)
 
 
 def flags_from_hf(c: dict, where: str) -> tuple:
@@ -255,16 +322,21 @@ def flags_from_hf(c: dict, where: str) -> tuple:
         flags += ["--openai-gelu"] if act != "gelu" else []
         return "gpt2", flags + ["--max-position-embeddings", positions, "--seq-length", positions] + \
             ([] if tied else ["--untie-embeddings-and-output-weights"])
-    if c.get("model_type") != "llama":
-        raise config_lib.ConfigError(f"{where}: model_type {c.get('model_type')!r}; hf.py reads the gpt2 and llama layouts")
+    kind = c.get("model_type")
+    if kind not in LAYOUTS:
+        raise config_lib.ConfigError(f"{where}: model_type {kind!r}; hf.py reads the {', '.join(LAYOUTS)} layouts")
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
     theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
     if rope.get("rope_type", "default") != "default":
         refuse(f"rope_type {rope['rope_type']} (a rescaled rope)")
     if c.get("hidden_act", "silu") != "silu":
         refuse(f"hidden_act {c['hidden_act']}")
-    if c.get("attention_bias", False) != c.get("mlp_bias", False):
+    if kind == "llama" and c.get("attention_bias", False) != c.get("mlp_bias", False):
         refuse("attention_bias without mlp_bias (or the reverse): --disable-bias-linear covers both")
+    if kind != "llama" and c.get("attention_bias"):
+        refuse("attention_bias (its experts have no biases, and --disable-bias-linear covers both)")
+    if c.get("sliding_window") and c.get("use_sliding_window", kind == "mixtral"):
+        refuse(f"sliding_window {c['sliding_window']} (attention over a window)")
     if theta != int(theta):
         refuse(f"rope_theta {theta} (not an integer, as --rotary-base)")
     heads, positions = c["num_attention_heads"], c.get("max_position_embeddings", 2048)
@@ -274,7 +346,34 @@ def flags_from_hf(c: dict, where: str) -> tuple:
              "--kv-channels", c.get("head_dim") or c["hidden_size"] // heads, "--norm-epsilon", c.get("rms_norm_eps", 1e-6),
              "--rotary-base", int(theta), "--max-position-embeddings", positions, "--seq-length", positions]
     flags += [] if c.get("attention_bias", False) else ["--disable-bias-linear"]
-    return "llama", flags + ([] if tied else ["--untie-embeddings-and-output-weights"])
+    flags += [] if tied else ["--untie-embeddings-and-output-weights"]
+    return kind, flags + (moe_flags_from_hf(c, kind, refuse) if kind != "llama" else [])
+
+
+def hf_experts(c: dict) -> int:
+    """The number of routed experts a transformers MoE config.json gives (Qwen3-MoE's num_experts is saved as
+    num_local_experts, Mixtral's name)."""
+    return c.get("num_local_experts") or c.get("num_experts") or 0
+
+
+def moe_flags_from_hf(c: dict, kind: str, refuse) -> list:
+    """train.py's MoE flags for a Mixtral or Qwen3-MoE config.json: the experts, their size, the routing, and
+    (Qwen3-MoE) the q/k norms and which layers are dense."""
+    experts, layers = hf_experts(c), c["num_hidden_layers"]
+    if c.get("router_jitter_noise"):
+        refuse(f"router_jitter_noise {c['router_jitter_noise']} (jitter on the experts' input too)")
+    flags = ["--num-experts", experts, "--moe-router-topk", c["num_experts_per_tok"]]
+    if kind == "mixtral":
+        return flags + ["--moe-ffn-hidden-size", c["intermediate_size"]]
+    if c.get("shared_expert_intermediate_size"):
+        refuse(f"shared_expert_intermediate_size {c['shared_expert_intermediate_size']}")
+    step, dense = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers") or [])
+    pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
+    if not any(pattern):
+        refuse("no MoE layer (mlp_only_layers / decoder_sparse_step)")
+    flags += ["--moe-ffn-hidden-size", c["moe_intermediate_size"], "--qk-layernorm"]
+    flags += [] if all(pattern) else ["--moe-layer-freq", "[" + ",".join(map(str, pattern)) + "]"]
+    return flags + ([] if c.get("norm_topk_prob", True) else ["--moe-router-pre-softmax"])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -282,12 +381,14 @@ def flags_from_hf(c: dict, where: str) -> tuple:
 # --------------------------------------------------------------------------------------------------
 
 
-def export(load: str, out: str, ckpt_step=None) -> str:
-    """Write the checkpoint as a transformers directory `out`; returns its layout."""
+def export(load: str, out: str, ckpt_step=None, layout=None) -> str:
+    """Write the checkpoint as a transformers directory `out` in `layout` (None: the one it fits); returns it."""
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
         raise config_lib.ConfigError("export runs in one process (python hf.py export ...), not under torchrun")
+    directory = checkpoint.resolve_load_dir(load, ckpt_step)
+    if directory is not None:  # the layout from run_config.yaml, before any weight loads
+        layout = choose_layout(generate.inference_config(directory, 1).model, layout)
     model, tokenizer, cfg = generate.load_model(load, ckpt_step)
-    layout = choose_layout(cfg.model)
     vocab = tokenizer.vocab_size  # the ids text can have: the pad row past them and the TP padding are dropped
     tensors = to_hf(model.state_dict(), cfg.model, layout, vocab)
     os.makedirs(out, exist_ok=True)
@@ -304,8 +405,8 @@ def export(load: str, out: str, ckpt_step=None) -> str:
     return layout
 
 
-def read_safetensors(directory: str) -> dict:
-    """Every tensor of a transformers directory: model.safetensors, or the shards its index names."""
+def safetensors_files(directory: str) -> list:
+    """The safetensors files of a transformers directory: model.safetensors, or the shards its index names."""
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as fh:
@@ -317,10 +418,28 @@ def read_safetensors(directory: str) -> dict:
         raise config_lib.ConfigError(f"--hf {directory}: no model.safetensors" + (
             f" ({pickled[0]} is pickled, which can run code when read; save it as safetensors with transformers' "
             f"save_pretrained first)" if pickled else ""))
-    tensors = {}
-    for name in files:
-        tensors.update(load_file(os.path.join(directory, name)))
-    return tensors
+    return [os.path.join(directory, name) for name in files]
+
+
+def check_experts(files: list, hf: dict, layout: str, where: str) -> None:
+    """Each MoE layer's experts in the files (their names, read from the headers: no tensor loads) are the
+    config.json's count; a one-line error naming both otherwise."""
+    if layout not in ("mixtral", "qwen3_moe"):
+        return
+    found = {}
+    for path in files:
+        with safe_open(path, "pt") as fh:
+            for name in fh.keys():
+                match = re.match(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.", name)
+                if match:
+                    found.setdefault(int(match[1]), set()).add(int(match[2]))
+    expected = hf_experts(hf)
+    for layer, experts in sorted(found.items()):
+        if experts != set(range(expected)):
+            raise config_lib.ConfigError(f"{where}: num_experts is {expected}, but layer {layer} of the weights has "
+                                         f"{len(experts)} experts (numbered {min(experts)} to {max(experts)})")
+    if not found:
+        raise config_lib.ConfigError(f"{where}: {expected} experts, but the weights hold none")
 
 
 def import_hf(directory: str, save: str) -> str:
@@ -337,7 +456,8 @@ def import_hf(directory: str, save: str) -> str:
         flags += ["--tokenizer-type", "NullTokenizer", "--vocab-size", hf["vocab_size"] - 1]
     flags += ["--transformer-impl", "local", "--mock-data", "--save", save, "--train-iters", "0"]
     cfg = config_lib.config_from_flags([str(f) for f in flags], world_size=1)
-    tensors = read_safetensors(directory)
+    files = safetensors_files(directory)
+    check_experts(files, hf, layout, path)
     if not torch.distributed.is_initialized():
         initialize_distributed(cfg)
     tokenizer = data.build_tokenizer(cfg)
@@ -345,6 +465,9 @@ def import_hf(directory: str, save: str) -> str:
         raise config_lib.ConfigError(f"{directory}: its tokenizer has {tokenizer.vocab_size} ids, its model "
                                      f"{hf['vocab_size']}")
     model = build_model(cfg, data.embedding_rows(tokenizer))
+    tensors = {}
+    for file in files:
+        tensors.update(load_file(file))
     ours = from_hf(tensors, cfg.model, layout, model[0].embedding.word_embeddings.weight.shape[0])
     missing = model[0].load_state_dict(ours, strict=False).missing_keys
     missing = [k for k in missing if not k.endswith("_extra_state")]
@@ -357,7 +480,7 @@ def import_hf(directory: str, save: str) -> str:
 def main(args) -> int:
     try:
         if args.command == "export":
-            layout = export(args.load, args.out, args.ckpt_step)
+            layout = export(args.load, args.out, args.ckpt_step, args.layout)
             print(f"hf.py: wrote {args.out} ({layout} layout): AutoModelForCausalLM.from_pretrained({args.out!r})")
         else:
             directory = import_hf(args.hf, args.save)

@@ -160,15 +160,32 @@ def single_rank_groups():
     torch.distributed.destroy_process_group()
 
 
-@pytest.fixture(scope="session")
-def llama_ckpt(tmp_path_factory):
-    """A tiny LLaMA-like model trained for a few steps in this process, saved as torch_dist."""
+def _trained_in_process(out, flags) -> str:
+    """A tiny model of `flags` trained for a few steps in this process, saved as torch_dist; its save directory."""
     import config
     import train
 
-    out = tmp_path_factory.mktemp("llama")
-    cfg = config.parse_args([*TINY, *LLAMA_FLAGS, "--mock-data", "--train-iters", "4", "--eval-iters", "0",
+    cfg = config.parse_args([*TINY, *flags, "--mock-data", "--train-iters", "4", "--eval-iters", "0",
                              "--num-workers", "0", "--save", str(out / "ckpt"), "--data-cache-path", str(out / "cache")],
                             world_size=1, gpu=False)
     train.pretrain(cfg)
     return str(out / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def llama_ckpt(tmp_path_factory):
+    """A tiny LLaMA-like model trained for a few steps in this process, saved as torch_dist."""
+    return _trained_in_process(tmp_path_factory.mktemp("llama"), LLAMA_FLAGS)
+
+
+# LLaMA's with MoE layers: Mixtral's (every layer, top-2 of 4 experts) and Qwen3-MoE's (q/k norms, a dense first
+# layer, the softmax over all experts before the top-k: transformers' norm_topk_prob false).
+MIXTRAL_FLAGS = [*LLAMA_FLAGS, "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48"]
+QWEN3_MOE_FLAGS = [*MIXTRAL_FLAGS, "--qk-layernorm", "--moe-layer-freq", "[0,1]", "--moe-router-pre-softmax"]
+
+
+@pytest.fixture(scope="session")
+def moe_ckpts(tmp_path_factory):
+    """Tiny Mixtral-like and Qwen3-MoE-like models trained for a few steps in this process: {layout: save dir}."""
+    return {name: _trained_in_process(tmp_path_factory.mktemp(name), flags)
+            for name, flags in (("mixtral", MIXTRAL_FLAGS), ("qwen3_moe", QWEN3_MOE_FLAGS))}

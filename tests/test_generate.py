@@ -1,5 +1,6 @@
 """generate.py: greedy decoding is an argmax loop over the full forward, KV-cached decoding gives the full
-forward's tokens (greedy and sampled, GPT-2-like and LLaMA-like, both core attentions, past the context, TP=2),
+forward's tokens (greedy and sampled, GPT-2-like, LLaMA-like and Mixtral-like, both core attentions, past the
+context, TP=2; test_moe has MoE under TP=2 and EP=2),
 sampling follows its seed and limits, bad input is one line, and the quick start's default folders feed it with
 no flag under tensor parallelism."""
 
@@ -60,19 +61,21 @@ def with_attention_backend(load: str, backend: str, tmp_path) -> str:
     return copy
 
 
-@pytest.mark.parametrize("backend", ["auto", "local"])
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind, backend", [("gpt2", "auto"), ("gpt2", "local"), ("llama", "auto"), ("llama", "local"),
+                                           ("mixtral", "auto")])
 def test_kv_cached_decoding_gives_the_full_forward_tokens_past_the_context(kind, backend, mock_run, llama_ckpt,
-                                                                          tmp_path, monkeypatch):
+                                                                          moe_ckpts, tmp_path, monkeypatch):
     """300 tokens from a 64-token context, greedy and sampled: the cache serves every token while the sequence
-    fits, the full-forward loop the rest, and the tokens are the --no-kv-cache loop's."""
+    fits, the full-forward loop the rest, and the tokens are the --no-kv-cache loop's. Mixtral-like: a router
+    picks 2 of 4 experts for each token, in the prefill and at every cached step."""
     import generate
 
-    load = with_attention_backend(str(mock_run["dir"] / "ckpt") if kind == "gpt2" else llama_ckpt, backend, tmp_path)
+    load = {"gpt2": str(mock_run["dir"] / "ckpt"), "llama": llama_ckpt}.get(kind) or moe_ckpts[kind]
+    load = with_attention_backend(load, backend, tmp_path)
     model, tokenizer, cfg = generate.load_model(load)
     assert cfg.model.attention_backend == backend and model.max_sequence_length == 64
-    assert (cfg.model.position_embedding_type, cfg.model.num_query_groups) == \
-        (("learned_absolute", 4) if kind == "gpt2" else ("rope", 2))
+    assert (cfg.model.position_embedding_type, cfg.model.num_query_groups, cfg.model.num_experts) == \
+        {"gpt2": ("learned_absolute", 4, None), "llama": ("rope", 2, None), "mixtral": ("rope", 2, 4)}[kind]
     never_stops = types.SimpleNamespace(vocab_size=tokenizer.vocab_size, eod=-1)  # all 300 tokens, no early end
     prompt = tokenizer.tokenize("import os\n")
     cached_calls = []
@@ -150,6 +153,7 @@ def test_text_streams_as_tokens_come_and_waits_for_a_whole_character():
     (["--top-k", "-1"], "--top-k must be 0 (all tokens) or positive, got -1"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),
     (["--num-samples", "0"], "--num-samples must be at least 1, got 0"),
+    (["--expert-model-parallel-size", "0"], "--expert-model-parallel-size must be at least 1, got 0"),
     (["--load", "/nonexistent"], "--load /nonexistent: no such directory (train first"),
 ])
 def test_bad_values_are_one_line_before_torch(flags, message, capsys, tmp_path):

@@ -1,6 +1,7 @@
-"""hf.py against the real `transformers` library (CPU, tiny random or trained models, nothing downloaded):
-exported checkpoints give transformers' logits and greedy tokens, imported transformers models give ours,
-and HF -> ours -> HF gives back the same tensors."""
+"""hf.py against the real `transformers` library (CPU, tiny random or trained models, nothing downloaded), for the
+GPT-2, LLaMA, Mixtral and Qwen3-MoE layouts: exported checkpoints give transformers' logits and greedy tokens,
+imported transformers models give ours, HF -> ours -> HF gives back the same tensors, and a transformers MoE model
+trains on in train.py and goes back."""
 
 import json
 import os
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import config
-from conftest import LLAMA_FLAGS, TINY
+from conftest import LLAMA_FLAGS, MIXTRAL_FLAGS, TINY
 
 transformers = pytest.importorskip("transformers", reason="transformers is in requirements.txt; this checks the HF layouts")
 
@@ -43,17 +44,27 @@ def _our_logits(load, tokens):
         return model(tokens, positions, attention_mask=None)[..., :tokenizer.vocab_size], tokenizer
 
 
-@pytest.mark.parametrize("layout", ["gpt2", "llama"])
-def test_export_gives_transformers_our_logits(layout, mock_run, llama_ckpt, tmp_path):
+LAYOUTS = ["gpt2", "llama", "mixtral", "qwen3_moe"]
+
+
+def _trained(layout, mock_run, llama_ckpt, moe_ckpts):
+    """A trained checkpoint of the layout: the suite's 2-rank GPT-2 run, or a tiny one trained in this process."""
+    return {"gpt2": str(mock_run["dir"] / "ckpt"), "llama": llama_ckpt}.get(layout) or moe_ckpts[layout]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_export_gives_transformers_our_logits(layout, mock_run, llama_ckpt, moe_ckpts, tmp_path):
+    """The routers pick the same experts on both sides (a token sent elsewhere would move its logits far past the
+    tolerance), with the same weights, the q/k norms and dense layers of Qwen3-MoE where they are."""
     import hf
     from data import ByteTokenizer
 
-    load = str(mock_run["dir"] / "ckpt") if layout == "gpt2" else llama_ckpt
+    load = _trained(layout, mock_run, llama_ckpt, moe_ckpts)
     tokens = _text_batch(ByteTokenizer())
     ours, tokenizer = _our_logits(load, tokens)
     assert hf.export(load, str(tmp_path / "hf")) == layout
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
-    assert type(theirs).__name__ == {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[layout]
+    assert type(theirs).__name__ == hf.LAYOUTS[layout][1]
     with torch.no_grad():
         logits = theirs(tokens).logits
     assert logits.shape == ours.shape == (2, 48, tokenizer.vocab_size)
@@ -61,13 +72,13 @@ def test_export_gives_transformers_our_logits(layout, mock_run, llama_ckpt, tmp_
     assert ours.std() > 0.1  # trained weights, not a constant
 
 
-@pytest.mark.parametrize("layout", ["gpt2", "llama"])
-def test_transformers_greedy_generate_gives_our_tokens(layout, mock_run, llama_ckpt, tmp_path):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_transformers_greedy_generate_gives_our_tokens(layout, mock_run, llama_ckpt, moe_ckpts, tmp_path):
     """Our KV-cached greedy decoding (generate.py's default) and transformers' on the export: the same tokens."""
     import generate
     import hf
 
-    load = str(mock_run["dir"] / "ckpt") if layout == "gpt2" else llama_ckpt
+    load = _trained(layout, mock_run, llama_ckpt, moe_ckpts)
     hf.export(load, str(tmp_path / "hf"))
     model, tokenizer, _ = generate.load_model(load)
     prompt = tokenizer.tokenize("def main():")
@@ -80,9 +91,22 @@ def test_transformers_greedy_generate_gives_our_tokens(layout, mock_run, llama_c
     assert len(ours) > 0 and out == ours
 
 
+def _hf_config(kind, **changes):
+    """A tiny transformers config of `kind`; Qwen3-MoE's first layer dense, its top-k weights not renormalized."""
+    llama = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=5000.0,
+                 tie_word_embeddings=False)
+    if kind == "mixtral":
+        return transformers.MixtralConfig(**llama, num_local_experts=4, num_experts_per_tok=2, **changes)
+    return transformers.Qwen3MoeConfig(**llama, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                       mlp_only_layers=[0], norm_topk_prob=False, **changes)
+
+
 def _random_hf(kind, directory):
     torch.manual_seed(0)
-    if kind == "llama":
+    if kind in ("mixtral", "qwen3_moe"):
+        model = transformers.AutoModelForCausalLM.from_config(_hf_config(kind))
+    elif kind == "llama":
         c = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
                                      rms_norm_eps=1e-5, rope_theta=5000.0, tie_word_embeddings=False)
@@ -99,7 +123,7 @@ def _random_hf(kind, directory):
     return model
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "mixtral", "qwen3_moe"])
 def test_import_gives_the_transformers_logits_and_exports_back_the_same_tensors(kind, tmp_path):
     import hf
     from safetensors.torch import load_file
@@ -122,8 +146,43 @@ def test_import_gives_the_transformers_logits_and_exports_back_the_same_tensors(
     if kind == "gpt2":
         config_in["n_inner"] = config_in["n_inner"] or 4 * config_in["n_embd"]  # None: GPT-2's 4 x hidden
     for key in ("vocab_size", "num_key_value_heads", "head_dim", "intermediate_size", "n_inner", "activation_function",
-                "tie_word_embeddings", "n_positions", "max_position_embeddings"):
+                "tie_word_embeddings", "n_positions", "max_position_embeddings", "num_experts_per_tok", "moe_intermediate_size", "mlp_only_layers", "norm_topk_prob", "model_type"):
         assert config_in.get(key) == config_out.get(key), key
+    # transformers writes Qwen3-MoE's expert count as num_local_experts (Mixtral's name), the hub's configs and hf.py
+    # as num_experts; transformers reads both
+    assert hf.hf_experts(config_in) == hf.hf_experts(config_out) == (0 if kind in ("gpt2", "llama") else 4)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_a_transformers_moe_model_trains_on_in_train_py_and_goes_back(kind, tmp_path):
+    """transformers' own from_config model, imported, trained 3 iterations by train.py (routers and experts move),
+    exported: transformers loads it and computes the trained model's logits."""
+    import hf
+    import train
+    from megatron.core import parallel_state
+
+    _random_hf(kind, str(tmp_path / "in"))
+    directory = hf.import_hf(str(tmp_path / "in"), str(tmp_path / "base"))
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+    cfg = config.parse_args(["--config-file", os.path.join(directory, "run_config.yaml"), "--pretrained-checkpoint",
+                             str(tmp_path / "base"), "--seq-length", "32", "--micro-batch-size", "2", "--lr", "1e-2",
+                             "--train-iters", "3", "--eval-iters", "0", "--num-workers", "0", "--save",
+                             str(tmp_path / "trained"), "--data-cache-path", str(tmp_path / "cache")],
+                            world_size=1, gpu=False)
+    assert cfg.model.num_experts == 4 and cfg.model.moe_router_pre_softmax == (kind == "qwen3_moe")
+    assert train.pretrain(cfg).train_state.step == 3
+    assert hf.export(str(tmp_path / "trained"), str(tmp_path / "out")) == kind
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    tokens = torch.randint(0, 299, (2, 40), generator=torch.Generator().manual_seed(3))
+    ours, _ = _our_logits(str(tmp_path / "trained"), tokens)
+    with torch.no_grad():
+        assert (theirs(tokens).logits - ours).abs().max().item() <= 1e-4
+    from safetensors.torch import load_file
+
+    before, after = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("in", "out"))
+    router = "model.layers.1." + ("block_sparse_moe" if kind == "mixtral" else "mlp") + ".gate.weight"
+    assert sorted(before) == sorted(after) and not torch.equal(before[router], after[router])
 
 
 def test_imported_weights_start_a_lora_run(tmp_path, capsys):
@@ -186,5 +245,52 @@ def test_import_refuses_pickled_weights_and_unknown_layouts(tmp_path, capsys):
     (tmp_path / "bert").mkdir()
     json.dump({"model_type": "bert"}, open(tmp_path / "bert" / "config.json", "w"))
     assert hf.main(hf.parse_args(["import", "--hf", str(tmp_path / "bert"), "--save", str(tmp_path / "x")])) == 2
-    assert "model_type 'bert'; hf.py reads the gpt2 and llama layouts" in capsys.readouterr().err
+    assert "model_type 'bert'; hf.py reads the gpt2, llama, mixtral, qwen3_moe layouts" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "x")
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--moe-shared-expert-intermediate-size", "64"], "Mixtral needs no shared experts (has "
+                                                      "--moe-shared-expert-intermediate-size 64)"),
+    (["--moe-router-score-function", "sigmoid"], "Mixtral needs a softmax router (has --moe-router-score-function "
+                                                 "sigmoid)"),
+    (["--moe-layer-freq", "[1,0]"], "Mixtral needs every layer an MoE layer"),
+    (["--moe-layer-freq", "[1,0]"], "Qwen3-MoE needs --qk-layernorm"),
+])
+def test_moe_models_transformers_cannot_express_are_refused_by_name(flags, named):
+    """Shared experts (Qwen2-MoE's, not Mixtral's or Qwen3-MoE's), a sigmoid router (DeepSeek-V3's), dense layers
+    without Qwen3's q/k norms: each named."""
+    import hf
+
+    m = config.parse_args(["--mock-data", *TINY, *MIXTRAL_FLAGS, *flags], world_size=1, gpu=False).model
+    with pytest.raises(config.ConfigError, match=re.escape(named)) as e:
+        hf.choose_layout(m)
+    assert "\n" not in str(e.value)
+
+
+def test_moe_bad_input_is_one_line_before_any_weight_loads(moe_ckpts, tmp_path, capsys):
+    """An MoE checkpoint asked for a dense layout; a transformers MoE family hf.py does not read (Qwen2-MoE, with its
+    shared expert); a config.json whose expert count is not its weights'. Each one line, exit code 2, no weights
+    read and nothing written."""
+    import hf
+
+    capsys.readouterr()
+    for layout, name in (("llama", "LLaMA"), ("gpt2", "GPT-2")):
+        args = hf.parse_args(["export", "--load", moe_ckpts["mixtral"], "--out", str(tmp_path / "x"), "--layout", layout])
+        assert hf.main(args) == 2
+        out = capsys.readouterr()
+        assert out.err.count("\n") == 1 and f"does not fit the {name} layout: {name} needs " in out.err
+        assert "no experts (has --num-experts 4)" in out.err and "loaded checkpoint" not in out.out
+    transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_experts=4)).save_pretrained(tmp_path / "qwen2")
+    _random_hf("mixtral", str(tmp_path / "mixtral"))
+    path = tmp_path / "mixtral" / "config.json"
+    json.dump(dict(json.load(open(path)), num_local_experts=8), open(path, "w"))
+    capsys.readouterr()  # transformers' own progress bars
+    for directory, expected in (("qwen2", "model_type 'qwen2_moe'; hf.py reads the gpt2, llama, mixtral, qwen3_moe"),
+                                ("mixtral", "num_experts is 8, but layer 0 of the weights has 4 experts (numbered 0 to 3)")):
+        assert hf.main(hf.parse_args(["import", "--hf", str(tmp_path / directory), "--save", str(tmp_path / "x")])) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and expected in err, err
     assert not os.path.exists(tmp_path / "x")

@@ -160,6 +160,44 @@ def test_layouts_stop_and_resume_bitwise(runs, name, step):
     assert_bitwise(resumed, straight, range(step + 1, 10), [m for m in METRICS if "l2_norm" not in m])
 
 
+def test_generate_splits_the_experts_or_the_matrices_and_samples_as_one_process(runs):
+    """generate.py on the TP=2 + SP x EP=2 checkpoint, two seeded samples: under torchrun with
+    --expert-model-parallel-size 2 (each rank holds 2 of the 4 experts, tokens dispatched all-to-all) and at TP=2
+    (each rank half of each matrix, every expert whole; no sequence parallelism, which a one-token decode step cannot
+    split), what one process draws."""
+    import io
+
+    import generate
+    from conftest import torchrun
+    from megatron.core import parallel_state
+    import torch
+
+    layout(runs, "tp2_sp_ep2")
+    args = ["--load", runs.ckpt("tp2_sp_ep2"), "--ckpt-step", "6", "--prompt", "The", "--num-samples", "2",
+            "--max-new-tokens", "40", "--seed", "5"]
+    ep2 = torchrun([*args, "--expert-model-parallel-size", "2"], script="generate.py")
+    tp2 = torchrun(args, script="generate.py")
+    try:
+        model, tokenizer, cfg = generate.load_model(runs.ckpt("tp2_sp_ep2"), 6)
+        generator = torch.Generator().manual_seed(5)
+        samples = [generate.generate(model, tokenizer, tokenizer.tokenize("The"), 40, 0.8, 50, 0.95,
+                                     generator=generator) for _ in range(2)]
+    finally:
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+    assert cfg.model.num_experts == 4 and samples[0] != samples[1]
+    texts = []
+    for sample in samples:
+        out = io.StringIO()
+        stream = generate.TextStream(tokenizer, out)
+        for token in sample:
+            stream(token)
+        texts.append("The" + out.getvalue() + "\n")
+    for proc in (ep2, tp2):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout == texts[0] + "---------------\n" + texts[1]
+
+
 def test_bf16_at_expert_parallel_size_2_is_the_one_rank_bf16_run(runs):
     """Mixed precision: bf16 weights, fp32 main weights and gradient reduction. EP=2's experts multiply other
     groupings of tokens (each expert gets both ranks' tokens at once) in bf16: the losses within 1e-4 of one rank,

@@ -15,6 +15,7 @@ Names here are this project's own.
 Benchmarks report; the tests never assert on timings.
 """
 
+import json
 import os
 import shutil
 import sys
@@ -490,20 +491,34 @@ def bench_hotpath(argv) -> list:
     return rows
 
 
+# The MoE row's model: the default model's size as Mixtral (LLaMA's layers, each an MoE layer of 8 experts, top-2).
+MIXTRAL = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+           "--untie-embeddings-and-output-weights", "--num-query-groups", "4", "--num-experts", "8",
+           "--moe-router-topk", "2", "--moe-ffn-hidden-size", "512"]
+
+
 def bench_generate(argv) -> list:
     """generate.py's decoding, with its KV cache (the default) and without (--no-kv-cache: a full forward per
     token), beside transformers' generate() with and without its KV cache, on the same weights (the default model,
-    random, exported through hf.py), greedy, one process. Three alternating rounds; the best of each path.
-    Prefill is the time to the first new token (the prompt's forward and one pick); decode is each token after
-    it: (the time for all new tokens - the time for one) / (new - 1)."""
+    random, exported through hf.py), greedy, one process; then the same with the caches alone on a Mixtral-like
+    MoE model of that size (MIXTRAL). Three alternating rounds; the best of each path. Prefill is the time to the
+    first new token (the prompt's forward and one pick); decode is each token after it: (the time for all new
+    tokens - the time for one) / (new - 1)."""
+    rows = _generate_rows(argv, caches=(True, False))
+    return rows + _generate_rows([*argv, *MIXTRAL], caches=(True,), label="MoE (Mixtral)")
+
+
+def _generate_rows(argv, caches, label="generate") -> list:
     import torch
 
     import data
     import generate
     import hf
+    from megatron.core import parallel_state
     from model import build_model, set_random_seed
     from model import initialize_distributed
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
 
     cfg = config_lib.parse_args(["--mock-data", "--no-save", "--no-tensorboard", "--hidden-dropout", "0",
                                  "--attention-dropout", "0", *argv], world_size=1)
@@ -512,9 +527,12 @@ def bench_generate(argv) -> list:
     tokenizer = data.ByteTokenizer()
     model = build_model(cfg, data.embedding_rows(tokenizer))[0].eval()
     layout = hf.choose_layout(cfg.model)
-    c = AutoConfig.for_model(**hf.hf_config(cfg.model, layout, tokenizer.vocab_size, tokenizer.eod, torch.float32))
-    theirs = AutoModelForCausalLM.from_config(c).eval()
-    theirs.load_state_dict(hf.to_hf(model.state_dict(), cfg.model, layout, tokenizer.vocab_size), strict=False)
+    with tempfile.TemporaryDirectory() as exported:  # hf.export's two files, read by from_pretrained (which
+        with open(os.path.join(exported, "config.json"), "w") as fh:  # turns Mixtral's experts into its own layout)
+            json.dump(hf.hf_config(cfg.model, layout, tokenizer.vocab_size, tokenizer.eod, torch.float32), fh)
+        save_file(hf.to_hf(model.state_dict(), cfg.model, layout, tokenizer.vocab_size),
+                  os.path.join(exported, "model.safetensors"), metadata={"format": "pt"})
+        theirs = AutoModelForCausalLM.from_pretrained(exported).eval()
     prompt, new = tokenizer.tokenize("The Python"), cfg.model.seq_length - 16
     never_stops = type("NeverStops", (), dict(vocab_size=tokenizer.vocab_size, eod=-1))()  # every run makes `new`
 
@@ -528,8 +546,11 @@ def bench_generate(argv) -> list:
                                        use_cache=cache, pad_token_id=0)[0, len(prompt):].tolist()
         return run
 
-    paths = {"generate.py, KV cache": ours(True), "transformers generate(), KV cache": transformers_generate(True),
-             "generate.py --no-kv-cache": ours(False), "transformers generate(), no cache": transformers_generate(False)}
+    names = {True: ("generate.py, KV cache", "transformers generate(), KV cache"),
+             False: ("generate.py --no-kv-cache", "transformers generate(), no cache")}
+    paths = {}
+    for cache in caches:
+        paths.update({names[cache][0]: ours(cache), names[cache][1]: transformers_generate(cache)})
     best = {what: [float("inf"), float("inf")] for what in paths}  # (prefill, all `new` tokens), seconds
     tokens = {}
     for what, fn in paths.items():
@@ -540,12 +561,16 @@ def bench_generate(argv) -> list:
                 t = time.perf_counter()
                 fn(n)
                 best[what][i] = min(best[what][i], time.perf_counter() - t)
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
     first = tokens["generate.py, KV cache"]
-    rows = []
+    m, rows = cfg.model, []
+    shape = f"{m.num_layers}x{m.hidden_size}" + (f", {m.num_experts} experts top-{m.moe_router_topk}" if m.num_experts
+                                                 else "")
     for what, (prefill, total) in best.items():
         decode = (total - prefill) / (new - 1)
-        rows.append(("generate" if not rows else "", f"{cfg.model.num_layers}x{cfg.model.hidden_size}, {len(prompt)}+"
-                     f"{new} tokens, {torch.get_num_threads()} threads" if not rows else "", what,
+        rows.append((label if not rows else "", f"{shape}, {len(prompt)}+{new} tokens, {torch.get_num_threads()} "
+                     f"threads" if not rows else "", what,
                      f"prefill {1000 * prefill:.1f} ms, decode {1000 * decode:.2f} ms/token",
                      f"{new / total:.0f} tokens/s, decode {1 / decode:.0f} tokens/s"
                      + ("" if tokens[what] == first else " (other tokens!)")))

@@ -91,7 +91,8 @@ from torch.overrides import TorchFunctionMode
 
 
 def _compile_on_first_call(model=None, **kwargs):
-    """torch.compile, deferred to the function's first call."""
+    """torch.compile, deferred to the function's first call; on a CPU (the shim installed), no compilation: the
+    function as written."""
     if model is None:  # used as @torch.compile(...)
         return functools.partial(_compile_on_first_call, **kwargs)
     compiled = None
@@ -100,7 +101,7 @@ def _compile_on_first_call(model=None, **kwargs):
     def call(*args, **kw):
         nonlocal compiled
         if compiled is None:
-            compiled = _torch_compile(model, **kwargs)
+            compiled = model if _mode is not None else _torch_compile(model, **kwargs)
         return compiled(*args, **kw)
 
     return call
@@ -114,8 +115,11 @@ def _import_megatron_core() -> None:
     (1.7 s of the 3.9 s that importing train.py took, measured on a CPU; README, "Running on CPU"):
     - its fused kernels are `torch.compile`d functions (megatron/core/jit.py), decorated at import: that imports
       torch's compiler stack (dynamo, inductor) although they compile only when called, and they are called only
-      with the fusion flags (--bias-gelu-fusion and the like, off on the local layers). Here they are compiled at
-      their first call instead: the same functions, compiled the same way, when used;
+      with the fusion flags (--bias-gelu-fusion and the like, off on the local layers), and by an MoE router at
+      every call (router.py:531, `_apply_expert_bias`, which does nothing without --moe-router-enable-expert-bias).
+      Here they are compiled at their first call instead: the same functions, compiled the same way, when used. On
+      a CPU they are not compiled at all: they run as written, as a GPU's fused kernels are no CPU's concern, and
+      compiling them cost each MoE process 0.9 s at its first MoE layer (measured) and a decode step 5%;
     - its inference engine's context imports wandb when it is installed (inference/contexts/dynamic_context.py:70),
       which training never uses: wandb is hidden from it (`import wandb` fails inside it); the W&B writer
       (metrics.WandbWriter) imports the real wandb when --wandb-project asks for it."""
@@ -315,16 +319,20 @@ def install_cpu_shim() -> None:
 @contextlib.contextmanager
 def cpu_shim_paused():
     """The `device=` rewrite off, for a stretch of code that makes no CUDA call: every torch call then skips one
-    Python function, which shows where many tiny ops run (a decode step of a small model). Nothing to do with
-    CUDA, or before the shim is installed."""
+    Python function, which shows where many tiny ops run (a decode step of a small model). Meanwhile
+    torch.cuda.current_device() names the CPU: megatron-core's MoE router moves its weights to that device at every
+    call (router.py:88), a move that is then none. Nothing to do with CUDA, or before the shim is installed."""
     if _mode is None:
         yield
         return
+    index = torch.cuda.current_device
+    torch.cuda.current_device = lambda: torch.device("cpu")
     _mode.__exit__(None, None, None)
     try:
         yield
     finally:
         _mode.__enter__()
+        torch.cuda.current_device = index
 
 
 def current() -> torch.device:

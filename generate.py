@@ -218,11 +218,12 @@ def cached_next_token_logits(model, ids: list, cache: StaticInferenceContext, sh
 
 def shim_free_decode(model) -> bool:
     """Whether a decode step makes no CUDA call, so that on a CPU it can run without device.py's shim (each torch
-    call then skips one Python function: 15-25% of a small model's decode step). The prefill allocated the cache
+    call then skips one Python function: 15-30% of a small model's decode step). The prefill allocated the cache
     and RoPE's table. Still on the CUDA device: megatron-core's own DotProductAttention (--attention-backend local)
-    allocates a buffer as the sequence grows, tensor-parallel collectives their outputs, and an MoE router asks
-    for the device at every call (router.py:88)."""
-    return parallel_state.get_tensor_model_parallel_world_size() == 1 and not model.config.num_moe_experts and \
+    allocates a buffer as the sequence grows, and tensor- and expert-parallel collectives their outputs. (An MoE
+    router asks for the current device at every call, router.py:88, which the paused shim names as the CPU.)"""
+    return parallel_state.get_tensor_model_parallel_world_size() == 1 and \
+        parallel_state.get_expert_model_parallel_world_size() == 1 and \
         not any(isinstance(m, DotProductAttention) for m in model.modules())
 
 

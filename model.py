@@ -296,6 +296,21 @@ class SequentialExperts(SequentialMLP):
                     self.local_experts.append(expert)
         self.num_local_experts = num_local_experts
 
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        """megatron-core's, except without autograd (generate.py, evaluation): an expert that received no token is
+        skipped instead of run on an empty batch. A decode step routes its one token to the top-k experts, so the
+        others would run on nothing (with 8 experts and top-2, 6 of 8 calls per layer), and transformers' MoE blocks
+        skip them too. Training runs every expert: megatron-core's DDP waits for every parameter's gradient."""
+        c = self.config
+        if torch.is_grad_enabled() or self.num_local_experts == 1 or c.moe_apply_probs_on_input or c.fp8 or c.fp4:
+            return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        outputs, start = [], 0
+        for expert, n in zip(self.local_experts, tokens_per_expert.tolist()):  # the tokens come grouped by expert
+            if n:
+                outputs.append(expert(permuted_local_hidden_states[start:start + n], permuted_probs[start:start + n])[0])
+                start += n
+        return (torch.cat(outputs) if outputs else permuted_local_hidden_states[:0]), None
+
 
 class ExpertRowParallelLinear(RowParallelLinear):
     """An expert's output projection that leaves its output to the token dispatcher, as megatron-core's does with

@@ -35,6 +35,7 @@ import functools
 import json
 import multiprocessing
 import os
+import queue
 import random
 import shutil
 import sys
@@ -255,12 +256,29 @@ def common_state(cfg, ts) -> dict:
 # --------------------------------------------------------------------------------------------------
 
 
-def _shield_write_results_queue() -> None:
-    """megatron-core's torch_dist writer reports through a queue served by a Manager process it starts at the
-    first save and keeps (filesystem_async._results_queue). SLURM's scancel, `timeout` and Ctrl-C signal
-    every process of the job, that one too: once it is dead, the very save that --exit-signal-handler makes
-    fails with a BrokenPipeError. So the queue is made here, first, by a Manager that blocks SIGTERM and
-    SIGINT; it is shut down with its rank, as megatron-core's own would be.
+_LOCAL_RESULTS = queue.Queue()  # a synchronous save's write results, within this process (_write_results_queue)
+_MANAGER_RESULTS = None  # an --async-save's, through the Manager process _shield_write_results_queue starts
+
+
+def _write_results_queue(async_save: bool) -> None:
+    """The queue megatron-core's torch_dist writer reports its write results through, set before each save (it reads
+    filesystem_async._results_queue as it prepares one). Its own is a Manager process's, made at the first save, as
+    an --async-save needs: its writer is another process. A synchronous save writes from this process (its forked
+    workers report to it through a queue of their own), so a queue of this process serves: no Manager, which would
+    import torch to unpickle the first results (1.3 s at each rank's first save, measured) and which a job's
+    signals would reach."""
+    global _MANAGER_RESULTS
+    if async_save and _MANAGER_RESULTS is None:
+        _MANAGER_RESULTS = _shield_write_results_queue()
+    filesystem_async._results_queue = _MANAGER_RESULTS if async_save else _LOCAL_RESULTS
+
+
+def _shield_write_results_queue():
+    """The queue of an --async-save's writer, served by a Manager process (megatron-core starts one at the first
+    save and keeps it, filesystem_async.py:55). SLURM's scancel, `timeout` and Ctrl-C signal every process of the
+    job, that one too: once it is dead, the very save that --exit-signal-handler makes fails with a BrokenPipeError.
+    So the queue is made here, by a Manager that blocks SIGTERM and SIGINT; it is shut down with its rank, as
+    megatron-core's own would be.
 
     Blind to the job's signals, it must still end with its rank however the rank ends (an OOM kill, `kill -9`): it
     asks Linux for SIGKILL when its parent dies (prctl PR_SET_PDEATHSIG), and exits at once if the rank is already
@@ -269,15 +287,14 @@ def _shield_write_results_queue() -> None:
     The Manager is a spawned interpreter, which would import the launching script (train.py, with torch and
     megatron-core) before serving a queue: seconds per rank at the first save. It needs none of it, so it is
     started with a bare __main__ and an initializer from the standard library (exec of MANAGER_INIT)."""
-    if filesystem_async._results_queue is None:
-        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        main = sys.modules["__main__"]
-        sys.modules["__main__"] = types.ModuleType("__main__")
-        try:
-            manager.start(initializer=exec, initargs=(MANAGER_INIT, {"RANK_PID": os.getpid()}))
-        finally:
-            sys.modules["__main__"] = main
-        filesystem_async._results_queue = manager.Queue()
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        manager.start(initializer=exec, initargs=(MANAGER_INIT, {"RANK_PID": os.getpid()}))
+    finally:
+        sys.modules["__main__"] = main
+    return manager.Queue()
 
 
 # What the writer's Manager runs first (standard library only): the job's signals blocked, death with its rank.
@@ -313,7 +330,7 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
     common = common_state(cfg, ts)
 
     if ck.ckpt_format == "torch_dist":
-        _shield_write_results_queue()
+        _write_results_queue(ck.async_save)
         metadata = sharded_state_dict_metadata(cfg)
         sharded = {**model_sharded_state_dict(model, adapters_only=cfg.peft.peft != "none"), **common}
         if ck.save_optim and optimizer is not None:  # None: weights only (hf.py's import)

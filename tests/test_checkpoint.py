@@ -335,11 +335,11 @@ def test_sigterm_on_one_rank_saves_and_stops_all_ranks(tmp_path):
 
 def test_nothing_outlives_a_killed_rank(tmp_path):
     """`kill -9` of one rank (an OOM kill, say), after its first save: within 10 seconds no process it started is
-    left (the torch_dist writer's Manager, which blocks SIGTERM and SIGINT, dies with it; DataLoader workers watch
-    their parent), and torchrun stops the job, naming the lost rank."""
+    left (the --async-save writer's Manager, which blocks SIGTERM and SIGINT, dies with it; DataLoader workers
+    watch their parent), and torchrun stops the job, naming the lost rank."""
     log = tmp_path / "log"
     args = [*TINY, "--mock-data", "--train-iters", "3000", "--log-interval", "1", "--eval-iters", "0",
-            "--num-workers", "2", "--save", str(tmp_path / "ck"), "--save-interval", "2",
+            "--num-workers", "2", "--save", str(tmp_path / "ck"), "--save-interval", "2", "--async-save",
             "--distributed-timeout-minutes", "2", "--data-cache-path", str(tmp_path / "cache")]
     proc = _launch(args, log)
     try:
@@ -374,10 +374,13 @@ def _signal_the_job(args, log, sig, after="iteration        3/"):
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_a_signal_to_the_whole_job_saves_and_the_run_resumes(tmp_path, sig):
+    """SIGTERM with --async-save: a save before the signal started the writer's Manager, which the signal reaches
+    too; it blocks the job's signals, so the signal's own save goes through it. SIGINT with synchronous saves."""
     ck = tmp_path / "ck"
     args = [*TINY, "--mock-data", "--train-iters", "3000", "--log-interval", "1", "--eval-iters", "0",
             "--num-workers", "2", "--save", str(ck), "--save-interval", "2",  # a save before: its writer lives on
-            "--exit-signal-handler", "--exit-signal", sig, "--data-cache-path", str(tmp_path / "cache")]
+            "--exit-signal-handler", "--exit-signal", sig, "--data-cache-path", str(tmp_path / "cache"),
+            *(["--async-save"] if sig == "SIGTERM" else [])]
     out = _signal_the_job(args, tmp_path / "log", getattr(signal, sig))
     assert f"exiting program after receiving {sig}" in out
     assert "DataLoader worker" not in out and "[rank0]: Traceback" not in out and "[rank1]: Traceback" not in out

@@ -525,7 +525,7 @@ def _generate_rows(argv, caches, label="generate") -> list:
     initialize_distributed(cfg)
     set_random_seed(cfg.rng.seed)
     tokenizer = data.ByteTokenizer()
-    model = build_model(cfg, data.embedding_rows(tokenizer))[0].eval()
+    model = build_model(cfg, data.embedding_rows(tokenizer))[0].eval().requires_grad_(False)  # as generate.load_model
     layout = hf.choose_layout(cfg.model)
     with tempfile.TemporaryDirectory() as exported:  # hf.export's two files, read by from_pretrained (which
         with open(os.path.join(exported, "config.json"), "w") as fh:  # turns Mixtral's experts into its own layout)

@@ -80,21 +80,47 @@ def _listing(folder: str) -> list:
     return sorted((os.path.join(d, f), os.path.getmtime(os.path.join(d, f))) for d, _, fs in os.walk(folder) for f in fs)
 
 
+def train_here(argv) -> str:
+    """train.py's run of `argv` as one process, in this one (train.pretrain, what `python train.py` calls), with one
+    thread as torchrun gives each rank: its stdout. No launcher, and torch and megatron-core are already imported."""
+    import contextlib
+    import io
+
+    import config
+    import torch
+    import train
+
+    threads, out = torch.get_num_threads(), io.StringIO()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(out):
+            train.pretrain(config.parse_args(argv, world_size=1, gpu=False))
+    finally:
+        torch.set_num_threads(threads)
+    return out.getvalue()
+
+
 class Launches:
-    """torchrun jobs of train.py sharing one scratch folder and one dataset cache, each launched once by name, with
-    the named TensorBoard scalars read back (the layout matrices of test_engine and test_moe)."""
+    """Jobs of train.py sharing one scratch folder and one dataset cache, each run once by name, with the named
+    TensorBoard scalars read back (the layout matrices of test_engine and test_moe): torchrun jobs, and the
+    one-rank references in this process (train_here)."""
 
     def __init__(self, out, flags: list, metrics: tuple):
         self.out, self.flags, self.metrics, self.done = out, flags, metrics, {}
 
     def __call__(self, name, nproc, *flags):
         if name not in self.done:
-            proc = torchrun([*self.flags, *flags, "--tensorboard-dir", str(self.out / name / "tb"),
-                             "--data-cache-path", str(self.out / "cache")], nproc=nproc, timeout=600)
-            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+            argv = [*self.flags, *flags, "--tensorboard-dir", str(self.out / name / "tb"), "--data-cache-path",
+                    str(self.out / "cache")]
+            if nproc == 1:
+                stdout = train_here(argv)
+            else:
+                proc = torchrun(argv, nproc=nproc, timeout=600)
+                assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+                stdout = proc.stdout
             tb = tensorboard_scalars(self.out / name / "tb")
-            self.done[name] = dict(stdout=proc.stdout, **{m: tb.get(m, {}) for m in self.metrics},
-                                   iterations=[it for it, *_ in log_lines(proc.stdout)])
+            self.done[name] = dict(stdout=stdout, **{m: tb.get(m, {}) for m in self.metrics},
+                                   iterations=[it for it, *_ in log_lines(stdout)])
         return self.done[name]
 
     def ckpt(self, name):

@@ -64,7 +64,7 @@ from model import (build_model, build_optimizer, build_rerun_state_machine, dest
 from megatron.core import parallel_state
 from megatron.core import rerun_state_machine as mcore_rerun
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler, get_canonical_lr_for_logging
-from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 from megatron.core.utils import configure_nvtx_profiling, get_batch_on_this_cp_rank, nvtx_range_pop, nvtx_range_push
 
 import checkpoint
@@ -176,6 +176,9 @@ def setup(cfg: ConfigContainer):
     apply_deterministic_mode(cfg)
     initialize_distributed(cfg)
     set_random_seed(cfg.rng.seed)
+    # megatron-core's MoE loss tracker is a module global (moe_utils.py:43) whose per-layer tensors keep the size of
+    # the first model that filled them: a second run in this process with more layers would fail (moe_utils.py:897).
+    get_moe_layer_wise_logging_tracker().clear()
     state = GlobalState(cfg)
     if state.writers is not None:  # opened now, as Megatron does: a tracker that cannot start fails before the model
         print(f"> writing metrics to {', '.join(type(w).__name__ for w in state.writers.writers)}", flush=True)

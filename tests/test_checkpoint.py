@@ -74,13 +74,22 @@ def test_resume_on_fewer_data_parallel_ranks_reads_the_next_samples(mock_run, tm
 # --- pruning, skipping, finetuning --------------------------------------------------------------------------
 
 
-def test_most_recent_k_keeps_the_newest(tmp_path, capsys):
-    import train
+def test_most_recent_k_keeps_the_newest_and_synchronous_saves_start_no_process(tmp_path, capsys):
+    """Five synchronous torch_dist saves, the newest two kept. Their writer reported through a queue of this process
+    (checkpoint._write_results_queue): no Manager process was started, as megatron-core's own writer starts one."""
+    import multiprocessing
+    import queue
 
+    import train
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    before = set(multiprocessing.active_children())
     train.pretrain(_cfg(tmp_path, "--train-iters", "5", "--save", str(tmp_path / "ck"), "--save-interval", "1",
                         "--most-recent-k", "2"))
     assert sorted(os.listdir(tmp_path / "ck")) == ["iter_0000004", "iter_0000005", "latest_checkpointed_iteration.txt",
                                                    "latest_train_state.pt", "progress.txt"]
+    assert set(multiprocessing.active_children()) <= before
+    assert type(filesystem_async._results_queue) is queue.Queue
 
 
 def test_iterations_to_skip_consume_their_data(tmp_path, capsys):

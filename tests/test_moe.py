@@ -209,6 +209,19 @@ def test_bf16_at_expert_parallel_size_2_is_the_one_rank_bf16_run(runs):
     assert_same(ep2, one, range(1, 7), ["grad-norm"], rel=1e-3)
 
 
+def test_a_second_moe_run_in_one_process_may_have_more_layers():
+    """pretrain() twice from Python (a notebook, a sweep): megatron-core's MoE loss tracker is a module global whose
+    per-layer tensors keep the first model's layer count (moe_utils.py:43); a second run with more MoE layers
+    failed with an IndexError at its first step (moe_utils.py:897). Each run starts with it empty."""
+    from conftest import log_lines, train_here
+
+    for layers in ("2", "4"):
+        out = train_here([*TINY, "--num-layers", layers, "--num-experts", "4", "--moe-router-topk", "2",
+                          "--moe-aux-loss-coeff", "1e-2", "--mock-data", "--train-iters", "2", "--eval-iters", "0",
+                          "--num-workers", "0", "--log-interval", "1"])
+        assert [line[0] for line in log_lines(out)] == [1, 2] and "load_balancing_loss: " in out
+
+
 def test_experts_with_biases_train_at_expert_parallel_size_1():
     """Megatron-LM's default biases, one rank: megatron-core's MLP adds each expert's bias in place to what its
     output projection returned (mlp.py:247), which at EP=1 is the reduce Function's own input, and autograd refuses

@@ -26,7 +26,9 @@ What the shim answers (file:line in megatron-core 0.16.1), and why:
     Tensor.type() of a parameter or gradient   optimizer.py:671,690, distrib_optimizer.py:     "torch.cuda.FloatTensor"
                                                361,420,582, clip_grads.py:167                  (the type checks pass)
     torch.cuda.current_device()                the device= arguments above; rerun_state_       0 (mapped to the CPU
-                                               machine.py:525,567 names it in messages          by the first row)
+                                               machine.py:525,567 names it in messages; an      by the first row); the
+                                               MoE router's weights move to it at every call   CPU while the shim is
+                                               (router.py:88)                                   paused (a decode step)
     torch.cuda.synchronize()                   timers.py:152,165, p2p_communication.py:242,     nothing to wait for
                                                fully_parallel.py:272,281, filesystem_async.     (CPU ops are synchronous)
                                                py:230, async_utils.py:212
@@ -73,6 +75,9 @@ Beyond the shim, the machines differ in only these, each answered here once:
                                                                     AdamW (same update)
     straggler timing           wall clock and CUDA events           wall clock           (metrics.StragglerTimer)
     SDPA under determinism     the math kernel                      (already exact)      (model.SDPAttention)
+    megatron-core's fused      torch.compile'd at their first call  run as written       (_compile_on_first_
+    kernels (megatron/core/                                                               call)
+    jit.py)
 """
 
 import contextlib

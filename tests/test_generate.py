@@ -186,6 +186,24 @@ def test_a_prompt_past_the_context_or_a_tokenizer_without_text_is_one_line(mock_
     assert err[-1].startswith("generate.py: error: ") and "NullTokenizer (token ids, no text)" in err[-1]
 
 
+def test_expert_parallelism_a_checkpoint_or_the_ranks_cannot_take_is_one_line(llama_ckpt, moe_ckpts):
+    """--expert-model-parallel-size on a dense checkpoint, or not dividing the processes: one line, before anything
+    is built (inference_config reads run_config.yaml only)."""
+    import checkpoint
+    import config
+    import generate
+
+    dense, moe = (checkpoint.resolve_load_dir(d, None) for d in (llama_ckpt, moe_ckpts["mixtral"]))
+    for directory, world, expected in ((dense, 2, "holds a dense model (no experts); drop the flag"),
+                                       (moe, 3, "--expert-model-parallel-size 2 does not divide the 3 processes")):
+        with pytest.raises(config.ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")) as e:
+            generate.inference_config(directory, world, 2)
+        assert "\n" not in str(e.value)
+    m = generate.inference_config(moe, 2, 2).model  # TP 1 x EP 2, experts whole; no sequence parallelism
+    assert (m.tensor_model_parallel_size, m.expert_model_parallel_size, m.expert_tensor_parallel_size,
+            m.sequence_parallel) == (1, 2, 1, False)
+
+
 def test_quick_start_outputs_feed_generate_with_no_flag_under_tensor_parallelism(tmp_path, monkeypatch):
     """The quick start's configuration (config.QUICK_START: its own BPE tokenizer of the built-in corpus), shrunk, in
     an empty folder and with no output flag: the tokenizer is trained on first use and reads the corpus back exactly;

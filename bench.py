@@ -39,15 +39,13 @@ def bench_checkpoint(argv) -> list:
 
     import checkpoint
     import train
-    from model import build_model, build_optimizer
+    from model import build_model, build_optimizer, wrap_model
 
     torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     train.parallel_state.initialize_model_parallel(1, 1)
-    model = build_model(cfg, 258)
+    model = wrap_model(cfg, build_model(cfg, 258))  # megatron-core's optimizer reads DDP's grad buffers
     optimizer = build_optimizer(cfg, model)
-    for p in model[0].parameters():  # one step, so the optimizer holds its full state (Adam moments)
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
+    optimizer.step()  # one step (of zero gradients), so the optimizer holds its full state (Adam moments)
     scheduler = train.build_scheduler(cfg, optimizer)
     n_params = sum(p.numel() for p in model[0].parameters())
 
@@ -95,7 +93,7 @@ def bench_checkpoint(argv) -> list:
         raw_size = os.path.getsize(raw)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        train._destroy_distributed()
+        train.destroy_distributed()
 
     gb = size / 1e9
     rows.append(("checkpoint", f"{n_params / 1e6:.1f}M params, {gb:.2f} GB", "save_checkpoint", f"{save_s:.2f} s",
@@ -198,7 +196,7 @@ def bench_data(argv) -> list:
                 next(it)
             fetch_ms = 1000 * (time.perf_counter() - t) / 50
         finally:
-            train._destroy_distributed()
+            train.destroy_distributed()
         rows.append(("", f"GPTDataset, micro batch {cfg.train.micro_batch_size} x {cfg.model.seq_length}",
                      "fetch one microbatch (no workers)", f"{fetch_ms:.2f} ms", ""))
     finally:
@@ -416,7 +414,7 @@ def _one_size(argv) -> dict:
     try:
         activations = saved_activation_bytes(model[0], cfg)
     finally:
-        train._destroy_distributed()
+        train.destroy_distributed()
     rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline  # ru_maxrss: KiB on Linux
     del parallel_state
     mb = metrics.NUM_BYTES_IN_MEGABYTE
@@ -463,7 +461,7 @@ def bench_hotpath(argv) -> list:
             rows.append(("hotpath" if not rows else "", label if not rows else "", f"AdamW step, {name}",
                          f"{1000 * _timed(opt.step, 5):.1f} ms", ""))
     finally:
-        train._destroy_distributed()
+        train.destroy_distributed()
 
     m = cfg.model
     b, s, heads, d = cfg.train.micro_batch_size, m.seq_length, m.num_attention_heads, m.hidden_size // m.num_attention_heads

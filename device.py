@@ -78,6 +78,9 @@ Beyond the shim, the machines differ in only these, each answered here once:
     megatron-core's fused      torch.compile'd at their first call  run as written       (_compile_on_first_
     kernels (megatron/core/                                                               call)
     jit.py)
+    flash decoding's kernels   flash-attn's, if installed           torch versions with  (fill_missing_flash_
+    (generate.py's cached                                           flash-attn's contract attn_names)
+    decode steps)
 """
 
 import contextlib
@@ -290,6 +293,86 @@ def fill_missing_te_names() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
+                     max_seqlen=None):
+    """flash-attn's `apply_rotary_emb` (flash_attn/layers/rotary.py), in torch ops: `x` [batch, seq, heads, dim]
+    rotated by the angles whose cosines and sines `cos`, `sin` [seq + offset or more, rotary dim / 2] hold, from row
+    `seqlen_offsets`; the dimensions past the rotary ones pass through. Pairs are the two halves (GPT-NeoX, LLaMA) or,
+    `interleaved`, even and odd dimensions (GPT-J). megatron-core's rope_utils.py:343 calls it where flash-attn is
+    installed; megatron-core's own fallback there (rope_utils.py:326) takes the cosines and sines for angles."""
+    if inplace or cu_seqlens is not None or not isinstance(seqlen_offsets, int):
+        raise NotImplementedError("device.apply_rotary_emb: in-place, packed (cu_seqlens) and per-sequence offsets "
+                                  "are flash-attn's own; install flash-attn")
+    rows = slice(seqlen_offsets, seqlen_offsets + x.shape[1])
+    return _rotated(x, *_rotary_tables(cos[rows], sin[rows], interleaved, x), interleaved)
+
+
+def _rotary_tables(cos, sin, interleaved, like):
+    """cos, sin [seq, rotary dim / 2] as [seq, 1, rotary dim], each angle's value at both dimensions of its pair."""
+    def widened(t):
+        t = t.repeat_interleave(2, dim=-1) if interleaved else torch.cat((t, t), dim=-1)
+        return t.to(device=like.device, dtype=like.dtype).unsqueeze(-2)
+
+    return widened(cos), widened(sin)
+
+
+def _rotated(x, cos, sin, interleaved):
+    """x [..., seq, heads, dim] rotated: megatron-core's unfused formula (rope_utils.py:73-126), x * cos +
+    rotate_half(x) * sin over the first rotary dimensions, the rest passed through; bit for bit its values."""
+    rotary = cos.shape[-1]
+    t = x[..., :rotary]
+    if interleaved:
+        half = torch.stack((-t[..., 1::2], t[..., ::2]), dim=-1).flatten(-2)
+    else:
+        first, second = t.chunk(2, dim=-1)
+        half = torch.cat((-second, first), dim=-1)
+    t = t * cos + half * sin
+    return t if rotary == x.shape[-1] else torch.cat((t, x[..., rotary:]), dim=-1)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                            softmax_scale=None, causal=False, rotary_interleaved=True, **unsupported):
+    """flash-attn's `flash_attn_with_kvcache` (flash_attn/flash_attn_interface.py) for a decode step, in torch ops,
+    as megatron-core's flash decoding calls it (attention.py:675): the new keys `k` (rotated at their positions) and
+    values `v` [batch, new, kv heads, dim] written into the caches [batch, length, kv heads, dim] in place at
+    `cache_seqlens`, then the one new query per sequence (rotated at its position) attending to every cached key.
+    Every sequence of a static batch is at the same position."""
+    inert = {"window_size": (-1, -1), "softcap": 0.0, "return_softmax_lse": False}  # flash-attn's defaults
+    extra = sorted(name for name, value in unsupported.items()
+                   if value is not None and name != "num_splits" and not (name in inert and value == inert[name]))
+    if extra or q.shape[1] != 1 or k is None:
+        raise NotImplementedError(f"device.flash_attn_with_kvcache: one new token per sequence, without "
+                                  f"{', '.join(extra) or 'a query longer than one'}; install flash-attn")
+    # megatron-core's static batch: [offset] * batch (gpt_model.py:412). One query sees every key, so `causal`
+    # (flash-attn's bottom-right aligned mask) changes nothing.
+    start = int(cache_seqlens.reshape(-1)[0])
+    end = start + k.shape[1]
+    if rotary_cos is not None:
+        cos, sin = _rotary_tables(rotary_cos[start:end], rotary_sin[start:end], rotary_interleaved, q)
+        k, q = _rotated(k, cos, sin, rotary_interleaved), _rotated(q, cos[:1], sin[:1], rotary_interleaved)
+    k_cache[:, start:end] = k
+    v_cache[:, start:end] = v
+    q, keys, values = q.transpose(1, 2), k_cache[:, :end].transpose(1, 2), v_cache[:, :end].transpose(1, 2)
+    out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, scale=softmax_scale,
+                                                           enable_gqa=keys.shape[1] != q.shape[1])
+    return out.transpose(1, 2)
+
+
+def fill_missing_flash_attn_names() -> None:
+    """Without flash-attn, the two kernels megatron-core's flash decoding calls (`config.flash_decode`, which
+    generate.py turns on) are these torch versions: `flash_attn_with_kvcache` (attention.py:94-97, else None, and
+    flash decoding asserts) and `apply_rotary_emb` (rope_utils.py:32-35), without which megatron-core rotates the
+    prefill's queries and keys by the cosines and sines taken as angles (rope_utils.py:326). Nothing with flash-attn
+    installed; training calls neither."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import attention
+
+    if attention.flash_attn_with_kvcache is None:
+        attention.flash_attn_with_kvcache = flash_attn_with_kvcache
+    if rope_utils.apply_rotary_emb_flash is None:
+        rope_utils.apply_rotary_emb_flash = apply_rotary_emb
 
 
 def install_cpu_shim() -> None:

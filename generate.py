@@ -218,6 +218,31 @@ def cached_next_token_logits(model, ids: list, cache: StaticInferenceContext, sh
     return logits[0, -1].float()
 
 
+def flash_decoding_applies(model) -> bool:
+    """Whether megatron-core's flash decoding computes this model's attention as its plain cached decoding does:
+    not with RoPE off in some layers (megatron-core refuses that, transformer_config.py:1964), nor a sliding window,
+    another softmax, an output gate or a softmax scale of one's own, which its decode step does not apply."""
+    c = model.config
+    return c.no_rope_freq is None and c.window_size is None and c.softmax_type == "vanilla" and \
+        not c.attention_output_gate and c.softmax_scale is None and not c.multi_latent_attention
+
+
+@contextlib.contextmanager
+def flash_decoding(model, on: bool = True):
+    """megatron-core's flash decoding (Megatron-LM's --flash-decode) for the cached steps, where it applies. The
+    prefill caches each key already rotated by RoPE, and a decode step rotates its one token's query and key, writes
+    the key and value into the cache and attends, in one kernel call (flash-attn's `flash_attn_with_kvcache`, or
+    device.py's torch version). Without it megatron-core caches the keys unrotated and rotates every cached key
+    again at every step (attention.py:577,587,1110), a cost that grows with the sequence. The tokens are the same."""
+    config = model.config
+    before = config.flash_decode
+    config.flash_decode = on and flash_decoding_applies(model)
+    try:
+        yield
+    finally:
+        config.flash_decode = before
+
+
 def shim_free_decode(model) -> bool:
     """Whether a decode step makes no CUDA call, so that on a CPU it can run without device.py's shim (each torch
     call then skips one Python function: 15-30% of a small model's decode step). The prefill allocated the cache
@@ -258,18 +283,19 @@ def generate(model, tokenizer, prompt_ids: list, max_new_tokens: int, temperatur
     cache = StaticInferenceContext(max_batch_size=1, max_sequence_length=context) if kv_cache else None
     shim_free = kv_cache and shim_free_decode(model)
     ids, new = list(prompt_ids), []
-    for _ in range(max_new_tokens):
-        if cache is not None and len(ids) <= context:
-            logits = cached_next_token_logits(model, ids, cache, shim_free)[:vocab]
-        else:  # no cache, or past the context: the cached positions cannot slide
-            logits = next_token_logits(model, ids[-context:])[:vocab]
-        token = pick(logits.cpu(), temperature, top_k, top_p, generator)
-        if token == tokenizer.eod:
-            break
-        ids.append(token)
-        new.append(token)
-        if on_token is not None:
-            on_token(token)
+    with flash_decoding(model, kv_cache):
+        for _ in range(max_new_tokens):
+            if cache is not None and len(ids) <= context:
+                logits = cached_next_token_logits(model, ids, cache, shim_free)[:vocab]
+            else:  # no cache, or past the context: the cached positions cannot slide
+                logits = next_token_logits(model, ids[-context:])[:vocab]
+            token = pick(logits.cpu(), temperature, top_k, top_p, generator)
+            if token == tokenizer.eod:
+                break
+            ids.append(token)
+            new.append(token)
+            if on_token is not None:
+                on_token(token)
     return new
 
 

@@ -54,6 +54,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 device.install_cpu_shim()  # without CUDA: megatron-core's CUDA calls answered on the CPU (device.py); else nothing
 device.fill_missing_te_names()  # without transformer-engine: the name megatron-core's MoE router reads
+device.fill_missing_flash_attn_names()  # without flash-attn: the kernels of megatron-core's flash decoding
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:

@@ -1,7 +1,7 @@
 """generate.py: greedy decoding is an argmax loop over the full forward, KV-cached decoding gives the full
 forward's tokens (greedy and sampled, GPT-2-like, LLaMA-like and Mixtral-like, both core attentions, past the
-context, TP=2; test_moe has MoE under TP=2 and EP=2),
-sampling follows its seed and limits, bad input is one line, and the quick start's default folders feed it with
+context, TP=2; test_moe has MoE under TP=2 and EP=2), its flash decoding gives megatron-core's plain cached
+decoding's logits through device.py's kernels and is left off where it would not, sampling follows its seed and limits, bad input is one line, and the quick start's default folders feed it with
 no flag under tensor parallelism."""
 
 import io
@@ -14,7 +14,7 @@ import torch
 
 import yaml
 
-from conftest import torchrun
+from conftest import LLAMA_FLAGS, TINY, torchrun
 
 
 def one_process_world_ends():
@@ -87,6 +87,117 @@ def test_kv_cached_decoding_gives_the_full_forward_tokens_past_the_context(kind,
         assert len(cached_calls) == 64 - len(prompt) + 1  # prefill, then one token each until the window is full
         plain = generate.generate(model, never_stops, prompt, 300, kv_cache=False, **sampling)
         assert len(with_cache) == 300 and with_cache == plain, sampling
+
+
+def random_model(flags):
+    """A tiny GPT of `flags`, randomly initialised in this process (a world of one), for inference."""
+    import config
+    import data
+    from model import build_model, initialize_distributed, set_random_seed
+
+    cfg = config.parse_args(["--mock-data", *TINY, "--hidden-dropout", "0", "--attention-dropout", "0", *flags],
+                            world_size=1, gpu=False)
+    initialize_distributed(cfg)
+    set_random_seed(cfg.rng.seed)
+    return build_model(cfg, data.embedding_rows(data.ByteTokenizer()))[0].eval().requires_grad_(False)
+
+
+def cached_steps(model, flash: bool, steps: int = 24) -> torch.Tensor:
+    """The logits of a prefill and of `steps` greedy cached decode steps, with megatron-core's flash decoding or
+    its plain static decoding."""
+    import generate
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    ids, rows = list(range(70, 80)), []
+    cache = StaticInferenceContext(max_batch_size=1, max_sequence_length=model.max_sequence_length)
+    with generate.flash_decoding(model, flash):
+        assert model.config.flash_decode == (flash and generate.flash_decoding_applies(model))
+        for _ in range(steps + 1):
+            rows.append(generate.cached_next_token_logits(model, ids, cache, generate.shim_free_decode(model)))
+            ids.append(int(rows[-1][:256].argmax()))
+    assert not model.config.flash_decode  # off again after
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("what, flags", [
+    ("GPT-2-like", []),
+    ("LLaMA-like", LLAMA_FLAGS),
+    ("GPT-J-like RoPE on half of each head", ["--position-embedding-type", "rope", "--rotary-interleaved",
+                                              "--rotary-percent", "0.5"]),
+    ("q/k norms, megatron-core's own core attention", [*LLAMA_FLAGS, "--qk-layernorm", "--attention-backend", "local"]),
+])
+def test_flash_decoding_gives_the_plain_cached_decodings_logits(what, flags):
+    """generate.py decodes with megatron-core's flash decoding (keys cached once rotated; a step rotates its own
+    token only) through device.py's torch versions of flash-attn's kernels: the prefill and every step give the
+    logits of megatron-core's plain static decoding (which rotates every cached key again at each step), bit for
+    bit on SDPA; within float rounding beside megatron-core's own DotProductAttention. Without device.py's
+    apply_rotary_emb, megatron-core's fallback (rope_utils.py:326) rotates the prefill by the cosines and sines
+    taken as angles, and the RoPE models here differ from the first logits on."""
+    model = random_model(flags)
+    plain, flash = cached_steps(model, False), cached_steps(model, True)
+    if "local" in flags:
+        torch.testing.assert_close(flash, plain, rtol=1e-5, atol=1e-5)
+        assert torch.equal(flash[0], plain[0])  # the prefill runs the same core attention
+    else:
+        assert torch.equal(flash, plain), (flash - plain).abs().max()
+
+
+def test_device_kernels_keep_flash_attns_contract_and_refuse_the_rest():
+    """device.apply_rotary_emb is megatron-core's unfused RoPE bit for bit (halves or interleaved pairs, part of
+    each head or all of it); megatron-core's apply_rotary_pos_emb_with_cos_sin, which calls it, now agrees with
+    its unfused path; device.flash_attn_with_kvcache writes the new key and value into the cache in place and
+    attends as SDPA over the sequence; what flash-attn's kernels take and these do not is one line."""
+    import device
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    generator = torch.Generator().manual_seed(0)
+    t = torch.randn(7, 2, 3, 16, generator=generator)  # [seq, batch, heads, dim], megatron-core's layout
+    for interleaved in (False, True):
+        for percent in (1.0, 0.5):
+            rope = RotaryEmbedding(16, percent, rotary_interleaved=interleaved, use_cpu_initialization=True)
+            cos, sin = rope.get_cos_sin(9)
+            unfused = rope_utils._apply_rotary_pos_emb_bshd(t, rope.get_emb(7), rotary_interleaved=interleaved)
+            ours = device.apply_rotary_emb(t.transpose(0, 1), cos, sin, interleaved).transpose(0, 1)
+            assert torch.equal(ours, unfused) and not torch.equal(ours, t)
+            assert torch.equal(rope_utils.apply_rotary_pos_emb_with_cos_sin(t, cos, sin, interleaved), unfused)
+
+    k_cache, v_cache = torch.zeros(2, 9, 1, 16), torch.zeros(2, 9, 1, 16)  # [batch, length, kv heads, dim]
+    k_cache[:, :4], v_cache[:, :4] = torch.randn(2, 2, 4, 1, 16, generator=generator)
+    q = torch.randn(2, 1, 3, 16, generator=generator)  # three query heads share the one key head
+    k, v = torch.randn(2, 2, 1, 1, 16, generator=generator)
+    expected_k = torch.cat((k_cache[:, :4], k), dim=1)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), expected_k.transpose(1, 2), torch.cat((v_cache[:, :4], v), 1).transpose(1, 2),
+        enable_gqa=True).transpose(1, 2)
+    out = device.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor([4, 4]))
+    assert torch.equal(out, expected) and torch.equal(k_cache[:, :5], expected_k) and not k_cache[:, 5:].any()
+    for kwargs, named in ((dict(block_table=torch.zeros(2, 1)), "without block_table"),
+                          (dict(q=torch.randn(2, 2, 3, 16)), "without a query longer than one")):
+        with pytest.raises(NotImplementedError, match=named + "; install flash-attn") as e:
+            device.flash_attn_with_kvcache(**{**dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
+                                                     cache_seqlens=torch.tensor([5, 5])), **kwargs})
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("flags", [
+    ["--no-rope-freq", "[0,1]"],  # flash decoding would rotate the layers without RoPE too
+    ["--attention-backend", "local", "--window-size", "4,0"],  # it sees past the window
+    ["--attention-backend", "local", "--softmax-type", "off-by-one"],  # its softmax is the vanilla one
+    ["--attention-output-gate"],  # its decode step returns before the gate
+], ids=["no-rope-freq", "window-size", "softmax-type", "attention-output-gate"])
+def test_flash_decoding_is_left_off_where_it_would_change_the_attention(flags, monkeypatch):
+    """A model whose attention megatron-core's flash decoding does not compute as written decodes with its plain
+    cached decoding when flash decoding is asked for; forced on, the logits differ."""
+    import generate
+
+    model = random_model([*LLAMA_FLAGS, *flags])
+    plain = cached_steps(model, False, steps=4)
+    assert torch.equal(cached_steps(model, True, steps=4), plain)  # asked for, and left off
+    assert not generate.flash_decoding_applies(model)
+    monkeypatch.setattr(generate, "flash_decoding_applies", lambda model: True)
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        torch.testing.assert_close(cached_steps(model, True, steps=4), plain)
 
 
 def test_tensor_parallel_samples_are_the_one_process_samples(llama_ckpt):

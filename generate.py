@@ -90,6 +90,7 @@ import yaml
 from model import build_model, set_random_seed, unwrap  # (first: quiets megatron-core's import warnings)
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.transformer import attention as mcore_attention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 import device
@@ -221,10 +222,14 @@ def cached_next_token_logits(model, ids: list, cache: StaticInferenceContext, sh
 def flash_decoding_applies(model) -> bool:
     """Whether megatron-core's flash decoding computes this model's attention as its plain cached decoding does:
     not with RoPE off in some layers (megatron-core refuses that, transformer_config.py:1964), nor a sliding window,
-    another softmax, an output gate or a softmax scale of one's own, which its decode step does not apply."""
+    another softmax, an output gate or a softmax scale of one's own, which its decode step does not apply. And
+    whether its kernel takes the weights' precision: flash-attn's own takes fp16 and bf16 only, so with flash-attn
+    installed an fp32 model (what load_model builds) decodes the plain way; device.py's takes any."""
     c = model.config
+    kernel_takes_it = mcore_attention.flash_attn_with_kvcache is device.flash_attn_with_kvcache or \
+        c.params_dtype in (torch.float16, torch.bfloat16)
     return c.no_rope_freq is None and c.window_size is None and c.softmax_type == "vanilla" and \
-        not c.attention_output_gate and c.softmax_scale is None and not c.multi_latent_attention
+        not c.attention_output_gate and c.softmax_scale is None and not c.multi_latent_attention and kernel_takes_it
 
 
 @contextlib.contextmanager

@@ -97,7 +97,8 @@ def random_model(flags):
 
     cfg = config.parse_args(["--mock-data", *TINY, "--hidden-dropout", "0", "--attention-dropout", "0", *flags],
                             world_size=1, gpu=False)
-    initialize_distributed(cfg)
+    if not torch.distributed.is_initialized():
+        initialize_distributed(cfg)
     set_random_seed(cfg.rng.seed)
     return build_model(cfg, data.embedding_rows(data.ByteTokenizer()))[0].eval().requires_grad_(False)
 
@@ -192,12 +193,27 @@ def test_flash_decoding_is_left_off_where_it_would_change_the_attention(flags, m
     import generate
 
     model = random_model([*LLAMA_FLAGS, *flags])
+    assert generate.flash_decoding_applies(random_model(LLAMA_FLAGS))  # the same model without the flag
     plain = cached_steps(model, False, steps=4)
     assert torch.equal(cached_steps(model, True, steps=4), plain)  # asked for, and left off
     assert not generate.flash_decoding_applies(model)
     monkeypatch.setattr(generate, "flash_decoding_applies", lambda model: True)
     with pytest.raises(AssertionError, match="Tensor-likes are not close"):
         torch.testing.assert_close(cached_steps(model, True, steps=4), plain)
+
+
+def test_flash_attns_own_kernel_is_left_to_the_precisions_it_takes(monkeypatch):
+    """With flash-attn installed, megatron-core calls its flash_attn_with_kvcache, which takes fp16 and bf16 only:
+    an fp32 model (generate.load_model's) then decodes the plain way; a bf16 one with flash decoding."""
+    import generate
+    from megatron.core.transformer import attention
+
+    model = random_model(LLAMA_FLAGS)
+    assert generate.flash_decoding_applies(model)  # device.py's kernel takes fp32
+    monkeypatch.setattr(attention, "flash_attn_with_kvcache", lambda *args, **kwargs: None)  # as if installed
+    assert not generate.flash_decoding_applies(model)
+    monkeypatch.setattr(model.config, "params_dtype", torch.bfloat16)
+    assert generate.flash_decoding_applies(model)
 
 
 def test_tensor_parallel_samples_are_the_one_process_samples(llama_ckpt):

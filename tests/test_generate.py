@@ -89,14 +89,14 @@ def test_kv_cached_decoding_gives_the_full_forward_tokens_past_the_context(kind,
         assert len(with_cache) == 300 and with_cache == plain, sampling
 
 
-def random_model(flags):
+def random_model(flags, gpu: bool = False):
     """A tiny GPT of `flags`, randomly initialised in this process (a world of one), for inference."""
     import config
     import data
     from model import build_model, initialize_distributed, set_random_seed
 
     cfg = config.parse_args(["--mock-data", *TINY, "--hidden-dropout", "0", "--attention-dropout", "0", *flags],
-                            world_size=1, gpu=False)
+                            world_size=1, gpu=gpu)
     if not torch.distributed.is_initialized():
         initialize_distributed(cfg)
     set_random_seed(cfg.rng.seed)
@@ -104,8 +104,8 @@ def random_model(flags):
 
 
 def cached_steps(model, flash: bool, steps: int = 24) -> torch.Tensor:
-    """The logits of a prefill and of `steps` greedy cached decode steps, with megatron-core's flash decoding or
-    its plain static decoding."""
+    """The logits of a prefill and of `steps` cached decode steps (the same tokens whatever the logits), with
+    megatron-core's flash decoding or its plain static decoding."""
     import generate
     from megatron.core.inference.contexts import StaticInferenceContext
 
@@ -113,9 +113,9 @@ def cached_steps(model, flash: bool, steps: int = 24) -> torch.Tensor:
     cache = StaticInferenceContext(max_batch_size=1, max_sequence_length=model.max_sequence_length)
     with generate.flash_decoding(model, flash):
         assert model.config.flash_decode == (flash and generate.flash_decoding_applies(model))
-        for _ in range(steps + 1):
+        for step in range(steps + 1):
             rows.append(generate.cached_next_token_logits(model, ids, cache, generate.shim_free_decode(model)))
-            ids.append(int(rows[-1][:256].argmax()))
+            ids.append(32 + 7 * step % 90)
     assert not model.config.flash_decode  # off again after
     return torch.stack(rows)
 

@@ -620,10 +620,11 @@ MOE_FLAGS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads
              "--train-iters", "20", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
              "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--lr", "1e-4", "--num-workers", "0",
              "--hidden-dropout", "0", "--attention-dropout", "0", "--ffn-hidden-size", "1024",
-             "--disable-bias-linear"]  # Megatron-LM's MoE at EP=1 with biases meets mlp.py:247 (README: defects)
+             "--disable-bias-linear"]  # Megatron-LM's MoE at EP=1 with biases meets mlp.py:354 (README: defects)
 MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "512", "--moe-aux-loss-coeff", "1e-2",
        "--moe-token-dispatcher-type", "alltoall"]
-# What Megatron-LM needs on a CPU (../shared/tools/megatron_lm_cpu.py's docstring); train.py accepts the same line.
+# What Megatron-LM needs on a CPU (tests/fixtures/interchange/megatron_lm_cpu.py's docstring); train.py accepts the
+# same line.
 MEGATRON_LM_CPU = ["--transformer-impl", "local", "--no-persist-layer-norm", "--use-cpu-initialization",
                    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
                    "--no-bias-dropout-fusion", "--no-rope-fusion", "--distributed-backend", "gloo"]
@@ -631,14 +632,14 @@ MEGATRON_LM_CPU = ["--transformer-impl", "local", "--no-persist-layer-norm", "--
 
 def bench_moe(argv) -> list:
     """train.py's time per iteration of an MoE GPT beside the dense GPT of the same active parameters (1 process),
-    at EP=2 (2 processes), and, with MEGATRON_LM set to a Megatron-LM core_v0.16.1 checkout, Megatron-LM's own
-    pretrain_gpt.py on the same command line (through ../shared/tools/megatron_lm_cpu.py). Three alternating rounds;
-    the best round's median iteration time (the log line's, iterations 6-20) of each."""
+    at EP=2 (2 processes), and, with MEGATRON_LM set to a Megatron-LM core_v0.19.0 checkout, Megatron-LM's own
+    pretrain_gpt.py on the same command line (through tests/fixtures/interchange/megatron_lm_cpu.py). Three
+    alternating rounds; the best round's median iteration time (the log line's, iterations 6-20) of each."""
     import re
     import subprocess
 
     here = os.path.dirname(os.path.abspath(__file__))
-    launcher = os.path.join(os.path.dirname(here), "shared", "tools", "megatron_lm_cpu.py")
+    launcher = os.path.join(here, "tests", "fixtures", "interchange", "megatron_lm_cpu.py")
     mlm = os.environ.get("MEGATRON_LM")
     line = [*MOE_FLAGS, *MEGATRON_LM_CPU, *argv]
     ours = ["--no-save", "--no-tensorboard"]
@@ -667,7 +668,7 @@ def bench_moe(argv) -> list:
     rows = [("moe" if i == 0 else "", setup if i == 0 else "", name, f"{ms:.1f} ms/it",
              f"{100 * (ms - dense) / dense:+.1f}% vs dense") for i, (name, ms) in enumerate(best.items())]
     if not mlm:
-        rows.append(("", "", "Megatron-LM", "not run", "set MEGATRON_LM to a core_v0.16.1 checkout"))
+        rows.append(("", "", "Megatron-LM", "not run", "set MEGATRON_LM to a core_v0.19.0 checkout"))
     return rows
 
 

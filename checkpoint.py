@@ -8,22 +8,24 @@ Names and signatures follow Megatron Bridge's `training.checkpointing` and `trai
         train_state.pt                 Bridge's progress: step, consumed/skipped samples, FLOPs, do_train/valid/test
         tokenizer/                     identity.json (which tokenizer), tokenizer.json for a HuggingFace one
         torch_dist format (default):   megatron-core dist_checkpointing shards (reshardable TP/PP/DP), the
-                                       same files on a GPU and a CPU; common.pt holds Megatron-LM's `args`,
-                                       `iteration`, `checkpoint_version` 3.0 and FLOPs; each (PP, TP) rank's RNG
-                                       states are the `rng_state` object
+                                       same files on a GPU and a CPU (one __R_0.distcp per rank); the
+                                       `common_state` object holds Megatron-LM's `args`, `iteration`,
+                                       `checkpoint_version` 3.0 and FLOPs (megatron-core <= 0.16 wrote it to
+                                       common.pt, still read); each (PP, TP) rank's RNG states are the
+                                       `rng_state` object
         torch format:                  mp_rank_00/model_optim_rng.pt, one per tensor/pipeline rank, with the same
                                        keys as Megatron-LM's
       latest_train_state.pt            copy of the newest train_state.pt
       latest_checkpointed_iteration.txt
 
-Loading reads the progress from train_state.pt, else from common.pt (Megatron-LM's), and checks the version, the
+Loading reads the progress from train_state.pt, else from the common state (Megatron-LM's), and checks the version, the
 model's shape and the tokenizer before any weight.
 
 A checkpoint is complete or invisible: every rank writes its files, all ranks meet at a barrier, and
 only then does rank 0 write the two `latest_*` files (each written aside and renamed into place).
 A process killed mid-save leaves the tracker pointing at the previous complete checkpoint.
 
-Trust: a torch_dist checkpoint's metadata (`.metadata`, `common.pt`) is read by PyTorch's and megatron-core's
+Trust: a torch_dist checkpoint's metadata (`.metadata`, the common state) is read by PyTorch's and megatron-core's
 distributed checkpointing with `pickle`, which can run code: load only checkpoints you trust. Every other
 file here is read with `torch.load(weights_only=True)`.
 """
@@ -139,16 +141,20 @@ def _load(path: str, what: str):
                               f"the file is corrupt — load an older iteration with --ckpt-step") from None
 
 
+def _index(directory: str):
+    """A torch_dist checkpoint's index (.metadata): what it holds, in which file, at which bytes."""
+    try:
+        return FileSystemReader(directory).read_metadata()
+    except Exception as e:
+        raise CheckpointError(f"{os.path.join(directory, '.metadata')}: cannot be read ({_first_line(e)}); "
+                              f"the checkpoint is corrupt — load an older iteration with --ckpt-step") from None
+
+
 def _check_distcp_files(directory: str) -> None:
     """Each data file that a torch_dist checkpoint's .metadata names is there and holds the bytes it lists.
 
     torch's reader would fail later on such a file with a bare EOFError that names no file; this names it."""
-
-    try:
-        storage = FileSystemReader(directory).read_metadata().storage_data
-    except Exception as e:
-        raise CheckpointError(f"{os.path.join(directory, '.metadata')}: cannot be read ({_first_line(e)}); "
-                              f"the checkpoint is corrupt — load an older iteration with --ckpt-step") from None
+    storage = _index(directory).storage_data
     needed: dict = {}
     for info in storage.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -186,28 +192,38 @@ def set_rng_state(state: dict) -> None:
                         for k, v in state["rng_tracker_states"].items()})
 
 
-def sharded_rng_state() -> ShardedObject:
-    """The `rng_state` object of a torch_dist checkpoint, laid out as Megatron-LM and Bridge lay it out: one list
-    per (pipeline, tensor) rank, written by data-parallel rank 0. Data-parallel replicas seed alike (seed + 100 x
-    pipeline rank, set_random_seed), so their states are the same; a resume with other TP/PP sizes starts them
-    afresh (load_rng_state). With expert parallelism, one list per (pipeline, tensor, data-parallel) rank, as
-    Megatron-LM shards it then (checkpointing.py:363-375): data-parallel ranks hold other experts."""
+def sharded_rng_state(per_data_parallel_rank: bool = False) -> ShardedObject:
+    """The `rng_state` object of a torch_dist checkpoint, laid out as Megatron-LM lays it out (core_v0.17 on,
+    checkpointing.py:445-451): one list per (pipeline, tensor) rank, written by data-parallel rank 0, with or without
+    expert parallelism. Data-parallel replicas seed alike (seed + 100 x pipeline rank, set_random_seed), so their
+    states are the same; a resume with other TP/PP sizes starts them afresh (load_rng_state).
+    `per_data_parallel_rank`: the layout under expert parallelism of megatron-core <= 0.16 and of Bridge (0.6.2's
+    checkpointing.py:514-525), one list per (pipeline, tensor, data-parallel) rank, to read a checkpoint written so."""
     pp, tp = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
     shape = (parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_world_size())
     dp = parallel_state.get_data_parallel_rank(with_context_parallel=True)
-    if parallel_state.get_expert_model_parallel_world_size() > 1:
+    if per_data_parallel_rank:
         dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
         return ShardedObject("rng_state", [get_rng_state()], (*shape, dp_size), (pp, tp, dp), replica_id=0)
     return ShardedObject("rng_state", [get_rng_state()], shape, (pp, tp), replica_id=dp)
 
 
+def saved_rng_layout(directory: str):
+    """How a torch_dist checkpoint's `rng_state` is sharded, read from its index: (TP, PP), or (TP, PP, DP x CP) where
+    it keeps one per data-parallel rank too (rng_state/shard_0.0.1_1.1.2: offsets, then the global shape (PP, TP,
+    DP)); None when it holds none."""
+    for key in _index(directory).state_dict_metadata:
+        if key.startswith("rng_state/shard_"):
+            shape = [int(n) for n in key.split("_")[-1].split(".")]
+            return (shape[1], shape[0], *shape[2:])
+    return None
+
+
 def rng_layout(settings: dict) -> tuple:
-    """How a run's `rng_state` is sharded (sharded_rng_state): (TP, PP), and the data-parallel x context-parallel
-    size with expert parallelism, from a checkpoint's settings or (as Megatron-LM names them) this run's."""
+    """How a run's `rng_state` is sharded (sharded_rng_state): (TP, PP), from a checkpoint's settings or (as
+    Megatron-LM names them) this run's."""
     get = lambda name: settings.get(name) or 1
-    tp_pp = (get("tensor_model_parallel_size"), get("pipeline_model_parallel_size"))
-    return tp_pp if get("expert_model_parallel_size") == 1 else (*tp_pp, get("data_parallel_size") *
-                                                                     get("context_parallel_size"))
+    return get("tensor_model_parallel_size"), get("pipeline_model_parallel_size")
 
 
 def _plain(value):
@@ -246,7 +262,7 @@ def megatron_lm_args(cfg, ts) -> argparse.Namespace:
 
 
 def common_state(cfg, ts) -> dict:
-    """What Megatron-LM and Bridge keep beside the tensors (common.pt, or each torch-format file)."""
+    """What Megatron-LM and Bridge keep beside the tensors (torch_dist's common state, or each torch-format file)."""
     return {"args": megatron_lm_args(cfg, ts), "checkpoint_version": CHECKPOINT_VERSION, "iteration": ts.step,
             "num_floating_point_operations_so_far": ts.floating_point_operations_so_far}
 
@@ -275,7 +291,7 @@ def _write_results_queue(async_save: bool) -> None:
 
 def _shield_write_results_queue():
     """The queue of an --async-save's writer, served by a Manager process (megatron-core starts one at the first
-    save and keeps it, filesystem_async.py:55). SLURM's scancel, `timeout` and Ctrl-C signal every process of the
+    save and keeps it, filesystem_async.py:65). SLURM's scancel, `timeout` and Ctrl-C signal every process of the
     job, that one too: once it is dead, the very save that --exit-signal-handler makes fails with a BrokenPipeError.
     So the queue is made here, by a Manager that blocks SIGTERM and SIGINT; it is shut down with its rank, as
     megatron-core's own would be.
@@ -343,7 +359,10 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
         if ck.async_save:
             # megatron-core copies the shards to host memory now and writes them in a background
             # process; its own finalize step (metadata) runs first, then our publish, on every rank.
-            request = dist_checkpointing.save(sharded, directory, async_sharded_save=True, content_metadata=metadata)
+            # async_strategy: megatron-core 0.19's default, "nvrx", needs nvidia-resiliency-ext; its own "mcore"
+            # writer is the one whose results queue and process this module manages (_write_results_queue).
+            request = dist_checkpointing.save(sharded, directory, async_sharded_save=True, content_metadata=metadata,
+                                              async_strategy="mcore")
             request.add_finalize_fn(publish)
             _async_queue(state).schedule_async_request(request)
             return directory
@@ -399,8 +418,8 @@ def model_sharded_state_dict(model: list, adapters_only: bool = False) -> dict:
 
 def sharded_state_dict_metadata(cfg) -> dict:
     """How the distributed optimizer lays its state out in a torch_dist checkpoint: per data-parallel shard
-    (`dp_reshardable`, fast) unless --dist-ckpt-optim-fully-reshardable. megatron-core
-    0.16.1's own default, `fully_sharded_model_space`, is no longer supported by its save. Saved with the
+    (`dp_reshardable`, fast) unless --dist-ckpt-optim-fully-reshardable, as Megatron-LM chooses. megatron-core's
+    own default, `fully_sharded_model_space`, is marked for deprecation (distrib_optimizer.py:1570-1571). Saved with the
     checkpoint (content metadata), so a load reads it back in the layout it was written in. The plain
     optimizer's state is always per parameter, in model space: no sharding type, as Megatron-LM writes it."""
     layout = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}  # Megatron-LM's, as it saves
@@ -423,7 +442,7 @@ def load_metadata(cfg, directory: str) -> dict:
 def _create_optimizer_state(optimizer) -> None:
     """Give torch's Adam the state it would have before its first step (step 0, zero moments) if it has none yet,
     which is the same optimizer. megatron-core's checkpoint code describes what it saves and loads from the state
-    the optimizer holds (distrib_optimizer.py:642 reads each parameter's `step`), and torch's Adam, which
+    the optimizer holds (distrib_optimizer.py:838 reads each parameter's `step`), and torch's Adam, which
     megatron-core uses without apex or transformer-engine, creates its state only at its first step: before that
     (a fresh run being loaded into, or an fp16 run whose steps all overflowed) there would be nothing to describe."""
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -438,7 +457,7 @@ def _create_optimizer_state(optimizer) -> None:
 
 
 def _restore_step_zero(saved: dict) -> None:
-    """megatron-core saves Adam's shared step only when it is non-zero (optimizer.py:836, `if step:`), so the
+    """megatron-core saves Adam's shared step only when it is non-zero (optimizer.py:1187, `if step:`), so the
     state of an optimizer that has not stepped yet (every fp16 step so far overflowed) comes back without one;
     give it back its step 0, which torch's Adam needs to load it."""
     inner = saved.get("optimizer", saved) if isinstance(saved, dict) else None
@@ -481,13 +500,13 @@ def _regrouped(inners: list, saved: dict) -> dict:
 
 def load_optimizer_state(optimizer, saved) -> None:
     """`optimizer.load_state_dict(saved)`, except that a distributed optimizer over torch's Adam gets back the
-    saved step, one tensor per parameter (megatron-core 0.16.1 defect, README: defects).
+    saved step, one tensor per parameter (megatron-core defect, README: defects).
 
     megatron-core keeps the step in the checkpoint's param groups, and its load hands that value to every
-    parameter as one shared tensor (distrib_optimizer.py:819-825), which torch's Adam then increments once per
+    parameter as one shared tensor (distrib_optimizer.py:1026-1032), which torch's Adam then increments once per
     parameter at each step. Its parameter-state load then overwrites that tensor with the value before the load
-    (dp_reshardable: `step` is a LocalNonpersistentObject, :1664-1667) or fails on the key (fully_reshardable
-    drops it, :2101-2103: KeyError 'step'). So the step is set aside while the parameter state loads, and each
+    (dp_reshardable: `step` is a LocalNonpersistentObject, :1953-1956) or fails on the key (fully_reshardable
+    drops it, :2390-2392: KeyError 'step'). So the step is set aside while the parameter state loads, and each
     parameter gets its own copy afterwards: weights, moments and bias correction all as saved."""
     from megatron.core.optimizer import DistributedOptimizer
 
@@ -603,7 +622,7 @@ def _async_queue(state):
         if ck.ckpt_format == "torch_dist":
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-            # The persistent worker is a spawned process that selects its CUDA device first (async_utils.py:488);
+            # The persistent worker is a spawned process that selects its CUDA device first (async_utils.py:565);
             # without CUDA the writes go to a process forked per save, which inherits device.py's shim.
             state.async_calls_queue = AsyncCallsQueue(persistent=ck.use_persistent_ckpt_worker and device.cuda())
         else:
@@ -663,7 +682,10 @@ def saved_tokenizer(directory: str, common: dict):
     if os.path.isfile(path):
         try:
             with open(path) as fh:
-                return json.load(fh), path
+                said = json.load(fh)
+            if said.get("class") == "NullTokenizer":  # without eod_id: written on megatron-core <= 0.16
+                said = null_tokenizer_said(said["vocab_size"], said.get("eod_id"))
+            return said, path
         except ValueError as e:
             raise CheckpointError(f"{path}: cannot be read ({_first_line(e)}); copy it from another checkpoint of the "
                                   f"run, or load an older iteration with --ckpt-step") from None
@@ -671,9 +693,18 @@ def saved_tokenizer(directory: str, common: dict):
     if getattr(args, "tokenizer_type", None):
         said = {"class": args.tokenizer_type}
         if args.tokenizer_type == "NullTokenizer":
-            said["vocab_size"] = args.vocab_size
-        return said, os.path.join(directory, "common.pt")
+            # Megatron-LM 0.17 on has --null-tokenizer-eod-id (None: vocab_size - 1); before, the id after them.
+            eod = getattr(args, "null_tokenizer_eod_id", "none before 0.17")
+            said = null_tokenizer_said(args.vocab_size, None if eod == "none before 0.17" else eod or args.vocab_size - 1)
+        return said, common_file(directory)
     return None, None
+
+
+def null_tokenizer_said(vocab_size: int, eod_id) -> dict:
+    """A NullTokenizer's identity as data.NullTokenizer states it. `eod_id` None: written by megatron-core <= 0.16's
+    meaning, where --vocab-size V were V ids and the end-of-document the next (V + 1 ids here)."""
+    return {"class": "NullTokenizer", "vocab_size": vocab_size + 1, "eod_id": vocab_size} if eod_id is None else \
+        {"class": "NullTokenizer", "vocab_size": vocab_size, "eod_id": eod_id}
 
 
 def check_tokenizer(tokenizer, directory: str, common: dict) -> None:
@@ -783,14 +814,29 @@ def load_checkpoint(state, model: list, optimizer, scheduler, path: str, finetun
     return loaded
 
 
+def common_file(directory: str) -> str:
+    """Where a torch_dist checkpoint keeps its common state, for messages: common.pt (megatron-core <= 0.16, the
+    form older checkpoints have), else the `common_state` object inside the torch_dist files (0.17 and later, what
+    is written now: dist_checkpointing/serialization.py:439)."""
+    legacy = os.path.join(directory, "common.pt")
+    return legacy if os.path.isfile(legacy) else os.path.join(directory, ".metadata") + " (common_state)"
+
+
 def _read_common(directory: str, saved_format: str) -> dict:
-    """What the checkpoint keeps beside the tensors, read before any weight: torch_dist's common.pt, or this
-    rank's torch-format file (the whole of it: it is small next to the model)."""
+    """What the checkpoint keeps beside the tensors, read before any weight: torch_dist's common state (either
+    form: megatron-core's `load_common_state_dict` reads both), or this rank's torch-format file (the whole of it:
+    it is small next to the model)."""
     if saved_format == "torch":
         return _load(_mp_file(directory), "model and optimizer of this tensor/pipeline rank")
-    path = os.path.join(directory, "common.pt")
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: missing; the checkpoint is incomplete — load an older iteration with --ckpt-step")
+    path = common_file(directory)
+    if not os.path.isfile(os.path.join(directory, ".metadata")):
+        raise CheckpointError(f"{os.path.join(directory, '.metadata')}: missing; the checkpoint is incomplete — load "
+                              f"an older iteration with --ckpt-step")
+    if not os.path.isfile(os.path.join(directory, "common.pt")) and not any(
+            key.startswith("common_state") for key in _index(directory).state_dict_metadata):
+        raise CheckpointError(f"{directory}: holds no common state (neither common.pt nor the common_state object); "
+                              f"the checkpoint is incomplete — load an older iteration with --ckpt-step")
+    _check_distcp_files(directory)  # the common state is in rank 0's file now: a damaged one is named, not an EOFError
     try:
         return dist_checkpointing.load_common_state_dict(directory)
     except Exception as e:
@@ -853,11 +899,12 @@ def _shape_flag(name: str) -> str:
 
 def saved_settings(directory: str, common: dict) -> tuple:
     """(settings, the file they come from) of the run that saved the checkpoint, under Megatron-LM's names:
-    `args` (Megatron-LM's and ours, in common.pt), else run_config.yaml's model section (Bridge's, which has no
+    `args` (Megatron-LM's and ours, in the common state), else run_config.yaml's model section (Bridge's, which has no
     `args`), with its save_rng as Megatron-LM's no_save_rng."""
     args = common.get("args")
     if args is not None:
-        return vars(args), os.path.join(directory, "common.pt")
+        return vars(args), common_file(directory) if os.path.isfile(os.path.join(directory, ".metadata")) \
+            else _mp_file(directory)
     run_config = _run_config(directory)
     settings = dict(run_config.get("model", {}))
     settings["no_save_rng"] = not run_config.get("checkpoint", {}).get("save_rng", True)
@@ -866,8 +913,8 @@ def saved_settings(directory: str, common: dict) -> tuple:
 
 def check_saved_model(cfg, directory: str, common: dict, settings: dict, where: str, finetune: bool) -> None:
     """Before any weight loads: the checkpoint is a version this code reads, of this model's shape."""
-    path = os.path.join(directory, "common.pt")
-    path = path if os.path.isfile(path) else _mp_file(directory)  # the torch format keeps it in each file
+    torch_dist = os.path.isfile(os.path.join(directory, ".metadata"))
+    path = common_file(directory) if torch_dist else _mp_file(directory)  # the torch format keeps it in each file
     version = common.get("checkpoint_version")
     if version is None and not finetune:
         raise CheckpointError(f"{path}: no checkpoint_version (written by an older train.py); load its weights "
@@ -885,7 +932,7 @@ def check_saved_model(cfg, directory: str, common: dict, settings: dict, where: 
 
 
 def progress_from(directory: str, common: dict) -> dict:
-    """The run's progress: train_state.pt (ours and Bridge's), else common.pt (Megatron-LM keeps it there: the
+    """The run's progress: train_state.pt (ours and Bridge's), else the common state (Megatron-LM keeps it there: the
     iteration, the FLOPs, and the sample counters inside `args`)."""
     path = os.path.join(directory, "train_state.pt")
     if os.path.isfile(path) or "iteration" not in common:
@@ -920,12 +967,11 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
     load_optim = ck.load_optim and not finetune and optimizer is not None
     load_rng = ck.load_rng and not finetune
     m = cfg.model
-    saved_layout = rng_layout(settings)
+    saved_layout = (saved_format == "torch_dist" and saved_rng_layout(directory)) or rng_layout(settings)
     ours = rng_layout(dict(tensor_model_parallel_size=m.tensor_model_parallel_size,
-                           pipeline_model_parallel_size=m.pipeline_model_parallel_size,
-                           expert_model_parallel_size=m.expert_model_parallel_size,
-                           data_parallel_size=cfg.data_parallel_size, context_parallel_size=m.context_parallel_size))
+                           pipeline_model_parallel_size=m.pipeline_model_parallel_size))
     if load_rng and saved_layout != ours:
+        # (so too the per-data-parallel-rank states of megatron-core <= 0.16 and Bridge under expert parallelism)
         print_rank_0(f" {directory} was saved with (TP, PP{', DP x CP' if len(saved_layout) > 2 else ''}) = "
                      f"{saved_layout}: random states start afresh from --seed")
         load_rng = False
@@ -933,7 +979,7 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
         print_rank_0(f" {directory} was saved without random states (--no-save-rng): they start afresh from --seed")
         load_rng = False
     # megatron-core builds the experts their own optimizer when EP > 1 (a ChainedOptimizer of two) and none at EP=1,
-    # and its loaders do not move the state between the two (optimizer.py:1221); only the distributed optimizer's
+    # and its loaders do not move the state between the two (optimizer.py:1578); only the distributed optimizer's
     # fully_reshardable state, kept by parameter name, is regrouped here (_regrouped).
     saved_ep, ep = settings.get("expert_model_parallel_size") or 1, cfg.model.expert_model_parallel_size
     crossing = load_optim and cfg.model.num_experts and (saved_ep > 1) != (ep > 1)
@@ -1001,7 +1047,7 @@ def _load_sharded(cfg, directory, model, optimizer, scheduler, peft_run, load_op
             raise CheckpointError(f"{directory}: holds no random states (rng_state); pass --no-load-rng to start them "
                                   f"afresh from --seed") from None
         raise CheckpointError(f"{directory}: weights do not fit this model ({why[:300]}); check --num-layers/"
-                              f"--hidden-size/... against the checkpoint's run_config.yaml or common.pt") from None
+                              f"--hidden-size/... against the checkpoint's run_config.yaml or args") from None
 
 
 def _load_weights(model, payload, directory, partial: bool) -> None:

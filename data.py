@@ -9,14 +9,17 @@ number of samples already consumed into the next microbatch of this data-paralle
 run reads exactly what an uninterrupted one would have.
 """
 
+import atexit
 import dataclasses
 import functools
 import json
+import multiprocessing.util  # its exit hook registered before this module's (see _shut_down_workers)
 import os
 import signal
 import sys
 import threading
 import time
+import weakref
 from typing import Dict, Optional
 
 import numpy as np
@@ -45,7 +48,7 @@ class ByteTokenizer:
         self.vocab_size = 257
         # The pad id sits just past the vocabulary, so no text (and no MockGPTDataset token, drawn from
         # 0..vocab_size-1) ever equals it: GPTDataset zeroes the loss where labels == pad, and megatron-core
-        # 0.16.1 does that in place on its cached loss mask the first time, which would otherwise make the
+        # does that in place on its cached loss mask the first time, which would otherwise make the
         # mask depend on which sample a run happened to read first (and break exact resume).
         self.pad = self.vocab_size
         self.unique_identifiers = {"class": "ByteTokenizer", "vocab_size": self.vocab_size}
@@ -58,13 +61,15 @@ class ByteTokenizer:
 
 
 class NullTokenizer:
-    """Token ids given as-is: ids 0..vocab_size-1, then end-of-document."""
+    """Token ids given as-is: `vocab_size` ids, the last of them the end-of-document, and no pad token (id -1), as
+    Megatron-LM's from core_v0.17 (megatron/core/tokenizers/text/libraries/null_tokenizer.py). Megatron-LM <= 0.16's
+    counted the end-of-document apart: its --vocab-size V is V + 1 here (see `null_tokenizer_said`)."""
 
     def __init__(self, vocab_size: int):
-        self.eod = vocab_size
-        self.vocab_size = vocab_size + 1
-        self.pad = self.vocab_size  # past the vocabulary, as ByteTokenizer's
-        self.unique_identifiers = {"class": "NullTokenizer", "vocab_size": vocab_size}
+        self.vocab_size = vocab_size
+        self.eod = vocab_size - 1
+        self.pad = -1  # none: GPTDataset masks nothing as padding, and the embedding needs no row for it
+        self.unique_identifiers = {"class": "NullTokenizer", "vocab_size": vocab_size, "eod_id": self.eod}
 
     def tokenize(self, text: str) -> list:
         return [int(x) for x in text.split()]
@@ -271,7 +276,7 @@ def check_split_not_empty(prefixes: list, split: str) -> None:
 
 # --------------------------------------------------------------------------------------------------
 # Fill-in-the-Middle (--fim-data): Megatron-LM's GPTFIMDataset (megatron/training/datasets/fim_dataset.py),
-# which megatron-core 0.16.1 does not ship
+# which megatron-core 0.19.2 does not ship
 # --------------------------------------------------------------------------------------------------
 
 
@@ -410,7 +415,7 @@ class GPTFIMDataset(GPTDataset):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        # FIM pads with the pad id, and megatron-core 0.16.1 zeroes the loss at pad labels in place on its
+        # FIM pads with the pad id, and megatron-core zeroes the loss at pad labels in place on its
         # cached loss mask (see ByteTokenizer): compute the masks per sample instead.
         self.masks_and_position_ids_are_cacheable = False
         c, tokenizer = self.config, self.config.tokenizer
@@ -425,11 +430,11 @@ class GPTFIMDataset(GPTDataset):
         return self.config.tokenizer.detokenize(tokens[: len(text.encode("utf-8"))].tolist()).startswith(text)
 
     def _query_document_sample_shuffle_indices(self, idx):
-        sample, document_ids = super()._query_document_sample_shuffle_indices(idx)
+        sample, document_ids, document_lengths = super()._query_document_sample_shuffle_indices(idx)
         rng = np.random.default_rng((self.config.random_seed, self.stream, int(idx)))
         skip = self.starts_with_no_prefix if self.config.fim_no_prefix else None
         return fim_sample(sample, rng, self.config, self.fim_ids, self.config.tokenizer.eod, self.split_id,
-                          skip), document_ids
+                          skip), document_ids, document_lengths
 
 
 # --------------------------------------------------------------------------------------------------
@@ -690,7 +695,23 @@ def build_data_iterators(cfg, tokenizer, train_state):
         build_data_loader(valid_ds, train_state.consumed_valid_samples, cfg, seed_offset=1),
         build_data_loader(test_ds, 0, cfg, seed_offset=2),
     ]
-    return [iter(dl) if dl is not None else None for dl in loaders]
+    iterators = [iter(dl) if dl is not None else None for dl in loaders]
+    _LIVE_ITERATORS.update(it for it in iterators if it is not None and hasattr(it, "_shutdown_workers"))
+    return iterators
+
+
+# The worker processes' iterators, shut down at exit before multiprocessing's own exit hook runs. A rank that dies of
+# an exception keeps its iterators alive in the traceback, so their workers get no end-of-work message; that hook
+# then sends them SIGTERM, which data_worker_init has them ignore (a job's signal is the rank's to decide), and waits
+# for them for ever: the rank would hang instead of exiting, and torchrun would never see it fail. (atexit runs its
+# hooks last-registered first: this module's runs first, multiprocessing.util being imported above it.)
+_LIVE_ITERATORS = weakref.WeakSet()
+
+
+@atexit.register
+def _shut_down_workers() -> None:
+    for iterator in list(_LIVE_ITERATORS):
+        iterator._shutdown_workers()
 
 
 # --------------------------------------------------------------------------------------------------

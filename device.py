@@ -1,51 +1,59 @@
 """device.py: the one place where a machine without a GPU differs from one with a GPU.
 
-Names here are this project's own; the calls the shim answers are megatron-core 0.16.1's (file:line below).
+Names here are this project's own; the calls the shim answers are megatron-core 0.19.2's (file:line below).
 
 The training engine is megatron-core's own on every machine: its DistributedDataParallel and grad buffers,
 `get_megatron_optimizer` (the distributed optimizer, Float16Module's mixed precision, the loss scalers),
-the pipeline schedules, the CUDA RNG tracker, its timers and `dist_checkpointing`. megatron-core 0.16.1
+the pipeline schedules, the CUDA RNG tracker, its timers and `dist_checkpointing`. megatron-core 0.19.2
 hard-codes CUDA in about a hundred places. Without CUDA, `install_cpu_shim()` answers those calls on the
 CPU, so that a laptop and the CI run the very code a GPU runs. With CUDA present it does nothing at all.
 
-What the shim answers (file:line in megatron-core 0.16.1), and why:
+What the shim answers (file:line in megatron-core 0.19.2), and why:
 
     call                                       where megatron-core makes it                    answer on CPU
     -----------------------------------------  ----------------------------------------------  --------------------------
-    torch.*(..., device="cuda" | <ordinal>)    schedules.py:596 (token count), optimizer.py:   device="cpu"
-                                               473-485,907, clip_grads.py:90-115,174,207,
-                                               grad_scaler.py:15,88-94, param_and_grad_buffer.
-                                               py:783-806 (grad buffers), p2p_communication.py:
-                                               190-202,313-321, utils.py:631 (attention buffer),
-                                               rotary_pos_embedding.py:162,297, rerun_state_
-                                               machine.py:261-265, async_utils.py:165
-    Tensor.cuda(), Tensor.to("cuda")           grad_scaler.py:140, optimizer.py:375-380,       the tensor, on the CPU
+    torch.*(..., device="cuda" | <ordinal>)    schedules.py:749 (token count),                 device="cpu"
+                                               optimizer.py:690-702,1249,
+                                               clip_grads.py:96-112,180,231,
+                                               grad_scaler.py:20,111-117,
+                                               param_and_grad_buffer.py:1162-1186 (grad
+                                               buffers),
+                                               p2p_communication.py:211-223,334-342,
+                                               utils.py:715 (attention buffer),
+                                               rotary_pos_embedding.py:162,305,
+                                               rerun_state_machine.py:264-268,
+                                               async_utils.py:224
+    Tensor.cuda(), Tensor.to("cuda")           grad_scaler.py:163, optimizer.py:586-591,       the tensor, on the CPU
                                                rotary_pos_embedding.py:162, rope_utils.py:64
-    torch.*(..., pin_memory=True)              rope_utils.py:63 (RoPE's chunks under context    pin_memory=False
+    torch.*(..., pin_memory=True)              rope_utils.py:63 (RoPE's chunks under context   pin_memory=False
                                                parallelism)
-    Tensor.type() of a parameter or gradient   optimizer.py:671,690, distrib_optimizer.py:     "torch.cuda.FloatTensor"
-                                               361,420,582, clip_grads.py:167                  (the type checks pass)
-    torch.cuda.current_device()                the device= arguments above; rerun_state_       0 (mapped to the CPU
-                                               machine.py:525,567 names it in messages; an      by the first row); the
-                                               MoE router's weights move to it at every call   CPU while the shim is
-                                               (router.py:88)                                   paused (a decode step)
-    torch.cuda.synchronize()                   timers.py:152,165, p2p_communication.py:242,     nothing to wait for
-                                               fully_parallel.py:272,281, filesystem_async.     (CPU ops are synchronous)
-                                               py:230, async_utils.py:212
-    torch.cuda.Stream / current_stream /       distributed_data_parallel.py:230, param_and_    one stream: waits and
-    default_stream / stream(s)                 grad_buffer.py:417-422,529 (overlapped reduce)   syncs are no-ops
+    Tensor.type() of a parameter or gradient   optimizer.py:1009,1028,                         "torch.cuda.FloatTensor"
+                                               distrib_optimizer.py:401,466,758,               (the type checks pass)
+                                               clip_grads.py:174
+    torch.cuda.current_device()                the device= arguments above;                    0 (mapped to the CPU
+                                               rerun_state_machine.py:527,569 names it in      by the first row); the
+                                               messages; an MoE router's weights move to it    CPU while the shim is
+                                               at every call (router.py:96)                    paused (a decode step)
+    torch.cuda.synchronize()                   timers.py:152,165, p2p_communication.py:263,    nothing to wait for
+                                               fully_parallel.py:287,296,                      (CPU ops are synchronous)
+                                               filesystem_async.py:248, async_utils.py:273
+    torch.cuda.Stream / current_stream /       distributed_data_parallel.py:297,               one stream: waits and
+    default_stream / stream(s)                 param_and_grad_buffer.py:632 (each grad sync),  syncs are no-ops
+                                               686-691,814 (overlapped reduce)
     Tensor.backward, torch.autograd.backward   schedules.py backward_step; the backward runs   autograd's engine, called
-                                               Python: random.py:557 (recomputation), whose    with the mode on (torch
-                                               causal mask is built on "cuda" (transformer/    turns it off inside its
-                                               utils.py:35)                                    own handler)
-    stream.record_event(), event.synchronize() token_dispatcher.py:895,899 (the alltoall        an event that has
-                                               dispatcher's split sizes)                        happened
-    moe_utils.maybe_move_tensor_to_cpu(        moe_utils.py:1080-1100, read at token_           the split sizes as
-    ..., as_numpy=True)                        dispatcher.py:876-890 (it converts CUDA tensors  numpy arrays, as on
-                                               only; all_to_all_single refuses the rest)        a GPU
-    torch.cuda.get_rng_state / set_rng_state   random.py:235-238 (tracker.add), rerun_state_   the CPU default generator
-    / manual_seed, random._get_cuda_rng_state  machine.py:957,970, random.py:41,72 (fork()     (the tracker swaps its
-    / random._set_cuda_rng_state               swaps the tracker's streams in and out)          streams through it)
+                                               Python: random.py:647 (recomputation), whose    with the mode on (torch
+                                               causal mask is built on "cuda"                  turns it off inside its
+                                               (transformer/utils.py:39)                       own handler)
+    stream.record_event(), event.synchronize() token_dispatcher.py:946,950 (the alltoall       an event that has
+                                               dispatcher's split sizes)                       happened
+    moe_utils.maybe_move_tensor_to_cpu(        moe_utils.py:1169-1191, read at                 the split sizes as
+    ..., as_numpy=True)                        token_dispatcher.py:927-941 (it converts CUDA   numpy arrays, as on
+                                               tensors only; all_to_all_single refuses the     a GPU
+                                               rest)
+    torch.cuda.get_rng_state / set_rng_state   random.py:303-306 (tracker.add),                the CPU default generator
+    / manual_seed, random._get_cuda_rng_state  rerun_state_machine.py:979,992,                 (the tracker swaps its
+    / random._set_cuda_rng_state               random.py:104,135 (fork() swaps the tracker's   streams through it)
+                                               streams in and out)
 
 `torch.cuda.is_available()` stays False: code that asks it (ours, torch's) still learns the truth. The
 `device=` rewrite is a `torch.overrides.TorchFunctionMode`, so every torch call from Python passes through
@@ -95,6 +103,26 @@ import torch
 # intended setup on CPU, so the warnings are noise. Every module imports this one before megatron-core.
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed.*")
 warnings.filterwarnings("ignore", message=r"full scope is deprecated")  # a TransformerConfig default, not ours
+
+
+def _import_cpp_extension_quietly() -> None:
+    """megatron-core imports torch.utils.cpp_extension, which looks for CUDA once, at its import: a CUDA build of
+    torch (what the package index serves) on a machine without a CUDA runtime logs "No CUDA runtime is found" then,
+    in every process, before any output of ours (a one-line error would be two). Imported here with that one
+    record filtered out; the filter is removed after, and the module's later messages pass."""
+    import logging
+
+    log = logging.getLogger("torch.utils.cpp_extension")
+    quiet = logging.Filter()
+    quiet.filter = lambda record: "No CUDA runtime is found" not in record.getMessage()
+    log.addFilter(quiet)
+    try:
+        import torch.utils.cpp_extension  # noqa: F401
+    finally:
+        log.removeFilter(quiet)
+
+
+_import_cpp_extension_quietly()
 from torch.overrides import TorchFunctionMode
 
 
@@ -124,7 +152,7 @@ def _import_megatron_core() -> None:
     - its fused kernels are `torch.compile`d functions (megatron/core/jit.py), decorated at import: that imports
       torch's compiler stack (dynamo, inductor) although they compile only when called, and they are called only
       with the fusion flags (--bias-gelu-fusion and the like, off on the local layers), and by an MoE router at
-      every call (router.py:531, `_apply_expert_bias`, which does nothing without --moe-router-enable-expert-bias).
+      every call (router.py:727, `_apply_expert_bias`, which does nothing without --moe-router-enable-expert-bias).
       Here they are compiled at their first call instead: the same functions, compiled the same way, when used. On
       a CPU they are not compiled at all: they run as written, as a GPU's fused kernels are no CPU's concern, and
       compiling them cost each MoE process 0.9 s at its first MoE layer (measured) and a decode step 5%;
@@ -277,7 +305,7 @@ class _Event:
 
 
 def _split_sizes_on_host(tensor, as_numpy=False, record_stream=False):
-    """megatron-core's `maybe_move_tensor_to_cpu` (moe_utils.py:1080) for tensors that are on the CPU already: the
+    """megatron-core's `maybe_move_tensor_to_cpu` (moe_utils.py:1169) for tensors that are on the CPU already: the
     alltoall dispatcher's split sizes as the numpy arrays it asks for, which `all_to_all_single` takes
     (megatron-core converts CUDA tensors only, and gloo refuses tensors there)."""
     if torch.is_tensor(tensor) and as_numpy:
@@ -285,23 +313,13 @@ def _split_sizes_on_host(tensor, as_numpy=False, record_stream=False):
     return tensor
 
 
-def fill_missing_te_names() -> None:
-    """megatron-core's MoE router reads `te_general_gemm`, which moe_utils defines only when transformer-engine
-    imports (moe_utils.py:22-39, read unguarded at :1192): without TE every MoE forward is a NameError. None is what
-    the router's own check (`te_general_gemm is not None`) expects then. Nothing with TE installed."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
 def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
                      max_seqlen=None):
     """flash-attn's `apply_rotary_emb` (flash_attn/layers/rotary.py), in torch ops: `x` [batch, seq, heads, dim]
     rotated by the angles whose cosines and sines `cos`, `sin` [seq + offset or more, rotary dim / 2] hold, from row
     `seqlen_offsets`; the dimensions past the rotary ones pass through. Pairs are the two halves (GPT-NeoX, LLaMA) or,
-    `interleaved`, even and odd dimensions (GPT-J). megatron-core's rope_utils.py:343 calls it where flash-attn is
-    installed; megatron-core's own fallback there (rope_utils.py:326) takes the cosines and sines for angles."""
+    `interleaved`, even and odd dimensions (GPT-J). megatron-core's rope_utils.py:378 calls it where flash-attn is
+    installed; megatron-core's own fallback there (rope_utils.py:361) takes the cosines and sines for angles."""
     if inplace or cu_seqlens is not None or not isinstance(seqlen_offsets, int):
         raise NotImplementedError("device.apply_rotary_emb: in-place, packed (cu_seqlens) and per-sequence offsets "
                                   "are flash-attn's own; install flash-attn")
@@ -319,7 +337,7 @@ def _rotary_tables(cos, sin, interleaved, like):
 
 
 def _rotated(x, cos, sin, interleaved):
-    """x [..., seq, heads, dim] rotated: megatron-core's unfused formula (rope_utils.py:73-126), x * cos +
+    """x [..., seq, heads, dim] rotated: megatron-core's unfused formula (rope_utils.py:73-137), x * cos +
     rotate_half(x) * sin over the first rotary dimensions, the rest passed through; bit for bit its values."""
     rotary = cos.shape[-1]
     t = x[..., :rotary]
@@ -335,17 +353,20 @@ def _rotated(x, cos, sin, interleaved):
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                             softmax_scale=None, causal=False, rotary_interleaved=True, **unsupported):
     """flash-attn's `flash_attn_with_kvcache` (flash_attn/flash_attn_interface.py) for a decode step, in torch ops,
-    as megatron-core's flash decoding calls it (attention.py:675): the new keys `k` (rotated at their positions) and
+    as megatron-core's flash decoding calls it (attention.py:810): the new keys `k` (rotated at their positions) and
     values `v` [batch, new, kv heads, dim] written into the caches [batch, length, kv heads, dim] in place at
     `cache_seqlens`, then the one new query per sequence (rotated at its position) attending to every cached key.
-    Every sequence of a static batch is at the same position."""
-    inert = {"window_size": (-1, -1), "softcap": 0.0, "return_softmax_lse": False}  # flash-attn's defaults
+    Every sequence of a static batch is at the same position. `return_softmax_lse`: also the log-sum-exp of each
+    query's scaled scores [batch, heads, 1], which megatron-core asks for to add an off-by-one or learnable softmax's
+    extra term afterwards (attention.py:790-808)."""
+    inert = {"window_size": (-1, -1), "softcap": 0.0}  # flash-attn's defaults
+    return_lse = unsupported.pop("return_softmax_lse", False)
     extra = sorted(name for name, value in unsupported.items()
                    if value is not None and name != "num_splits" and not (name in inert and value == inert[name]))
     if extra or q.shape[1] != 1 or k is None:
         raise NotImplementedError(f"device.flash_attn_with_kvcache: one new token per sequence, without "
                                   f"{', '.join(extra) or 'a query longer than one'}; install flash-attn")
-    # megatron-core's static batch: [offset] * batch (gpt_model.py:412). One query sees every key, so `causal`
+    # megatron-core's static batch: [offset] * batch (gpt_model.py:449). One query sees every key, so `causal`
     # (flash-attn's bottom-right aligned mask) changes nothing.
     start = int(cache_seqlens.reshape(-1)[0])
     end = start + k.shape[1]
@@ -357,14 +378,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     q, keys, values = q.transpose(1, 2), k_cache[:, :end].transpose(1, 2), v_cache[:, :end].transpose(1, 2)
     out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, scale=softmax_scale,
                                                            enable_gqa=keys.shape[1] != q.shape[1])
-    return out.transpose(1, 2)
+    if not return_lse:
+        return out.transpose(1, 2)
+    grouped = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)  # each query head's key head
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    lse = torch.logsumexp((q @ grouped.transpose(-1, -2)).float() * scale, dim=-1)  # [batch, heads, 1], as flash-attn's
+    return out.transpose(1, 2), lse
 
 
 def fill_missing_flash_attn_names() -> None:
     """Without flash-attn, the two kernels megatron-core's flash decoding calls (`config.flash_decode`, which
-    generate.py turns on) are these torch versions: `flash_attn_with_kvcache` (attention.py:94-97, else None, and
+    generate.py turns on) are these torch versions: `flash_attn_with_kvcache` (attention.py:116-119, else None, and
     flash decoding asserts) and `apply_rotary_emb` (rope_utils.py:32-35), without which megatron-core rotates the
-    prefill's queries and keys by the cosines and sines taken as angles (rope_utils.py:326). Nothing with flash-attn
+    prefill's queries and keys by the cosines and sines taken as angles (rope_utils.py:361). Nothing with flash-attn
     installed; training calls neither."""
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.transformer import attention
@@ -399,7 +425,6 @@ def install_cpu_shim() -> None:
     mcore_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
     mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
     moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_on_host
-    fill_missing_te_names()  # a CPU has no transformer-engine
     _mode = CudaOnCpu()
     _mode.__enter__()  # entered for good: the mode stack is per thread, and training runs on this one
 
@@ -409,7 +434,7 @@ def cpu_shim_paused():
     """The `device=` rewrite off, for a stretch of code that makes no CUDA call: every torch call then skips one
     Python function, which shows where many tiny ops run (a decode step of a small model). Meanwhile
     torch.cuda.current_device() names the CPU: megatron-core's MoE router moves its weights to that device at every
-    call (router.py:88), a move that is then none. Nothing to do with CUDA, or before the shim is installed."""
+    call (router.py:96), a move that is then none. Nothing to do with CUDA, or before the shim is installed."""
     if _mode is None:
         yield
         return

@@ -90,6 +90,7 @@ import yaml
 from model import build_model, set_random_seed, unwrap  # (first: quiets megatron-core's import warnings)
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.inference.utils import InferenceMode
 from megatron.core.transformer import attention as mcore_attention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -213,7 +214,11 @@ def cached_next_token_logits(model, ids: list, cache: StaticInferenceContext, sh
     positions = torch.arange(start, len(ids), device=tokens.device).unsqueeze(0)
     if start > 0:
         cache.enable_decode_mode()
-    with device.cpu_shim_paused() if start > 0 and shim_free else contextlib.nullcontext():
+    # InferenceMode: megatron-core (0.18 on) takes its inference paths, flash decoding's among them, only while this
+    # process-wide flag is up; with config.flash_decode on and the flag down, attention.py:1478 skips RoPE in the
+    # decode steps without a word. Raised for the cached forward alone: next_token_logits' full forward asks for
+    # no gathered output, which InferenceMode refuses (gpt_model.py:649).
+    with InferenceMode.active(), device.cpu_shim_paused() if start > 0 and shim_free else contextlib.nullcontext():
         logits = model(tokens, positions, attention_mask=None, inference_context=cache, runtime_gather_output=True)
     cache.increment_sequence_len_offset(tokens.shape[1])  # the caller's job: GPTModel does not advance it
     return logits[0, -1].float()
@@ -221,14 +226,15 @@ def cached_next_token_logits(model, ids: list, cache: StaticInferenceContext, sh
 
 def flash_decoding_applies(model) -> bool:
     """Whether megatron-core's flash decoding computes this model's attention as its plain cached decoding does:
-    not with RoPE off in some layers (megatron-core refuses that, transformer_config.py:1964), nor a sliding window,
-    another softmax, an output gate or a softmax scale of one's own, which its decode step does not apply. And
+    not with RoPE off in some layers (megatron-core refuses that, transformer_config.py:2814), nor a sliding window,
+    an output gate or a softmax scale of one's own, which its decode step does not apply (an off-by-one or learnable
+    softmax it does apply, from 0.19: attention.py:790-808). And
     whether its kernel takes the weights' precision: flash-attn's own takes fp16 and bf16 only, so with flash-attn
     installed an fp32 model (what load_model builds) decodes the plain way; device.py's takes any."""
     c = model.config
     kernel_takes_it = mcore_attention.flash_attn_with_kvcache is device.flash_attn_with_kvcache or \
         c.params_dtype in (torch.float16, torch.bfloat16)
-    return c.no_rope_freq is None and c.window_size is None and c.softmax_type == "vanilla" and \
+    return c.no_rope_freq is None and c.window_size is None and \
         not c.attention_output_gate and c.softmax_scale is None and not c.multi_latent_attention and kernel_takes_it
 
 
@@ -238,7 +244,7 @@ def flash_decoding(model, on: bool = True):
     prefill caches each key already rotated by RoPE, and a decode step rotates its one token's query and key, writes
     the key and value into the cache and attends, in one kernel call (flash-attn's `flash_attn_with_kvcache`, or
     device.py's torch version). Without it megatron-core caches the keys unrotated and rotates every cached key
-    again at every step (attention.py:577,587,1110), a cost that grows with the sequence. The tokens are the same."""
+    again at every step (attention.py:686,696,1517), a cost that grows with the sequence. The tokens are the same."""
     config = model.config
     before = config.flash_decode
     config.flash_decode = on and flash_decoding_applies(model)
@@ -253,7 +259,7 @@ def shim_free_decode(model) -> bool:
     call then skips one Python function: 15-30% of a small model's decode step). The prefill allocated the cache
     and RoPE's table. Still on the CUDA device: megatron-core's own DotProductAttention (--attention-backend local)
     allocates a buffer as the sequence grows, and tensor- and expert-parallel collectives their outputs. (An MoE
-    router asks for the current device at every call, router.py:88, which the paused shim names as the CPU.)"""
+    router asks for the current device at every call, router.py:96, which the paused shim names as the CPU.)"""
     return parallel_state.get_tensor_model_parallel_world_size() == 1 and \
         parallel_state.get_expert_model_parallel_world_size() == 1 and \
         not any(isinstance(m, DotProductAttention) for m in model.modules())

@@ -452,8 +452,8 @@ def import_hf(directory: str, save: str) -> str:
     layout, flags = flags_from_hf(hf, path)
     if os.path.isfile(os.path.join(directory, "tokenizer.json")):
         flags += ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", directory]
-    else:  # ids only: the rows of the model's vocabulary, the last as end-of-document
-        flags += ["--tokenizer-type", "NullTokenizer", "--vocab-size", hf["vocab_size"] - 1]
+    else:  # ids only: the rows of the model's vocabulary, the last as end-of-document (a NullTokenizer's)
+        flags += ["--tokenizer-type", "NullTokenizer", "--vocab-size", hf["vocab_size"]]
     flags += ["--transformer-impl", "local", "--mock-data", "--save", save, "--train-iters", "0"]
     cfg = config_lib.config_from_flags([str(f) for f in flags], world_size=1)
     files = safetensors_files(directory)

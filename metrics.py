@@ -203,6 +203,13 @@ def throughput_tflops_per_device(flops_per_iteration: float, seconds_per_iterati
     return flops_per_iteration / (seconds_per_iteration * 10**12 * world_size)
 
 
+def iterations_since_last_log(step: int, start_step: int, log_interval: int) -> int:
+    """The iterations a log line at `step` covers: since the previous multiple of --log-interval, or since this
+    job's start when it resumed in between (Bridge 0.6's training_log divides the interval's time by these, so a
+    resumed job's first line is not diluted)."""
+    return step - max(start_step, (step - 1) // log_interval * log_interval)
+
+
 # Dense (no 2:4 sparsity) peak TFLOP/s by accelerator and dtype, from the vendors' datasheets. Keys are
 # lower-case substrings of torch.cuda.get_device_name(); the first match wins (more specific names first).
 PEAK_TFLOPS = {
@@ -551,22 +558,22 @@ class _Collected(dict):
 
 def moe_auxiliary_losses(cfg, num_microbatches: int) -> dict:
     """This iteration's MoE auxiliary losses, {name: value} (and {"moe/<name>_layer_<N>": value} with
-    --moe-per-layer-logging), as Megatron-LM logs them: megatron-core's track_moe_metrics sums each loss over the
+    --moe-per-layer-logging), as Megatron-LM logs them: megatron-core's MoE metrics tracker's `report` sums each loss over the
     pipeline stages and its reduce groups, averages it over the data-parallel ranks and the microbatches and divides
     it by the MoE layers; then it clears the layers' tracker for the next iteration. A collective: every rank calls
     it every iteration. {} for a dense model."""
     m = cfg.model
     if not m.num_experts:
         return {}
-    from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
     from config import layer_pattern
 
     collected = _Collected()
-    track_moe_metrics(loss_scale=1 / num_microbatches, iteration=0, writer=collected,
-                      per_layer_logging=m.moe_per_layer_logging, force_initialize=True, track_names=moe_loss_names(m),
-                      num_layers=m.num_layers, moe_layer_freq=layer_pattern(m.moe_layer_freq, "--moe-layer-freq",
-                                                                            m.num_layers))
+    get_moe_metrics_tracker().report(
+        loss_scale=1 / num_microbatches, iteration=0, writer=collected, per_layer_logging=m.moe_per_layer_logging,
+        force_initialize=True, track_names=moe_loss_names(m), num_layers=m.num_layers,
+        moe_layer_freq=layer_pattern(m.moe_layer_freq, "--moe-layer-freq", m.num_layers))
     return dict(collected)
 
 
@@ -661,11 +668,14 @@ def print_log_line(report: list, total_loss_dict: dict, report_memory_flag: bool
     (losses averaged over the interval), the skipped and NaN counts. Then the timers, and the first memory report."""
     config, ts, lg = global_state.cfg, global_state.train_state, global_state.cfg.logger
     elapsed = global_state.timers("interval-time").elapsed(barrier=True)
-    per_iteration = elapsed / lg.log_interval
-    timers = global_state.timers.elapsed_per_rank(TIMERS_TO_LOG, normalizer=lg.log_interval) \
+    iterations = iterations_since_last_log(ts.step, global_state.start_step, lg.log_interval)
+    per_iteration = elapsed / iterations
+    timers = global_state.timers.elapsed_per_rank(TIMERS_TO_LOG, normalizer=iterations) \
         if lg.timing_log_level > 0 else {}
-    flops = num_floating_point_operations(config, global_state.current_global_batch_size, config.padded_vocab_size)
-    tflops = throughput_tflops_per_device(flops, per_iteration, config.world_size)
+    # The FLOPs of the interval's own iterations over its time (Bridge 0.6): right under a batch-size ramp-up too.
+    flops = ts.floating_point_operations_so_far - global_state.floating_point_operations_at_last_log
+    global_state.floating_point_operations_at_last_log = ts.floating_point_operations_so_far
+    tflops = throughput_tflops_per_device(flops, elapsed, config.world_size)
     line = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
     line += f" iteration {ts.step:8d}/{config.train.train_iters:8d} |"
     line += f" consumed samples: {ts.consumed_train_samples:12d} |"

@@ -21,6 +21,7 @@ lists each one): the CPU runs the GPU's code path, and the tests exercise what a
 """
 
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -47,13 +48,12 @@ from megatron.core.transformer import MegatronModule, TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import Float16Module
 from megatron.core.tensor_parallel import RowParallelLinear
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 device.install_cpu_shim()  # without CUDA: megatron-core's CUDA calls answered on the CPU (device.py); else nothing
-device.fill_missing_te_names()  # without transformer-engine: the name megatron-core's MoE router reads
 device.fill_missing_flash_attn_names()  # without flash-attn: the kernels of megatron-core's flash decoding
 
 
@@ -73,7 +73,7 @@ class Norm:
     """The local layers' LayerNorm or RMSNorm (torch's, as megatron-core's WrappedTorchNorm builds them), which also
     runs under sequence parallelism.
 
-    WrappedTorchNorm asserts that sequence parallelism is off (transformer/torch_norm.py:32), although a norm
+    WrappedTorchNorm asserts that sequence parallelism is off (transformer/torch_norm.py:50), although a norm
     acts on each token alone and needs nothing from the other tokens. What sequence parallelism asks of a norm is
     what megatron-core's TE and apex norms do: mark the weights `sequence_parallel`, so that finalize_model_grads
     sums their gradients, computed on each rank's part of the sequence, over the tensor-parallel group. A torch
@@ -247,10 +247,11 @@ def layer_spec(cfg, num_experts: Optional[int] = None):
         attention.q_layernorm = attention.k_layernorm = Norm
     if cfg.model.attention_backend != "local":
         attention.core_attention = SDPAttention
-    if num_experts:
-        experts = layer.mlp.submodules.experts
-        experts.module = SequentialExperts
-        experts.submodules = MLPSubmodules(linear_fc1=experts.submodules.linear_fc1, linear_fc2=ExpertRowParallelLinear)
+    if num_experts:  # the MLP is a builder, partial(MoELayer, submodules=MoESubmodules(experts=partial(...), ...))
+        moe = layer.mlp.keywords["submodules"]
+        mlp = dataclasses.replace(moe.experts.keywords["submodules"], linear_fc2=ExpertRowParallelLinear)
+        experts = functools.partial(SequentialExperts, submodules=mlp)
+        layer.mlp = functools.partial(layer.mlp.func, submodules=dataclasses.replace(moe, experts=experts))
     return spec
 
 
@@ -281,18 +282,19 @@ class SequentialExperts(SequentialMLP):
     stream, and draws the experts from it in global order: this rank builds the experts before its own too and
     drops them, so its experts are what one process holds at their global index."""
 
-    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None, name=None):
         if not (config.use_cpu_initialization and config.perform_initialization):
-            super().__init__(num_local_experts, config, submodules, pg_collection)  # each rank its own stream
+            super().__init__(num_local_experts, config, submodules, pg_collection, name)  # each rank its own stream
             return
         seed = int(torch.randint(2 ** 62, ()))  # one draw from the model's stream, whatever the EP size
-        super().__init__(0, config, submodules, pg_collection)  # the config, the groups; the experts below
+        super().__init__(0, config, submodules, pg_collection, name)  # the config, the groups; the experts below
         first = self.ep_group.rank() * num_local_experts
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             for index in range(first + num_local_experts):
                 expert = MLP(self.config, submodules, ffn_hidden_size=self.config.moe_ffn_hidden_size, is_expert=True,
-                             tp_group=pg_collection.expt_tp)
+                             tp_group=pg_collection.expt_tp,
+                             name=None if name is None else f"{name}.local_experts.{index - first}")
                 if index >= first:
                     self.local_experts.append(expert)
         self.num_local_experts = num_local_experts
@@ -318,7 +320,7 @@ class ExpertRowParallelLinear(RowParallelLinear):
     expert or expert-tensor parallelism, at EP=1 and ETP=1 too.
 
     There megatron-core passes the output through `_ReduceFromModelParallelRegion`, which returns its input unchanged
-    for a group of one; megatron-core's MLP then adds the expert bias to it in place (mlp.py:247), and autograd refuses
+    for a group of one; megatron-core's MLP then adds the expert bias to it in place (mlp.py:354), and autograd refuses
     an in-place change of an autograd Function's returned input. With one rank there is nothing to reduce."""
 
     def __init__(self, *args, **kwargs):
@@ -467,7 +469,7 @@ def build_optimizer(cfg, model: list, timers=None):
     optimizer = get_megatron_optimizer(config, model, config_overrides=overrides)
     if not device.cuda() and cfg.optimizer.optimizer == "adam":
         # Without apex or transformer-engine megatron-core builds torch's AdamW with its defaults
-        # (optimizer/__init__.py:360), a per-tensor loop on CPU; torch's fused CPU kernel is 3-5x faster
+        # (optimizer/__init__.py:557), a per-tensor loop on CPU; torch's fused CPU kernel is 3-5x faster
         # (python bench.py hotpath) and computes the same update.
         for group in optimizer.param_groups:
             group["fused"] = True
@@ -522,9 +524,10 @@ def build_rerun_state_machine(cfg) -> "RerunStateMachine":
 
 class RerunStateMachine(mcore_rerun.RerunStateMachine):
     """megatron-core's RerunStateMachine (the state transitions, the comparisons, error injection, the
-    spiky-loss window are all its own), with one change: report_determinism_stats prints its statistics
-    every --log-interval iterations, since megatron-core 0.16.1's own report reads `Caller.filename` and
-    `Caller.lineno`, which its Caller does not have.
+    spiky-loss window are all its own), with one change: report_determinism_stats prints its statistics on the
+    log every --log-interval iterations. megatron-core's own report (rerun_state_machine.py:996) goes to its
+    logger at INFO, every REPORTING_INTERVAL_ITERATIONS, whatever the run's log interval (it crashed on 0.16.1,
+    reading Caller fields its Caller lacked; fixed in 0.17).
     """
 
     def __init__(self, *, report_interval: int, **kwargs):

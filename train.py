@@ -64,7 +64,8 @@ from model import (build_model, build_optimizer, build_rerun_state_machine, dest
 from megatron.core import parallel_state
 from megatron.core import rerun_state_machine as mcore_rerun
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler, get_canonical_lr_for_logging
-from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 from megatron.core.utils import configure_nvtx_profiling, get_batch_on_this_cp_rank, nvtx_range_pop, nvtx_range_push
 
 import checkpoint
@@ -176,9 +177,10 @@ def setup(cfg: ConfigContainer):
     apply_deterministic_mode(cfg)
     initialize_distributed(cfg)
     set_random_seed(cfg.rng.seed)
-    # megatron-core's MoE loss tracker is a module global (moe_utils.py:43) whose per-layer tensors keep the size of
-    # the first model that filled them: a second run in this process with more layers would fail (moe_utils.py:897).
-    get_moe_layer_wise_logging_tracker().clear()
+    # megatron-core's MoE metrics tracker is a module global (moe_logging.py:46) whose per-layer tensors keep the size
+    # of the first model that filled them: a second run in this process with more layers would fail (moe_logging.py:
+    # 122). A new tracker for each run.
+    destroy_moe_metrics_tracker()
     state = GlobalState(cfg)
     if state.writers is not None:  # opened now, as Megatron does: a tracker that cannot start fails before the model
         print(f"> writing metrics to {', '.join(type(w).__name__ for w in state.writers.writers)}", flush=True)
@@ -218,6 +220,7 @@ def setup(cfg: ConfigContainer):
     state.start_step = state.train_state.step
     state.num_microbatches_calculator.update(state.train_state.consumed_train_samples, consistency_check=True)
     state.start_floating_point_operations = state.train_state.floating_point_operations_so_far
+    state.floating_point_operations_at_last_log = state.start_floating_point_operations
     if ck.save:
         metrics.append_to_progress_log(ck.save, "Starting job", cfg.world_size)
     iterators = data.build_data_iterators(cfg, tokenizer, state.train_state)
@@ -332,6 +335,7 @@ class GlobalState:
         self.start_step = 0  # where this job began (after a resume): throughput counts from here
         self.trainable_summary: Optional[str] = None  # PEFT: "trainable params: 0.52M / 3.85M (13.6%)"
         self.start_floating_point_operations = 0.0
+        self.floating_point_operations_at_last_log = 0.0  # the log line's throughput: the interval's FLOPs
         self.exit_code: Optional[int] = None  # set when the loop stops early (signal, interval, NaN)
         self.last_saved_step: Optional[int] = None  # the newest checkpoint this job wrote or resumed: not saved twice
         self.async_calls_queue = None  # --async-save: the checkpoint writes in flight (checkpoint.py)
@@ -418,7 +422,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
         # One report per iteration: the log line, TensorBoard and the trackers all read it (metrics.step_report).
         # Its time is the log interval's so far, as the log line's: the interval timer over the iterations it ran.
         interval = cfg.logger.log_interval
-        in_interval = ts.step - max(global_state.start_step, (ts.step - 1) // interval * interval)
+        in_interval = metrics.iterations_since_last_log(ts.step, global_state.start_step, interval)
         report = metrics.step_report(
             step.loss_dict, *logged_learning_rates(cfg, optimizer), batch_size, float(optimizer.get_loss_scale()),
             step.grad_norm, step.num_zeros_in_grad,
@@ -495,19 +499,43 @@ def _finish_train(global_state: GlobalState) -> None:
 
 
 def build_num_microbatches_calculator(cfg: ConfigContainer):
-    """megatron-core's microbatch calculator (`num_microbatches_calculator`): constant, or ramping up with
-    --rampup-batch-size START INCR SAMPLES. The GlobalState holds it; megatron-core's
-    `init_num_microbatches_calculator` would keep it in a module global instead."""
+    """megatron-core's microbatch calculator (`num_microbatches_calculator`): constant, or stepping up with
+    --rampup-batch-size START INCR SAMPLES. megatron-core 0.18 dropped its linear ramp-up calculator (a
+    `rampup_batch_size` argument is now ignored with a warning) for `StepBatchsizeNumMicroBatchesCalculator`, which
+    takes a "THRESHOLD:BS ..." schedule: the ramp is given to it as the steps it always was (see
+    `rampup_step_schedule`). The GlobalState holds it; megatron-core's `init_num_microbatches_calculator` would keep
+    it in a module global instead."""
     from megatron.core.num_microbatches_calculator import (ConstantNumMicroBatchesCalculator,
-                                                           RampupBatchsizeNumMicroBatchesCalculator)
+                                                           StepBatchsizeNumMicroBatchesCalculator)
 
     t, dp = cfg.train, cfg.data_parallel_size
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if t.rampup_batch_size is None:
         return ConstantNumMicroBatchesCalculator(t.global_batch_size, t.micro_batch_size, dp, False, rank)
-    start, increment, samples = t.rampup_batch_size
-    return RampupBatchsizeNumMicroBatchesCalculator(t.global_batch_size, t.micro_batch_size, dp, False, rank,
-                                                    start, increment, samples)
+    schedule = rampup_step_schedule(*t.rampup_batch_size, t.global_batch_size)
+    return StepBatchsizeNumMicroBatchesCalculator(t.micro_batch_size, dp, False, rank, schedule)  # thresholds: samples
+
+
+def rampup_step_schedule(start: int, increment: int, samples: int, global_batch_size: int) -> str:
+    """Megatron-LM's --rampup-batch-size START INCR SAMPLES as a step schedule ("THRESHOLD:BS ...", in samples).
+
+    The ramp (megatron-core <= 0.17's RampupBatchsizeNumMicroBatchesCalculator, arguments.py's help): the batch
+    grows from START by INCR in (GBS - START) / INCR increments spread over SAMPLES consumed samples; after
+    `consumed` samples it is START + int(consumed / (SAMPLES / increments)) * INCR, and GBS past SAMPLES. Step k's
+    threshold is the first whole sample count at which that float expression reaches k, found as that expression
+    computes it (so 10 samples over 3 increments steps at 4, 7 and 11, as the ramp did: 10 / (10 / 3) is 2.999...)."""
+    increments = (global_batch_size - start) // increment
+    per_increment = samples / increments
+    steps = [f"0:{start}"]
+    for k in range(1, increments + 1):
+        threshold = math.ceil(k * per_increment)
+        while int(threshold / per_increment) < k:  # float rounding below k: one sample later
+            threshold += 1
+        while threshold > 0 and int((threshold - 1) / per_increment) >= k:
+            threshold -= 1
+        threshold = min(threshold, samples + 1)  # past SAMPLES the ramp is over whatever the division says
+        steps.append(f"{threshold}:{start + k * increment}")
+    return " ".join(steps)
 
 
 def _follow_batch_size_rampup(global_state: GlobalState, model, optimizer, scheduler, train_data_iterator) -> None:
@@ -879,10 +907,13 @@ def prepare_forward_step_func(forward_step_func: Callable, state: GlobalState) -
 def get_batch(data_iterator):
     """Next microbatch, on this rank's device: tokens, labels, loss mask, attention mask (None: causal), position ids.
     Under context parallelism every rank of a CP group reads the same microbatch, and megatron-core's
-    `get_batch_on_this_cp_rank` keeps this rank's two chunks of the sequence (see model.SDPAttention)."""
+    `get_batch_on_this_cp_rank` keeps this rank's two chunks of the sequence (see model.SDPAttention). It is given
+    the CP group: from megatron-core 0.19 a `cp_group` of None means the whole world (utils.py:2483), which would cut
+    a TP=2 or DP=2 run's sequences in half without a word."""
     batch = device.to_device(next(data_iterator))
     keys = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
-    batch = get_batch_on_this_cp_rank({key: batch.get(key) for key in keys})
+    batch = get_batch_on_this_cp_rank({key: batch.get(key) for key in keys}, is_hybrid_cp=False,
+                                      cp_group=parallel_state.get_context_parallel_group())
     return tuple(batch[key] for key in keys)
 
 

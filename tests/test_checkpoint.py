@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import checkpoint
+from megatron.core import dist_checkpointing
 import config
 from conftest import ROOT, TINY, checkpoint_keys, config_error, free_port, log_lines, torchrun
 
@@ -141,7 +142,7 @@ def test_load_flags_mean_what_they_mean_in_megatron_lm(mock_run, tmp_path, flag)
     train._finish_train(state)
     state, model, optimizer, scheduler, _ = train.setup(_cfg(tmp_path, *flags, "--load", str(ckpt), *([flag] if flag else [])))
     try:
-        saved = torch.load(ckpt / "iter_0000030" / "common.pt", weights_only=False)
+        saved = dist_checkpointing.load_common_state_dict(str(ckpt / "iter_0000030"))
         adam = optimizer.optimizer.state
         assert state.train_state.step == (0 if flag == "--finetune" else 30)
         assert state.train_state.consumed_train_samples == (0 if flag == "--finetune" else 240)
@@ -165,12 +166,27 @@ def test_finetune_without_weights_is_refused(tmp_path):
 
 
 def _rewrite_common(directory, **changes):
-    """common.pt with some keys changed (None: removed), as another program could have written it."""
-    path = directory / "common.pt"
-    common = torch.load(path, weights_only=False)
+    """The common state with some keys changed (None: removed), as another program could have written it: in a
+    common.pt beside the tensors, the form megatron-core <= 0.16 wrote and every later one reads first."""
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(str(directory))
     for key, value in changes.items():
         common.pop(key) if value is None else common.__setitem__(key, value)
-    torch.save(common, path)
+    torch.save(common, directory / "common.pt")
+
+
+def _drop_from_index(directory, prefix: str) -> None:
+    """The objects whose names start with `prefix` taken out of a torch_dist index (.metadata), as a program that
+    did not write them would have left it."""
+    import pickle
+
+    with open(directory / ".metadata", "rb") as fh:
+        index = pickle.load(fh)
+    index.state_dict_metadata = {k: v for k, v in index.state_dict_metadata.items() if not k.startswith(prefix)}
+    index.storage_data = {k: v for k, v in index.storage_data.items() if not k.fqn.startswith(prefix)}
+    with open(directory / ".metadata", "wb") as fh:
+        pickle.dump(index, fh)
 
 
 @pytest.mark.parametrize("damage, flags, message", [
@@ -178,16 +194,18 @@ def _rewrite_common(directory, **changes):
     ("tracker_text", [], "expected an iteration number"),
     ("empty_train_state", [], r"train_state.pt: cannot be read \(EOFError\)"),
     ("empty_model", [], r"__0_0.distcp: empty; the checkpoint is damaged"),
-    ("truncated_model", [], r"__0_1.distcp: truncated \(\d+ of \d+ bytes\)"),
-    ("missing_model", [], r"__0_1.distcp: missing"),
-    ("missing_common", [], r"common.pt: missing; the checkpoint is incomplete"),
+    ("truncated_model", [], r"__0_0.distcp: truncated \(\d+ of \d+ bytes\)"),
+    ("missing_model", [], r"__0_0.distcp: missing"),
+    ("missing_common", [], r"holds no common state \(neither common.pt nor the common_state object\); the "
+                           r"checkpoint is incomplete"),
     ("old_version", [], r"common.pt: checkpoint_version 2.0 is not 3.0, .*convert"),
     ("no_version", [], r"common.pt: no checkpoint_version .*--finetune"),
     ("no_rng", [], r"holds no random states \(rng_state\); pass --no-load-rng"),
     ("corrupt_tokenizer", [], r"tokenizer/identity.json: cannot be read"),
     ("none", ["--tokenizer-type", "NullTokenizer", "--vocab-size", "300"],
      r"identity.json: the weights were trained with tokenizer .*ByteTokenizer.* pass the checkpoint's tokenizer flags"),
-    ("none", ["--hidden-size", "128"], r"common.pt: saved by another model shape: --hidden-size 64 \(this run: 128\)"),
+    ("none", ["--hidden-size", "128"], r"\.metadata \(common_state\): saved by another model shape: --hidden-size 64 "
+                                       r"\(this run: 128\)"),
     # every setting that changes a tensor's shape, from one list (checkpoint.SHAPE)
     ("none", ["--num-query-groups", "2"], r"saved by another model shape: --num-query-groups 4 \(this run: 2\);"),
     ("none", ["--kv-channels", "8"], r"saved by another model shape: --kv-channels 16 \(this run: 8\);"),
@@ -218,25 +236,18 @@ def test_bad_checkpoints_give_clear_errors(mock_run, tmp_path, damage, flags, me
     elif damage == "empty_model":
         (it / "__0_0.distcp").write_bytes(b"")
     elif damage == "truncated_model":
-        target = it / "__0_1.distcp"
+        target = it / "__0_0.distcp"
         target.write_bytes(target.read_bytes()[:-100])
     elif damage == "missing_model":
-        os.remove(it / "__0_1.distcp")
-    elif damage == "missing_common":
-        os.remove(it / "common.pt")
+        os.remove(it / "__0_0.distcp")
+    elif damage == "missing_common":  # neither common.pt (<= 0.16) nor the common_state object (0.17 on)
+        _drop_from_index(it, "common_state")
     elif damage == "old_version":
         _rewrite_common(it, checkpoint_version=2.0)
     elif damage == "no_version":
         _rewrite_common(it, checkpoint_version=None)
     elif damage == "no_rng":  # the rng_state object taken out of the index: a program that did not write it
-        import pickle
-
-        with open(it / ".metadata", "rb") as fh:
-            index = pickle.load(fh)
-        index.state_dict_metadata = {k: v for k, v in index.state_dict_metadata.items() if not k.startswith("rng_state")}
-        index.storage_data = {k: v for k, v in index.storage_data.items() if not k.fqn.startswith("rng_state")}
-        with open(it / ".metadata", "wb") as fh:
-            pickle.dump(index, fh)
+        _drop_from_index(it, "rng_state")
     elif damage == "corrupt_tokenizer":
         (it / "tokenizer" / "identity.json").write_text("{")
     elif damage == "unpublished":  # the tensors of 30 written, its publish step (train_state.pt, the tracker) never run
@@ -274,7 +285,7 @@ def test_the_tracker_is_published_durably(tmp_path, monkeypatch):
 
 def test_truncated_file_stops_every_rank_with_one_line(mock_run, tmp_path):
     ckpt = _copy_ckpt(mock_run, tmp_path)
-    target = ckpt / "iter_0000030" / "__0_1.distcp"
+    target = ckpt / "iter_0000030" / "__0_0.distcp"  # the data-parallel run's one file (rank 0 writes every shard)
     target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
     args = [a for a in mock_run["args"]]
     args[args.index("--save") + 1] = str(tmp_path / "new")
@@ -282,7 +293,7 @@ def test_truncated_file_stops_every_rank_with_one_line(mock_run, tmp_path):
     assert proc.returncode != 0
     errors = [l for l in proc.stderr.splitlines() if l.startswith("train.py: error:")]
     # Every rank raises (whichever prints first, torchrun then stops the other): no rank waits for the rest.
-    assert errors and all("__0_1.distcp: truncated" in e or "another rank could not load" in e for e in errors)
+    assert errors and all("__0_0.distcp: truncated" in e or "another rank could not load" in e for e in errors)
     assert not (tmp_path / "new").exists()
 
 

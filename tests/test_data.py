@@ -161,7 +161,8 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_training(tmp_path):
     write_indexed_dataset([" ".join(str(i) for i in range(500, 900))] * 50, NullTokenizer(1000), prefix)
     cfg = config.parse_args([*TINY, "--data-path", prefix, "--split", "1,0,0", "--eval-iters", "0", "--num-workers", "0",
                              "--data-cache-path", str(tmp_path / "c")], world_size=1, gpu=False)
-    with pytest.raises(config.ConfigError, match=r"big_ids.bin holds token id 1000 but the vocabulary has 257 ids"):
+    # the end-of-document of a NullTokenizer of 1000 ids is id 999, the largest id written
+    with pytest.raises(config.ConfigError, match=r"big_ids.bin holds token id 999 but the vocabulary has 257 ids"):
         train.pretrain(cfg)
     assert not torch.distributed.is_initialized()
 
@@ -343,3 +344,26 @@ def test_separate_train_and_validation_paths(prefixes, tmp_path, capsys):
     train.pretrain(cfg)
     out = capsys.readouterr().out
     assert "validation loss at iteration 4 on validation set" in out and "on test set" not in out  # no test path
+
+
+def test_a_rank_that_fails_with_loader_workers_exits(tmp_path):
+    """An exception in a rank whose DataLoader has worker processes ends the process with the error. Its iterators
+    stay alive in the traceback, so their workers get no end-of-work message, and multiprocessing's exit hook waits
+    for them after a SIGTERM they ignore (data_worker_init): without data._shut_down_workers the rank hangs for ever
+    and torchrun never sees it fail."""
+    script = f"""
+import sys
+sys.path.insert(0, {ROOT!r})
+import config, train
+
+def boom(data_iterator, model):
+    next(data_iterator)
+    raise RuntimeError("a forward step that fails")
+
+cfg = config.parse_args([*{TINY!r}, "--mock-data", "--train-iters", "5", "--eval-iters", "0", "--num-workers", "2",
+                         "--data-cache-path", {str(tmp_path / "cache")!r}], world_size=1, gpu=False)
+train.pretrain(cfg, forward_step_func=boom)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 1 and "RuntimeError: a forward step that fails" in proc.stderr, proc.stderr[-2000:]

@@ -191,3 +191,40 @@ def test_megatron_engine_pieces_are_in_use(single_rank_groups):
         inner = optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer
         assert isinstance(inner, optimizer_type), flags
         assert isinstance(inner.grad_scaler, DynamicGradScaler) == ("--fp16" in flags)
+
+
+def _batch_on_rank(rank: int, port: int, tp: int, cp: int, shapes) -> None:
+    """One rank of a 2-rank gloo world with TP x CP = 2: the sequence length train.get_batch hands the model."""
+    import os
+
+    import train
+    from megatron.core import parallel_state
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+        tokens = torch.arange(16).view(1, 16)
+        batch = {"tokens": tokens, "labels": tokens + 1, "loss_mask": torch.ones(1, 16), "position_ids": tokens}
+        got, *_ = train.get_batch(iter([batch]))
+        shapes[rank] = got[0].tolist()
+    finally:
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("tp, cp, expected", [
+    (2, 1, [list(range(16))] * 2),  # tensor parallelism: every rank the whole sequence
+    (1, 2, [[0, 1, 2, 3, 12, 13, 14, 15], [4, 5, 6, 7, 8, 9, 10, 11]]),  # CP: two chunks each, load-balanced
+])
+def test_each_rank_sees_the_sequence_its_context_parallel_group_gives_it(tp, cp, expected):
+    """megatron-core 0.19's get_batch_on_this_cp_rank splits over the world when given no CP group
+    (utils.py:2483): without the group train.get_batch passes, TP=2 would train each rank on half a sequence."""
+    import multiprocessing
+
+    from conftest import free_port
+
+    with multiprocessing.get_context("spawn").Manager() as manager:
+        shapes = manager.dict()
+        torch.multiprocessing.spawn(_batch_on_rank, args=(free_port(), tp, cp, shapes), nprocs=2)
+        assert [shapes[0], shapes[1]] == expected

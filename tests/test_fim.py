@@ -94,7 +94,8 @@ def test_fim_rate_1_reorders_every_document_psm_and_spm(corpus, tmp_path):
         assert ids == {"prefix": 257, "middle": 258, "suffix": 259, "pad": 260} and tokenizer.vocab_size == 260
         for i in range(40):
             raw, fim = raw_and_fim(ds, i)
-            assert fim[0] == ids["prefix"]
+            # a sample that starts at a document's end starts with that end (an empty first document stays empty)
+            assert fim[0] == (tokenizer.eod if raw[0] == tokenizer.eod else ids["prefix"])
             check_fim_structure(raw, fim, ids, tokenizer.eod, spm)
         sample = ds[0]  # what the DataLoader gets: tokens/labels shifted by one, the loss on every real token
         assert sample["tokens"].shape == (256,) and int(sample["tokens"][0]) == ids["prefix"]

@@ -9,6 +9,7 @@ command line, and must print the same losses (rel <= 1e-6).
 import argparse
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -48,7 +49,7 @@ def test_their_checkpoint_continues_with_their_losses(continued):
             want = float(theirs[str(step)][loss])
             got = ours[loss][step]
             if continued["program"].startswith("megatron_lm") and step == 7:
-                # Megatron-LM 0.16.1 prints the first iteration of a run on its own, then the mean of the interval
+                # Megatron-LM (0.19 as 0.16) prints the first iteration of a run on its own, then the mean of the interval
                 # since the start, that first iteration included: with --log-interval 1, iteration 7 is mean(6, 7).
                 got = (ours[loss][6] + ours[loss][7]) / 2
             assert got == pytest.approx(want, rel=1e-6), (loss, step, got, want)
@@ -60,20 +61,22 @@ def test_their_progress_and_tokenizer_are_read(continued):
     assert f"loaded checkpoint {continued['out'] / 'theirs' / 'iter_0000005'} at iteration 5" in out
     assert " iteration        6/      10 | consumed samples:           48 |" in out
     if continued["program"] == "bridge":  # its NullTokenizer leaves tokenizer/ empty (and git keeps no empty folder)
-        assert "names no tokenizer: reading it with the flags' {'class': 'NullTokenizer', 'vocab_size': 60}" in out
+        assert "names no tokenizer: reading it with the flags' {'class': 'NullTokenizer', 'vocab_size': 60, " \
+               "'eod_id': 59}" in out
     else:
         assert "names no tokenizer" not in out  # Megatron-LM's `args` name it, and it matches the flags
 
 
 def test_our_checkpoint_holds_what_their_loaders_read(continued):
-    """What Megatron-LM's load_checkpoint (checkpointing.py, core_v0.16.1) and Bridge's (training/checkpointing.py,
-    0.3.1) read, each of the type they read it as."""
-    import megatron.core  # noqa: F401  (its safe globals: what their torch.load accepts in common.pt)
+    """What Megatron-LM's load_checkpoint (checkpointing.py, core_v0.19.0) and Bridge's (training/checkpointing.py,
+    0.6.2) read, each of the type they read it as: the common state through megatron-core's load_common_state_dict, which
+    unpickles it with torch.load(weights_only=True) and megatron-core's safe globals."""
+    from megatron.core import dist_checkpointing
 
     save = continued["out"] / "ours"
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "10"
     it = save / "iter_0000010"
-    common = torch.load(it / "common.pt")  # weights_only, as theirs loads it
+    common = dist_checkpointing.load_common_state_dict(str(it))  # as theirs loads it
     assert common["iteration"] == 10 and common["checkpoint_version"] == 3.0
     assert isinstance(common["num_floating_point_operations_so_far"], float)
     args = common["args"]
@@ -82,15 +85,17 @@ def test_our_checkpoint_holds_what_their_loaders_read(continued):
                         "pipeline_model_parallel_size": 1, "world_size": 2, "data_parallel_size": 2,
                         "consumed_train_samples": 80, "skipped_train_samples": 0, "consumed_valid_samples": 0,
                         "no_save_rng": False, "no_save_optim": False, "add_position_embedding": True,
-                        "tokenizer_type": "NullTokenizer", "vocab_size": 60, "padded_vocab_size": 64 if
-                        continued["program"].startswith("megatron_lm") else 128}.items():
+                        "tokenizer_type": "NullTokenizer", "vocab_size": 60,
+                        "padded_vocab_size": 64 if continued["program"].startswith("megatron_lm") else 128}.items():
         assert getattr(args, name) == value and type(getattr(args, name)) is type(value), name
     if continued["program"] == "megatron_lm_moe":
         # Every tensor and object Megatron-LM's MoE checkpoint holds, under its names (the experts as one sharded
         # tensor per weight, its random states one per (PP, TP, DP) rank under expert parallelism).
         assert (args.num_experts, args.expert_model_parallel_size, args.moe_router_topk) == (4, 2, 2)
         theirs = checkpoint_keys(os.path.join(FIXTURES, "megatron_lm_moe", "ckpt", "iter_0000005"))
-        assert checkpoint_keys(it) == theirs and "rng_state/shard_0.0.1_1.1.2" in theirs
+        # Megatron-LM 0.17 on also writes its rerun state machine's state, which it reads only where it is there.
+        theirs = {k for k in theirs if not k.startswith("rerun_state_machine_state/")}
+        assert checkpoint_keys(it) == theirs and "rng_state/shard_0.0_1.1" in theirs
     else:  # the random states as both keep them: one object per (PP, TP) rank, here (1, 1)
         assert "rng_state/shard_0.0_1.1" in checkpoint_keys(it)
     assert "opt_param_scheduler" in common and any(k.startswith("optimizer.") for k in checkpoint_keys(it))
@@ -105,7 +110,8 @@ def test_our_checkpoint_holds_what_their_loaders_read(continued):
     run_config = yaml.safe_load((it / "run_config.yaml").read_text())
     assert run_config["model"]["tensor_model_parallel_size"] == 1 and run_config["model"]["pipeline_model_parallel_size"] == 1
     assert run_config["checkpoint"]["save_rng"] is True and run_config["checkpoint"]["save_optim"] is True
-    assert json.loads((it / "tokenizer" / "identity.json").read_text()) == {"class": "NullTokenizer", "vocab_size": 60}
+    assert json.loads((it / "tokenizer" / "identity.json").read_text()) == {"class": "NullTokenizer", "vocab_size": 60,
+                                                                          "eod_id": 59}
 
 
 def test_megatron_lm_continues_our_grouped_query_checkpoint_with_our_losses(tmp_path):
@@ -119,7 +125,9 @@ def test_megatron_lm_continues_our_grouped_query_checkpoint_with_our_losses(tmp_
     first = torchrun([*flags, "--save", str(cache), "--save-interval", "5", "--exit-interval", "5",
                       "--tensorboard-dir", str(tmp_path / "tb1")])
     assert first.returncode == 0, first.stderr[-3000:]
-    args = torch.load(cache / "iter_0000005" / "common.pt", weights_only=False)["args"]
+    from megatron.core import dist_checkpointing
+
+    args = dist_checkpointing.load_common_state_dict(str(cache / "iter_0000005"))["args"]
     assert args.group_query_attention is True and args.num_query_groups == 2 and args.num_attention_heads == 4
     assert "derived: model.group_query_attention = True (--num-query-groups 2: grouped-query attention" in first.stdout
     written = tensorboard_scalars(tmp_path / "tb1")["lm loss"]
@@ -131,3 +139,45 @@ def test_megatron_lm_continues_our_grouped_query_checkpoint_with_our_losses(tmp_
         got = ours["lm loss"][step] if step != 7 else (ours["lm loss"][6] + ours["lm loss"][7]) / 2  # its mean(6, 7)
         assert got == pytest.approx(float(theirs[str(step)]["lm loss"]), rel=1e-6), step
         assert f"{ours['grad-norm'][step]:.3f}" == theirs[str(step)]["grad norm"], step
+
+
+def test_a_checkpoint_of_megatron_core_0_16_continues_with_its_losses(tmp_path):
+    """Checkpoints move forward: train.py's own checkpoint written on megatron-core 0.16.1 (its common state in a
+    common.pt, two writer files on rank 0; fixture megatron_core_0_16, default dropout 0.1) goes on here from
+    iteration 5 with the lm loss and grad norm that the 0.16.1 stack printed going on from it, and the checkpoint
+    saved now is 0.19's form (the common state inside the torch_dist files, no common.pt)."""
+    fixture = os.path.join(ROOT, "tests", "fixtures", "megatron_core_0_16")
+    with open(os.path.join(fixture, "printed.json")) as fh:
+        printed = json.load(fh)
+    shutil.copytree(os.path.join(fixture, "ckpt"), tmp_path / "old")
+    assert (tmp_path / "old" / "iter_0000005" / "common.pt").is_file()
+    # Its NullTokenizer of 60 counted the end-of-document apart (megatron-core <= 0.16): 61 ids in today's meaning.
+    flags = printed["flags"]
+    flags = [*flags[:flags.index("--vocab-size")], "--vocab-size", "61", *flags[flags.index("--vocab-size") + 2:]]
+    proc = torchrun([*flags, "--load", str(tmp_path / "old"), "--save", str(tmp_path / "new"),
+                     "--data-cache-path", str(tmp_path / "cache")])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    got = [[i, loss, round(norm, 3)] for i, loss, norm in
+           ((int(m[0]), float(m[1]), float(m[2])) for m in
+            re.findall(r"iteration +(\d+)/ +\d+ \|.*?lm loss: ([\d.E+-]+) \|.*?grad norm: ([\d.]+) \|", proc.stdout))]
+    assert [g[0] for g in got] == [6, 7, 8, 9, 10]
+    for (step, loss, norm), (_, want_loss, want_norm) in zip(got, printed["continued"]):
+        # The log line prints 7 significant digits: the same arithmetic gives the same digits.
+        assert (loss, norm) == (want_loss, want_norm), step
+    it = tmp_path / "new" / "iter_0000010"
+    assert not (it / "common.pt").exists() and "common_state/shard_0_1" in checkpoint_keys(it)
+
+
+def test_a_null_tokenizer_of_megatron_core_0_16_is_told_apart_in_one_line():
+    """megatron-core 0.17 changed what --vocab-size means for a NullTokenizer (the end-of-document is now the last of
+    the V ids; before, the next one): the 0.16 checkpoint's NullTokenizer of 60 is 61 ids now, and the old flags are
+    refused before any weight loads, naming what the weights were trained with."""
+    import checkpoint
+    import data
+
+    directory = os.path.join(ROOT, "tests", "fixtures", "megatron_core_0_16", "ckpt", "iter_0000005")
+    checkpoint.check_tokenizer(data.NullTokenizer(61), directory, {})
+    with pytest.raises(checkpoint.CheckpointError, match=r"identity.json: the weights were trained with tokenizer "
+                       r"\{'class': 'NullTokenizer', 'vocab_size': 61, 'eod_id': 60\} but the flags give "
+                       r"\{'class': 'NullTokenizer', 'vocab_size': 60, 'eod_id': 59\}"):
+        checkpoint.check_tokenizer(data.NullTokenizer(60), directory, {})

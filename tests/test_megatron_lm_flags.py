@@ -1,10 +1,11 @@
-"""Megatron-LM's command lines (arguments.py, core_v0.16.1) on this trainer: its GPT example scripts parse and
+"""Megatron-LM's command lines (arguments.py, core_v0.19.0) on this trainer: its GPT example scripts parse and
 validate (tests/fixtures/megatron_lm_scripts/), the flags those scripts carry mean what they mean there (or are
 named once as inert, or refused with one line that says why), flags of machinery this trainer does not have are
 refused by name, and every setting that changes what is computed defaults to Megatron-LM's default.
 
-What Megatron-LM's own parser says is written here as data (its defaults, with where each is declared): CI has no
-Megatron-LM checkout."""
+What Megatron-LM's own parser says is written here as data (its defaults, with where each is declared, and the flags
+core_v0.19.0 added and dropped since core_v0.16.1): CI has no Megatron-LM checkout. Where megatron-core 0.19's wheel
+(which ships megatron.training) is installed, one test also reads its parser."""
 
 import dataclasses
 import io
@@ -302,6 +303,21 @@ def test_transformer_config_extras_are_megatron_core_fields(with_te):
     (["--use-torch-fsdp2"], "FSDP"),
     (["--use-legacy-models"], "Megatron-LM's legacy models"),
     (["--muon-momentum", "0.9"], "the Muon optimizer"),
+    # new in core_v0.19.0
+    (["--high-priority-a2a-comm-stream"], "Mixture-of-Experts machinery beyond megatron-core's MoELayer"),
+    (["--no-dsa-indexer-scoring-relu"], "Mamba, hybrid and experimental attention layers"),
+    (["--num-speculative-tokens", "2"], "the inference server"),
+    (["--optimizer-cuda-graph"], "CUDA graphs"),
+    (["--megatron-fsdp-main-grads-dtype", "fp32"], "FSDP"),
+    (["--activation-offload-fraction", "0.5"], "CPU offloading of optimizer states or activations"),
+    (["--fault-injector-seed", "1"], "the fault injector"),
+    (["--flight-recorder-trace-buffer-size", "2000"], "the NCCL flight recorder"),
+    (["--disable-flight-recorder-dump-on-timeout"], "the NCCL flight recorder"),
+    (["--logits-save-dir", "logits"], "logits distillation"),
+    (["--use-mup"], "the maximal update parametrization (muP)"),
+    (["--mup-width-mult", "2"], "the maximal update parametrization (muP)"),
+    (["--tensor-parallel-num-weight-shards", "2"], "weight sharding beyond the tensor-parallel ranks"),
+    (["--gpu-sniff-test-interval", "10"], "GPU performance sniff tests"),
 ])
 def test_flags_of_machinery_this_trainer_lacks_are_refused_by_name(argv, machinery, capsys):
     err = config_error(["--num-layers", "2", *argv], capsys)
@@ -317,138 +333,155 @@ def test_a_flag_nobody_has_is_still_argparses_one_line(capsys):
 
 # --- 4. defaults: Megatron-LM's for every setting that changes what is computed -----------------------------------
 
-# (flag, Megatron-LM's default in our field's terms, where Megatron-LM core_v0.16.1 declares it). arguments.py builds
-# many flags from config dataclasses (ArgumentGroupFactory): TransformerConfig and ModelParallelConfig are megatron-core's
-# (megatron/core/transformer/transformer_config.py, megatron/core/model_parallel_config.py), SchedulerConfig,
-# TrainingConfig, RNGConfig and RerunStateMachineConfig Megatron-LM's (megatron/training/*_config.py).
+# (flag, Megatron-LM's default in our field's terms, where Megatron-LM core_v0.19.0 declares it: file:line).
+# arguments.py (megatron/training/arguments.py) builds many flags from config dataclasses (ArgumentGroupFactory):
+# TransformerConfig and ModelParallelConfig are megatron-core's (megatron/core/transformer/transformer_config.py,
+# megatron/core/model_parallel_config.py); SchedulerConfig, TrainingConfig and TokenizerConfig
+# (training_config.py), RNGConfig (common_config.py) and RerunStateMachineConfig (resilience_config.py) Megatron-LM's,
+# under megatron/training/config/. No default of these changed from core_v0.16.1 (where --vocab-size was
+# _add_tokenizer_args' and the training configs lay in megatron/training/*_config.py).
 MEGATRON_LM_DEFAULTS = [
     # model
-    ("--make-vocab-size-divisible-by", 128, "arguments.py _add_network_size_args"),
-    ("--hidden-dropout", 0.1, "TransformerConfig.hidden_dropout"),
-    ("--attention-dropout", 0.1, "TransformerConfig.attention_dropout"),
-    ("--init-method-std", 0.02, "TransformerConfig.init_method_std"),
-    ("--untie-embeddings-and-output-weights", False, "arguments.py _add_network_size_args, store_true"),
-    ("--position-embedding-type", "learned_absolute", "arguments.py _add_network_size_args"),
-    ("--rotary-base", 10000, "arguments.py _add_network_size_args"),
-    ("--rotary-percent", 1.0, "arguments.py _add_network_size_args"),
-    ("--normalization", "LayerNorm", "TransformerConfig.normalization"),
-    ("--norm-epsilon", 1e-5, "TransformerConfig.layernorm_epsilon"),
-    ("--swiglu", False, "arguments.py _add_network_size_args, store_true"),
-    ("--openai-gelu", False, "arguments.py _add_network_size_args, store_true"),
-    ("--disable-bias-linear", True, "TransformerConfig.add_bias_linear = True (the flag turns it off)"),
-    ("--group-query-attention", False, "arguments.py _add_network_size_args, store_true"),
-    ("--apply-layernorm-1p", False, "TransformerConfig.layernorm_zero_centered_gamma (its flag)"),
-    ("--calculate-per-token-loss", False, "TransformerConfig.calculate_per_token_loss"),
-    ("--attention-backend", "auto", "TransformerConfig.attention_backend = AttnBackend.auto"),
-    ("--tensor-model-parallel-size", 1, "ModelParallelConfig.tensor_model_parallel_size"),
-    ("--pipeline-model-parallel-size", 1, "ModelParallelConfig.pipeline_model_parallel_size"),
-    ("--context-parallel-size", 1, "ModelParallelConfig.context_parallel_size"),
-    ("--sequence-parallel", False, "ModelParallelConfig.sequence_parallel"),
-    ("--decoder-first-pipeline-num-layers", None, "arguments.py _add_distributed_args"),
-    ("--decoder-last-pipeline-num-layers", None, "arguments.py _add_distributed_args"),
-    ("--num-layers-per-virtual-pipeline-stage", None, "arguments.py _add_distributed_args"),
-    ("--no-overlap-p2p-communication", True, "arguments.py _add_distributed_args, store_false: overlap on"),
-    ("--overlap-p2p-communication-warmup-flush", False, "ModelParallelConfig.overlap_p2p_comm_warmup_flush"),
-    ("--cp-comm-type", ["p2p"], "arguments.py _add_distributed_args"),
-    ("--bf16", False, "ModelParallelConfig.bf16"),
-    ("--fp16", False, "ModelParallelConfig.fp16"),
-    ("--recompute-granularity", None, "TransformerConfig.recompute_granularity"),
-    ("--recompute-method", None, "TransformerConfig.recompute_method"),
-    ("--recompute-num-layers", None, "TransformerConfig.recompute_num_layers"),
-    ("--recompute-activations", False, "arguments.py _add_training_args, store_true"),
-    ("--deterministic-mode", False, "ModelParallelConfig.deterministic_mode"),
-    ("--cross-entropy-loss-fusion", False, "ModelParallelConfig.cross_entropy_loss_fusion"),
-    ("--fp8-format", None, "TransformerConfig.fp8 (its flag)"),
-    ("--fp8-recipe", "delayed", "TransformerConfig.fp8_recipe"),
-    ("--fp8-margin", 0, "TransformerConfig.fp8_margin"),
-    ("--fp8-amax-history-len", 1, "TransformerConfig.fp8_amax_history_len"),
-    ("--fp8-amax-compute-algo", "most_recent", "TransformerConfig.fp8_amax_compute_algo"),
-    ("--fp8-param-gather", False, "arguments.py _add_transformer_engine_args, store_true"),
-    ("--add-qkv-bias", False, "TransformerConfig.add_qkv_bias"),
-    ("--qk-layernorm", False, "TransformerConfig.qk_layernorm"),
-    ("--qk-l2-norm", False, "TransformerConfig.qk_l2_norm"),
-    ("--attention-softmax-in-fp32", False, "arguments.py _add_mixed_precision_args, store_true (TransformerConfig's "
-                                           "own attention_softmax_in_fp32 defaults to True)"),
-    ("--apply-query-key-layer-scaling", False, "TransformerConfig.apply_query_key_layer_scaling"),
-    ("--fp32-residual-connection", False, "TransformerConfig.fp32_residual_connection"),
-    ("--squared-relu", False, "arguments.py _add_network_size_args, store_true"),
-    ("--quick-geglu", False, "arguments.py _add_network_size_args, store_true"),
-    ("--glu-linear-offset", 0.0, "TransformerConfig.glu_linear_offset"),
-    ("--activation-func-clamp-value", None, "TransformerConfig.activation_func_clamp_value"),
-    ("--rotary-interleaved", False, "TransformerConfig.rotary_interleaved"),
-    ("--no-rope-freq", None, "arguments.py _add_network_size_args"),
-    ("--rope-type", None, "arguments.py _add_training_args"),
-    ("--no-position-embedding", True, "arguments.py _add_network_size_args, store_false (add_position_embedding)"),
-    ("--embedding-init-method-std", None, "TransformerConfig.embedding_init_method_std (then --init-method-std)"),
-    ("--init-method-xavier-uniform", False, "arguments.py _add_initialization_args, store_true"),
-    ("--no-initialization", True, "TransformerConfig.perform_initialization (its flag turns it off)"),
-    ("--window-size", None, "arguments.py _add_network_size_args"),
-    ("--window-attn-skip-freq", None, "arguments.py _add_network_size_args"),
-    ("--softmax-type", "vanilla", "TransformerConfig.softmax_type"),
-    ("--attention-output-gate", False, "TransformerConfig.attention_output_gate"),
-    ("--disable-bf16-reduced-precision-matmul", False, "TransformerConfig.disable_bf16_reduced_precision_matmul"),
-    ("--num-virtual-stages-per-pipeline-rank", None, "arguments.py _add_distributed_args"),
+    ("--make-vocab-size-divisible-by", 128, "arguments.py:2358 _add_network_size_args"),
+    ("--hidden-dropout", 0.1, "TransformerConfig.hidden_dropout, transformer_config.py:181"),
+    ("--attention-dropout", 0.1, "TransformerConfig.attention_dropout, transformer_config.py:184"),
+    ("--init-method-std", 0.02, "TransformerConfig.init_method_std, transformer_config.py:386"),
+    ("--untie-embeddings-and-output-weights", False, "arguments.py:2377 _add_network_size_args, store_true"),
+    ("--position-embedding-type", "learned_absolute", "arguments.py:2314 _add_network_size_args"),
+    ("--rotary-base", 10000, "arguments.py:2335 _add_network_size_args"),
+    ("--rotary-percent", 1.0, "arguments.py:2337 _add_network_size_args"),
+    ("--normalization", "LayerNorm", "TransformerConfig.normalization, transformer_config.py:249"),
+    ("--norm-epsilon", 1e-5, "TransformerConfig.layernorm_epsilon, transformer_config.py:194"),
+    ("--swiglu", False, "arguments.py:2367 _add_network_size_args, store_true"),
+    ("--openai-gelu", False, "arguments.py:2361 _add_network_size_args, store_true"),
+    ("--disable-bias-linear", True, "TransformerConfig.add_bias_linear = True, transformer_config.py:205 (the flag "
+                                    "turns it off)"),
+    ("--group-query-attention", False, "arguments.py:2299 _add_network_size_args, store_true"),
+    ("--apply-layernorm-1p", False, "TransformerConfig.layernorm_zero_centered_gamma, transformer_config.py:199 (its "
+                                    "flag)"),
+    ("--calculate-per-token-loss", False, "TransformerConfig.calculate_per_token_loss, transformer_config.py:277"),
+    ("--attention-backend", "auto", "TransformerConfig.attention_backend = AttnBackend.auto, "
+                                    "transformer_config.py:144"),
+    ("--tensor-model-parallel-size", 1, "ModelParallelConfig.tensor_model_parallel_size, model_parallel_config.py:55"),
+    ("--pipeline-model-parallel-size", 1, "ModelParallelConfig.pipeline_model_parallel_size, "
+                                          "model_parallel_config.py:83"),
+    ("--context-parallel-size", 1, "ModelParallelConfig.context_parallel_size, model_parallel_config.py:100"),
+    ("--sequence-parallel", False, "ModelParallelConfig.sequence_parallel, model_parallel_config.py:94"),
+    ("--decoder-first-pipeline-num-layers", None, "arguments.py:2942 _add_distributed_args"),
+    ("--decoder-last-pipeline-num-layers", None, "arguments.py:2946 _add_distributed_args"),
+    ("--num-layers-per-virtual-pipeline-stage", None, "arguments.py:2961 _add_distributed_args"),
+    ("--no-overlap-p2p-communication", True, "arguments.py:2965 _add_distributed_args, store_false: overlap on"),
+    ("--overlap-p2p-communication-warmup-flush", False, "ModelParallelConfig.overlap_p2p_comm_warmup_flush, "
+                                                        "model_parallel_config.py:422"),
+    ("--cp-comm-type", ["p2p"], "arguments.py:3054 _add_distributed_args"),
+    ("--bf16", False, "ModelParallelConfig.bf16, model_parallel_config.py:180"),
+    ("--fp16", False, "ModelParallelConfig.fp16, model_parallel_config.py:177"),
+    ("--recompute-granularity", None, "TransformerConfig.recompute_granularity, transformer_config.py:518"),
+    ("--recompute-method", None, "TransformerConfig.recompute_method, transformer_config.py:529"),
+    ("--recompute-num-layers", None, "TransformerConfig.recompute_num_layers, transformer_config.py:537"),
+    ("--recompute-activations", False, "arguments.py:2732 _add_training_args, store_true"),
+    ("--deterministic-mode", False, "ModelParallelConfig.deterministic_mode, model_parallel_config.py:229"),
+    ("--cross-entropy-loss-fusion", False, "ModelParallelConfig.cross_entropy_loss_fusion, "
+                                           "model_parallel_config.py:320"),
+    ("--fp8-format", None, "TransformerConfig.fp8, transformer_config.py:566 (its flag)"),
+    ("--fp8-recipe", "delayed", "TransformerConfig.fp8_recipe, transformer_config.py:573"),
+    ("--fp8-margin", 0, "TransformerConfig.fp8_margin, transformer_config.py:592"),
+    ("--fp8-amax-history-len", 1, "TransformerConfig.fp8_amax_history_len, transformer_config.py:600"),
+    ("--fp8-amax-compute-algo", "most_recent", "TransformerConfig.fp8_amax_compute_algo, transformer_config.py:603"),
+    ("--fp8-param-gather", False, "arguments.py:1935 _add_transformer_engine_args, store_true"),
+    ("--add-qkv-bias", False, "TransformerConfig.add_qkv_bias, transformer_config.py:211"),
+    ("--qk-layernorm", False, "TransformerConfig.qk_layernorm, transformer_config.py:252"),
+    ("--qk-l2-norm", False, "TransformerConfig.qk_l2_norm, transformer_config.py:255"),
+    ("--attention-softmax-in-fp32", False, "arguments.py:2919 _add_mixed_precision_args, store_true "
+                                           "(TransformerConfig's own attention_softmax_in_fp32 defaults to True)"),
+    ("--apply-query-key-layer-scaling", False, "TransformerConfig.apply_query_key_layer_scaling, "
+                                               "transformer_config.py:467"),
+    ("--fp32-residual-connection", False, "TransformerConfig.fp32_residual_connection, transformer_config.py:187"),
+    ("--squared-relu", False, "arguments.py:2365 _add_network_size_args, store_true"),
+    ("--quick-geglu", False, "arguments.py:2369 _add_network_size_args, store_true"),
+    ("--glu-linear-offset", 0.0, "TransformerConfig.glu_linear_offset, transformer_config.py:224"),
+    ("--activation-func-clamp-value", None, "TransformerConfig.activation_func_clamp_value, transformer_config.py:228"),
+    ("--rotary-interleaved", False, "TransformerConfig.rotary_interleaved, transformer_config.py:236"),
+    ("--no-rope-freq", None, "arguments.py:2345 _add_network_size_args"),
+    ("--rope-type", None, "arguments.py:2769 _add_training_args"),
+    ("--no-position-embedding", True, "arguments.py:2354 _add_network_size_args, store_false (add_position_embedding)"),
+    ("--embedding-init-method-std", None, "TransformerConfig.embedding_init_method_std, transformer_config.py:396 "
+                                          "(then --init-method-std)"),
+    ("--init-method-xavier-uniform", False, "arguments.py:2835 _add_initialization_args, store_true"),
+    ("--no-initialization", True, "ModelParallelConfig.perform_initialization, model_parallel_config.py:159 (its flag "
+                                  "turns it off)"),
+    ("--window-size", None, "arguments.py:2301 _add_network_size_args"),
+    ("--window-attn-skip-freq", None, "arguments.py:2304 _add_network_size_args"),
+    ("--softmax-type", "vanilla", "TransformerConfig.softmax_type, transformer_config.py:163"),
+    ("--attention-output-gate", False, "TransformerConfig.attention_output_gate, transformer_config.py:271"),
+    ("--disable-bf16-reduced-precision-matmul", False, "TransformerConfig.disable_bf16_reduced_precision_matmul, "
+                                                       "transformer_config.py:475"),
+    ("--num-virtual-stages-per-pipeline-rank", None, "arguments.py:2963 _add_distributed_args"),
     # train
-    ("--global-batch-size", None, "TrainingConfig.global_batch_size (micro batch x data-parallel size)"),
-    ("--rampup-batch-size", None, "TrainingConfig.rampup_batch_size"),
-    ("--train-samples", None, "TrainingConfig.train_samples"),
-    ("--no-check-for-nan-in-loss-and-grad", True, "arguments.py _add_training_args, store_false: the check on"),
+    ("--global-batch-size", None, "TrainingConfig.global_batch_size, training_config.py:15 (micro batch x "
+                                  "data-parallel size)"),
+    ("--rampup-batch-size", None, "TrainingConfig.rampup_batch_size, training_config.py:20"),
+    ("--train-samples", None, "TrainingConfig.train_samples, training_config.py:69"),
+    ("--no-check-for-nan-in-loss-and-grad", True, "arguments.py:2735 _add_training_args, store_false: the check on"),
     # optimizer
-    ("--optimizer", "adam", "arguments.py _add_training_args"),
-    ("--min-lr", 0.0, "arguments.py _add_learning_rate_args"),
-    ("--weight-decay", 0.01, "arguments.py _add_regularization_args"),
-    ("--adam-beta1", 0.9, "arguments.py _add_regularization_args"),
-    ("--adam-beta2", 0.999, "arguments.py _add_regularization_args"),
-    ("--adam-eps", 1e-8, "arguments.py _add_regularization_args"),
-    ("--sgd-momentum", 0.9, "arguments.py _add_regularization_args"),
-    ("--clip-grad", 1.0, "arguments.py _add_regularization_args"),
-    ("--use-distributed-optimizer", False, "arguments.py _add_distributed_args, store_true"),
-    ("--loss-scale", None, "arguments.py _add_mixed_precision_args"),
-    ("--initial-loss-scale", 2.0 ** 32, "arguments.py _add_mixed_precision_args"),
-    ("--min-loss-scale", 1.0, "arguments.py _add_mixed_precision_args"),
-    ("--loss-scale-window", 1000, "arguments.py _add_mixed_precision_args"),
-    ("--hysteresis", 2, "arguments.py _add_mixed_precision_args"),
+    ("--optimizer", "adam", "arguments.py:2776 _add_training_args"),
+    ("--min-lr", 0.0, "arguments.py:2854 _add_learning_rate_args"),
+    ("--weight-decay", 0.01, "arguments.py:2501 _add_regularization_args"),
+    ("--adam-beta1", 0.9, "arguments.py:2507 _add_regularization_args"),
+    ("--adam-beta2", 0.999, "arguments.py:2510 _add_regularization_args"),
+    ("--adam-eps", 1e-8, "arguments.py:2513 _add_regularization_args"),
+    ("--sgd-momentum", 0.9, "arguments.py:2516 _add_regularization_args"),
+    ("--clip-grad", 1.0, "arguments.py:2505 _add_regularization_args"),
+    ("--use-distributed-optimizer", False, "arguments.py:2997 _add_distributed_args, store_true"),
+    ("--loss-scale", None, "arguments.py:2907 _add_mixed_precision_args"),
+    ("--initial-loss-scale", 2.0 ** 32, "arguments.py:2911 _add_mixed_precision_args"),
+    ("--min-loss-scale", 1.0, "arguments.py:2913 _add_mixed_precision_args"),
+    ("--loss-scale-window", 1000, "arguments.py:2915 _add_mixed_precision_args"),
+    ("--hysteresis", 2, "arguments.py:2917 _add_mixed_precision_args"),
     # scheduler
-    ("--lr-decay-style", "linear", "SchedulerConfig.lr_decay_style"),
-    ("--lr-decay-iters", None, "SchedulerConfig.lr_decay_iters (--train-iters)"),
-    ("--lr-decay-samples", None, "SchedulerConfig.lr_decay_samples (--train-samples)"),
-    ("--lr-warmup-iters", 0, "SchedulerConfig.lr_warmup_iters"),
-    ("--lr-warmup-samples", 0, "SchedulerConfig.lr_warmup_samples"),
-    ("--lr-warmup-fraction", None, "SchedulerConfig.lr_warmup_fraction"),
-    ("--lr-warmup-init", 0.0, "SchedulerConfig.lr_warmup_init"),
-    ("--lr-wsd-decay-style", "exponential", "SchedulerConfig.lr_wsd_decay_style"),
-    ("--lr-wsd-decay-iters", None, "SchedulerConfig.lr_wsd_decay_iters"),
-    ("--start-weight-decay", None, "SchedulerConfig.start_weight_decay (--weight-decay)"),
-    ("--end-weight-decay", None, "SchedulerConfig.end_weight_decay (--weight-decay)"),
-    ("--weight-decay-incr-style", "constant", "SchedulerConfig.weight_decay_incr_style"),
-    ("--decoupled-lr", None, "arguments.py _add_learning_rate_args"),
-    ("--decoupled-min-lr", None, "arguments.py _add_learning_rate_args"),
+    ("--lr-decay-style", "linear", "SchedulerConfig.lr_decay_style, training_config.py:169"),
+    ("--lr-decay-iters", None, "SchedulerConfig.lr_decay_iters, training_config.py:175 (--train-iters)"),
+    ("--lr-decay-samples", None, "SchedulerConfig.lr_decay_samples, training_config.py:178 (--train-samples)"),
+    ("--lr-warmup-iters", 0, "SchedulerConfig.lr_warmup_iters, training_config.py:190"),
+    ("--lr-warmup-samples", 0, "SchedulerConfig.lr_warmup_samples, training_config.py:193"),
+    ("--lr-warmup-fraction", None, "SchedulerConfig.lr_warmup_fraction, training_config.py:187"),
+    ("--lr-warmup-init", 0.0, "SchedulerConfig.lr_warmup_init, training_config.py:196"),
+    ("--lr-wsd-decay-style", "exponential", "SchedulerConfig.lr_wsd_decay_style, training_config.py:172"),
+    ("--lr-wsd-decay-iters", None, "SchedulerConfig.lr_wsd_decay_iters, training_config.py:181"),
+    ("--start-weight-decay", None, "SchedulerConfig.start_weight_decay, training_config.py:221 (--weight-decay)"),
+    ("--end-weight-decay", None, "SchedulerConfig.end_weight_decay, training_config.py:224 (--weight-decay)"),
+    ("--weight-decay-incr-style", "constant", "SchedulerConfig.weight_decay_incr_style, training_config.py:227"),
+    ("--decoupled-lr", None, "arguments.py:2857 _add_learning_rate_args"),
+    ("--decoupled-min-lr", None, "arguments.py:2859 _add_learning_rate_args"),
     # dataset, tokenizer, rng
-    ("--split", "969,30,1", "arguments.py validate_args: '969, 30, 1' when --data-path comes without --split"),
-    ("--dataloader-type", None, "arguments.py _add_training_args (validate_args: single)"),
-    ("--num-workers", 2, "arguments.py _add_data_args"),
-    ("--mock-data", False, "arguments.py _add_data_args, store_true"),
-    ("--reset-position-ids", False, "arguments.py _add_data_args, store_true"),
-    ("--reset-attention-mask", False, "arguments.py _add_data_args, store_true"),
-    ("--eod-mask-loss", False, "arguments.py _add_data_args, store_true"),
-    ("--fim-rate", 0.5, "arguments.py _add_data_args"),
-    ("--fim-spm-rate", 0.5, "arguments.py _add_data_args"),
-    ("--vocab-size", None, "arguments.py _add_tokenizer_args"),
-    ("--seed", 1234, "RNGConfig.seed (megatron/training/common_config.py)"),
+    ("--split", "969,30,1", "arguments.py:654 validate_args: '969, 30, 1' when --data-path comes without --split"),
+    ("--dataloader-type", None, "arguments.py:2799 _add_training_args (validate_args, arguments.py:1215: single)"),
+    ("--num-workers", 2, "arguments.py:3152 _add_data_args"),
+    ("--mock-data", False, "arguments.py:3135 _add_data_args, store_true"),
+    ("--reset-position-ids", False, "arguments.py:3154 _add_data_args, store_true"),
+    ("--reset-attention-mask", False, "arguments.py:3156 _add_data_args, store_true"),
+    ("--eod-mask-loss", False, "arguments.py:3163 _add_data_args, store_true"),
+    ("--fim-rate", 0.5, "arguments.py:3189 _add_data_args"),
+    ("--fim-spm-rate", 0.5, "arguments.py:3191 _add_data_args"),
+    ("--vocab-size", None, "TokenizerConfig.vocab_size, training_config.py:654"),
+    ("--seed", 1234, "RNGConfig.seed, common_config.py:10"),
     # ddp
-    ("--overlap-grad-reduce", False, "arguments.py _add_distributed_args, store_true"),
-    ("--overlap-param-gather", False, "arguments.py _add_distributed_args, store_true"),
-    ("--accumulate-allreduce-grads-in-fp32", False, "arguments.py _add_mixed_precision_args (validate_args: on for bf16)"),
-    ("--grad-reduce-in-bf16", False, "arguments.py _add_mixed_precision_args, store_true"),
-    ("--ddp-bucket-size", None, "arguments.py _add_distributed_args (training.py get_model: megatron-core's size)"),
-    ("--ddp-pad-buckets-for-high-nccl-busbw", False, "arguments.py _add_distributed_args, store_true"),
-    ("--ddp-average-in-collective", False, "arguments.py _add_distributed_args, store_true"),
-    ("--check-for-large-grads", False, "arguments.py _add_training_args, store_true"),
-    ("--num-distributed-optimizer-instances", 1, "arguments.py _add_distributed_args"),
+    ("--overlap-grad-reduce", False, "arguments.py:2968 _add_distributed_args, store_true"),
+    ("--overlap-param-gather", False, "arguments.py:2989 _add_distributed_args, store_true"),
+    ("--accumulate-allreduce-grads-in-fp32", False, "arguments.py:2921 _add_mixed_precision_args (validate_args, "
+                                                    "arguments.py:1193: on for bf16)"),
+    ("--grad-reduce-in-bf16", False, "arguments.py:2905 _add_mixed_precision_args, store_true"),
+    ("--ddp-bucket-size", None, "arguments.py:2972 _add_distributed_args (training.py:1552 resolve_ddp_bucket_size: "
+                                "megatron-core's size)"),
+    ("--ddp-pad-buckets-for-high-nccl-busbw", False, "arguments.py:2974 _add_distributed_args, store_true"),
+    ("--ddp-average-in-collective", False, "arguments.py:2987 _add_distributed_args, store_true"),
+    ("--check-for-large-grads", False, "arguments.py:2738 _add_training_args, store_true"),
+    ("--num-distributed-optimizer-instances", 1, "arguments.py:3049 _add_distributed_args"),
     # rerun state machine
-    ("--error-injection-rate", 0, "RerunStateMachineConfig.error_injection_rate"),
-    ("--error-injection-type", "transient_error", "RerunStateMachineConfig.error_injection_type"),
-    ("--check-for-spiky-loss", False, "RerunStateMachineConfig.check_for_spiky_loss"),
+    ("--error-injection-rate", 0, "RerunStateMachineConfig.error_injection_rate, resilience_config.py:12"),
+    ("--error-injection-type", "transient_error", "RerunStateMachineConfig.error_injection_type, "
+                                                  "resilience_config.py:16"),
+    ("--check-for-spiky-loss", False, "RerunStateMachineConfig.check_for_spiky_loss, resilience_config.py:28"),
 ]
 
 
@@ -502,7 +535,8 @@ def test_the_readme_lists_every_default_that_is_ours():
 # --- 5. the rest of Megatron-LM's flags: with their meaning, inert, or refused by name ------------------------------
 
 # Every flag of Megatron-LM's arguments.py (core_v0.16.1) that this parser still left to argparse's generic
-# "unrecognized arguments" before each was decided: mapped, an alias, inert, or refused by name.
+# "unrecognized arguments" before each was decided: mapped, an alias, inert, or refused by name. (core_v0.19.0's new
+# flags are MEGATRON_LM_FLAGS_NEW_IN_0_19 below, decided the same way.)
 MEGATRON_LM_FLAGS_DECIDED = """
     --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split --activation-func-clamp-value
     --add-qkv-bias --adlr-autoresume-interval --allow-ambiguous-pad-tokens --apply-query-key-layer-scaling
@@ -558,14 +592,173 @@ MEGATRON_LM_FLAGS_DECIDED = """
 """.split()
 
 
+# The option strings of core_v0.19.0's parser (add_megatron_arguments, with the flags its ArgumentGroupFactory makes
+# from megatron/training/config's dataclasses) that core_v0.16.1's had not: 193 flags.
+MEGATRON_LM_FLAGS_NEW_IN_0_19 = """
+    --activation-offload-fraction --async-ckpt-cpu-priority --async-ckpt-io-priority --async-ckpt-use-cpu-shm
+    --async-strategy --chat-template --ckpt-fully-parallel-load-exchange-algo --ckpt-fully-parallel-load-process-group
+    --ckpt-fully-parallel-save-process-group --cpu-offloading-retain-pinned-cpu-buffers --cuda-graph-modules
+    --dataloader-inter-document-masking --ddp-param-name-patterns-for-fp32-local-accumulation
+    --delay-offload-until-cuda-graph --delta-offload-bytes-across-pp-ranks --disable-align-grad-reduce
+    --disable-ckpt-load-validate-sharding-integrity --disable-dsa-indexer-rotate-activation
+    --disable-dsa-indexer-scoring-relu --disable-flight-recorder-dump-on-timeout
+    --disable-flight-recorder-extra-dump-on-exec --disable-flight-recorder-include-only-active --disable-pad-vocab-size
+    --disable-stream-ckpt-dequant --disable-tokenizer-sentencepiece-ignore-extra-whitespaces --dist-ckpt-workers
+    --dsa-indexer-k-norm-epsilon --dsa-indexer-k-norm-fp32 --dsa-indexer-rope-interleaved --dsa-indexer-skip-topk-offset
+    --dsa-indexer-topk-freq --dsa-kernel-backend --enable-msc --eval-global-batch-size --eval-micro-batch-size
+    --exit-signal-handler-for-training --expert-tensor-parallel-num-weight-shards --fault-injector-delay-start-iteration
+    --fault-injector-fault-delay --fault-injector-fault-probabilities --fault-injector-fault-types
+    --fault-injector-mtti-seconds --fault-injector-num-ranks --fault-injector-offset-seconds --fault-injector-ranks
+    --fault-injector-seed --fine-grained-offloading-max-inflight-offloads --flash-attention-version
+    --flight-recorder-dump-path --flight-recorder-include-stack-trace --flight-recorder-trace-buffer-size
+    --fp8-output-proj --freeze-all-layers --fsdp-db-use-persist-buf-on-alloc-fail --fused-residual-rmsnorm
+    --gpu-sniff-test-interval --high-priority-a2a-comm-stream --hybrid-layer-pattern --inference-cuda-graph-all-prefills
+    --inference-cuda-graph-max-tokens --inference-cuda-graph-scope --inference-disable-ep-consensus
+    --inference-disable-triton-nvls-kernels --inference-dynamic-batching-async-sched-mode
+    --inference-dynamic-batching-cuda-graph-sizing-distribution --inference-dynamic-batching-logprobs-mode
+    --inference-dynamic-batching-mamba-memory-ratio --inference-dynamic-batching-prefix-caching
+    --inference-dynamic-batching-prefix-caching-coordinator-policy
+    --inference-dynamic-batching-prefix-caching-eviction-policy --inference-dynamic-batching-prefix-caching-mamba-gb
+    --inference-dynamic-batching-prefix-caching-routing-alpha --inference-dynamic-batching-sampling-backend
+    --inference-dynamic-batching-track-generated-token-events --inference-grouped-gemm-backend
+    --inference-moe-disable-fused-quant-kernels --inference-moe-token-dispatcher-type --inference-shards
+    --inference-text-gen-server-logging --inference-use-synchronous-zmq-collectives --lion-beta1 --lion-beta2
+    --logits-load-decode-threads --logits-load-dir --logits-load-ignore-errors --logits-load-kd-loss-alpha
+    --logits-load-msc-prefetch-depth --logits-load-prefetch-factor --logits-save-dir --logits-save-dtype
+    --logits-save-top-k --logits-save-top-p --logits-save-top-p-min-k --mamba-inference-conv-states-dtype
+    --mamba-inference-ssm-states-dtype --mamba-training-ssm-states-dtype
+    --megatron-fsdp-enable-fine-grained-param-gather --megatron-fsdp-grad-comm-dtype --megatron-fsdp-main-grads-dtype
+    --megatron-fsdp-main-params-dtype --megatron-fsdp-max-pool-double-buffer --mla-down-proj-fusion
+    --mlp-chunks-for-training --moe-expert-rank-capacity-factor --moe-flex-dispatcher-num-sms
+    --moe-hybridep-num-blocks-permute --moe-hybridep-num-blocks-unpermute --moe-hybridep-num-sms-preprocessing
+    --moe-hybridep-pad-uneven-dispatch-inputs --moe-mlp-glu-interleave-size --moe-ncclep-static-shape
+    --moe-ncclep-zero-copy --moe-paged-stash --moe-paged-stash-buffer-size-factor-cpu
+    --moe-paged-stash-buffer-size-factor-cuda --moe-paged-stash-page-size --moe-permute-fusion-into-hybridep
+    --moe-router-force-biased --moe-router-quantile-balancing-ema --moe-routing-trace-capture-hidden-states
+    --moe-routing-trace-capture-logits --moe-routing-trace-dump-weights --moe-routing-trace-max-training-iters
+    --moe-routing-trace-path --moe-shared-expert-glu-interleave-size --moe-single-grouped-bias
+    --moe-single-grouped-weight --mtp-detach-heads --mtp-hybrid-override-pattern --mtp-use-repeated-layer
+    --muon-coefficient-type --muon-nesterov --muon-scalar-optimizer --mup-attn-scale-power --mup-base-head-dim
+    --mup-base-hidden-size --mup-embedding-mult --mup-output-mult --mup-width-mult
+    --no-ckpt-load-validate-sharding-integrity --no-dsa-indexer-rotate-activation --no-dsa-indexer-scoring-relu
+    --no-flight-recorder-dump-on-timeout --no-flight-recorder-extra-dump-on-exec
+    --no-flight-recorder-include-only-active --no-inference-disable-ep-consensus
+    --no-inference-dynamic-batching-prefix-caching --no-inference-text-gen-server-logging
+    --no-inference-use-synchronous-zmq-collectives --no-pad-vocab-size --no-rl-persist-cuda-graphs
+    --no-stream-ckpt-dequant --no-tokenizer-sentencepiece-ignore-extra-whitespaces --no-use-layer-wise-param-layout
+    --no-yarn-correction-range-round-to-int --null-tokenizer-eod-id --null-tokenizer-pad-id --num-speculative-tokens
+    --nvtx-ranges --optimizer-cuda-graph --overlap-dispatch-backward-with-experts-wgrad --override-ckpt-iteration
+    --pytorch-profiler-collect-callstack --pytorch-profiler-collect-chakra --pytorch-profiler-collect-shapes
+    --record-shapes --rl-consumption-granularity --rl-generation-lag --rl-inference-parsers
+    --rl-kv-cache-management-mode --rl-persist-cuda-graphs --rl-profile --rl-profile-dir --rl-submission-granularity
+    --save-activations-interval --save-params-interval --save-tokens-per-expert-interval --start-eval-at-iter
+    --step-batch-size-schedule --tensor-parallel-num-weight-shards --tokenizer-hf-no-include-special-tokens
+    --tokenizer-hf-no-use-fast --use-grouped-gemm-for-dense-mlp --use-grouped-gemm-for-shared-expert --use-mup
+    --use-same-sampling-seed-across-dp-ranks --use-transformer-engine-op-fuser --validation-set-names --verify-integrity
+    --yarn-beta-fast --yarn-beta-slow --yarn-correction-range-round-to-int --yarn-original-max-position-embeddings
+""".split()
+
+# The option strings core_v0.16.1's parser had and core_v0.19.0's has not: 28 flags. This parser decides them as
+# before: the ones it accepted (REMOVED_IN_0_19_STILL_ACCEPTED, all inert) it still accepts, the rest it refuses.
+MEGATRON_LM_FLAGS_REMOVED_IN_0_19 = """
+    --disable-async-tensor-model-parallel-allreduce --disable-chunked-prefill --disable-ckpt-fully-parallel-save
+    --hybrid-attention-ratio --hybrid-mlp-ratio --inference-dynamic-batching-cuda-graph-max-tokens
+    --inference-max-batch-size --langrl-external-server --langrl-inference-server-conversation-template
+    --langrl-inference-server-type --legacy-tokenizer --moe-extended-tp --moe-use-legacy-grouped-gemm
+    --muon-use-nesterov --no-async-tensor-model-parallel-allreduce --no-langrl-external-server
+    --no-rl-offload-kv-cache-during-training --no-rl-remove-kv-cache-during-training --no-rl-reset-cuda-graphs
+    --no-scatter-gather-tensors-in-pipeline --rl-offload-kv-cache-during-training --rl-parallel-generation-tasks
+    --rl-remove-kv-cache-during-training --rl-reset-cuda-graphs --tiktoken-special-tokens
+    --tokenizer-hf-include-special-tokens --tokenizer-hf-use-fast --use-legacy-models
+""".split()
+REMOVED_IN_0_19_STILL_ACCEPTED = [
+    "--disable-async-tensor-model-parallel-allreduce", "--disable-ckpt-fully-parallel-save", "--legacy-tokenizer",
+    "--no-async-tensor-model-parallel-allreduce", "--no-scatter-gather-tensors-in-pipeline", "--tiktoken-special-tokens",
+    "--tokenizer-hf-use-fast"]
+# How many option strings each parser has (without -h/--help).
+MEGATRON_LM_0_16_FLAG_COUNT, MEGATRON_LM_0_19_FLAG_COUNT = 680, 845
+
+
+def _known_flags() -> set:
+    return {s for action in config.build_parser()._actions for s in action.option_strings}
+
+
 def test_no_megatron_lm_flag_gets_argparses_generic_error(capsys):
-    known = {s for action in config.build_parser()._actions for s in action.option_strings}
-    assert len(MEGATRON_LM_FLAGS_DECIDED) == 192
-    assert [f for f in MEGATRON_LM_FLAGS_DECIDED if f not in known and config.unsupported_flag(f) is None] == []
-    for flag in MEGATRON_LM_FLAGS_DECIDED:
+    known = _known_flags()
+    assert len(MEGATRON_LM_FLAGS_DECIDED) == 192 and len(MEGATRON_LM_FLAGS_NEW_IN_0_19) == 193
+    flags = MEGATRON_LM_FLAGS_DECIDED + MEGATRON_LM_FLAGS_NEW_IN_0_19
+    assert [f for f in flags if f not in known and config.unsupported_flag(f) is None] == []
+    for flag in flags:
         if flag not in known:  # a value after it, for the flags that take one
             err = config_error([flag, "1"], capsys)
             assert err.startswith(f"train.py: error: {flag} ") and "unrecognized arguments" not in err, err
+
+
+def test_flags_core_v0_19_dropped_are_decided_as_before():
+    """The flags core_v0.16.1 had and core_v0.19.0 has not: still accepted where they were (inert), refused by name
+    where they were; the new and dropped lists and the two parsers' sizes agree."""
+    new, removed = set(MEGATRON_LM_FLAGS_NEW_IN_0_19), set(MEGATRON_LM_FLAGS_REMOVED_IN_0_19)
+    assert (len(new), len(removed)) == (193, 28) and not new & removed
+    assert MEGATRON_LM_0_19_FLAG_COUNT - len(new) + len(removed) == MEGATRON_LM_0_16_FLAG_COUNT
+    known = _known_flags()
+    assert [f for f in MEGATRON_LM_FLAGS_REMOVED_IN_0_19 if f in known] == REMOVED_IN_0_19_STILL_ACCEPTED
+    assert [f for f in MEGATRON_LM_FLAGS_REMOVED_IN_0_19 if f not in known and not config.unsupported_flag(f)] == []
+    inert = {flag for _, flags in config.MEGATRON_LM_INERT_FLAGS for flag, _ in flags}
+    assert set(REMOVED_IN_0_19_STILL_ACCEPTED) <= inert
+
+
+def _installed_megatron_lm_flags() -> set:
+    """The option strings of the Megatron-LM parser that megatron-core 0.19's wheel ships (megatron.training), or a
+    skip where it is not installed."""
+    import argparse
+    import importlib.metadata
+
+    try:
+        version = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("megatron-core is not installed")
+    if not version.startswith("0.19."):
+        pytest.skip(f"megatron-core {version}: these lists are core_v0.19.0's")
+    try:
+        from megatron.training.arguments import add_megatron_arguments
+    except ImportError as e:
+        pytest.skip(f"megatron.training does not import here: {e}")
+    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    return {s for action in parser._actions for s in action.option_strings} - {"-h", "--help"}
+
+
+def test_every_flag_of_the_installed_megatron_lm_parser_is_decided():
+    """megatron-core 0.19's own parser (its megatron/training/arguments.py is core_v0.19.0's): the lists above are its
+    difference from core_v0.16.1's, and each of its flags is accepted or refused by name here."""
+    flags = _installed_megatron_lm_flags()
+    assert len(flags) == MEGATRON_LM_0_19_FLAG_COUNT
+    assert set(MEGATRON_LM_FLAGS_NEW_IN_0_19) <= flags and not flags & set(MEGATRON_LM_FLAGS_REMOVED_IN_0_19)
+    assert set(MEGATRON_LM_FLAGS_DECIDED) - flags <= set(MEGATRON_LM_FLAGS_REMOVED_IN_0_19)
+    known = _known_flags()
+    assert sorted(f for f in flags if f not in known and config.unsupported_flag(f) is None) == []
+
+
+_NOT_YET_OPTIMIZERS = "is a setting of Megatron-LM's emerging optimizers (Muon, Lion, SOAP), which are not yet supported"
+_NOT_YET_MLA = "is a setting of multi-latent attention (MLA) and its YaRN rotary embedding, which are not yet supported"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--muon-nesterov"], f"--muon-nesterov {_NOT_YET_OPTIMIZERS} here; drop it (--optimizer adam or sgd)"),
+    (["--muon-scalar-optimizer", "adam"], f"--muon-scalar-optimizer {_NOT_YET_OPTIMIZERS}"),
+    (["--lion-beta1", "0.9"], f"--lion-beta1 {_NOT_YET_OPTIMIZERS}"),
+    (["--no-use-layer-wise-param-layout"], f"--no-use-layer-wise-param-layout {_NOT_YET_OPTIMIZERS}"),
+    (["--mla-down-proj-fusion"], f"--mla-down-proj-fusion {_NOT_YET_MLA} here; drop it"),
+    (["--yarn-beta-fast", "32"], f"--yarn-beta-fast {_NOT_YET_MLA}"),
+    (["--no-yarn-correction-range-round-to-int"], f"--no-yarn-correction-range-round-to-int {_NOT_YET_MLA}"),
+    (["--mtp-detach-heads"], "--mtp-detach-heads is a setting of multi-token prediction (MTP), which is not yet "
+                             "supported here; drop it"),
+    (["--optimizer", "lion"], "--optimizer lion: Megatron-LM's emerging optimizers (muon, dist_muon, lion, soap, "
+                              "adaptive_muon) are not yet supported here; use adam or sgd"),
+    (["--optimizer", "muon"], "--optimizer muon: Megatron-LM's emerging optimizers"),
+])
+def test_core_v0_19_optimizer_mla_and_mtp_flags_are_not_yet_supported(argv, message, capsys):
+    err = config_error(argv, capsys)
+    assert err.startswith(f"train.py: error: {message}"), err
 
 
 ARCH = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -785,7 +978,9 @@ def test_every_inert_flag_is_accepted_and_named_once_as_given():
     assert unknown_flags(argv) == []
     cfg = config.parse_args(argv, world_size=1, gpu=False)
     fused, other = [line.split(": ", 1)[1] for line in printed_config(cfg).splitlines() if line.startswith(" inert here")]
-    assert fused == "--disable-jit-fuser --use-te-activation-func --cross-entropy-fusion-impl te"
+    assert fused == ("--disable-jit-fuser --use-te-activation-func --cross-entropy-fusion-impl te "
+                     "--flash-attention-version 3 --use-transformer-engine-op-fuser --fused-residual-rmsnorm "
+                     "--use-grouped-gemm-for-dense-mlp")
     named = (fused + " " + other).split(" --")
     for _, flags in config.MEGATRON_LM_INERT_FLAGS:
         for flag, _ in flags:
@@ -872,6 +1067,29 @@ REFUSED = [
     ("--qk-clip-threshold", "is a Megatron-LM setting of the Muon optimizer and its QK-clip"),
     ("--te-rng-tracker", "is a Megatron-LM setting of CUDA graphs"),
     ("--adlr-autoresume-interval", "is a Megatron-LM setting of ADLR autoresume"),
+    # new in core_v0.19.0
+    ("--save-params-interval", "(parameter and activation dumps) is not written by this trainer"),
+    ("--save-activations-interval", "(parameter and activation dumps) is not written by this trainer"),
+    ("--override-ckpt-iteration", "is not supported: a run resumes at its checkpoint's iteration"),
+    ("--verify-integrity", "(hashes of the checkpoint files) is not supported"),
+    ("--enable-msc", "(the Multi-Storage Client) is not supported: datasets and checkpoints are read from the local"),
+    ("--exit-signal-handler-for-training", "is not supported; --exit-signal-handler saves a checkpoint and exits"),
+    ("--freeze-all-layers", "is not supported: every layer trains here"),
+    ("--step-batch-size-schedule", "(a stepwise batch-size schedule) is not supported; --rampup-batch-size"),
+    ("--eval-global-batch-size", "is not supported: evaluation batches are the training ones"),
+    ("--eval-micro-batch-size", "is not supported: evaluation batches are the training ones"),
+    ("--start-eval-at-iter", "is not supported: evaluation runs every --eval-interval iterations"),
+    ("--validation-set-names", "is not supported: evaluation runs --eval-iters batches"),
+    ("--ddp-param-name-patterns-for-fp32-local-accumulation", "(fp32 gradient accumulation by parameter name) is not "
+                                                               "wired into this trainer's DDP config"),
+    ("--dataloader-inter-document-masking", "(attention within each document, from cu_seqlens) is not supported"),
+    ("--pytorch-profiler-collect-chakra", "(Chakra execution traces) is not collected by the PyTorch profiler here"),
+    ("--no-pad-vocab-size", "is not supported: the vocabulary is always padded from the tokenizer's size"),
+    ("--disable-pad-vocab-size", "is not supported: the vocabulary is always padded from the tokenizer's size"),
+    ("--null-tokenizer-eod-id", "is not supported: the NullTokenizer here takes ids 0 to --vocab-size - 1, ends "
+                                "documents with id --vocab-size"),
+    ("--null-tokenizer-pad-id", "is not supported: the NullTokenizer here"),
+    ("--fp8-output-proj", "is a setting of transformer-engine's FP8 training, which this trainer does not drive"),
 ]
 
 

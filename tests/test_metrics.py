@@ -298,3 +298,17 @@ def test_peft_flops_count_frozen_weights_without_their_weight_gradient():
     assert metrics.num_floating_point_operations(plain, b, V) == pytest.approx(weight_gemms + core, rel=1e-12)
     assert metrics.num_floating_point_operations(lora, b, V) == pytest.approx(
         weight_gemms * 2 / 3 + core + adapters, rel=1e-12)
+
+
+@pytest.mark.parametrize("step, start, interval, expected", [
+    (10, 0, 5, 5),   # a full interval
+    (12, 10, 5, 2),  # resumed at 10: two iterations into the interval
+    (15, 12, 5, 3),  # resumed at 12: the first line covers 13-15, not 5 iterations
+    (15, 0, 1, 1),
+])
+def test_a_log_line_divides_its_interval_by_the_iterations_it_covers(step, start, interval, expected):
+    """Bridge 0.6's training_log: the time per iteration (and the timers) of a job that resumed between two log lines
+    are the interval's time over the iterations this job ran in it, not over --log-interval."""
+    import metrics
+
+    assert metrics.iterations_since_last_log(step, start, interval) == expected

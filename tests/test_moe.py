@@ -200,13 +200,14 @@ def test_generate_splits_the_experts_or_the_matrices_and_samples_as_one_process(
 
 def test_bf16_at_expert_parallel_size_2_is_the_one_rank_bf16_run(runs):
     """Mixed precision: bf16 weights, fp32 main weights and gradient reduction. EP=2's experts multiply other
-    groupings of tokens (each expert gets both ranks' tokens at once) in bf16: the losses within 1e-4 of one rank,
-    the gradient norm (a sum of bf16-rounded squares) within 1e-3."""
+    groupings of tokens (each expert gets both ranks' tokens at once) in bf16: the losses within 1e-4 of one rank;
+    the gradient norm within bf16's unit roundoff, 2**-8: each gradient is computed in bf16 and so differs by its
+    rounding when its sums are grouped otherwise, and a norm's relative difference is at most its elements' largest."""
     one = runs("one_bf16", 1, "--bf16")
     ep2 = runs("ep2_bf16", 2, "--bf16", *EP2, *A2A)
     assert ep2["iterations"] == one["iterations"] == list(range(1, 7))
     assert_same(ep2, one, range(1, 7), ["lm loss", "load_balancing_loss"], rel=1e-4)
-    assert_same(ep2, one, range(1, 7), ["grad-norm"], rel=1e-3)
+    assert_same(ep2, one, range(1, 7), ["grad-norm"], rel=2 ** -8)
 
 
 def test_a_second_moe_run_in_one_process_may_have_more_layers():
@@ -246,7 +247,7 @@ def test_a_checkpoint_of_the_other_kind_names_both_shapes(saved, loading, expect
     import checkpoint
     import config
 
-    (tmp_path / "common.pt").touch()  # the file the message names
+    (tmp_path / ".metadata").touch()  # a torch_dist checkpoint: the message names its common state
     args = vars(checkpoint.megatron_lm_args(config.parse_args([*TINY, *saved], world_size=1, gpu=False),
                                             checkpoint.TrainState()))
     cfg = config.parse_args([*TINY, *loading], world_size=1, gpu=False)

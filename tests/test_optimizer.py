@@ -34,7 +34,7 @@ def no_decay(name, p):
 
 
 def test_no_weight_decay_on_biases_and_norms_and_a_real_step_decays_only_matrices(single_rank_groups):
-    from megatron.core.optimizer import _get_param_groups
+    from megatron.core.optimizer import _get_param_groups, get_standard_config_overrides
 
     from model import megatron_optimizer_config
 
@@ -48,8 +48,10 @@ def test_no_weight_decay_on_biases_and_norms_and_a_real_step_decays_only_matrice
         assert weight_decay[id(p)] == (0.0 if no_decay(name, p) else 0.1), name
 
     # The default provider groups exactly as megatron-core's own standard overrides (what a GPU run
-    # without a provider would get from get_megatron_optimizer).
-    standard = _get_param_groups(model, megatron_optimizer_config(cfg), None)
+    # without a provider would get from get_megatron_optimizer, which passes them from megatron-core 0.19 on:
+    # optimizer/__init__.py:1031-1032).
+    standard = _get_param_groups(model, megatron_optimizer_config(cfg), get_standard_config_overrides(
+        megatron_optimizer_config(cfg)))
     assert [sorted(id(p) for p in g["params"]) for g in standard] == \
         [sorted(id(p) for p in g["params"]) for g in optimizer.param_groups]
 

@@ -61,9 +61,13 @@ def test_checkpoint_layout(mock_run):
     for it in (15, 30):
         d = ckpt / f"iter_{it:07d}"
         assert (d / "run_config.yaml").is_file() and (d / "train_state.pt").is_file()
-        # torch_dist: megatron-core dist_checkpointing's shards (one per rank) beside its metadata
-        assert (d / "metadata.json").is_file() and (d / "common.pt").is_file() and (d / ".metadata").is_file()
-        assert sorted(p for p in os.listdir(d) if p.endswith(".distcp")) == ["__0_0.distcp", "__0_1.distcp"]
+        # torch_dist: megatron-core dist_checkpointing's shards (one per rank) beside its metadata; the common state
+        # is an object among the shards (megatron-core 0.17 on), no longer a common.pt
+        assert (d / "metadata.json").is_file() and (d / ".metadata").is_file() and not (d / "common.pt").exists()
+        assert "common_state" in {k.split("/")[0] for k in checkpoint_keys(d)}
+        # One file per saving rank and writer (__RANK_WRITER): data-parallel replicas leave every shard to rank 0,
+        # with one writer per rank (megatron-core 0.19's thread_count, Bridge's storage_writers_per_rank default)
+        assert sorted(p for p in os.listdir(d) if p.endswith(".distcp")) == ["__0_0.distcp"]
         assert "rng_state/shard_0.0_1.1" in checkpoint_keys(d)  # each (PP, TP) rank's RNG states, as Megatron-LM's
         state = torch.load(d / "train_state.pt", weights_only=True)
         assert state["step"] == it and state["consumed_train_samples"] == it * 8

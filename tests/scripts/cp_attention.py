@@ -36,6 +36,7 @@ reference = attention()  # its CP group has one rank: the whole sequence, one pr
 parallel_state.destroy_model_parallel()
 parallel_state.initialize_model_parallel(1, 1, context_parallel_size=2)
 under_cp = attention()
+CP_GROUP = parallel_state.get_context_parallel_group()
 
 torch.manual_seed(0)
 q, k, v = (torch.randn(s, b, h, d, dtype=torch.float64) for h in (heads, groups, groups))
@@ -56,13 +57,14 @@ def run(module, q, k, v, mask, weights):
 
 def this_rank(x):
     """This CP rank's chunks of a [s, ...] tensor, cut as megatron-core cuts a batch ([b, s, ...])."""
-    return get_batch_on_this_cp_rank({"x": x.transpose(0, 1)})["x"].transpose(0, 1)
+    return get_batch_on_this_cp_rank({"x": x.transpose(0, 1)}, is_hybrid_cp=False, cp_group=CP_GROUP)["x"].transpose(0, 1)
 
 
 result = {}
 for name, mask in (("causal", None), ("explicit", explicit)):
     full = run(reference, q, k, v, mask, weights)
-    local_mask = None if mask is None else get_batch_on_this_cp_rank({"attention_mask": mask})["attention_mask"]
+    local_mask = None if mask is None else get_batch_on_this_cp_rank({"attention_mask": mask}, is_hybrid_cp=False,
+                                                                     cp_group=CP_GROUP)["attention_mask"]
     local = run(under_cp, this_rank(q), this_rank(k), this_rank(v), local_mask, this_rank(weights))
     result[name] = {what: (a - this_rank(f)).abs().max().item()
                     for what, a, f in zip(("out", "dq", "dk", "dv"), local, full)}

@@ -34,6 +34,7 @@ import argparse
 import copy
 import dataclasses
 import functools
+import importlib
 import json
 import multiprocessing
 import os
@@ -44,6 +45,7 @@ import sys
 import threading
 import types
 from multiprocessing.managers import SyncManager
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -56,6 +58,7 @@ from device import any_rank
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from metrics import print_rank_0
 from model import unwrap
 
@@ -276,7 +279,7 @@ _LOCAL_RESULTS = queue.Queue()  # a synchronous save's write results, within thi
 _MANAGER_RESULTS = None  # an --async-save's, through the Manager process _shield_write_results_queue starts
 
 
-def _write_results_queue(async_save: bool) -> None:
+def _write_results_queue(async_save: bool, mp_mode: str = "fork", async_strategy: str = "mcore") -> None:
     """The queue megatron-core's torch_dist writer reports its write results through, set before each save (it reads
     filesystem_async._results_queue as it prepares one). Its own is a Manager process's, made at the first save, as
     an --async-save needs: its writer is another process. A synchronous save writes from this process (its forked
@@ -285,11 +288,16 @@ def _write_results_queue(async_save: bool) -> None:
     signals would reach."""
     global _MANAGER_RESULTS
     if async_save and _MANAGER_RESULTS is None:
-        _MANAGER_RESULTS = _shield_write_results_queue()
-    filesystem_async._results_queue = _MANAGER_RESULTS if async_save else _LOCAL_RESULTS
+        _MANAGER_RESULTS = _shield_write_results_queue(mp_mode)
+    writer = filesystem_async
+    if async_save and async_strategy == "nvrx":  # nvidia-resiliency-ext's writer reads its own module's queue
+        from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
+
+        writer = sys.modules[get_async_strategy("nvrx", "FileSystemWriterAsync").__module__]
+    writer._results_queue = _MANAGER_RESULTS if async_save else _LOCAL_RESULTS
 
 
-def _shield_write_results_queue():
+def _shield_write_results_queue(mp_mode: str = "fork"):
     """The queue of an --async-save's writer, served by a Manager process (megatron-core starts one at the first
     save and keeps it, filesystem_async.py:65). SLURM's scancel, `timeout` and Ctrl-C signal every process of the
     job, that one too: once it is dead, the very save that --exit-signal-handler makes fails with a BrokenPipeError.
@@ -300,10 +308,11 @@ def _shield_write_results_queue():
     asks Linux for SIGKILL when its parent dies (prctl PR_SET_PDEATHSIG), and exits at once if the rank is already
     gone. Without that each killed rank leaves one orphan that ignores SIGTERM.
 
-    The Manager is a spawned interpreter, which would import the launching script (train.py, with torch and
+    The Manager is started as `mp_mode` says (Bridge's async_write_results_mp_mode: fork by default, a copy of the
+    rank). A spawned one is a new interpreter, which would import the launching script (train.py, with torch and
     megatron-core) before serving a queue: seconds per rank at the first save. It needs none of it, so it is
     started with a bare __main__ and an initializer from the standard library (exec of MANAGER_INIT)."""
-    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager = SyncManager(ctx=multiprocessing.get_context(mp_mode))
     main = sys.modules["__main__"]
     sys.modules["__main__"] = types.ModuleType("__main__")
     try:
@@ -346,7 +355,9 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
     common = common_state(cfg, ts)
 
     if ck.ckpt_format == "torch_dist":
-        _write_results_queue(ck.async_save)
+        _write_results_queue(ck.async_save, ck.async_write_results_mp_mode, ck.async_strategy)
+        # storage_writers_per_rank: each saving rank writes its shards into this many files, one writer thread each
+        strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=ck.storage_writers_per_rank)
         metadata = sharded_state_dict_metadata(cfg)
         sharded = {**model_sharded_state_dict(model, adapters_only=cfg.peft.peft != "none"), **common}
         if ck.save_optim and optimizer is not None:  # None: weights only (hf.py's import)
@@ -359,14 +370,14 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
         if ck.async_save:
             # megatron-core copies the shards to host memory now and writes them in a background
             # process; its own finalize step (metadata) runs first, then our publish, on every rank.
-            # async_strategy: megatron-core 0.19's default, "nvrx", needs nvidia-resiliency-ext; its own "mcore"
-            # writer is the one whose results queue and process this module manages (_write_results_queue).
-            request = dist_checkpointing.save(sharded, directory, async_sharded_save=True, content_metadata=metadata,
-                                              async_strategy="mcore")
+            # async_strategy: nvrx (nvidia-resiliency-ext's writer), or mcore, which config.py derives when that
+            # package is missing (the seed's fallback); megatron-core itself would raise instead.
+            request = dist_checkpointing.save(sharded, directory, strategy, async_sharded_save=True,
+                                              content_metadata=metadata, async_strategy=ck.async_strategy)
             request.add_finalize_fn(publish)
             _async_queue(state).schedule_async_request(request)
             return directory
-        dist_checkpointing.save(sharded, directory, content_metadata=metadata)
+        dist_checkpointing.save(sharded, directory, strategy, content_metadata=metadata)
         files = []
     else:
         files = []
@@ -620,8 +631,9 @@ def _async_queue(state):
     if state.async_calls_queue is None:
         ck = state.cfg.checkpoint
         if ck.ckpt_format == "torch_dist":
-            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+            from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
 
+            AsyncCallsQueue = get_async_strategy(ck.async_strategy, "AsyncCallsQueue")
             # The persistent worker is a spawned process that selects its CUDA device first (async_utils.py:565);
             # without CUDA the writes go to a process forked per save, which inherits device.py's shim.
             state.async_calls_queue = AsyncCallsQueue(persistent=ck.use_persistent_ckpt_worker and device.cuda())
@@ -812,6 +824,96 @@ def load_checkpoint(state, model: list, optimizer, scheduler, path: str, finetun
     if any_rank(error is not None):
         raise error or CheckpointError(f"{path}: another rank could not load its part of the checkpoint (see its error)")
     return loaded
+
+
+# --------------------------------------------------------------------------------------------------
+# The checkpoint manager: who does a run's saves and loads (Bridge's CheckpointManager protocol)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class CheckpointSaveContext:
+    """What a manager's save gets (Bridge's fields; the iteration is state.train_state.step)."""
+
+    state: Any
+    model: list
+    optimizer: Any
+    opt_param_scheduler: Any
+    num_floating_point_operations_so_far: float
+    train_data_iterator: Any = None
+    non_persistent_ckpt: bool = False
+    pg_collection: Any = None
+    module_name: Optional[str] = None
+
+
+@dataclasses.dataclass
+class CheckpointLoadContext:
+    """What a manager's load gets (Bridge's fields): the checkpoint to read is the config's, state.cfg.checkpoint."""
+
+    state: Any
+    model: list
+    optimizer: Any
+    opt_param_scheduler: Any
+    strict: bool = True
+    skip_load_to_model_and_opt: bool = False
+    pg_collection: Any = None
+    module_name: Optional[str] = None
+
+
+CHECKPOINT_MANAGER_METHODS = ("save", "load", "finalize_async_saves")  # the protocol, besides __init__(config)
+
+
+class DefaultCheckpointManager:
+    """This module's saves and loads behind Bridge's CheckpointManager protocol. A `custom_manager_class` implements
+    the same four methods and takes its place (create_checkpoint_manager)."""
+
+    def __init__(self, checkpoint_config):
+        self.checkpoint_config = checkpoint_config
+
+    def save(self, ctx: CheckpointSaveContext, callback_manager=None) -> None:
+        """Write and publish iter_{step}/ (with --async-save: hand it to the writer; published later)."""
+        save_checkpoint(ctx.state, ctx.model, ctx.optimizer, ctx.opt_param_scheduler)
+
+    def load(self, ctx: CheckpointLoadContext) -> tuple:
+        """Resume this run's own checkpoint if --load holds one; otherwise start from --pretrained-checkpoint's
+        weights if given (a PEFT run has loaded those into the bare model already). Returns (iteration, FLOPs so
+        far): (0, 0) when nothing was resumed."""
+        ck, state = self.checkpoint_config, ctx.state
+        args = (state, ctx.model, ctx.optimizer, ctx.opt_param_scheduler)
+        resumed = bool(ck.load) and load_checkpoint(*args, ck.load, ck.finetune)
+        if not resumed and ck.pretrained_checkpoint and state.cfg.peft.peft == "none":
+            load_checkpoint(*args, ck.pretrained_checkpoint, finetune=True)
+        ts = state.train_state
+        return ts.step, ts.floating_point_operations_so_far
+
+    def finalize_async_saves(self, state, blocking: bool = False, terminate: bool = False) -> None:
+        """Publish the async save in flight once every rank has written it (wait for it when `blocking`); with
+        `terminate`, wait and stop the writer (the end of a run). Called on every rank at the same points."""
+        if terminate:
+            close_async_save(state)
+        else:
+            maybe_finalize_async_save(state, blocking)
+
+
+def create_checkpoint_manager(checkpoint_config):
+    """The run's checkpoint manager: `custom_manager_class`'s (a dotted path), else DefaultCheckpointManager. A path
+    that does not import, or a class without the protocol's methods, is one line, before any model is built."""
+    path = checkpoint_config.custom_manager_class
+    if path is None:
+        return DefaultCheckpointManager(checkpoint_config)
+    module_name, _, class_name = path.rpartition(".")
+    where = f"checkpoint.custom_manager_class {path}"
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except ImportError as e:
+        raise config_lib.ConfigError(f"{where}: cannot import {module_name} ({e})") from None
+    except AttributeError:
+        raise config_lib.ConfigError(f"{where}: module {module_name} has no {class_name}") from None
+    missing = [m for m in CHECKPOINT_MANAGER_METHODS if not callable(getattr(cls, m, None))]
+    if missing:
+        raise config_lib.ConfigError(f"{where}: the class has no {missing[0]}() (Bridge's CheckpointManager protocol: "
+                                     f"{', '.join(CHECKPOINT_MANAGER_METHODS)})")
+    return cls(checkpoint_config)
 
 
 def common_file(directory: str) -> str:

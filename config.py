@@ -456,6 +456,10 @@ class DistributedDataParallelConfig:
     num_distributed_optimizer_instances: int = arg(
         1, "Megatron-LM's partial distributed optimizer: copies of the distributed optimizer across the data-parallel "
            "ranks. Only 1 here (more needs process groups this trainer does not create).")
+    param_name_patterns_for_fp32_local_accumulation: list[str] = arg(
+        [], "fnmatch patterns of parameter names whose gradients megatron-core's DDP accumulates locally in fp32 (the "
+            "buffer stays in the gradient dtype for the reduction); 'all' matches every parameter. Only meaningful "
+            "with --bf16 or --fp16.", flag="--ddp-param-name-patterns-for-fp32-local-accumulation")
 
 
 @dataclass(frozen=True)
@@ -543,6 +547,18 @@ class DataloaderConfig:
         None, "'single': one pass in order; 'cyclic': reshuffled passes; 'batch': in order, each global batch padded "
               "to its longest sequence. Default: batch with --sft, else single.", choices=["single", "cyclic", "batch"])
     num_workers: int = arg(2, "DataLoader worker processes per rank.")
+    data_sharding: bool = arg(
+        True, "cyclic loader: each data-parallel rank draws from its own contiguous bucket of the dataset (off: every "
+              "rank strides through one permutation of the whole of it).", flag="--no-data-sharding")
+    pin_memory: bool = arg(True, "Page-locked batches, for faster copies to a GPU (without a GPU: off, derived).",
+                           cli=False)
+    drop_last: bool = arg(True, "Drop the last, incomplete global batch of an epoch instead of a short one (Megatron's "
+                                "samplers). Only True here: every step takes a whole global batch.", cli=False)
+    persistent_workers: bool = arg(True, "Keep the DataLoader's workers between passes (off without workers).",
+                                   cli=False)
+    trust_remote_code: Optional[bool] = arg(
+        None, "Whether a Hugging Face path may run its own code. Inert: the tokenizers here read a tokenizer.json and run "
+              "no code of the model's.")
 
 
 @dataclass
@@ -603,6 +619,25 @@ class FinetuningDatasetConfig(DatasetConfig):
     """Bridge's FinetuningDatasetConfig: JSONL prompt/response data, loss on the responses (DatasetConfig, sft on)."""
 
     sft: bool = arg(True, "Finetuning data: JSONL files of prompt/response pairs; the loss covers the responses only.")
+    dataset_root: Optional[str] = arg(
+        None, "A directory laid out as Bridge's: training.jsonl, validation.jsonl, test.jsonl (instead of the data "
+              "paths).", cli=False)
+    memmap_workers: int = arg(1, "Bridge's workers building its memory-mapped JSONL index. Inert: the JSONL here is "
+                                 "read once into memory.", cli=False)
+    max_train_samples: Optional[int] = arg(None, "Use only the first this many training examples.", cli=False,
+                                           bounds="(0, inf)")
+    packed_sequence_specs: Optional[dict] = arg(
+        None, "Bridge's PackedSequenceSpecs, as a mapping: packed_train_data_path / packed_val_data_path name "
+              ".npy files of packed sequences (Bridge's prepare_packed_sequence_data output) to train / validate "
+              "on; packed_sequence_size, when given, must be --seq-length.", cli=False)
+    dataset_kwargs: Optional[dict] = arg(
+        None, "Options of the finetuning dataset: prompt_key / response_key name the JSONL fields (defaults "
+              "prompt/input and response/output).", cli=False)
+    do_validation: bool = arg(True, "Build the validation split.", cli=False)
+    do_test: bool = arg(True, "Build the test split.", cli=False)
+
+
+FINETUNING_ONLY = {f.name for f in dataclasses.fields(FinetuningDatasetConfig)} - {f.name for f in dataclasses.fields(DatasetConfig)}
 
 
 @dataclass
@@ -614,6 +649,7 @@ class DatasetBuildContext:
     valid_samples: int
     test_samples: int
     tokenizer: Any = None
+    pg_collection: Any = None  # megatron-core's ProcessGroupCollection of the run's groups
 
 
 @dataclass
@@ -679,6 +715,9 @@ class LoggerConfig:
     log_non_default_values: bool = arg(
         False, "At start print only the settings that differ from their defaults, and the values derived from them, "
                "instead of every setting.")
+    skip_train_metrics_log: bool = arg(
+        False, "Print no training log line and write no training scalars to TensorBoard or any tracker (validation is "
+               "still reported).", cli=False)
     logging_level: Optional[int] = arg(
         None, "Python logging level of this script's and megatron-core's loggers (10 DEBUG, 20 INFO, 30 WARNING). "
               "Default: $MEGATRON_LOGGING_LEVEL, else Python's (warnings only).")
@@ -737,6 +776,24 @@ class CheckpointConfig:
     use_persistent_ckpt_worker: bool = arg(
         True, "--async-save with torch_dist: one long-lived writer process instead of a fork per save (GPU).",
         flag="--no-use-persistent-ckpt-worker")
+    storage_writers_per_rank: int = arg(
+        1, "torch_dist: files each saving rank writes in parallel (megatron-core's writer threads); a save holds "
+           "saving ranks x this many .distcp files. (Megatron-LM's --dist-ckpt-workers, which it applies to async saves "
+           "only.)", flag="--dist-ckpt-workers", bounds="[1, inf)")
+    async_strategy: str = arg(
+        "nvrx", "--async-save's writer: nvrx (nvidia-resiliency-ext's) or mcore (megatron-core's). nvrx falls back to "
+                "mcore when nvidia-resiliency-ext (0.6.0 or later) is not installed.", choices=["nvrx", "mcore"])
+    async_write_results_mp_mode: str = arg(
+        "fork", "--async-save with torch_dist: how the process serving the writer's results queue is started.",
+        choices=["fork", "spawn", "forkserver"], cli=False)
+    strict_fsdp_dtensor_load: bool = arg(
+        False, "Bridge's strict loading of FSDP DTensor checkpoints. Only False here: there is no FSDP and no "
+               "fsdp_dtensor format.", cli=False)
+    custom_manager_class: Optional[str] = arg(
+        None, "Dotted path of your own checkpoint manager class (Bridge's CheckpointManager protocol: __init__(checkpoint "
+              "config), save(ctx, callback_manager), load(ctx) -> (iteration, FLOPs so far), finalize_async_saves(state, "
+              "blocking, terminate)), which then does every save and load of the run. Default: "
+              "checkpoint.DefaultCheckpointManager.", cli=False)
 
 
 @dataclass
@@ -745,6 +802,15 @@ class DistributedInitConfig:
 
     distributed_backend: Optional[str] = arg(None, "Collective backend. Default: nccl with a GPU, gloo without.", choices=["nccl", "gloo"])
     distributed_timeout_minutes: int = arg(10, "Timeout of collective operations, in minutes.", bounds="(0, inf)")
+    external_gpu_device_mapping: bool = arg(
+        False, "The launcher has given each process one GPU (CUDA_VISIBLE_DEVICES): use device 0 instead of the local "
+               "rank's.", cli=False)
+    enable_megatron_core_experimental: bool = arg(
+        False, "Turn on megatron-core's experimental features (megatron.core.config's experimental flag) for the run.",
+        flag="--enable-experimental")
+    use_decentralized_pg: bool = arg(
+        False, "Bridge's process groups passed through every call instead of megatron-core's global parallel_state. "
+               "Only False here: the global groups are what this trainer builds and reads.", cli=False)
 
 
 @dataclass
@@ -788,6 +854,10 @@ class StragglerDetectionConfig:
     log_straggler: bool = arg(
         False, "Every --log-interval, rank 0 prints each rank's forward-step time and names the slowest and fastest ranks.")
     straggler_minmax_count: int = arg(1, "With --log-straggler: how many of the slowest and fastest ranks to list.")
+    enable_straggler_on_startup: bool = arg(
+        True, "With --log-straggler: report from the first iteration. Megatron-LM's --disable-straggler-on-startup waits "
+              "for its controller port (--straggler-ctrlr-port) to turn the report on; there is no such port here, so "
+              "only True.", flag="--disable-straggler-on-startup")
 
 
 @dataclass
@@ -1219,6 +1289,10 @@ def apply_overrides(cfg: ConfigContainer, overrides: dict, source: str) -> None:
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: section '{section}' must be a mapping of settings")
         sub = getattr(cfg, section)
+        if section == "dataset" and type(sub) is DatasetConfig and set(values) & FINETUNING_ONLY:
+            # A finetuning dataset's own settings (dataset_root, do_test, ...) make the section Bridge's
+            # FinetuningDatasetConfig, keeping what was set before.
+            sub = cfg.dataset = FinetuningDatasetConfig(**{**dataclasses.asdict(sub), "sft": True})
         names = {f.name for f in dataclasses.fields(sub)}
         for key, value in values.items():
             key = key.replace("-", "_")
@@ -1375,6 +1449,7 @@ def derive(cfg: ConfigContainer) -> None:
     derive_optimizer_and_schedule(cfg)
     derive_data(cfg)
     derive_loggers(cfg)
+    derive_checkpointing(cfg)
     derive_machine(cfg)
     derive_services(cfg)  # the NVIDIA service configs (at the end of the module)
 
@@ -2135,6 +2210,17 @@ def parse_data_path(paths: list) -> tuple:
 
 def derive_data(cfg: ConfigContainer) -> None:
     d, tk = cfg.dataset, cfg.tokenizer
+    if getattr(d, "dataset_root", None):  # Bridge's finetuning layout: one file per split
+        for setting, name, wanted in (("train_data_path", "training", True), ("valid_data_path", "validation",
+                                      d.do_validation), ("test_data_path", "test", d.do_test)):
+            if wanted and not getattr(d, setting):
+                derive_value(cfg, f"dataset.{setting}", [os.path.join(str(d.dataset_root), f"{name}.jsonl")],
+                             "dataset.dataset_root")
+    if isinstance(d, DataloaderConfig):
+        if d.pin_memory and not cfg.use_gpu:
+            derive_value(cfg, "dataset.pin_memory", False, "no GPU: page-locked memory speeds up copies to one")
+        if d.persistent_workers and d.num_workers == 0:
+            derive_value(cfg, "dataset.persistent_workers", False, "--num-workers 0: no workers to keep")
     if d.dataloader_type is None:
         derive_value(cfg, "dataset.dataloader_type", "batch" if d.sft else "single",
                      "--sft pads each global batch" if d.sft else "one pass in order")
@@ -2190,6 +2276,12 @@ def check_data(cfg: ConfigContainer) -> None:
             "--sft needs --data-path (or --train-data-path): JSONL files of prompt/response pairs")
     require(not (d.sft and d.mock_data), "--sft reads JSONL files: give --data-path (or --train-data-path), not --mock-data")
     require(d.num_workers >= 0, f"--num-workers must be non-negative, got {d.num_workers}")
+    check_finetuning_dataset(cfg)
+    if isinstance(d, DataloaderConfig):
+        require(d.drop_last, "dataset.drop_last False would give a short last batch; every step here takes a whole "
+                             "global batch (Megatron's samplers drop it): drop the setting")
+        require(d.data_sharding or d.dataloader_type == "cyclic",
+                "--no-data-sharding changes how the cyclic loader shuffles; give --dataloader-type cyclic, or drop it")
     most = max_data_workers()  # each worker is a forked process; thousands would exhaust the machine first
     require(d.num_workers <= most, f"--num-workers {d.num_workers} would fork more DataLoader processes per rank than 4 "
                                    f"per CPU core here; use at most {most}")
@@ -2211,6 +2303,42 @@ def check_data(cfg: ConfigContainer) -> None:
     require(not uses_builtin_corpus(cfg) or cfg.tokenizer.tokenizer_type in ("ByteTokenizer", "HuggingFaceTokenizer"),
             "the built-in corpus is text; use --tokenizer-type ByteTokenizer or HuggingFaceTokenizer, or give "
             "--data-path/--mock-data")
+
+
+PACKED_SPECS = {"packed_sequence_size", "max_single_sequence_length", "tokenizer_model_name", "num_tokenizer_workers",
+                "packed_train_data_path", "packed_val_data_path", "packed_metadata_path", "pad_cu_seqlens",
+                "pad_seq_to_mult"}  # Bridge's PackedSequenceSpecs (data/packing/config.py)
+
+
+def check_finetuning_dataset(cfg: ConfigContainer) -> None:
+    """A FinetuningDatasetConfig's own settings: Bridge's dataset_root layout, its packed-sequence files, the
+    JSONL keys."""
+    d = cfg.dataset
+    if not isinstance(d, FinetuningDatasetConfig):
+        return
+    if d.dataset_root:
+        require(os.path.isdir(d.dataset_root), f"dataset.dataset_root {d.dataset_root}: no such directory")
+        for path, name in ((d.train_data_path, "training"), (d.valid_data_path, "validation"), (d.test_data_path, "test")):
+            for p in path or ():
+                require(os.path.isfile(p), f"dataset.dataset_root {d.dataset_root}: no {os.path.basename(p)} in it "
+                                           f"(Bridge's layout: training.jsonl, validation.jsonl, test.jsonl; set "
+                                           f"do_validation / do_test false for a split you do not have)")
+    specs = d.packed_sequence_specs or {}
+    require(isinstance(specs, dict), "dataset.packed_sequence_specs: expected a mapping of Bridge's "
+                                     "PackedSequenceSpecs fields")
+    unknown = sorted(set(specs) - PACKED_SPECS)
+    require(not unknown, f"dataset.packed_sequence_specs: unknown field {', '.join(unknown)}; Bridge's fields are "
+                         f"{', '.join(sorted(PACKED_SPECS))}")
+    size = specs.get("packed_sequence_size", -1)
+    require(size in (-1, None, cfg.model.seq_length), f"dataset.packed_sequence_specs.packed_sequence_size {size} "
+                                                      f"must be --seq-length {cfg.model.seq_length}")
+    for key in ("packed_train_data_path", "packed_val_data_path"):
+        require(not specs.get(key) or os.path.isfile(specs[key]),
+                f"dataset.packed_sequence_specs.{key}: {specs.get(key)} not found (a .npy file from Bridge's "
+                f"prepare_packed_sequence_data)")
+    unknown = sorted(set(d.dataset_kwargs or {}) - {"prompt_key", "response_key"})
+    require(not unknown, f"dataset.dataset_kwargs: {', '.join(unknown)} is not an option of the finetuning dataset "
+                         f"here (prompt_key, response_key)")
 
 
 def check_tokenizer(cfg: ConfigContainer) -> None:
@@ -2341,6 +2469,33 @@ def check_checkpointing(cfg: ConfigContainer) -> None:
             "shards it over data-parallel ranks; use --ckpt-format torch_dist")
     require(not c.async_save or c.save, "--async-save writes checkpoints in the background but --no-save saves nothing; "
                                         "drop one")
+    require(not c.strict_fsdp_dtensor_load, "checkpoint.strict_fsdp_dtensor_load: there is no FSDP and no fsdp_dtensor "
+                                            "checkpoint format here; drop the setting")
+    require(c.custom_manager_class is None or "." in c.custom_manager_class,
+            f"checkpoint.custom_manager_class {c.custom_manager_class}: expected a dotted path like "
+            f"mypackage.module.MyCheckpointManager")
+
+
+def nvrx_async_unusable() -> Optional[str]:
+    """Why nvidia-resiliency-ext cannot write --async-save's checkpoints (megatron-core 0.19.2's nvrx.py needs 0.6.0 or
+    later), or None when it can."""
+    import importlib.metadata
+
+    try:
+        version = importlib.metadata.version("nvidia-resiliency-ext")
+    except importlib.metadata.PackageNotFoundError:
+        return "nvidia-resiliency-ext is not installed"
+    if tuple(int(x) for x in version.split(".")[:2] if x.isdigit()) < (0, 6):
+        return f"nvidia-resiliency-ext {version} is older than the 0.6.0 megatron-core needs"
+    return None
+
+
+def derive_checkpointing(cfg: ConfigContainer) -> None:
+    c = cfg.checkpoint
+    if c.async_save and c.async_strategy == "nvrx":
+        why = nvrx_async_unusable()
+        if why:  # the seed's fallback
+            derive_value(cfg, "checkpoint.async_strategy", "mcore", why)
 
 
 def derive_machine(cfg: ConfigContainer) -> None:
@@ -2520,6 +2675,15 @@ def check_callbacks(cfg: ConfigContainer) -> None:
     require(t.manual_gc_interval >= 0, f"--manual-gc-interval must be non-negative, got {t.manual_gc_interval}")
     require(st.straggler_minmax_count >= 1, f"--straggler-minmax-count must be at least 1, got "
                                             f"{st.straggler_minmax_count}")
+    require(st.enable_straggler_on_startup or not st.log_straggler,
+            "--disable-straggler-on-startup waits for Megatron-LM's straggler controller (--straggler-ctrlr-port) to "
+            "turn the report on, and there is none here: drop it (or --log-straggler)")
+    dist = cfg.dist
+    require(not dist.use_decentralized_pg, "dist.use_decentralized_pg: this trainer builds and reads megatron-core's "
+                                           "global parallel groups; drop the setting")
+    require(not cfg.ddp.param_name_patterns_for_fp32_local_accumulation or cfg.ddp.grad_reduce_in_fp32 is False,
+            "--ddp-param-name-patterns-for-fp32-local-accumulation accumulates some gradients in fp32 when the others "
+            "are not: it needs --bf16 with --grad-reduce-in-bf16, or --fp16")
     if p.use_pytorch_profiler or p.use_nsys_profiler or p.record_memory_history:
         require(0 <= p.profile_step_start < p.profile_step_end,
                 f"--profile-step-start {p.profile_step_start} and --profile-step-end {p.profile_step_end}: need "
@@ -2866,8 +3030,8 @@ MEGATRON_LM_INERT_FLAGS = [
         ("--ckpt-assume-constant-structure", None), ("--distrib-optim-fully-reshardable-mem-efficient", None),
         ("--dataloader-fast-cache-load", None), ("--dataloader-defer-npy-index-mmap", None),
         ("--num-dataset-builder-threads", int), ("--per-dataset-sequences-path", str), ("--disable-msc", None),
-        ("--disable-align-grad-reduce", None), ("--mlp-chunks-for-training", int), ("--dist-ckpt-workers", int),
-        ("--async-strategy", ["nvrx", "mcore"]), ("--async-ckpt-cpu-priority", int), ("--async-ckpt-io-priority", int),
+        ("--disable-align-grad-reduce", None), ("--mlp-chunks-for-training", int),
+        ("--async-ckpt-cpu-priority", int), ("--async-ckpt-io-priority", int),
         ("--async-ckpt-use-cpu-shm", None),
         ("--ckpt-fully-parallel-load-exchange-algo", ["broadcast", "gather_rounds", "gather_object"]),
         ("--ckpt-fully-parallel-save-process-group", ["dp", "ep_dp"]),
@@ -2875,7 +3039,7 @@ MEGATRON_LM_INERT_FLAGS = [
         ("--no-ckpt-load-validate-sharding-integrity", None), ("--disable-ckpt-load-validate-sharding-integrity", None),
         ("--no-stream-ckpt-dequant", None), ("--disable-stream-ckpt-dequant", None))),
     ("a tokenizer-library choice with no effect on the tokenizers here", (
-        ("--legacy-tokenizer", None), ("--tokenizer-hf-use-fast", None), ("--trust-remote-code", None),
+        ("--legacy-tokenizer", None), ("--tokenizer-hf-use-fast", None),
         ("--tiktoken-num-special-tokens", int), ("--tiktoken-special-tokens", "*"),
         ("--tokenizer-sentencepiece-legacy", None), ("--sft-tokenizer-prompt-format", str),
         ("--tokenizer-hf-no-use-fast", None), ("--tokenizer-hf-no-include-special-tokens", None),  # as encoded here
@@ -2886,7 +3050,7 @@ MEGATRON_LM_INERT_FLAGS = [
         ("--no-log-loss-scale-to-tensorboard", None), ("--disable-log-loss-scale-to-tensorboard", None),
         ("--log-memory-interval", int), ("--log-device-memory-used", None), ("--log-max-attention-logit", None),
         ("--no-barrier-with-level-1-timing", None), ("--log-world-size-to-tensorboard", None), ("--log-energy", None),
-        ("--straggler-ctrlr-port", int), ("--disable-straggler-on-startup", None),
+        ("--straggler-ctrlr-port", int),
         ("--result-rejected-tracker-filename", str), ("--config-logger-dir", str), ("--ft-num-warmup-iters", int))),
 ]
 
@@ -2918,7 +3082,7 @@ UNSUPPORTED_FLAGS = [
       "--use-same-sampling-seed-across-dp-ranks"),
      "the inference server (generate.py samples from a checkpoint)"),
     (("--num-classes", "--img-h", "--img-w", "--num-channels", "--patch-dim", "--classes-fraction",
-      "--data-per-class-fraction", "--no-data-sharding", "--head-lr-mult", "--vision-", "--swin-backbone-type",
+      "--data-per-class-fraction", "--head-lr-mult", "--vision-", "--swin-backbone-type",
       "--mask-type", "--mask-factor", "--iter-per-epoch", "--dino-", "--mrope-section"), "vision models"),
     (("--encoder-num-layers", "--decoder-num-layers", "--encoder-seq-length", "--decoder-seq-length", "--bert-",
       "--t5-", "--retro-", "--mask-prob", "--short-seq-prob", "--vocab-extra-ids", "--ict-", "--biencoder-",
@@ -3034,9 +3198,6 @@ MEGATRON_LM_REFUSED_FLAGS = [
     (("--eval-global-batch-size", "--eval-micro-batch-size"), "is not supported: evaluation batches are the training "
                                                               "ones (--global-batch-size, --micro-batch-size); drop it"),
     (("--start-eval-at-iter",), "is not supported: evaluation runs every --eval-interval iterations; drop it"),
-    (("--ddp-param-name-patterns-for-fp32-local-accumulation",),
-     "(fp32 gradient accumulation by parameter name) is not wired into this trainer's DDP config; drop it "
-     "(--accumulate-allreduce-grads-in-fp32 accumulates every gradient in fp32)"),
     (("--dataloader-inter-document-masking",), "(attention within each document, from cu_seqlens) is not supported: the "
                                                "data loader here gives no document boundaries; drop it"),
     (("--pytorch-profiler-collect-chakra",), "(Chakra execution traces) is not collected by the PyTorch profiler here; "
@@ -3071,7 +3232,6 @@ MEGATRON_LM_REFUSED_FLAGS = [
                   "--qk-layernorm and --qk-l2-norm"),
     (("--yaml-cfg",), "is not read (Megatron-LM's YAML layout); --config-file takes this trainer's YAML, one mapping "
                       "per section"),
-    (("--enable-experimental",), "is not supported: megatron-core's experimental features are not used here; drop it"),
     (("--dump-param-to-param-group-map",), "is not supported: parameter groups come from "
                                            "cfg.optimizer_config_override_provider"),
     (("--apply-wd-to-qk-layernorm", "--no-weight-decay-cond-type"),

@@ -30,6 +30,7 @@ from config import (BUILTIN_BPE_VOCAB, ConfigError, DatasetBuildContext, Dataset
                     builtin_corpus_cache, parse_data_path)
 from device import any_rank
 from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
@@ -442,11 +443,12 @@ class GPTFIMDataset(GPTDataset):
 # --------------------------------------------------------------------------------------------------
 
 
-def sft_example(record: dict, tokenizer, where: str):
+def sft_example(record: dict, tokenizer, where: str, prompt_key: str = None, response_key: str = None):
     """(token ids, loss mask) of one JSONL record, the response and its end-of-document token in the loss.
 
-    {"prompt": ..., "response": ...} (or "input"/"output"), or {"messages": [{"role", "content"}, ...]}
-    where the assistant's messages are learnt and everything else is context."""
+    {"prompt": ..., "response": ...} (or "input"/"output", or the keys a FinetuningDatasetConfig's
+    dataset_kwargs name), or {"messages": [{"role", "content"}, ...]} where the assistant's messages are
+    learnt and everything else is context."""
     if "messages" in record:
         ids, mask = [], []
         for message in record["messages"]:
@@ -456,11 +458,12 @@ def sft_example(record: dict, tokenizer, where: str):
             ids += piece
             mask += [int(learn)] * len(piece)
         return ids + [tokenizer.eod], mask + [1]
-    prompt = record.get("prompt", record.get("input"))
-    response = record.get("response", record.get("output"))
+    prompt = record.get(prompt_key) if prompt_key else record.get("prompt", record.get("input"))
+    response = record.get(response_key) if response_key else record.get("response", record.get("output"))
     if prompt is None or response is None:
-        raise ConfigError(f"{where}: expected 'prompt'/'response' (or 'input'/'output', or 'messages'); "
-                          f"found keys {', '.join(record)}")
+        expected = f"'{prompt_key or 'prompt'}'/'{response_key or 'response'}'" + (
+            "" if prompt_key or response_key else " (or 'input'/'output', or 'messages')")
+        raise ConfigError(f"{where}: expected {expected}; found keys {', '.join(record)}")
     p, r = tokenizer.tokenize(prompt), tokenizer.tokenize(response) + [tokenizer.eod]
     return p + r, [0] * len(p) + [1] * len(r)
 
@@ -471,10 +474,12 @@ class SFTDataset(torch.utils.data.Dataset):
     attention restarting at each. Items are indices, or (index, pad_to) from the `batch` sampler,
     which pads a whole global batch to its longest example."""
 
-    def __init__(self, examples: list, tokenizer, seq_length: int, pack: bool = False):
-        self.seq_length, self.pad, self.pack = seq_length, tokenizer.pad, pack
+    def __init__(self, examples: list, tokenizer, seq_length: int, pack: bool = False, packed: list = None):
+        self.seq_length, self.pad, self.pack = seq_length, tokenizer.pad, pack or packed is not None
         examples = [(ids[: seq_length + 1], mask[: seq_length + 1]) for ids, mask in examples]
-        if pack:  # greedy first fit, in order: each bin holds whole examples up to seq_length + 1 tokens
+        if packed is not None:  # packed already (Bridge's packed-sequence file): (ids, mask, example lengths) each
+            self.items = packed
+        elif pack:  # greedy first fit, in order: each bin holds whole examples up to seq_length + 1 tokens
             bins = []
             for ids, mask in examples:
                 if bins and len(bins[-1][0]) + len(ids) <= seq_length + 1:
@@ -515,7 +520,11 @@ class SFTDataset(torch.utils.data.Dataset):
 
 
 def build_sft_datasets(cfg, tokenizer) -> list:
-    """Train/validation/test SFTDatasets from JSONL: per-split paths, or one set of paths cut by --split."""
+    """Train/validation/test SFTDatasets from JSONL: per-split paths (a FinetuningDatasetConfig's dataset_root
+    names them, config.derive_data), or one set of paths cut by --split; a split from Bridge's packed-sequence
+    files when packed_sequence_specs names them."""
+    d, m = cfg.dataset, cfg.model
+    keys = getattr(d, "dataset_kwargs", None) or {}
 
     def load(paths):
         examples = []
@@ -524,24 +533,55 @@ def build_sft_datasets(cfg, tokenizer) -> list:
                 for n, line in enumerate(fh, 1):
                     if line.strip():
                         try:
-                            examples.append(sft_example(json.loads(line), tokenizer, f"{path}:{n}"))
+                            examples.append(sft_example(json.loads(line), tokenizer, f"{path}:{n}",
+                                                        keys.get("prompt_key"), keys.get("response_key")))
                         except json.JSONDecodeError as e:
                             raise ConfigError(f"{path}:{n}: not a JSON line ({e.msg})")
         return examples
 
-    d, m = cfg.dataset, cfg.model
     if d.train_data_path:
         splits = [load(p) if p else None for p in (d.train_data_path, d.valid_data_path, d.test_data_path)]
     else:
         examples = load(d.data_path)
         splits = [examples[lo:hi] if w > 0 else None
                   for (lo, hi), w in zip(split_document_ranges(len(examples), d.split), _split_weights(d.split))]
+    if not getattr(d, "do_validation", True):
+        splits[1] = None
+    if not getattr(d, "do_test", True):
+        splits[2] = None
+    if getattr(d, "max_train_samples", None) and splits[0]:
+        splits[0] = splits[0][: d.max_train_samples]
     needed = [True, bool(cfg.train.eval_iters), bool(cfg.train.eval_iters)]
     for name, split, need in zip(("train", "validation", "test"), splits, needed):
         if need and split is not None and not split:
             raise ConfigError(f"--split {d.split} leaves the {name} set of the finetuning data empty; "
                               f"give it a larger share, or --eval-iters 0")
-    return [SFTDataset(s, tokenizer, m.seq_length, d.sft_pack_sequences) if s else None for s in splits]
+    datasets = [SFTDataset(s, tokenizer, m.seq_length, d.sft_pack_sequences) if s else None for s in splits]
+    specs = getattr(d, "packed_sequence_specs", None) or {}
+    for i, key in ((0, "packed_train_data_path"), (1, "packed_val_data_path")):
+        if specs.get(key):
+            datasets[i] = SFTDataset([], tokenizer, m.seq_length, packed=read_bridge_packed(specs[key], m.seq_length))
+    return datasets
+
+
+def read_bridge_packed(path: str, seq_length: int) -> list:
+    """Bridge's packed-sequence file (`np.save` of a list of {"input_ids", "loss_mask", "seq_start_id"}, its
+    packing/algorithms.py fill_packing_strategy) as SFTDataset items: (ids, mask, example lengths).
+
+    Bridge's loss_mask is aligned to the inputs (position i: is the token after it learnt?); SFTDataset's to the
+    tokens (is token i learnt?): shifted by one within each example, so every target is the one Bridge trains."""
+    items = []
+    for n, element in enumerate(np.load(path, allow_pickle=True)):
+        ids, bridge_mask, starts = list(element["input_ids"]), list(element["loss_mask"]), list(element["seq_start_id"])
+        if len(ids) > seq_length + 1:
+            raise ConfigError(f"{path}: packed sequence {n} holds {len(ids)} tokens, more than --seq-length "
+                              f"{seq_length} + 1; pack it with packed_sequence_size {seq_length}")
+        mask = [0] * len(ids)
+        bounds = starts + [len(ids)]
+        for lo, hi in zip(bounds, bounds[1:]):
+            mask[lo + 1:hi] = [int(bool(x)) for x in bridge_mask[lo:hi - 1]]
+        items.append((ids, mask, [hi - lo for lo, hi in zip(bounds, bounds[1:])]))
+    return items
 
 
 # --------------------------------------------------------------------------------------------------
@@ -589,13 +629,16 @@ class MegatronPaddedBatchSampler(MegatronPretrainingSampler):
 
 class MegatronPretrainingRandomSampler:
     """The cyclic sampler: each epoch a fresh permutation (seeded by seed + epoch), each DP rank
-    drawing from its own contiguous bucket; resumes mid-epoch from `consumed_samples`."""
+    drawing from its own contiguous bucket (`data_sharding`), or without it every rank taking its stride of one
+    permutation of the whole dataset (Megatron-LM's data_samplers.py); resumes mid-epoch from `consumed_samples`."""
 
-    def __init__(self, total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size, seed):
+    def __init__(self, total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size, seed,
+                 data_sharding: bool = True):
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
         self.rank, self.size, self.seed = data_parallel_rank, data_parallel_size, seed
+        self.data_sharding = data_sharding
         self.step = micro_batch_size * data_parallel_size
         self.last_batch_size = total_samples % self.step
 
@@ -607,13 +650,16 @@ class MegatronPretrainingRandomSampler:
         while True:
             epoch = self.consumed_samples // active_total
             offset = self.consumed_samples % active_total
-            bucket_size = (self.total_samples // self.step) * self.micro_batch_size
-            bucket_offset = offset // self.size
             g = torch.Generator()
             g.manual_seed(self.seed + epoch)  # its own generator: the global RNG state is never touched
-            order = (torch.randperm(bucket_size, generator=g) + self.rank * bucket_size).tolist()
+            if self.data_sharding:
+                bucket_size = (self.total_samples // self.step) * self.micro_batch_size
+                order = (torch.randperm(bucket_size, generator=g) + self.rank * bucket_size).tolist()[offset // self.size:]
+            else:
+                whole = (self.total_samples // self.micro_batch_size) * self.micro_batch_size
+                order = torch.randperm(whole, generator=g).tolist()[offset:][self.rank::self.size]
             batch = []
-            for idx in order[bucket_offset:]:
+            for idx in order:
                 batch.append(idx)
                 if len(batch) == self.micro_batch_size:
                     self.consumed_samples += self.step
@@ -664,7 +710,7 @@ def build_data_loader(dataset, consumed_samples: int, cfg, seed_offset: int = 0)
     mbs = cfg.train.micro_batch_size
     if cfg.dataset.dataloader_type == "cyclic":
         sampler = MegatronPretrainingRandomSampler(len(dataset), consumed_samples, mbs, dp_rank, dp_size,
-                                                   cfg.rng.seed + seed_offset)
+                                                   cfg.rng.seed + seed_offset, getattr(cfg.dataset, "data_sharding", True))
     elif cfg.dataset.dataloader_type == "batch":
         total = max(train_valid_test_num_samples(cfg)) + consumed_samples  # examples repeat as epochs
         sampler = MegatronPaddedBatchSampler(dataset.lengths, consumed_samples, mbs, dp_rank, dp_size,
@@ -675,8 +721,10 @@ def build_data_loader(dataset, consumed_samples: int, cfg, seed_offset: int = 0)
     # Its own generator: a DataLoader otherwise draws its worker seed from the global torch RNG when
     # iterated, which would shift the dropout stream of a resumed run by one draw (Megatron Bridge #5257).
     generator = torch.Generator().manual_seed(cfg.rng.seed + seed_offset)
+    # pin_memory: derived False without a GPU (config.py); persistent_workers: torch refuses it without workers.
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers, generator=generator,
-                                       pin_memory=device.cuda(), persistent_workers=workers > 0,
+                                       pin_memory=getattr(cfg.dataset, "pin_memory", device.cuda()),
+                                       persistent_workers=getattr(cfg.dataset, "persistent_workers", True) and workers > 0,
                                        worker_init_fn=functools.partial(data_worker_init, cfg.train.exit_signal))
 
 
@@ -685,7 +733,8 @@ def build_data_iterators(cfg, tokenizer, train_state):
     The datasets are megatron-core's, or a DatasetProvider's in `cfg.dataset`."""
     if isinstance(cfg.dataset, DatasetProvider):
         train_ds, valid_ds, test_ds = cfg.dataset.build_datasets(
-            DatasetBuildContext(*train_valid_test_num_samples(cfg), tokenizer=tokenizer))
+            DatasetBuildContext(*train_valid_test_num_samples(cfg), tokenizer=tokenizer,
+                                pg_collection=ProcessGroupCollection.use_mpu_process_groups()))
     elif cfg.dataset.sft:
         train_ds, valid_ds, test_ds = build_sft_datasets(cfg, tokenizer)
     else:

@@ -180,9 +180,11 @@ def cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def bind_local_gpu(gpu_visible: bool) -> None:
+def bind_local_gpu(gpu_visible: bool, external_mapping: bool = False) -> None:
     """Bind this process to its rank's GPU (LOCAL_RANK) when the config saw one (config.gpu_visible, asked
-    without torch); a GPU this torch cannot use (a CPU-only build) is a one-line error. Nothing on a CPU."""
+    without torch), or to device 0 when the launcher gave each process its own GPU (Bridge's
+    external_gpu_device_mapping); a GPU this torch cannot use (a CPU-only build) is a one-line error. Nothing on
+    a CPU."""
     if not gpu_visible:
         return
     if not cuda():
@@ -190,7 +192,7 @@ def bind_local_gpu(gpu_visible: bool) -> None:
 
         raise ConfigError("a GPU is visible but this torch cannot use it (a CPU-only build?); install a CUDA build "
                           "of torch, or train on CPU with CUDA_VISIBLE_DEVICES=''")
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(0 if external_mapping else int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def backend() -> str:

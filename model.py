@@ -445,6 +445,7 @@ def megatron_ddp_config(cfg) -> DistributedDataParallelConfig:
         average_in_collective=cfg.ddp.ddp_average_in_collective,
         check_for_large_grads=cfg.ddp.check_for_large_grads,
         num_distributed_optimizer_instances=cfg.ddp.num_distributed_optimizer_instances,
+        param_name_patterns_for_fp32_local_accumulation=tuple(cfg.ddp.param_name_patterns_for_fp32_local_accumulation),
         # Off: train_step stops on a NaN or Inf loss with one line and no checkpoint; megatron DDP's own check
         # would raise from inside the backward pass instead.
         check_for_nan_in_grad=False,
@@ -562,7 +563,7 @@ def zero_grad(model: list, optimizer) -> None:
 def initialize_distributed(cfg) -> None:
     """One process per device. torchrun sets RANK/WORLD_SIZE/MASTER_*; a plain `python train.py` is a
     world of one. Then megatron-core's tensor/pipeline/context/data-parallel groups."""
-    device.bind_local_gpu(cfg.use_gpu)
+    device.bind_local_gpu(cfg.use_gpu, cfg.dist.external_gpu_device_mapping)
     backend = cfg.dist.distributed_backend or device.backend()
     timeout = timedelta(minutes=cfg.dist.distributed_timeout_minutes)
     if "RANK" in os.environ:

@@ -61,6 +61,7 @@ from model import (build_model, build_optimizer, build_rerun_state_machine, dest
                    get_forward_backward_func, initialize_distributed, padded_vocab_size, set_random_seed, wrap_model,
                    zero_grad)  # first: on a machine without CUDA, importing model.py installs device.py's CPU shim
 #                                  before megatron-core runs (and quiets its import-time warnings)
+from megatron.core import config as mcore_config
 from megatron.core import parallel_state
 from megatron.core import rerun_state_machine as mcore_rerun
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler, get_canonical_lr_for_logging
@@ -150,7 +151,8 @@ def pretrain(config: ConfigContainer, forward_step_func: Optional[Callable] = No
                         evaluate_and_print_results(state, f"iteration {ts.step} on {name} set", forward_step_func,
                                                    iterator, model, cfg, process_non_loss_data_func=process_non_loss_data_func,
                                                    non_loss_data_func=non_loss_data_func)
-        checkpoint.close_async_save(state)  # an async save in flight is published before the run ends
+        # an async save in flight is published before the run ends
+        state.checkpoint_manager.finalize_async_saves(state, blocking=True, terminate=True)
     finally:
         _finish_train(state)
     return state
@@ -175,6 +177,8 @@ def setup(cfg: ConfigContainer):
     """Everything before the first step. Returns (state, model, optimizer, scheduler, iterators)."""
     setup_logging(cfg.logger.logging_level)
     apply_deterministic_mode(cfg)
+    # megatron-core's experimental features (Megatron-LM's --enable-experimental): a process-wide flag, for this run only
+    mcore_config.set_experimental_flag(cfg.dist.enable_megatron_core_experimental)
     initialize_distributed(cfg)
     set_random_seed(cfg.rng.seed)
     # megatron-core's MoE metrics tracker is a module global (moe_logging.py:46) whose per-layer tensors keep the size
@@ -182,6 +186,8 @@ def setup(cfg: ConfigContainer):
     # 122). A new tracker for each run.
     destroy_moe_metrics_tracker()
     state = GlobalState(cfg)
+    # Who saves and loads: checkpoint.py's manager, or checkpoint.custom_manager_class's (checked before the model).
+    state.checkpoint_manager = checkpoint.create_checkpoint_manager(cfg.checkpoint)
     if state.writers is not None:  # opened now, as Megatron does: a tracker that cannot start fails before the model
         print(f"> writing metrics to {', '.join(type(w).__name__ for w in state.writers.writers)}", flush=True)
     tokenizer = state.tokenizer = data.build_tokenizer(cfg)
@@ -214,9 +220,7 @@ def setup(cfg: ConfigContainer):
     scheduler = build_scheduler(cfg, optimizer)
 
     # Resume this run's own checkpoint if --load holds one; otherwise start from pretrained weights if given.
-    resumed = bool(ck.load) and checkpoint.load_checkpoint(state, model, optimizer, scheduler, ck.load, ck.finetune)
-    if not resumed and ck.pretrained_checkpoint and cfg.peft.peft == "none":
-        checkpoint.load_checkpoint(state, model, optimizer, scheduler, ck.pretrained_checkpoint, finetune=True)
+    state.checkpoint_manager.load(checkpoint.CheckpointLoadContext(state, model, optimizer, scheduler))
     state.start_step = state.train_state.step
     state.num_microbatches_calculator.update(state.train_state.consumed_train_samples, consistency_check=True)
     state.start_floating_point_operations = state.train_state.floating_point_operations_so_far
@@ -339,6 +343,7 @@ class GlobalState:
         self.exit_code: Optional[int] = None  # set when the loop stops early (signal, interval, NaN)
         self.last_saved_step: Optional[int] = None  # the newest checkpoint this job wrote or resumed: not saved twice
         self.async_calls_queue = None  # --async-save: the checkpoint writes in flight (checkpoint.py)
+        self.checkpoint_manager = None  # who saves and loads (checkpoint.create_checkpoint_manager, in setup)
         self.straggler_timer = metrics.StragglerTimer(cfg.straggler.log_straggler)
         self.rerun_state_machine = None  # megatron-core's RerunStateMachine, set at setup
         self._writers = None
@@ -399,7 +404,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
 
     while ts.step < cfg.train.train_iters:
         if cfg.checkpoint.async_save:  # publish a background save once every rank has written it
-            checkpoint.maybe_finalize_async_save(global_state, blocking=False)
+            global_state.checkpoint_manager.finalize_async_saves(global_state, blocking=False)
         _follow_batch_size_rampup(global_state, model, optimizer, scheduler, train_data_iterator)
         nsys_nvtx_context = profiling.handle_profiling_step(cfg.profiling, ts.step, rank, prof) or nsys_nvtx_context
         if _should_skip_and_handle_iteration(global_state, train_data_iterator):  # consumes a skipped step's data
@@ -421,16 +426,18 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
 
         # One report per iteration: the log line, TensorBoard and the trackers all read it (metrics.step_report).
         # Its time is the log interval's so far, as the log line's: the interval timer over the iterations it ran.
-        interval = cfg.logger.log_interval
-        in_interval = metrics.iterations_since_last_log(ts.step, global_state.start_step, interval)
-        report = metrics.step_report(
-            step.loss_dict, *logged_learning_rates(cfg, optimizer), batch_size, float(optimizer.get_loss_scale()),
-            step.grad_norm, step.num_zeros_in_grad,
-            metrics.calc_params_l2_norm(model) if cfg.logger.log_params_norm else None,
-            timers("interval-time").elapsed(reset=False) / in_interval,
-            moe_losses=metrics.moe_auxiliary_losses(cfg, global_state.num_microbatches))
-        report_memory_flag = metrics.log_step(report, total_loss_dict, report_memory_flag, step.skipped_iter,
-                                              global_state, history_wct, model)
+        # skip_train_metrics_log (Bridge's) leaves out all of it.
+        if not cfg.logger.skip_train_metrics_log:
+            interval = cfg.logger.log_interval
+            in_interval = metrics.iterations_since_last_log(ts.step, global_state.start_step, interval)
+            report = metrics.step_report(
+                step.loss_dict, *logged_learning_rates(cfg, optimizer), batch_size, float(optimizer.get_loss_scale()),
+                step.grad_norm, step.num_zeros_in_grad,
+                metrics.calc_params_l2_norm(model) if cfg.logger.log_params_norm else None,
+                timers("interval-time").elapsed(reset=False) / in_interval,
+                moe_losses=metrics.moe_auxiliary_losses(cfg, global_state.num_microbatches))
+            report_memory_flag = metrics.log_step(report, total_loss_dict, report_memory_flag, step.skipped_iter,
+                                                  global_state, history_wct, model)
         if cfg.train.eval_iters and valid_data_iterator is not None and ts.step % cfg.train.eval_interval == 0:
             collect_garbage_around_eval(cfg, after=False)
             with forward_pre_hooks_paused(model):  # evaluate the gathered, current parameters
@@ -490,6 +497,7 @@ def _finish_train(global_state: GlobalState) -> None:
     if global_state.signal_handler is not None:
         global_state.signal_handler.release()
     mcore_rerun.destroy_rerun_state_machine()
+    mcore_config.set_experimental_flag(False)  # megatron-core's default
     destroy_distributed()
 
 
@@ -1053,14 +1061,18 @@ def checkpoint_and_decide_exit(state: GlobalState, model, optimizer, opt_param_s
 def save_checkpoint_and_time(state: GlobalState, model, optimizer, opt_param_scheduler,
                              num_floating_point_operations_so_far: float, checkpointing_context: Optional[dict] = None,
                              non_persistent_ckpt: bool = False, train_data_iterator=None) -> None:
-    """Save, timing the save and keeping it out of the iteration time (and so out of throughput).
-    `checkpointing_context`, `non_persistent_ckpt` and `train_data_iterator` are Bridge's signature (its checkpoint
-    managers, local checkpoints, a stateful data loader); nothing here needs them."""
+    """Save through the run's checkpoint manager, timing the save and keeping it out of the iteration time (and so
+    out of throughput). `checkpointing_context` is Bridge's signature (its strategies' cache), unused;
+    `non_persistent_ckpt` and `train_data_iterator` reach the manager (a custom one may use them; the default
+    manager has no local checkpoints and a stateless data loader)."""
     timers = state.timers
     timers("interval-time").stop(barrier=True)
     timers("save-checkpoint", log_level=0).start(barrier=True)
     with forward_pre_hooks_paused(model):  # --overlap-param-gather: save gathered, current parameters
-        directory = checkpoint.save_checkpoint(state, model, optimizer, opt_param_scheduler)
+        state.checkpoint_manager.save(checkpoint.CheckpointSaveContext(
+            state, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+            train_data_iterator=train_data_iterator, non_persistent_ckpt=non_persistent_ckpt), None)
+    directory = checkpoint.iter_dir(state.cfg.checkpoint.save, state.train_state.step)
     timers("save-checkpoint").stop(barrier=True)
     state.last_saved_step = state.train_state.step
     metrics.compute_throughputs_and_append_to_progress_log(state, num_floating_point_operations_so_far)

@@ -189,6 +189,7 @@ def test_a_custom_dataset_provider_feeds_pretrain(tmp_path, capsys):
 
         def build_datasets(self, context):
             self.seen.append(context)
+            self.data_parallel_size = context.pg_collection.dp.size()  # the run's groups, alive while it runs
 
             class Counting(torch.utils.data.Dataset):  # next token = previous + 1, mod 50
                 def __init__(self, n, seq):
@@ -212,6 +213,8 @@ def test_a_custom_dataset_provider_feeds_pretrain(tmp_path, capsys):
     context = cfg.dataset.seen[0]
     assert (context.train_samples, context.valid_samples, context.test_samples) == (60, 4, 2)
     assert context.tokenizer is not None and state.train_state.step == 30
+    # Bridge's DatasetBuildContext.pg_collection: the run's process groups (one rank here: a data-parallel group of 1)
+    assert cfg.dataset.data_parallel_size == 1
     losses = [l[3] for l in log_lines(out)]
     assert losses[-1] < 0.7 * losses[0]
     assert "validation loss at iteration 30 on validation set" in out and "on test set" not in out

@@ -10,6 +10,8 @@ TensorBoard; CP with rotary positions continues a 1-rank RoPE run's checkpoint.
 The 4- and 8-rank layouts also stop at 9 and resume bitwise, and the 8-rank checkpoint goes back to 1 rank.
 Every run is planned for 15 iterations (the schedule a checkpoint holds) and most stop at 12 (--exit-interval)."""
 
+import os
+
 import pytest
 import torch
 
@@ -81,9 +83,10 @@ LAYOUTS = {
     "cp2": (2, "plain", [*CP2, "--exit-interval", "15", "--save-interval", "12"]),
     "cp2_rope": (2, "rope", [*CP2, *ROPE]),
     "tp2_cp2": (4, "plain", [*TP2, *CP2]),
-    # 4 ranks, with an uneven pipeline split (1 + 3 layers) and sequence parallelism; saves at 9 (resumed below).
+    # 4 ranks, with an uneven pipeline split (1 + 3 layers) and sequence parallelism; saves at 9 (resumed below), each
+    # rank through two writers (Bridge's storage_writers_per_rank).
     "tp2_pp2": (4, "plain", [*TP2, *SP, "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1",
-                             "--save-interval", "9"]),
+                             "--dist-ckpt-workers", "2", "--save-interval", "9"]),
     # 8 ranks: TP 2 (with SP) x PP 2 x DP 2, the distributed optimizer, fully_reshardable so 1 rank can read it back.
     "tp2_pp2_dp2": (8, "dopt", [*TP2, *SP, "--pipeline-model-parallel-size", "2", *DOPT,
                                 "--dist-ckpt-optim-fully-reshardable", "--save-interval", "9"]),
@@ -136,6 +139,14 @@ def test_four_and_eight_rank_layouts_stop_at_9_and_resume_bitwise(runs, name):
     straight, resumed = stop_and_resume(runs, name)
     assert resumed["iterations"][:3] == [10, 11, 12]
     assert_bitwise(resumed, straight, [10, 11, 12])
+
+
+def test_a_save_holds_saving_ranks_times_writers_per_rank_files(runs):
+    """storage_writers_per_rank (--dist-ckpt-workers 2): each of the 4 ranks of TP 2 x PP 2, every one holding shards
+    of its own, writes 2 files: 8 .distcp files (and the resume from them is bitwise, above)."""
+    layout(runs, "tp2_pp2")
+    files = os.listdir(os.path.join(runs.ckpt("tp2_pp2"), "iter_0000009"))
+    assert sorted(f for f in files if f.endswith(".distcp")) == [f"__{r}_{w}.distcp" for r in range(4) for w in range(2)]
 
 
 def test_the_eight_rank_checkpoint_continues_on_one_rank(runs):

@@ -113,3 +113,13 @@ def test_flash_decoding_gives_the_plain_cached_decodings_logits_on_gpu():
         torch.testing.assert_close(cached_steps(model, True), cached_steps(model, False), rtol=1e-4, atol=1e-4)
     finally:
         one_process_world_ends()
+
+
+def test_an_external_device_mapping_binds_device_0_whatever_the_local_rank(monkeypatch):
+    """Bridge's dist.external_gpu_device_mapping: the launcher gave each process its own GPU (CUDA_VISIBLE_DEVICES),
+    so device 0 is the rank's, not the LOCAL_RANK-th."""
+    import device
+
+    monkeypatch.setenv("LOCAL_RANK", str(torch.cuda.device_count()))  # no such device: binding by rank would fail
+    device.bind_local_gpu(True, external_mapping=True)
+    assert torch.cuda.current_device() == 0

@@ -1050,7 +1050,6 @@ REFUSED = [
     ("--fake-process-group", "(training without collectives, for benchmarks) is not supported"),
     ("--spec", "is not supported: this trainer builds its own layer spec"),
     ("--yaml-cfg", "is not read (Megatron-LM's YAML layout); --config-file takes this trainer's YAML"),
-    ("--enable-experimental", "is not supported: megatron-core's experimental features are not used here"),
     ("--dump-param-to-param-group-map", "is not supported: parameter groups come from"),
     ("--apply-wd-to-qk-layernorm", "is not supported: 1-D parameters (norms) get no weight decay here"),
     ("--no-weight-decay-cond-type", "is not supported: 1-D parameters (norms) get no weight decay here"),
@@ -1080,8 +1079,6 @@ REFUSED = [
     ("--eval-micro-batch-size", "is not supported: evaluation batches are the training ones"),
     ("--start-eval-at-iter", "is not supported: evaluation runs every --eval-interval iterations"),
     ("--validation-set-names", "is not supported: evaluation runs --eval-iters batches"),
-    ("--ddp-param-name-patterns-for-fp32-local-accumulation", "(fp32 gradient accumulation by parameter name) is not "
-                                                               "wired into this trainer's DDP config"),
     ("--dataloader-inter-document-masking", "(attention within each document, from cu_seqlens) is not supported"),
     ("--pytorch-profiler-collect-chakra", "(Chakra execution traces) is not collected by the PyTorch profiler here"),
     ("--no-pad-vocab-size", "is not supported: the vocabulary is always padded from the tokenizer's size"),

@@ -293,7 +293,7 @@ def _write_results_queue(async_save: bool, mp_mode: str = "fork", async_strategy
     if async_save and async_strategy == "nvrx":  # nvidia-resiliency-ext's writer reads its own module's queue
         from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
 
-        writer = sys.modules[get_async_strategy("nvrx", "FileSystemWriterAsync").__module__]
+        writer = sys.modules[get_async_strategy("nvrx", "FileSystemWriterAsync")[1].__module__]
     writer._results_queue = _MANAGER_RESULTS if async_save else _LOCAL_RESULTS
 
 
@@ -633,7 +633,7 @@ def _async_queue(state):
         if ck.ckpt_format == "torch_dist":
             from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
 
-            AsyncCallsQueue = get_async_strategy(ck.async_strategy, "AsyncCallsQueue")
+            _, AsyncCallsQueue = get_async_strategy(ck.async_strategy, "AsyncCallsQueue")
             # The persistent worker is a spawned process that selects its CUDA device first (async_utils.py:565);
             # without CUDA the writes go to a process forked per save, which inherits device.py's shim.
             state.async_calls_queue = AsyncCallsQueue(persistent=ck.use_persistent_ckpt_worker and device.cuda())

@@ -801,12 +801,12 @@ def calc_params_l2_norm(model, model_config=None, use_megatron_fsdp: bool = Fals
         else:
             whole.append(main if main is not None else p.detach().float())
     where = device.current()
+    # Both kinds on every rank, whatever the model: an `allreduce = False` parameter outside an MoE model (Bridge's
+    # unit test has one) is counted too, and a rank that holds no expert still joins the expert groups' reductions.
     groups = {False: (parallel_state.get_data_parallel_group(with_context_parallel=True),
-                      parallel_state.get_model_parallel_group())}
-    chunks = model if isinstance(model, list) else [model]
-    if getattr(unwrap_config(chunks[0]), "num_moe_experts", None):  # every rank reduces, experts here or not
-        groups[True] = (parallel_state.get_expert_data_parallel_group(),
-                        parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+                      parallel_state.get_model_parallel_group()),
+              True: (parallel_state.get_expert_data_parallel_group(),
+                     parallel_state.get_expert_tensor_model_pipeline_parallel_group())}
     total = torch.zeros((), dtype=torch.float32, device=where)
     for expert, (dp_group, mp_group) in groups.items():
         whole, sharded = params[expert]

@@ -312,3 +312,13 @@ def test_a_log_line_divides_its_interval_by_the_iterations_it_covers(step, start
     import metrics
 
     assert metrics.iterations_since_last_log(step, start, interval) == expected
+
+
+def test_the_params_norm_counts_a_parameter_reduced_outside_the_data_parallel_group(single_rank_groups):
+    """Bridge's unit test: a dense model (no MoE) with one `allreduce = False` parameter [3, 4] has params norm 5.0.
+    Such parameters were counted only in MoE models, so this printed 0.0."""
+    param = torch.nn.Parameter(torch.tensor([3.0, 4.0]))
+    param.allreduce = False
+    model = torch.nn.Module()
+    model.weight = param
+    assert metrics.calc_params_l2_norm([model]) == pytest.approx(5.0, rel=2 ** -23)  # fp32: one rounding of sqrt(25)

@@ -442,13 +442,27 @@ def check_experts(files: list, hf: dict, layout: str, where: str) -> None:
         raise config_lib.ConfigError(f"{where}: {expected} experts, but the weights hold none")
 
 
+def transformers_config(directory: str, path: str) -> dict:
+    """config.json as transformers reads it: its config class fills every key the file leaves out with that class's
+    default (Qwen3-MoE's norm_topk_prob is False, LLaMA's tie_word_embeddings False, ...), and turns older spellings
+    into today's (rope_theta into rope_parameters). A model_type transformers does not know: the file as it is, for
+    flags_from_hf to name."""
+    import transformers
+
+    with open(path) as fh:
+        raw = json.load(fh)
+    try:
+        return transformers.AutoConfig.from_pretrained(directory).to_dict()
+    except (ValueError, KeyError):
+        return raw
+
+
 def import_hf(directory: str, save: str) -> str:
     """A checkpoint (iteration 0, weights only) in `save` from the transformers directory; returns its iter_* path."""
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
         raise config_lib.ConfigError(f"--hf {directory}: no config.json")
-    with open(path) as fh:
-        hf = json.load(fh)
+    hf = transformers_config(directory, path)
     layout, flags = flags_from_hf(hf, path)
     if os.path.isfile(os.path.join(directory, "tokenizer.json")):
         flags += ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", directory]

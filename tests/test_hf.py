@@ -294,3 +294,25 @@ def test_moe_bad_input_is_one_line_before_any_weight_loads(moe_ckpts, tmp_path, 
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and expected in err, err
     assert not os.path.exists(tmp_path / "x")
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "mixtral", "qwen3_moe"])
+def test_a_config_without_its_optional_keys_is_read_with_transformers_defaults(kind, tmp_path):
+    """A config.json that leaves out every key at its class's default (a hand-written or minimal one) imports as
+    transformers reads it: Qwen3-MoE's norm_topk_prob False (no renormalised routing), LLaMA's untied embeddings, ..."""
+    import hf
+
+    theirs = _random_hf(kind, str(tmp_path / "in"))
+    path = tmp_path / "in" / "config.json"
+    saved = json.loads(path.read_text())
+    defaults = type(theirs.config)().to_dict()
+    minimal = {k: v for k, v in saved.items() if k == "model_type" or k not in defaults or defaults[k] != v}
+    assert len(minimal) < len(saved)
+    path.write_text(json.dumps(minimal))
+    hf.import_hf(str(tmp_path / "in"), str(tmp_path / "ckpt"))
+    tokens = torch.randint(0, 299, (2, 40), generator=torch.Generator().manual_seed(3))
+    ours, _ = _our_logits(str(tmp_path / "ckpt"), tokens)
+    reread = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "in")).eval()
+    with torch.no_grad():
+        expected = reread(tokens).logits
+    assert (ours - expected).abs().max().item() <= 1e-4  # as the full config's test: fp32 over 2 layers

@@ -1823,6 +1823,11 @@ def check_moe(cfg: ConfigContainer) -> None:
     ep, etp, tp, pp = (m.expert_model_parallel_size, m.expert_tensor_parallel_size, m.tensor_model_parallel_size,
                        m.pipeline_model_parallel_size)
     require(ep >= 1 and etp >= 1, "--expert-model-parallel-size and --expert-tensor-parallel-size must be at least 1")
+    # megatron-core builds the expert groups for every model, dense too: sizes that do not divide the world fail
+    # in its initialize_model_parallel with a traceback
+    require(cfg.world_size % (etp * ep * pp) == 0,
+            f"expert tensor ({etp}) x expert ({ep}) x pipeline ({pp}) parallel sizes = {etp * ep * pp} do not divide "
+            f"the world size {cfg.world_size}; launch a multiple of {etp * ep * pp} processes")
     if not m.num_experts:
         require(ep == 1, f"--expert-model-parallel-size {ep} splits experts over ranks; add --num-experts (a multiple "
                          f"of {ep})")
@@ -1831,9 +1836,6 @@ def check_moe(cfg: ConfigContainer) -> None:
     require(n > 0, f"--num-experts must be positive (0: no MoE), got {n}")
     require(n % ep == 0, f"--expert-model-parallel-size {ep} must divide --num-experts {n} (each rank holds "
                          f"num-experts / EP experts)")
-    require(cfg.world_size % (etp * ep * pp) == 0,
-            f"expert tensor ({etp}) x expert ({ep}) x pipeline ({pp}) parallel sizes = {etp * ep * pp} do not divide "
-            f"the world size {cfg.world_size}; launch a multiple of {etp * ep * pp} processes")
     require(k <= n, f"--moe-router-topk {k} routes each token to more experts than --num-experts {n}; lower it")
     layers = moe_layers(m)
     require(any(layers), f"--moe-layer-freq {m.moe_layer_freq!r} makes no layer an MoE layer; mark at least one with "

@@ -156,6 +156,9 @@ def test_megatron_lm_cpu_command_line_switches_are_accepted_and_named_as_inert(s
     (["--sft", "--data-path", "/nonexistent.jsonl"], 1, False, "/nonexistent.jsonl not found; with --sft"),
     (["--num-layers", "four"], 1, False, "invalid int value"),
     (["--no-such-flag"], 1, False, "unrecognized arguments: --no-such-flag"),
+    # a dense model too: megatron-core builds the expert groups whatever the model
+    (["--expert-tensor-parallel-size", "999999999999"], 1, False,
+     "expert tensor (999999999999) x expert (1) x pipeline (1) parallel sizes = 999999999999 do not divide the world"),
 ])
 def test_validation_errors_are_one_line_with_exit_code_2(argv, world_size, gpu, message, capsys):
     err = config_error(argv, capsys, world_size=world_size, gpu=gpu)

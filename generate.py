@@ -282,6 +282,12 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen
     return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
 
 
+def kv_cache_length(prompt_tokens: int, max_new_tokens: int, context: int) -> int:
+    """Positions the KV cache holds: the prompt and the new tokens, at most the context. (Sized to the context alone,
+    an imported Llama-3.2, 131,072 positions, would ask for ~8.6 GB of fp32 keys and values to write ten tokens.)"""
+    return min(context, prompt_tokens + max_new_tokens)
+
+
 def generate(model, tokenizer, prompt_ids: list, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, seed=None, on_token=None, kv_cache: bool = True, generator=None) -> list:
     """The new token ids after `prompt_ids`, stopping early at the end-of-document token. `seed` None (and no
@@ -291,12 +297,13 @@ def generate(model, tokenizer, prompt_ids: list, max_new_tokens: int, temperatur
     vocab = tokenizer.vocab_size  # ids past it (the pad, the tensor-parallel padding) are never text
     if generator is None and seed is not None:
         generator = torch.Generator().manual_seed(seed)
-    cache = StaticInferenceContext(max_batch_size=1, max_sequence_length=context) if kv_cache else None
+    cached = kv_cache_length(len(prompt_ids), max_new_tokens, context)
+    cache = StaticInferenceContext(max_batch_size=1, max_sequence_length=cached) if kv_cache else None
     shim_free = kv_cache and shim_free_decode(model)
     ids, new = list(prompt_ids), []
     with flash_decoding(model, kv_cache):
         for _ in range(max_new_tokens):
-            if cache is not None and len(ids) <= context:
+            if cache is not None and len(ids) <= cached:
                 logits = cached_next_token_logits(model, ids, cache, shim_free)[:vocab]
             else:  # no cache, or past the context: the cached positions cannot slide
                 logits = next_token_logits(model, ids[-context:])[:vocab]

@@ -89,6 +89,24 @@ def test_kv_cached_decoding_gives_the_full_forward_tokens_past_the_context(kind,
         assert len(with_cache) == 300 and with_cache == plain, sampling
 
 
+def test_the_cache_holds_the_prompt_and_the_new_tokens_and_decodes_as_the_plain_loop(llama_ckpt, monkeypatch):
+    """A short generation sizes the KV cache to the prompt plus --max-new-tokens, not the context, and a cache of
+    that size gives the plain loop's tokens."""
+    import generate
+
+    assert generate.kv_cache_length(8, 10, 131072) == 18 and generate.kv_cache_length(60, 300, 64) == 64
+    model, tokenizer, _ = generate.load_model(llama_ckpt)
+    never_stops = types.SimpleNamespace(vocab_size=tokenizer.vocab_size, eod=-1)
+    prompt = tokenizer.tokenize("def f")
+    sizes = []
+    made = generate.StaticInferenceContext
+    monkeypatch.setattr(generate, "StaticInferenceContext",
+                        lambda **kw: sizes.append(kw["max_sequence_length"]) or made(**kw))
+    with_cache = generate.generate(model, never_stops, prompt, 10)
+    assert sizes == [len(prompt) + 10]
+    assert with_cache == generate.generate(model, never_stops, prompt, 10, kv_cache=False)
+
+
 def random_model(flags, gpu: bool = False):
     """A tiny GPT of `flags`, randomly initialised in this process (a world of one), for inference."""
     import config

@@ -369,8 +369,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise NotImplementedError(f"device.flash_attn_with_kvcache: one new token per sequence, without "
                                   f"{', '.join(extra) or 'a query longer than one'}; install flash-attn")
     # megatron-core's static batch: [offset] * batch (gpt_model.py:449). One query sees every key, so `causal`
-    # (flash-attn's bottom-right aligned mask) changes nothing.
-    start = int(cache_seqlens.reshape(-1)[0])
+    # (flash-attn's bottom-right aligned mask) changes nothing. A ragged batch (sequences at different positions)
+    # would need a mask per sequence: refused rather than attended at the first one's length.
+    lengths = cache_seqlens.reshape(-1)
+    if bool((lengths != lengths[0]).any()):
+        raise NotImplementedError(f"device.flash_attn_with_kvcache: every sequence of the batch at one position (got "
+                                  f"{lengths.tolist()}); install flash-attn for ragged batches")
+    start = int(lengths[0])
     end = start + k.shape[1]
     if rotary_cos is not None:
         cos, sin = _rotary_tables(rotary_cos[start:end], rotary_sin[start:end], rotary_interleaved, q)

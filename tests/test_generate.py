@@ -200,6 +200,9 @@ def test_device_kernels_keep_flash_attns_contract_and_refuse_the_rest():
             device.flash_attn_with_kvcache(**{**dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
                                                      cache_seqlens=torch.tensor([5, 5])), **kwargs})
         assert "\n" not in str(e.value)
+    # a ragged batch (sequences at different positions) is refused, not attended at the first one's length
+    with pytest.raises(NotImplementedError, match=r"every sequence of the batch at one position \(got \[4, 2\]\)"):
+        device.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor([4, 2]))
 
 
 @pytest.mark.parametrize("flags", [

@@ -133,7 +133,8 @@ def pretrain(config: ConfigContainer, forward_step_func: Optional[Callable] = No
     forward_step_func = forward_step_func or forward_step
     try:
         state, model, optimizer, scheduler, (train_it, valid_it, test_it) = setup(config)
-    except BaseException:  # a bad checkpoint or data path: leave no process group behind
+    except BaseException:  # a bad checkpoint or data path: leave no process group (or experimental flag) behind
+        mcore_config.set_experimental_flag(False)
         destroy_distributed()
         raise
     cfg, ts = state.cfg, state.train_state

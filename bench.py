@@ -684,11 +684,14 @@ if __name__ == "__main__":
                "overhead": bench_overhead, "ladder": bench_ladder, "hotpath": bench_hotpath,
                "generate": bench_generate, "parallel": bench_parallel, "moe": bench_moe}
     name = sys.argv[1] if len(sys.argv) > 1 else "checkpoint"
-    if name == "_one_size":  # a ladder size in its own process (bench_ladder runs it)
-        import json
+    import device
 
-        print(json.dumps(_one_size(sys.argv[2:])))
-        sys.exit(0)
-    if name not in benches:
-        sys.exit(f"bench.py: error: unknown benchmark {name}; choose from {', '.join(benches)}")
-    print_table(benches[name](sys.argv[2:]))
+    with device.shim():  # megatron-core on this machine, for the benchmark (train.py's runs enter it too)
+        if name == "_one_size":  # a ladder size in its own process (bench_ladder runs it)
+            import json
+
+            print(json.dumps(_one_size(sys.argv[2:])))
+            sys.exit(0)
+        if name not in benches:
+            sys.exit(f"bench.py: error: unknown benchmark {name}; choose from {', '.join(benches)}")
+        print_table(benches[name](sys.argv[2:]))

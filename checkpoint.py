@@ -294,7 +294,19 @@ def _write_results_queue(async_save: bool, mp_mode: str = "fork", async_strategy
         from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
 
         writer = sys.modules[get_async_strategy("nvrx", "FileSystemWriterAsync")[1].__module__]
+    _REPLACED_QUEUES.setdefault(writer, writer._results_queue)
     writer._results_queue = _MANAGER_RESULTS if async_save else _LOCAL_RESULTS
+
+
+_REPLACED_QUEUES = {}  # writer module: its own _results_queue, before the run's first save replaced it
+
+
+def restore_write_results_queue() -> None:
+    """Give each writer module its own results queue back at the end of a run (train._finish_train): the next user of
+    megatron-core's async save in this process must not inherit this run's."""
+    while _REPLACED_QUEUES:
+        writer, own = _REPLACED_QUEUES.popitem()
+        writer._results_queue = own
 
 
 def _shield_write_results_queue(mp_mode: str = "fork"):

@@ -31,9 +31,9 @@ What the shim answers (file:line in megatron-core 0.19.2), and why:
                                                distrib_optimizer.py:401,466,758,               (the type checks pass)
                                                clip_grads.py:174
     torch.cuda.current_device()                the device= arguments above;                    0 (mapped to the CPU
-                                               rerun_state_machine.py:527,569 names it in      by the first row); the
-                                               messages; an MoE router's weights move to it    CPU while the shim is
-                                               at every call (router.py:96)                    paused (a decode step)
+                                               rerun_state_machine.py:527,569 names it in      by the first row)
+                                               messages; an MoE router's weights move to it
+                                               at every call (router.py:96)
     torch.cuda.synchronize()                   timers.py:152,165, p2p_communication.py:263,    nothing to wait for
                                                fully_parallel.py:287,296,                      (CPU ops are synchronous)
                                                filesystem_async.py:248, async_utils.py:273
@@ -93,6 +93,8 @@ Beyond the shim, the machines differ in only these, each answered here once:
 
 import contextlib
 import functools
+import importlib.abc
+import importlib.util
 import os
 import sys
 import warnings
@@ -127,8 +129,8 @@ from torch.overrides import TorchFunctionMode
 
 
 def _compile_on_first_call(model=None, **kwargs):
-    """torch.compile, deferred to the function's first call; on a CPU (the shim installed), no compilation: the
-    function as written."""
+    """torch.compile, deferred to the function's first call; in a run on a CPU (the shim installed), no compilation:
+    the function as written."""
     if model is None:  # used as @torch.compile(...)
         return functools.partial(_compile_on_first_call, **kwargs)
     compiled = None
@@ -136,8 +138,10 @@ def _compile_on_first_call(model=None, **kwargs):
     @functools.wraps(model)
     def call(*args, **kw):
         nonlocal compiled
+        if isinstance(_mode, CudaOnCpu):  # in a run on a CPU: as written
+            return model(*args, **kw)
         if compiled is None:
-            compiled = model if _mode is not None else _torch_compile(model, **kwargs)
+            compiled = _torch_compile(model, **kwargs)
         return compiled(*args, **kw)
 
     return call
@@ -156,10 +160,11 @@ def _import_megatron_core() -> None:
       Here they are compiled at their first call instead: the same functions, compiled the same way, when used. On
       a CPU they are not compiled at all: they run as written, as a GPU's fused kernels are no CPU's concern, and
       compiling them cost each MoE process 0.9 s at its first MoE layer (measured) and a decode step 5%;
-    - its inference engine's context imports wandb when it is installed (inference/contexts/dynamic_context.py:70),
-      which training never uses: wandb is hidden from it (`import wandb` fails inside it); the W&B writer
-      (metrics.WandbWriter) imports the real wandb when --wandb-project asks for it."""
-    hide = "wandb" not in sys.modules
+    - its timers import wandb when it is installed (timers.py:13; ~1 s), which training uses only with
+      --wandb-project: wandb is hidden during this import, and given to the timers when it is imported later, by
+      the W&B writer (metrics.WandbWriter) or by anyone (_GiveWandbWhenImported): `megatron.core.timers.wandb` is
+      then the module, as without this."""
+    hide = "wandb" not in sys.modules and importlib.util.find_spec("wandb") is not None
     if hide:
         sys.modules["wandb"] = None
     torch.compile = _compile_on_first_call
@@ -169,6 +174,28 @@ def _import_megatron_core() -> None:
         torch.compile = _torch_compile
         if hide and sys.modules.get("wandb", 0) is None:
             del sys.modules["wandb"]
+            sys.meta_path.insert(0, _GiveWandbWhenImported())
+
+
+class _GiveWandbWhenImported(importlib.abc.MetaPathFinder):
+    """At wandb's import, once its code ran: megatron-core's timers, which looked for it while it was hidden, get it.
+    Then this finder leaves sys.meta_path."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "wandb":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run_module = spec.loader.exec_module
+
+        def exec_module(module):
+            run_module(module)
+            timers = sys.modules.get("megatron.core.timers")
+            if timers is not None and timers.wandb is None:
+                timers.wandb = module
+
+        spec.loader.exec_module = exec_module
+        return spec
 
 
 _import_megatron_core()
@@ -220,25 +247,22 @@ _CUDA_TYPE = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor":
 
 
 def _tensor_backward(tensor, gradient=None, retain_graph=None, create_graph=False, inputs=None):
-    _engine_backward(tensor, gradient, retain_graph, create_graph, inputs)
+    _autograd_backward(tensor, gradient, retain_graph, create_graph, inputs=inputs)
 
 
 def _autograd_backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, grad_variables=None,
                        inputs=None):
-    _engine_backward(tensors, grad_tensors, retain_graph, create_graph, inputs)
-
-
-def _engine_backward(tensors, grads, retain_graph, create_graph, inputs):
-    """torch.autograd.backward's call of autograd's engine (the one megatron-core's custom_backward makes)."""
-    def as_tuple(x):
-        return () if x is None else (x,) if isinstance(x, torch.Tensor) else tuple(x)
-
-    tensors = as_tuple(tensors)
-    grads = as_tuple(grads) or (None,) * len(tensors)
-    grads = tuple(torch.ones_like(t) if g is None else g for t, g in zip(tensors, grads))  # a scalar loss's 1
-    torch.autograd.Variable._execution_engine.run_backward(
-        tensors, grads, create_graph if retain_graph is None else retain_graph, create_graph, as_tuple(inputs),
-        allow_unreachable=True, accumulate_grad=True)
+    """torch.autograd.backward (autograd/__init__.py:255 in torch 2.13.0) through its own steps: the gradients made
+    by its `_make_grads` (a scalar's 1; a non-scalar without one raises, as torch does), then the engine call
+    (which refuses a count of gradients that is not the count of tensors)."""
+    if grad_tensors is None:
+        grad_tensors = grad_variables  # its deprecated name
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    inputs = () if inputs is None else (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    grads = torch.autograd._tensor_or_tensors_to_tuple(grad_tensors, len(tensors))
+    grads = torch.autograd._make_grads(tensors, grads, is_grads_batched=False)
+    torch.autograd.graph._engine_run_backward(tensors, grads, create_graph if retain_graph is None else retain_graph,
+                                              create_graph, inputs, allow_unreachable=True, accumulate_grad=True)
 
 
 _BACKWARD = {torch.Tensor.backward: _tensor_backward, torch.autograd.backward: _autograd_backward}
@@ -393,66 +417,112 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     return out.transpose(1, 2), lse
 
 
-def fill_missing_flash_attn_names() -> None:
+def _flash_attn_answers() -> list:
     """Without flash-attn, the two kernels megatron-core's flash decoding calls (`config.flash_decode`, which
     generate.py turns on) are these torch versions: `flash_attn_with_kvcache` (attention.py:116-119, else None, and
     flash decoding asserts) and `apply_rotary_emb` (rope_utils.py:32-35), without which megatron-core rotates the
-    prefill's queries and keys by the cosines and sines taken as angles (rope_utils.py:361). Nothing with flash-attn
-    installed; training calls neither."""
+    prefill's queries and keys by the cosines and sines taken as angles (rope_utils.py:361). None with flash-attn
+    installed; training calls neither. As (owner, name, answer) for `shim()`."""
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.transformer import attention
 
+    answers = []
     if attention.flash_attn_with_kvcache is None:
-        attention.flash_attn_with_kvcache = flash_attn_with_kvcache
+        answers.append((attention, "flash_attn_with_kvcache", flash_attn_with_kvcache))
     if rope_utils.apply_rotary_emb_flash is None:
-        rope_utils.apply_rotary_emb_flash = apply_rotary_emb
+        answers.append((rope_utils, "apply_rotary_emb_flash", apply_rotary_emb))
+    return answers
 
 
-def install_cpu_shim() -> None:
-    """Answer megatron-core's CUDA calls on the CPU (the table above). Does nothing when CUDA is available,
-    or when already installed. Process-wide and permanent: it is how this process talks to megatron-core."""
-    global _mode
-    if _mode is not None or cuda():
-        return
+def _cpu_answers() -> list:
+    """(owner, name, answer) for each callable the shim replaces: the rows of the table above that are not the mode."""
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     stream = _Stream()
-    torch.cuda.current_device = lambda: 0
-    torch.cuda.synchronize = lambda device=None: None
-    torch.cuda.Stream = _Stream
-    torch.cuda.current_stream = lambda device=None: stream
-    torch.cuda.default_stream = lambda device=None: stream
-    torch.cuda.stream = lambda s: contextlib.nullcontext()
-    # The CUDA generator is the CPU's default generator: the RNG tracker's fork() swaps its named streams
-    # (dropout inside tensor-parallel regions) in and out of it, exactly as it does on a GPU.
-    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
-    torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
-    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
-    mcore_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
-    mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
-    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_on_host
-    _mode = CudaOnCpu()
-    _mode.__enter__()  # entered for good: the mode stack is per thread, and training runs on this one
+    cuda_ = torch.cuda
+    return [
+        (cuda_, "current_device", lambda: 0),
+        (cuda_, "synchronize", lambda device=None: None),
+        (cuda_, "Stream", _Stream),
+        (cuda_, "current_stream", lambda device=None: stream),
+        (cuda_, "default_stream", lambda device=None: stream),
+        (cuda_, "stream", lambda s: contextlib.nullcontext()),
+        # The CUDA generator is the CPU's default generator: the RNG tracker's fork() swaps its named streams
+        # (dropout inside tensor-parallel regions) in and out of it, exactly as it does on a GPU.
+        (cuda_, "get_rng_state", lambda device="cuda": torch.get_rng_state()),
+        (cuda_, "set_rng_state", lambda new_state, device="cuda": torch.set_rng_state(new_state)),
+        (cuda_, "manual_seed", lambda seed: torch.manual_seed(seed)),
+        (mcore_random, "_get_cuda_rng_state", lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()),
+        (mcore_random, "_set_cuda_rng_state",
+         lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)),
+        (moe_utils, "maybe_move_tensor_to_cpu", _split_sizes_on_host),
+        (token_dispatcher, "maybe_move_tensor_to_cpu", _split_sizes_on_host),
+    ]
 
 
 @contextlib.contextmanager
-def cpu_shim_paused():
-    """The `device=` rewrite off, for a stretch of code that makes no CUDA call: every torch call then skips one
-    Python function, which shows where many tiny ops run (a decode step of a small model). Meanwhile
-    torch.cuda.current_device() names the CPU: megatron-core's MoE router moves its weights to that device at every
-    call (router.py:96), a move that is then none. Nothing to do with CUDA, or before the shim is installed."""
-    if _mode is None:
+def shim():
+    """What megatron-core needs on this machine, for the length of a run (train.pretrain, generate.py's and hf.py's
+    model loading and generation, peft.py's merge, bench.py), and nothing after it: importing this project leaves
+    torch as it was, and a notebook that imports `train` then does its own torch work sees plain torch.
+
+    - Without CUDA, the CPU shim (the table above): the CudaOnCpu mode entered on this thread, torch.cuda's stream,
+      device and RNG calls and megatron-core's three answered on the CPU, and any function megatron-core decorated
+      with the real torch.compile (when it was imported before this module) run as written, as `_compile_on_first_call`
+      runs them: the numbers do not depend on the import order.
+    - Without flash-attn, the two kernels of megatron-core's flash decoding (fill_missing_flash_attn_names).
+
+    Each replaced name is put back on exit, and the mode left. Nested uses are one: the outermost installs and
+    removes."""
+    global _mode
+    if _mode is not None:  # already installed by an enclosing run
         yield
         return
-    index = torch.cuda.current_device
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    _mode.__exit__(None, None, None)
-    try:
-        yield
-    finally:
-        _mode.__enter__()
-        torch.cuda.current_device = index
+    replaced = [(owner, name, getattr(owner, name), answer)
+                for owner, name, answer in (_cpu_answers() if not cuda() else []) + _flash_attn_answers()]
+    for owner, name, _, answer in replaced:
+        setattr(owner, name, answer)
+    with contextlib.ExitStack() as stack:
+        if not cuda():
+            if "torch._dynamo" in sys.modules:  # something was torch.compile'd: megatron-core's kernels run as written
+                stack.enter_context(torch.compiler.set_stance("force_eager"))
+            _mode = stack.enter_context(CudaOnCpu())
+        else:
+            _mode = _NO_MODE
+        try:
+            yield
+        finally:
+            _mode = None
+            for owner, name, original, _ in reversed(replaced):
+                setattr(owner, name, original)
+
+
+_NO_MODE = object()  # the shim's state on a GPU: installed, with no mode to enter
+
+
+def in_shim(function):
+    """`function`, run inside `shim()`: an entry point that builds or runs megatron-core's model outside train.py's
+    run (generate.py's loading and decoding, hf.py's export and import, peft.py's merge)."""
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        with shim():
+            return function(*args, **kwargs)
+
+    return call
+
+
+def install_cpu_shim() -> None:
+    """The shim for the rest of this process, for a program that is one run from start to end (the launchers of
+    Megatron-LM's and Bridge's own scripts, tests/fixtures/interchange/). The project's own entry points use
+    `shim()`."""
+    global _FOR_GOOD
+    if _FOR_GOOD is None:
+        _FOR_GOOD = shim()
+        _FOR_GOOD.__enter__()  # and kept: a context manager collected would leave the shim
+
+
+_FOR_GOOD = None  # install_cpu_shim's shim()
 
 
 def current() -> torch.device:

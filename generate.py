@@ -92,7 +92,6 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.inference.utils import InferenceMode
 from megatron.core.transformer import attention as mcore_attention
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 import device
 
@@ -160,6 +159,7 @@ def inference_config(directory: str, world_size: int, expert_parallel: int = 1) 
     return config_lib.validate(cfg, world_size=world_size)
 
 
+@device.in_shim  # megatron-core on this machine, for the call (device.py)
 def load_model(load: str, ckpt_step=None, text: bool = False, expert_parallel: int = 1):
     """(model, tokenizer, cfg): the checkpoint's GPTModel on every rank of this process group (one process
     without torchrun), in eval mode, with the tokenizer it was trained with; `text`: one that decodes to text;
@@ -191,6 +191,7 @@ def load_model(load: str, ckpt_step=None, text: bool = False, expert_parallel: i
 # --------------------------------------------------------------------------------------------------
 
 
+@device.in_shim
 @torch.inference_mode()
 def next_token_logits(model, ids: list) -> torch.Tensor:
     """The logits over the whole vocabulary for the token after `ids`: one forward over the sequence. With
@@ -202,13 +203,13 @@ def next_token_logits(model, ids: list) -> torch.Tensor:
     return tensor_parallel.gather_from_tensor_model_parallel_region(logits).float()
 
 
+@device.in_shim
 @torch.inference_mode()
-def cached_next_token_logits(model, ids: list, cache: StaticInferenceContext, shim_free: bool = False) -> torch.Tensor:
+def cached_next_token_logits(model, ids: list, cache: StaticInferenceContext) -> torch.Tensor:
     """The same logits, from the tokens of `ids` that the cache has not seen: the whole prompt first (prefill),
     then the one token sampled last (decode), at its position. Each layer appends their keys and values to its
     cache (allocated at the first forward) and attends over everything cached. megatron-core computes the last
-    position's logits only and gathers the vocabulary over tensor-parallel ranks (runtime_gather_output).
-    `shim_free`: the decode steps run without device.py's shim (see shim_free_decode)."""
+    position's logits only and gathers the vocabulary over tensor-parallel ranks (runtime_gather_output)."""
     start = cache.sequence_len_offset
     tokens = torch.tensor([ids[start:]], dtype=torch.long, device=next(model.parameters()).device)
     positions = torch.arange(start, len(ids), device=tokens.device).unsqueeze(0)
@@ -218,7 +219,7 @@ def cached_next_token_logits(model, ids: list, cache: StaticInferenceContext, sh
     # process-wide flag is up; with config.flash_decode on and the flag down, attention.py:1478 skips RoPE in the
     # decode steps without a word. Raised for the cached forward alone: next_token_logits' full forward asks for
     # no gathered output, which InferenceMode refuses (gpt_model.py:649).
-    with InferenceMode.active(), device.cpu_shim_paused() if start > 0 and shim_free else contextlib.nullcontext():
+    with InferenceMode.active():
         logits = model(tokens, positions, attention_mask=None, inference_context=cache, runtime_gather_output=True)
     cache.increment_sequence_len_offset(tokens.shape[1])  # the caller's job: GPTModel does not advance it
     return logits[0, -1].float()
@@ -254,17 +255,6 @@ def flash_decoding(model, on: bool = True):
         config.flash_decode = before
 
 
-def shim_free_decode(model) -> bool:
-    """Whether a decode step makes no CUDA call, so that on a CPU it can run without device.py's shim (each torch
-    call then skips one Python function: 15-30% of a small model's decode step). The prefill allocated the cache
-    and RoPE's table. Still on the CUDA device: megatron-core's own DotProductAttention (--attention-backend local)
-    allocates a buffer as the sequence grows, and tensor- and expert-parallel collectives their outputs. (An MoE
-    router asks for the current device at every call, router.py:96, which the paused shim names as the CPU.)"""
-    return parallel_state.get_tensor_model_parallel_world_size() == 1 and \
-        parallel_state.get_expert_model_parallel_world_size() == 1 and \
-        not any(isinstance(m, DotProductAttention) for m in model.modules())
-
-
 def pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator=None) -> int:
     """The next token from one row of logits: the argmax when `generator` is None (greedy); else a sample
     at `temperature` among the `top_k` likeliest (0: all), within the smallest set whose probability
@@ -288,6 +278,7 @@ def kv_cache_length(prompt_tokens: int, max_new_tokens: int, context: int) -> in
     return min(context, prompt_tokens + max_new_tokens)
 
 
+@device.in_shim
 def generate(model, tokenizer, prompt_ids: list, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, seed=None, on_token=None, kv_cache: bool = True, generator=None) -> list:
     """The new token ids after `prompt_ids`, stopping early at the end-of-document token. `seed` None (and no
@@ -299,12 +290,11 @@ def generate(model, tokenizer, prompt_ids: list, max_new_tokens: int, temperatur
         generator = torch.Generator().manual_seed(seed)
     cached = kv_cache_length(len(prompt_ids), max_new_tokens, context)
     cache = StaticInferenceContext(max_batch_size=1, max_sequence_length=cached) if kv_cache else None
-    shim_free = kv_cache and shim_free_decode(model)
     ids, new = list(prompt_ids), []
     with flash_decoding(model, kv_cache):
         for _ in range(max_new_tokens):
             if cache is not None and len(ids) <= cached:
-                logits = cached_next_token_logits(model, ids, cache, shim_free)[:vocab]
+                logits = cached_next_token_logits(model, ids, cache)[:vocab]
             else:  # no cache, or past the context: the cached positions cannot slide
                 logits = next_token_logits(model, ids[-context:])[:vocab]
             token = pick(logits.cpu(), temperature, top_k, top_p, generator)
@@ -334,6 +324,7 @@ class TextStream:
         self.shown = len(text)
 
 
+@device.in_shim
 def main(args) -> int:
     try:
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the text alone

@@ -75,6 +75,7 @@ from safetensors.torch import load_file, save_file
 
 import checkpoint
 import data
+import device
 from checkpoint import TrainState
 from model import build_model, initialize_distributed
 
@@ -381,6 +382,7 @@ def moe_flags_from_hf(c: dict, kind: str, refuse) -> list:
 # --------------------------------------------------------------------------------------------------
 
 
+@device.in_shim  # megatron-core on this machine, for the call (device.py)
 def export(load: str, out: str, ckpt_step=None, layout=None) -> str:
     """Write the checkpoint as a transformers directory `out` in `layout` (None: the one it fits); returns it."""
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
@@ -457,6 +459,7 @@ def transformers_config(directory: str, path: str) -> dict:
         return raw
 
 
+@device.in_shim  # megatron-core on this machine, for the call (device.py)
 def import_hf(directory: str, save: str) -> str:
     """A checkpoint (iteration 0, weights only) in `save` from the transformers directory; returns its iter_* path."""
     path = os.path.join(directory, "config.json")

@@ -53,9 +53,6 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-device.install_cpu_shim()  # without CUDA: megatron-core's CUDA calls answered on the CPU (device.py); else nothing
-device.fill_missing_flash_attn_names()  # without flash-attn: the kernels of megatron-core's flash decoding
-
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:
     """Round the vocabulary up to a multiple of divisible_by x TP size, as Megatron-LM's

@@ -237,24 +237,26 @@ def merge_checkpoint(cfg) -> int:
 
     import checkpoint
     import data
+    import device
     from model import build_model, destroy_distributed, initialize_distributed, unwrap
 
-    initialize_distributed(cfg)
-    try:
-        tokenizer = data.build_tokenizer(cfg)
-        model = build_model(cfg, data.embedding_rows(tokenizer))
-        state = types.SimpleNamespace(cfg=cfg, train_state=checkpoint.TrainState(), tokenizer=tokenizer)
-        checkpoint.load_checkpoint(state, model, None, None, cfg.checkpoint.pretrained_checkpoint, finetune=True)
-        apply_peft(cfg, model)
-        checkpoint.load_checkpoint(state, model, None, None, cfg.checkpoint.load)
-        n = merge_adapters([unwrap(chunk) for chunk in model])
-        cfg.peft.peft = "none"  # what run_config.yaml will say: a plain model, standing on its own
-        cfg.checkpoint.load = cfg.checkpoint.pretrained_checkpoint = None
-        cfg.train.train_iters = state.train_state.step
-        directory = checkpoint.save_checkpoint(state, model, None, None)
-        print(f" merged {n} adapters into the base weights: {directory}", flush=True)
-    finally:
-        destroy_distributed()
+    with device.shim():  # megatron-core on this machine, for the merge
+        initialize_distributed(cfg)
+        try:
+            tokenizer = data.build_tokenizer(cfg)
+            model = build_model(cfg, data.embedding_rows(tokenizer))
+            state = types.SimpleNamespace(cfg=cfg, train_state=checkpoint.TrainState(), tokenizer=tokenizer)
+            checkpoint.load_checkpoint(state, model, None, None, cfg.checkpoint.pretrained_checkpoint, finetune=True)
+            apply_peft(cfg, model)
+            checkpoint.load_checkpoint(state, model, None, None, cfg.checkpoint.load)
+            n = merge_adapters([unwrap(chunk) for chunk in model])
+            cfg.peft.peft = "none"  # what run_config.yaml will say: a plain model, standing on its own
+            cfg.checkpoint.load = cfg.checkpoint.pretrained_checkpoint = None
+            cfg.train.train_iters = state.train_state.step
+            directory = checkpoint.save_checkpoint(state, model, None, None)
+            print(f" merged {n} adapters into the base weights: {directory}", flush=True)
+        finally:
+            destroy_distributed()
     return 0
 
 

@@ -59,8 +59,7 @@ import torch
 
 from model import (build_model, build_optimizer, build_rerun_state_machine, destroy_distributed,
                    get_forward_backward_func, initialize_distributed, padded_vocab_size, set_random_seed, wrap_model,
-                   zero_grad)  # first: on a machine without CUDA, importing model.py installs device.py's CPU shim
-#                                  before megatron-core runs (and quiets its import-time warnings)
+                   zero_grad)  # first: device.py, which model.py imports, quiets megatron-core's import warnings
 from megatron.core import config as mcore_config
 from megatron.core import parallel_state
 from megatron.core import rerun_state_machine as mcore_rerun
@@ -131,32 +130,35 @@ def pretrain(config: ConfigContainer, forward_step_func: Optional[Callable] = No
     GlobalState; `.exit_code` is non-zero if the run stopped on a NaN.
     """
     forward_step_func = forward_step_func or forward_step
-    try:
-        state, model, optimizer, scheduler, (train_it, valid_it, test_it) = setup(config)
-    except BaseException:  # a bad checkpoint or data path: leave no process group (or experimental flag) behind
-        mcore_config.set_experimental_flag(False)
-        destroy_distributed()
-        raise
-    cfg, ts = state.cfg, state.train_state
-    state.last_saved_step = ts.step if ts.step else None  # a resumed checkpoint is not saved again
-    try:
-        if not cfg.train.skip_train and ts.step < cfg.train.train_iters:
-            train(forward_step_func, model, optimizer, scheduler, train_it, valid_it, state,
-                  process_non_loss_data_func=process_non_loss_data_func, non_loss_data_func=non_loss_data_func)
-        if state.exit_code is None:  # ran to the end: final save (unless just saved) and final evaluation
-            if cfg.checkpoint.save and ts.step > 0 and state.last_saved_step != ts.step:
-                save_checkpoint_and_time(state, model, optimizer, scheduler, ts.floating_point_operations_so_far)
-            if cfg.train.eval_iters:
-                for name, iterator in (("validation", valid_it), ("test", test_it)):
-                    if iterator is not None:
-                        evaluate_and_print_results(state, f"iteration {ts.step} on {name} set", forward_step_func,
-                                                   iterator, model, cfg, process_non_loss_data_func=process_non_loss_data_func,
-                                                   non_loss_data_func=non_loss_data_func)
-        # an async save in flight is published before the run ends
-        state.checkpoint_manager.finalize_async_saves(state, blocking=True, terminate=True)
-    finally:
-        _finish_train(state)
-    return state
+    # On a CPU, megatron-core's CUDA calls are answered there (device.py's shim) for this run, and only for it
+    with device.shim():
+        try:
+            state, model, optimizer, scheduler, (train_it, valid_it, test_it) = setup(config)
+        except BaseException:  # a bad checkpoint or data path: leave no process group (or experimental flag) behind
+            mcore_config.set_experimental_flag(False)
+            destroy_distributed()
+            raise
+        cfg, ts = state.cfg, state.train_state
+        state.last_saved_step = ts.step if ts.step else None  # a resumed checkpoint is not saved again
+        try:
+            if not cfg.train.skip_train and ts.step < cfg.train.train_iters:
+                train(forward_step_func, model, optimizer, scheduler, train_it, valid_it, state,
+                      process_non_loss_data_func=process_non_loss_data_func, non_loss_data_func=non_loss_data_func)
+            if state.exit_code is None:  # ran to the end: final save (unless just saved) and final evaluation
+                if cfg.checkpoint.save and ts.step > 0 and state.last_saved_step != ts.step:
+                    save_checkpoint_and_time(state, model, optimizer, scheduler, ts.floating_point_operations_so_far)
+                if cfg.train.eval_iters:
+                    for name, iterator in (("validation", valid_it), ("test", test_it)):
+                        if iterator is not None:
+                            evaluate_and_print_results(state, f"iteration {ts.step} on {name} set", forward_step_func,
+                                                       iterator, model, cfg,
+                                                       process_non_loss_data_func=process_non_loss_data_func,
+                                                       non_loss_data_func=non_loss_data_func)
+            # an async save in flight is published before the run ends
+            state.checkpoint_manager.finalize_async_saves(state, blocking=True, terminate=True)
+        finally:
+            _finish_train(state)
+        return state
 
 
 def finetune(config: ConfigContainer, forward_step_func: Optional[Callable] = None,
@@ -499,6 +501,7 @@ def _finish_train(global_state: GlobalState) -> None:
         global_state.signal_handler.release()
     mcore_rerun.destroy_rerun_state_machine()
     mcore_config.set_experimental_flag(False)  # megatron-core's default
+    checkpoint.restore_write_results_queue()  # megatron-core's async writer's, as it was before the run
     destroy_distributed()
 
 

@@ -158,6 +158,17 @@ def repository_outputs_untouched(tmp_path_factory):
         assert _listing(folder) == listing, f"the tests wrote into {folder}"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def megatron_core_on_this_machine():
+    """This process's tests drive megatron-core's pieces directly (a model built, a forward, an optimizer step), as a
+    run does between entering device.py's shim and leaving it: the suite's process is inside it throughout. What
+    importing the project and a run leave of torch is tested in fresh interpreters (test_device.py)."""
+    import device
+
+    with device.shim():
+        yield
+
+
 @pytest.fixture(scope="session")
 def mock_run(tmp_path_factory):
     """One 2-rank CPU run on megatron-core's mock data, inspected by several tests."""

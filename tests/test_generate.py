@@ -132,7 +132,7 @@ def cached_steps(model, flash: bool, steps: int = 24) -> torch.Tensor:
     with generate.flash_decoding(model, flash):
         assert model.config.flash_decode == (flash and generate.flash_decoding_applies(model))
         for step in range(steps + 1):
-            rows.append(generate.cached_next_token_logits(model, ids, cache, generate.shim_free_decode(model)))
+            rows.append(generate.cached_next_token_logits(model, ids, cache))
             ids.append(32 + 7 * step % 90)
     assert not model.config.flash_decode  # off again after
     return torch.stack(rows)

@@ -21,6 +21,10 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: E402
 
+import device  # noqa: E402
+
+device.install_cpu_shim()  # a program that is one run: megatron-core on this machine for all of it
+
 torch.distributed.init_process_group("gloo")
 s, b, heads, groups, d = 16, 2, 4, 2, 8
 config = TransformerConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads, num_query_groups=groups,

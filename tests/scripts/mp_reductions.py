@@ -12,6 +12,10 @@ import metrics  # noqa: E402
 from model import build_model, build_optimizer, wrap_model  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
+import device  # noqa: E402
+
+device.install_cpu_shim()  # a program that is one run: megatron-core on this machine for all of it
+
 torch.distributed.init_process_group("gloo")
 rank = torch.distributed.get_rank()
 flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]

@@ -18,6 +18,10 @@ import torch  # noqa: E402
 import config  # noqa: E402
 import train  # noqa: E402
 
+import device  # noqa: E402
+
+device.install_cpu_shim()  # a program that is one run: megatron-core on this machine for all of it
+
 out_dir, flags = sys.argv[1], sys.argv[2:]
 cfg = config.parse_args(flags)
 state, model, optimizer, scheduler, (train_it, _, _) = train.setup(cfg)

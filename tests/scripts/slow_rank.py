@@ -12,6 +12,10 @@ import torch  # noqa: E402
 import config  # noqa: E402
 import train  # noqa: E402
 
+import device  # noqa: E402
+
+device.install_cpu_shim()  # a program that is one run: megatron-core on this machine for all of it
+
 SLEEP = float(os.environ.get("SLOW_RANK_SLEEP", "0.2"))
 
 

@@ -127,7 +127,14 @@ class SDPAttention(MegatronModule):
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
             kernels = sdpa_kernel(SDPBackend.MATH)
-        with kernels:
+        # Dropout's masks: each tensor-parallel rank holds other heads, so each draws its own, from the RNG tracker's
+        # tensor-parallel stream, as megatron-core's DotProductAttention does (dot_product_attention.py:216-218);
+        # under sequence parallelism from the default generator, as there. (SDPA draws from the default generator:
+        # seeded alike on every TP rank, its heads would all get the same masks.)
+        rng = contextlib.nullcontext()
+        if kwargs["dropout_p"] > 0 and not self.config.sequence_parallel:
+            rng = tensor_parallel.get_cuda_rng_tracker().fork()
+        with kernels, rng:
             if attention_mask is None:
                 # megatron-core's rule (fused_softmax.py:323): a causal mask only where several query positions
                 # attend to each other. A decode step's one new query (megatron passes no_mask then) sees every

@@ -55,7 +55,8 @@ def test_one_query_against_cached_keys_is_the_last_row_of_causal_attention(singl
 def test_sdpa_attention_under_context_parallelism_is_one_process_attention():
     """Two CP ranks, each with its two chunks of the sequence (megatron-core's cut), give the one-process attention's
     output and Q/K/V gradients at their positions, with the causal mask from the chunks' offsets and with an
-    explicit mask over the whole sequence; without the offsets the output is another one (tests/scripts)."""
+    explicit mask over the whole sequence; without the offsets the output is another one. And two tensor-parallel
+    ranks draw their own attention-dropout masks (tests/scripts/cp_attention.py)."""
     import json
 
     from conftest import torchrun
@@ -68,6 +69,11 @@ def test_sdpa_attention_under_context_parallelism_is_one_process_attention():
         for mask in ("causal", "explicit"):
             assert max(r[mask][what] for what in ("out", "dq", "dk", "dv")) < 1e-12, r  # float64
             assert r[mask]["unshifted_out"] > 0.1, r
+        # Attention dropout on two tensor-parallel ranks fed the same Q, K, V: each rank its own masks (SDPAttention
+        # as megatron-core's DotProductAttention); no dropout, the same output to the last bit.
+        for core in ("sdpa", "local"):
+            assert r[f"tp_{core}_train_rank_difference"] > 0.1, r  # dropout 0.5 rescales kept scores by 2
+            assert r[f"tp_{core}_eval_rank_difference"] == 0.0, r
 
 
 @pytest.mark.parametrize("flags", [

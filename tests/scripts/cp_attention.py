@@ -4,8 +4,14 @@ Both ranks draw the same full-sequence Q, K, V and output weights. The reference
 parallelism on the whole sequence. Under CP=2 each rank holds its two chunks of the sequence (cut by megatron-core's
 get_batch_on_this_cp_rank), and its output and the gradients of its Q, K and V must be the reference's at the same
 positions. That holds for both ways a mask reaches the attention: none (causal, built from the chunks' offsets) and
-an explicit mask over the whole sequence (here --reset-attention-mask's, two documents). Prints one JSON line per
-rank, printed by rank 0: the largest differences."""
+an explicit mask over the whole sequence (here --reset-attention-mask's, two documents).
+
+Then the same two processes as two tensor-parallel ranks, each holding its half of the heads, fed identical Q, K, V
+with attention dropout 0.5: each rank must draw its own dropout masks (megatron-core's DotProductAttention draws them
+from the tensor-parallel RNG tracker's stream, dot_product_attention.py:216-218), so the two ranks' outputs differ,
+for SDPAttention as for megatron-core's own; without dropout (eval) they are equal.
+
+Prints one JSON line per rank, printed by rank 0: the largest differences."""
 
 import json
 import os
@@ -16,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 import model  # noqa: E402
-from megatron.core import parallel_state  # noqa: E402
+from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: E402
@@ -75,6 +82,24 @@ for name, mask in (("causal", None), ("explicit", explicit)):
     # Without the offsets (each rank's chunks read as if they began the sequence) the output is another one.
     result[name]["unshifted_out"] = (run(reference, this_rank(q), this_rank(k), this_rank(v), None,
                                          this_rank(weights))[0] - this_rank(full[0])).abs().max().item()
+
+parallel_state.destroy_model_parallel()
+parallel_state.initialize_model_parallel(2, 1)
+tensor_parallel.model_parallel_cuda_manual_seed(1234)  # the tracker: each tensor-parallel rank its own stream
+tp_config = TransformerConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads, attention_dropout=0.5,
+                              tensor_model_parallel_size=2, use_cpu_initialization=True)
+tp_q, tp_k, tp_v = (torch.randn(s, b, heads // 2, d, generator=torch.Generator().manual_seed(i)) for i in range(3))
+for name, core in (("sdpa", model.SDPAttention), ("local", DotProductAttention)):
+    module = core(tp_config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    for mode in ("train", "eval"):
+        getattr(module, mode)()
+        torch.manual_seed(0)  # the default generator alike on both ranks, as train.py seeds it
+        with torch.no_grad():
+            out = module(tp_q, tp_k, tp_v, None)
+        both = [torch.empty_like(out) for _ in range(2)]
+        torch.distributed.all_gather(both, out, group=parallel_state.get_tensor_model_parallel_group())
+        result[f"tp_{name}_{mode}_rank_difference"] = (both[0] - both[1]).abs().max().item()
+
 gathered = [None, None]
 torch.distributed.all_gather_object(gathered, {"rank": torch.distributed.get_rank(), **result})
 if torch.distributed.get_rank() == 0:  # one writer: two ranks' lines would interleave

@@ -1302,15 +1302,21 @@ def apply_overrides(cfg: ConfigContainer, overrides: dict, source: str) -> None:
             setattr(sub, key, value)
 
 
-def parse_args(argv: Optional[list] = None, world_size: Optional[int] = None, gpu: Optional[bool] = None) -> ConfigContainer:
+def parse_args(argv: Optional[list] = None, world_size: Optional[int] = None, gpu: Optional[bool] = None,
+               run: bool = False) -> ConfigContainer:
     """Parse flags (and an optional YAML file under them) into a validated ConfigContainer.
 
     A bad flag or an impossible combination prints one line to stderr and exits with code 2.
-    `world_size` defaults to $WORLD_SIZE (set by torchrun) and `gpu` to whether a GPU is visible.
+    `world_size` defaults to $WORLD_SIZE (set by torchrun) and `gpu` to whether a GPU is visible. `run`: the config
+    is this machine's run (train.py's command line), which must also fit in its memory (check_fits_in_memory); a
+    config alone may describe any model (its FLOPs and memory can be computed for a model no laptop holds).
     """
     parser = build_parser()
     try:
-        return config_from_flags(argv, world_size, gpu, parser)
+        cfg = config_from_flags(argv, world_size, gpu, parser)
+        if run:
+            check_fits_in_memory(cfg)
+        return cfg
     except ConfigError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
 
@@ -1471,7 +1477,6 @@ def check(cfg: ConfigContainer) -> None:
     check_loggers(cfg)
     check_checkpointing(cfg)
     check_machine(cfg)
-    check_fits_in_memory(cfg)
     check_peft(cfg)
     check_deterministic_mode(cfg)
     check_callbacks(cfg)
@@ -2575,12 +2580,39 @@ def machine_memory_bytes(cfg: ConfigContainer) -> Optional[int]:
 
 def model_parameters(m: ModelConfig, padded_vocab: int) -> int:
     """The GPT's weights (biases left out: a lower bound): per layer the attention's Q, K, V and output projections,
-    the MLP (two input matrices when gated) and two norms; the embedding, a learned position table, an untied
-    output layer."""
-    h, ffn, q, kv = m.hidden_size, m.ffn_hidden_size, m.num_attention_heads * m.kv_channels, m.num_query_groups * m.kv_channels
-    layer = h * (q + 2 * kv) + q * h + h * ffn * (2 if m.swiglu or m.quick_geglu else 1) + ffn * h + 4 * h
-    positions = m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0
-    return m.num_layers * layer + padded_vocab * h * (2 if m.untie_embeddings_and_output_weights else 1) + positions
+    two norms, and the MLP (two input matrices when gated), or in an MoE layer (--moe-layer-freq) the router, every
+    expert's MLP (--num-experts x --moe-ffn-hidden-size) and the shared experts'; the embedding, a learned position
+    table, an untied output layer."""
+    return int(sum(rank_share_of_parameters(m, padded_vocab, whole=True).values()))
+
+
+def rank_share_of_parameters(m: ModelConfig, padded_vocab: int, whole: bool = False) -> dict:
+    """{part: parameters} of one rank's share of the model megatron-core builds, on average over the pipeline
+    stages (the largest stage holds at least that): the attention, dense MLPs, shared experts, embedding and output
+    layer split over tensor-parallel ranks; the routed experts over expert-parallel x expert-tensor-parallel ranks
+    (each EP rank holds num_experts / EP of them); norms and routers whole on every rank. `whole`: the model, unsplit."""
+    tp = 1 if whole else m.tensor_model_parallel_size
+    ep = 1 if whole else m.expert_model_parallel_size * (m.expert_tensor_parallel_size or m.tensor_model_parallel_size)
+    pp = 1 if whole else m.pipeline_model_parallel_size
+    h, q, kv = m.hidden_size, m.num_attention_heads * m.kv_channels, m.num_query_groups * m.kv_channels
+    inputs = 2 if m.swiglu or m.quick_geglu else 1  # a gated MLP's two input matrices
+
+    def mlp(ffn):
+        return h * ffn * inputs + ffn * h
+
+    moe = moe_layers(m)
+    experts = m.num_experts or 0
+    parts = {
+        "attention": m.num_layers * (h * (q + 2 * kv) + q * h) / tp,
+        "norms": m.num_layers * 4 * h,
+        "dense MLPs": (len(moe) - sum(moe)) * mlp(m.ffn_hidden_size) / tp,
+        "routers": sum(moe) * h * experts,
+        "experts": sum(moe) * experts * mlp(m.moe_ffn_hidden_size or m.ffn_hidden_size) / ep,
+        "shared experts": sum(moe) * mlp(m.moe_shared_expert_intermediate_size or 0) / tp,
+        "embedding and output layer": padded_vocab * h * (2 if m.untie_embeddings_and_output_weights else 1) / tp,
+        "positions": m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0,
+    }
+    return {part: n / pp for part, n in parts.items()}
 
 
 def _gb(n: float) -> str:
@@ -2589,7 +2621,9 @@ def _gb(n: float) -> str:
 
 def check_fits_in_memory(cfg: ConfigContainer) -> None:
     """A run whose model or dataset index cannot fit is refused before anything is built (else the allocator or
-    megatron-core's dataset builder dies with a traceback). Lower bounds, so a run that fits is never refused:
+    megatron-core's dataset builder dies with a traceback): by train.py's command line before its imports, and by
+    every run's setup (train.setup, generate.load_model, hf.py's import); not by validation, as a config may
+    describe a model larger than this machine. Lower bounds, so a run that fits is never refused:
     the weights, gradients and Adam state (Megatron-LM's bytes per parameter: 16 in fp32, 18 in mixed precision,
     the optimizer's part sharded by --use-distributed-optimizer) of each rank's share of the model, one
     microbatch's logits and layer inputs; and megatron-core's sample index, 16 bytes per sample (its sample-to-
@@ -2603,6 +2637,7 @@ def check_fits_in_memory(cfg: ConfigContainer) -> None:
     vocab = {"ByteTokenizer": 257, "NullTokenizer": (cfg.tokenizer.vocab_size or 0) + 1}.get(cfg.tokenizer.tokenizer_type, 1)
     padded_vocab = -(-vocab // divisible) * divisible
     params = model_parameters(m, padded_vocab)
+    share = sum(rank_share_of_parameters(m, padded_vocab).values())  # what one rank builds
     half = m.bf16 or m.fp16
     shards = cfg.data_parallel_size * cp if o.use_distributed_optimizer else 1
     # A run that trains holds weights, gradients and the optimizer's state; one that does not (generate.py, hf.py's
@@ -2612,11 +2647,13 @@ def check_fits_in_memory(cfg: ConfigContainer) -> None:
                  else 2 if half else 4)
     activations = (m.seq_length // cp) * t.micro_batch_size * (padded_vocab // tp + 2 * m.hidden_size * m.num_layers // pp) * 4
     ranks = 1 if cfg.use_gpu else int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
-    need = ranks * (params / (tp * pp) * per_param + activations)
+    need = ranks * (share * per_param + activations)
     require(need <= total,
             f"the model needs at least {_gb(need)} for its weights"
-            + (", gradients, optimizer state" if trains else "") + f" and one microbatch's activations ({params:,} parameters: --num-layers {m.num_layers}, --hidden-size {m.hidden_size}, "
-            f"--ffn-hidden-size {m.ffn_hidden_size}, a vocabulary padded to {padded_vocab:,} rows by "
+            + (", gradients, optimizer state" if trains else "") + f" and one microbatch's activations ({params:,} "
+            f"parameters: --num-layers {m.num_layers}, --hidden-size {m.hidden_size}, --ffn-hidden-size {m.ffn_hidden_size}, " + (f"--num-experts {m.num_experts} x --moe-ffn-hidden-size "
+            f"{m.moe_ffn_hidden_size} over --expert-model-parallel-size {m.expert_model_parallel_size}, "
+            if m.num_experts else "") + f"a vocabulary padded to {padded_vocab:,} rows by "
             f"--make-vocab-size-divisible-by {m.make_vocab_size_divisible_by}, --seq-length {m.seq_length}, "
             f"--micro-batch-size {t.micro_batch_size}; {ranks} rank(s) here), more than the "
             f"{_gb(total)} of {'its GPU' if cfg.use_gpu else 'RAM on this machine'}; make it smaller or split it "

@@ -169,6 +169,7 @@ def load_model(load: str, ckpt_step=None, text: bool = False, expert_parallel: i
         raise checkpoint.CheckpointError(f"--load {load}: no {checkpoint.TRACKER} and not an iter_* directory")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = inference_config(directory, world_size, expert_parallel)
+    config_lib.check_fits_in_memory(cfg)  # its weights, on this machine
     if not torch.distributed.is_initialized():
         initialize_distributed(cfg)
     set_random_seed(cfg.rng.seed)

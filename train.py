@@ -39,7 +39,7 @@ import config as config_lib
 if __name__ == "__main__":
     # Parse and validate before the imports below: `--help` and a bad flag answer in a fraction of a
     # second instead of after megatron-core's ~8 s import, and no process starts work it cannot finish.
-    CLI_CONFIG = config_lib.parse_args(sys.argv[1:] or config_lib.QUICK_START)
+    CLI_CONFIG = config_lib.parse_args(sys.argv[1:] or config_lib.QUICK_START, run=True)
     if not sys.argv[1:] and os.environ.get("RANK", "0") == "0":
         print("quick start (no flag given): " + " ".join(config_lib.QUICK_START), flush=True)
 
@@ -178,6 +178,7 @@ def finetune(config: ConfigContainer, forward_step_func: Optional[Callable] = No
 
 def setup(cfg: ConfigContainer):
     """Everything before the first step. Returns (state, model, optimizer, scheduler, iterators)."""
+    config_lib.check_fits_in_memory(cfg)  # a run this machine cannot hold stops here, in one line
     setup_logging(cfg.logger.logging_level)
     apply_deterministic_mode(cfg)
     # megatron-core's experimental features (Megatron-LM's --enable-experimental): a process-wide flag, for this run only

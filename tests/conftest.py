@@ -29,12 +29,13 @@ LOG_LINE = re.compile(
     r"number of skipped iterations: +(\d+) \| number of nan iterations: +(\d+) \|$", re.M)
 
 
-def config_error(argv, capsys, world_size=1, gpu=False) -> str:
-    """Parse `argv` expecting a validation error: exit code 2 and a one-line message on stderr, returned."""
+def config_error(argv, capsys, world_size=1, gpu=False, run=False) -> str:
+    """Parse `argv` expecting a validation error: exit code 2 and a one-line message on stderr, returned. `run`: as
+    train.py's command line parses it (the run must also fit this machine)."""
     import config
 
     with pytest.raises(SystemExit) as e:
-        config.parse_args(argv, world_size=world_size, gpu=gpu)
+        config.parse_args(argv, world_size=world_size, gpu=gpu, run=run)
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1, err
     return err

@@ -227,17 +227,54 @@ def test_out_of_range_numbers_stop_before_torch_loads():
 
 def test_a_model_that_cannot_fit_names_the_figures_and_the_flags(capsys):
     """One line with what the run needs, what the machine has, and the flags that made the size."""
-    err = config_error(["--make-vocab-size-divisible-by", "999999999999"], capsys)
+    err = config_error(["--make-vocab-size-divisible-by", "999999999999"], capsys, run=True)
     assert "a vocabulary padded to 999,999,999,999 rows by --make-vocab-size-divisible-by 999999999999" in err
     assert " GB of RAM on this machine; make it smaller or split it over more devices" in err
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert f"more than the {ram / 1e9:,.1f} GB of RAM" in err
     # The same model on 2 ranks of this machine needs twice the weights: the machine's RAM is shared.
     one = int(re.search(r"needs at least ([\d,]+)", config_error(["--hidden-size", "60000", "--num-attention-heads", "4"],
-                                                                 capsys))[1].replace(",", ""))
+                                                                 capsys, run=True))[1].replace(",", ""))
     two = int(re.search(r"needs at least ([\d,]+)", config_error(["--hidden-size", "60000", "--num-attention-heads", "4"],
-                                                                 capsys, world_size=2))[1].replace(",", ""))
+                                                                 capsys, world_size=2, run=True))[1].replace(",", ""))
     assert two == pytest.approx(2 * one, rel=0.01)
+
+
+def test_the_fit_counts_the_experts_each_rank_builds(capsys):
+    """512 experts of an 8192-wide model (2 layers) are 2 x 512 x 2 x 8192 x 32768 = 550 B parameters, 8.8 TB to
+    train: refused, where the dense estimate (one MLP a layer, 1.6 B parameters) was not. Split over 8 expert-parallel
+    ranks, each rank builds an eighth of the experts and all of the attention."""
+    flags = ["--mock-data", "--num-layers", "2", "--hidden-size", "8192", "--num-attention-heads", "8", "--num-experts",
+             "512", "--global-batch-size", "8"]
+    err = config_error(flags, capsys, run=True)
+    params = int(re.search(r"\(([\d,]+) parameters", err)[1].replace(",", ""))
+    experts = 2 * 512 * 2 * 8192 * 32768
+    assert experts < params < experts * 1.01, err
+    assert "--num-experts 512 x --moe-ffn-hidden-size 32768 over --expert-model-parallel-size 1" in err
+    m = config.parse_args(flags, world_size=1, gpu=False).model  # a config alone: accepted
+    whole = config.rank_share_of_parameters(m, 512, whole=True)
+    m.expert_model_parallel_size, m.expert_tensor_parallel_size = 8, 1
+    share = config.rank_share_of_parameters(m, 512)
+    assert share["experts"] == whole["experts"] / 8 and share["attention"] == whole["attention"]
+
+
+def test_a_config_larger_than_this_machine_is_accepted_and_its_run_refused(capsys):
+    """LLaMA-3 70B's shape (80 layers, 8192 wide, 64 heads in 8 groups, SwiGLU 28672, 128,256-token vocabulary):
+    its config parses here, so its FLOPs and theoretical memory can be computed; train.py's run of it is refused in
+    one line."""
+    import metrics
+
+    flags = ["--mock-data", "--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64",
+             "--num-query-groups", "8", "--ffn-hidden-size", "28672", "--swiglu", "--normalization", "RMSNorm",
+             "--position-embedding-type", "rope", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+             "--tokenizer-type", "NullTokenizer", "--vocab-size", "128255", "--make-vocab-size-divisible-by", "128",
+             "--seq-length", "8192", "--global-batch-size", "8", "--bf16"]
+    cfg = config.parse_args(flags, world_size=1, gpu=False)
+    params = config.model_parameters(cfg.model, 128256)
+    assert 70.5e9 < params < 70.6e9  # 70.55 B, LLaMA-3 70B's count (its 8192 x 128256 embeddings untied)
+    assert metrics.num_floating_point_operations(cfg, 1, 128256) > 6 * params * 8192  # 6 N per token, and attention
+    err = config_error(flags, capsys, run=True)
+    assert "the model needs at least" in err and "RAM on this machine" in err
 
 
 def test_a_run_that_does_not_train_needs_room_for_its_weights_alone():
@@ -248,9 +285,9 @@ def test_a_run_that_does_not_train_needs_room_for_its_weights_alone():
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     hidden = int(math.sqrt(ram / 8 / 24)) // 64 * 64  # 2 layers of ~12 h^2 parameters: weights ~ RAM / 2
     flags = ["--num-layers", "2", "--hidden-size", str(hidden), "--num-attention-heads", "4", "--mock-data"]
-    config.config_from_flags([*flags, "--train-iters", "0"], world_size=1, gpu=False)
+    config.check_fits_in_memory(config.config_from_flags([*flags, "--train-iters", "0"], world_size=1, gpu=False))
     with pytest.raises(config.ConfigError, match="for its weights, gradients, optimizer state and one microbatch"):
-        config.config_from_flags(flags, world_size=1, gpu=False)
+        config.check_fits_in_memory(config.config_from_flags(flags, world_size=1, gpu=False))
 
 
 # --- scheduler lengths, compatibility checks, determinism, the config summary, NVIDIA service configs -----------

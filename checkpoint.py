@@ -495,8 +495,9 @@ def _regrouped(inners: list, saved: dict) -> dict:
     gives MoE experts an optimizer of their own only at EP > 1 (a ChainedOptimizer of two), one for all at EP = 1.
     Each parameter's tensors were requested by name for this run's grouping and loaded as such (the `int` keys of
     a chained state, or the `param_state` of a single one); what came back in the saver's grouping is the common
-    part (param groups, the sharding type). Each optimizer here gets its own param groups (the schedule sets their
-    learning rates) with the saved Adam step. Unchanged when the groupings agree."""
+    part (param groups, the sharding type, fp16's loss scaler). Each optimizer here gets its own param groups (the
+    schedule sets their learning rates) with the saved Adam step, and the saved loss scaler. Unchanged when the
+    groupings agree."""
     if not isinstance(saved, dict):  # the torch format's chained state: a list, in this run's grouping
         return saved
     chained = [k for k in saved if isinstance(k, int)]
@@ -510,11 +511,17 @@ def _regrouped(inners: list, saved: dict) -> dict:
         raise CheckpointError("the optimizer state was saved by another grouping of optimizers (another expert-"
                               "parallel size) in a format that does not regroup; load it with --no-load-optim")
     step = steps.pop()
+    # fp16's loss scaler (scale, growth tracker, hysteresis): one per optimizer, each halved on its own overflows
+    # (optimizer.py:764-770). Regrouped, each optimizer takes the smallest saved scale: the one that met the most
+    # overflows, as one optimizer over all the parameters would have (it sees every part's).
+    scalers = [part["grad_scaler"] for part in common if part.get("grad_scaler") is not None]
+    scaler = min(scalers, key=lambda s: float(s["scale"])) if scalers else None
 
     def own(inner, loaded):
         groups = inner.state_dict()["optimizer"]["param_groups"]
-        return {"optimizer": {"param_groups": [dict(g, step=step) for g in groups]},
-                "param_state": loaded["param_state"], "param_state_sharding_type": "fully_reshardable"}
+        state = {"optimizer": {"param_groups": [dict(g, step=step) for g in groups]},
+                 "param_state": loaded["param_state"], "param_state_sharding_type": "fully_reshardable"}
+        return state if scaler is None else dict(state, grad_scaler=scaler)
 
     if len(inners) == 1:
         return own(inners[0], {k: saved[k] for k in flat})

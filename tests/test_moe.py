@@ -8,6 +8,8 @@ lm loss, auxiliary losses, grad norm and params norm at every iteration. Checkpo
 the weights reshard on load; the optimizer state does not (megatron-core keeps the experts a ChainedOptimizer of
 their own at EP > 1 only), which is one line naming --no-load-optim."""
 
+import re
+
 import pytest
 
 from conftest import TINY, Launches, assert_bitwise, assert_same, config_error
@@ -336,3 +338,19 @@ def test_memory_estimate_counts_the_built_moe_model_and_shards_experts_over_ep(s
     ep2.padded_vocab_size = 384
     assert metrics.compute_weight_and_optimizer_memory(ep2) == pytest.approx(
         (n - experts) * (6 + 12 / 8) + experts / 2 * (6 + 12 / 4))
+
+
+def test_fp16_loss_scale_crosses_expert_parallel_sizes(runs):
+    """The fp16 loss scaler's state (scale, growth tracker, hysteresis) is part of the optimizer state that regroups
+    across the EP=1 / EP>1 line: a one-rank --fp16 run saved at 6 and resumed at EP=2 prints the one-rank run's loss
+    scale and skipped-iteration count at 7-9 (without it the scale restarts at --initial-loss-scale, 2^32, and the
+    next iterations are skipped again)."""
+    fp16 = ["--fp16", *DOPT, "--dist-ckpt-optim-fully-reshardable", "--exit-interval", "9"]
+    straight = runs("one_fp16", 1, *fp16, *runs.saving("one_fp16", 6))
+    resumed = runs.resume("ep2_fp16_from_one", 2, "one_fp16", 6, *EP2, *fp16)
+    scale = re.compile(r"iteration +(\d+)/.*? loss scale: ([\d.]+) \|.*?number of skipped iterations: +(\d+)")
+    first = {int(it): (s, skipped) for it, s, skipped in scale.findall(straight["stdout"])}
+    second = {int(it): (s, skipped) for it, s, skipped in scale.findall(resumed["stdout"])}
+    assert sorted(second) == [7, 8, 9]
+    assert float(first[6][0]) < 2.0 ** 32  # the scale came down from its start: a restart would show
+    assert [second[it] for it in (7, 8, 9)] == [first[it] for it in (7, 8, 9)]

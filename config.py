@@ -170,9 +170,10 @@ class ModelConfig:
         False, "Bitwise-reproducible runs: deterministic torch algorithms and kernels, CUBLAS_WORKSPACE_CONFIG and "
                "NCCL_ALGO set for it (slower; for debugging and testing).")
     cross_entropy_loss_fusion: bool = arg(False, "megatron-core's fused vocab-parallel cross entropy (not deterministic).")
-    cp_comm_type: list[str] = arg(
-        ["p2p"], "Context-parallel communication: p2p, all_gather, a2a or a2a+p2p (transformer-engine's), or all_gather "
-                 "(the local layers'); one for all layers or one per layer.")
+    cp_comm_type: Optional[list[str]] = arg(
+        None, "Context-parallel communication: p2p, all_gather, a2a or a2a+p2p (transformer-engine's), or all_gather "
+              "(the local layers'); one for all layers or one per layer. Not given: p2p, Megatron-LM's default, or "
+              "all_gather under context parallelism on the local layers (derived).")
     hierarchical_context_parallel_sizes: Optional[list[int]] = arg(
         None, "Context-parallel group sizes from inner to outer level (their product is --context-parallel-size); "
               "needed by a2a+p2p.")
@@ -2512,6 +2513,15 @@ def derive_machine(cfg: ConfigContainer) -> None:
         derive_value(cfg, "model.transformer_impl", "transformer_engine" if te else "local",
                      "a GPU and transformer-engine" if te else "no GPU" if not cfg.use_gpu else
                      "transformer-engine is not installed")
+    if m.cp_comm_type is None:
+        # Megatron-LM's default, p2p, is transformer-engine's ring attention; the local layers' context parallelism
+        # is SDPAttention's all-gather of keys and values. Only a p2p or a2a asked for is refused (check_machine).
+        if m.context_parallel_size > 1 and m.transformer_impl == "local":
+            derive_value(cfg, "model.cp_comm_type", ["all_gather"],
+                         f"--context-parallel-size {m.context_parallel_size} on the local layers: SDPAttention gathers "
+                         f"keys and values (Megatron-LM's default p2p is transformer-engine's ring)")
+        else:
+            m.cp_comm_type = ["p2p"]  # Megatron-LM's default, as it is
 
 
 def check_machine(cfg: ConfigContainer) -> None:

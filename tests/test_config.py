@@ -131,8 +131,10 @@ def test_megatron_lm_cpu_command_line_switches_are_accepted_and_named_as_inert(s
     (["--pipeline-model-parallel-size", "2", "--num-layers", "6", "--num-layers-per-virtual-pipeline-stage", "2"], 8,
      False, "must divide the 3 layers of each pipeline stage"),
     # context parallelism on the local layers is SDPAttention's all-gather of keys and values (model.py)
-    (["--context-parallel-size", "2"], 2, False, "--cp-comm-type p2p is transformer-engine's context-parallel attention; "
-     "the local layers gather keys and values: add --cp-comm-type all_gather"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "p2p"], 2, False, "--cp-comm-type p2p is transformer-engine's "
+     "context-parallel attention; the local layers gather keys and values: add --cp-comm-type all_gather"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "a2a"], 2, False, "--cp-comm-type a2a is transformer-engine's "
+     "context-parallel attention"),
     (["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--attention-backend", "local"], 2, False,
      "--attention-backend local runs in megatron-core's DotProductAttention, which refuses --context-parallel-size 2"),
     (["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--window-size", "8,0"], 2, False,
@@ -223,6 +225,16 @@ def test_out_of_range_numbers_stop_before_torch_loads():
         out, err = run.communicate(timeout=60)
         assert out.strip() == "exit 2 torch imported: False", (argv, out, err)
         assert err.startswith(f"train.py: error: {message}") and err.count("\n") == 1, (argv, err)
+
+
+def test_context_parallelism_alone_gathers_keys_and_values_on_the_local_layers():
+    """--context-parallel-size 2 without --cp-comm-type: Megatron-LM's p2p is transformer-engine's ring, so on the
+    local layers all_gather is derived and named in the printed config; without CP the default stays p2p."""
+    cfg = config.parse_args(["--context-parallel-size", "2"], world_size=2, gpu=False)
+    assert cfg.model.cp_comm_type == ["all_gather"]
+    assert "--context-parallel-size 2 on the local layers" in cfg.derived["model.cp_comm_type"][1]
+    plain = config.parse_args([], world_size=1, gpu=False)
+    assert plain.model.cp_comm_type == ["p2p"] and "model.cp_comm_type" not in plain.derived
 
 
 def test_a_model_that_cannot_fit_names_the_figures_and_the_flags(capsys):

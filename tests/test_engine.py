@@ -27,8 +27,9 @@ DOPT = ["--use-distributed-optimizer"]
 # TP pads the vocabulary to a multiple of 128 x TP by default; 64 x 2 keeps the 1-rank run's 128 rows.
 TP2 = ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"]
 SP = ["--sequence-parallel"]
-# Context parallelism on the local layers: SDPAttention all-gathers keys and values over the CP group.
-CP2 = ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"]
+# Context parallelism on the local layers: SDPAttention all-gathers keys and values over the CP group (--cp-comm-type
+# all_gather, derived).
+CP2 = ["--context-parallel-size", "2"]
 ROPE = ["--position-embedding-type", "rope"]
 METRICS = ("lm loss", "grad-norm")
 

@@ -373,7 +373,6 @@ MEGATRON_LM_DEFAULTS = [
     ("--no-overlap-p2p-communication", True, "arguments.py:2965 _add_distributed_args, store_false: overlap on"),
     ("--overlap-p2p-communication-warmup-flush", False, "ModelParallelConfig.overlap_p2p_comm_warmup_flush, "
                                                         "model_parallel_config.py:422"),
-    ("--cp-comm-type", ["p2p"], "arguments.py:3054 _add_distributed_args"),
     ("--bf16", False, "ModelParallelConfig.bf16, model_parallel_config.py:180"),
     ("--fp16", False, "ModelParallelConfig.fp16, model_parallel_config.py:177"),
     ("--recompute-granularity", None, "TransformerConfig.recompute_granularity, transformer_config.py:518"),
@@ -517,8 +516,8 @@ def test_defaults_megatron_lm_derives_are_derived_the_same():
 # required setting), or they choose where and how often outputs go, or they depend on the machine.
 OURS = {"--num-layers": 4, "--hidden-size": 256, "--num-attention-heads": 4, "--seq-length": 256,
         "--max-position-embeddings": None, "--micro-batch-size": 4, "--lr": 1e-3, "--train-iters": None,
-        "--tokenizer-type": "ByteTokenizer", "--transformer-impl": None, "--distributed-backend": None,
-        "--save": "checkpoints", "--tensorboard-dir": "runs", "--log-interval": 10, "--eval-interval": 100,
+        "--tokenizer-type": "ByteTokenizer", "--transformer-impl": None, "--cp-comm-type": None,
+        "--distributed-backend": None, "--save": "checkpoints", "--tensorboard-dir": "runs", "--log-interval": 10, "--eval-interval": 100,
         "--eval-iters": 10, "--rerun-mode": "disabled", "--no-use-persistent-ckpt-worker": True}
 
 

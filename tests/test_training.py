@@ -129,6 +129,22 @@ def test_tensor_parallel_with_the_default_dropout_stops_and_resumes_bitwise(tmp_
     assert [second[it] for it in (4, 5, 6)] == [first[it] for it in (4, 5, 6)]
 
 
+def test_an_exception_mid_run_ends_the_rank_and_its_data_workers(tmp_path):
+    """Rank 0 raises at iteration 4 with two DataLoader workers per rank: the job ends (torchrun stops rank 1) with
+    the exception on stderr and a non-zero code, and no process of it is left (a rank that waited on its workers at
+    exit would hang here until the timeout)."""
+    import psutil
+
+    marker = str(tmp_path / "cache")  # in every process's command line, workers included (they are forks)
+    proc = torchrun([*TINY, "--mock-data", "--train-iters", "8", "--eval-iters", "0", "--num-workers", "2", "--log-interval", "1",
+                     "--data-cache-path", marker], script="tests/scripts/raise_mid_run.py", timeout=120)
+    assert proc.returncode != 0
+    assert "RuntimeError: injected at iteration 4" in proc.stderr, proc.stderr[-3000:]
+    assert " iteration        3/" in proc.stdout  # it trained up to the injection
+    left = [p for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])]
+    assert not left, [p.info["cmdline"][:3] for p in left]
+
+
 # --- pretrain() from Python -------------------------------------------------------------------------------------
 
 

@@ -580,9 +580,14 @@ def moe_auxiliary_losses(cfg, num_microbatches: int) -> dict:
 def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_rate, loss_scale,
                  report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros_in_grad,
                  config, global_state, history_wct, model) -> bool:
-    """Bridge's signature for log_step: the scalars as separate arguments. Returns report_memory_flag."""
+    """Bridge's signature for log_step: the scalars as separate arguments. Returns report_memory_flag. The report
+    gets what train.py's gives it: the log interval's seconds per iteration so far, and the MoE losses."""
+    ts, interval = global_state.train_state, config.logger.log_interval
+    seconds = global_state.timers("interval-time").elapsed(reset=False) / iterations_since_last_log(
+        ts.step, global_state.start_step, interval)
     report = step_report(loss_dict, learning_rate, decoupled_learning_rate, global_state.current_global_batch_size,
-                         loss_scale, grad_norm, num_zeros_in_grad, params_norm)
+                         loss_scale, grad_norm, num_zeros_in_grad, params_norm, seconds,
+                         moe_losses=moe_auxiliary_losses(config, global_state.num_microbatches))
     return log_step(report, total_loss_dict, report_memory_flag, skipped_iter, global_state, history_wct, model)
 
 

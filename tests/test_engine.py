@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from conftest import TINY, Launches
+from conftest import REORDERED, TINY, Launches
 from conftest import assert_bitwise as conftest_assert_bitwise
 from conftest import assert_same as conftest_assert_same
 
@@ -61,7 +61,7 @@ def runs(tmp_path_factory):
     return Runs(tmp_path_factory.mktemp("engine"))
 
 
-def assert_same(run, reference, iterations, rel=1e-5):
+def assert_same(run, reference, iterations, rel=REORDERED):
     conftest_assert_same(run, reference, iterations, METRICS, rel)
 
 

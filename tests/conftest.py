@@ -31,6 +31,10 @@ PRINTED = 1e-6
 #   largest reductions (torch sums blockwise), and each of a test's <= 15 iterations adds its own differences to the
 #   weights the next one starts from: 15 x 1e-6 is within 2e-5.
 REORDERED = 2e-5
+# - HF_LOGITS: transformers' and megatron-core's forward of the same fp32 weights, with other kernels (a fused QKV
+#   matmul or three, another attention): each of the <= 3 layers' sums of n <= 4h terms rounds by log2(n) x 2^-24
+#   relative, of logits of magnitude <= ~10 through residual sums of ~10 terms each: 1e-4 absolute.
+HF_LOGITS = 1e-4
 
 LOG_LINE = re.compile(
     r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| (?:skipped samples: +\d+ \| )?"

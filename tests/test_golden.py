@@ -1,5 +1,5 @@
 """Golden values: a 2-rank run of the default model shape, shrunk, for 50 iterations, must write the lm loss and
-grad norm that tests/golden/gpt_tiny_2ranks.json holds (rel <= 1e-5), read back from its TensorBoard files as
+grad norm that tests/golden/gpt_tiny_2ranks.json holds (rel <= conftest.REORDERED), read back from its TensorBoard files as
 Megatron-LM's functional tests read theirs. It guards every refactor against numeric drift.
 
 The file is in Megatron-LM's golden-values format: {metric: {start_step, end_step, step_interval, values}}.
@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from conftest import ROOT, TINY, tensorboard_scalars, torchrun
+from conftest import REORDERED, ROOT, TINY, tensorboard_scalars, torchrun
 
 GOLDEN = os.path.join(ROOT, "tests", "golden", "gpt_tiny_2ranks.json")
 ITERATIONS = 50
@@ -47,4 +47,6 @@ def test_a_two_rank_run_writes_the_golden_values(tmp_path):
             {"start_step": 1, "end_step": ITERATIONS, "step_interval": 1}
         steps = range(want[name]["start_step"], want[name]["end_step"] + 1, want[name]["step_interval"])
         for step in steps:
-            assert got[name]["values"][str(step)] == pytest.approx(want[name]["values"][str(step)], rel=1e-5), (name, step)
+            # Written on the project's machine: another CPU's kernels group the fp32 sums otherwise (REORDERED).
+            assert got[name]["values"][str(step)] == pytest.approx(want[name]["values"][str(step)], rel=REORDERED), \
+                (name, step)

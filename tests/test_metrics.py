@@ -11,6 +11,9 @@ import metrics
 from conftest import torchrun
 
 
+
+# rel=1e-12 below: two float64 evaluations of one closed-form count (exact integers up to 2^53; each of a few dozen
+# operations rounds at 2^-53 ~ 1e-16 at most).
 def _cfg(*flags, world_size=1, gpu=False):
     cfg = config.parse_args(list(flags), world_size=world_size, gpu=gpu)
     cfg.padded_vocab_size = 384
@@ -106,14 +109,16 @@ def test_norms_on_one_rank(single_rank_groups):
     model = build_model(cfg, 100)
     params = list(model[0].parameters())
     expected = torch.cat([p.detach().flatten() for p in params]).norm().item()
+    # One sum of n ~ 10^5 squares, grouped per parameter there and at once here: log2(n) x 2^-24 ~ 1e-6 relative.
     assert metrics.calc_params_l2_norm(model) == pytest.approx(expected, rel=1e-5)
     model[0](torch.zeros(1, 8, dtype=torch.long), torch.arange(8)[None], None,
              labels=torch.ones(1, 8, dtype=torch.long)).sum().backward()
     r = metrics.report_l2_norm_grad(model)
     layer_keys = [k for k in r if k != "l2_norm/grad/global"]
     assert len(layer_keys) == len(params) and "l2_norm/grad/decoder.layers.0.mlp.linear_fc1.weight" in r
+    # The same squares summed per layer then over layers (float64 here): fp32's log2(n) x 2^-24 ~ 1e-6 relative.
     assert r["l2_norm/grad/global"] == pytest.approx(math.sqrt(sum(r[k] ** 2 for k in layer_keys)), rel=1e-5)
-    # megatron-core's own gradient norm (what its optimizer clips with) agrees.
+    # megatron-core's own gradient norm (what its optimizer clips with) agrees, to the same fp32 sums' rounding.
     assert r["l2_norm/grad/global"] == pytest.approx(get_grad_norm_fp32([p.grad for p in params]), rel=1e-5)
     assert metrics.param_is_not_shared(params[0])
     params[0].shared = True
@@ -256,6 +261,7 @@ def test_progress_log_of_a_run(mock_run):
     saved = [l.split("\t") for l in lines[1:]]
     assert [t[4] for t in saved] == ["Iteration: 15", "Iteration: 30"]
     flops = [float(t[7].split(": ")[1]) for t in saved]
+    # progress.txt prints "%.2e": each figure within half a unit of its third digit, 0.5% at worst (1.00e..).
     assert flops[1] == pytest.approx(2 * flops[0], rel=1e-2)
     assert all("TFLOP/s/GPU" in t[5] and "TFLOP/s/GPU" in t[6] for t in saved)
 

@@ -28,6 +28,8 @@ def test_sdpa_attention_is_causal_attention_with_gqa(single_rank_groups):
     attention = SDPAttention(transformer_config(cfg), 1, AttnMaskType.causal)
     torch.manual_seed(0)
     q, k, v = torch.randn(16, 2, 4, 64), torch.randn(16, 2, 2, 64), torch.randn(16, 2, 2, 64)
+    # fp32, SDPA's kernel against a plain softmax(QK^T)V: 64-term dot products of unit normals (magnitude ~8) and
+    # 16-term weighted sums, each rounding at log2(n) x 2^-24 of its terms' size: within 1e-5.
     torch.testing.assert_close(attention(q, k, v, None), reference_attention(q, k, v), rtol=1e-5, atol=1e-5)
     # An explicit megatron mask (True = masked out) gives the same result as the implicit causal one.
     mask = torch.triu(torch.ones(16, 16, dtype=torch.bool), 1)[None, None]
@@ -49,7 +51,7 @@ def test_one_query_against_cached_keys_is_the_last_row_of_causal_attention(singl
     last_row = reference_attention(q, k, v)[-1:]
     for mask_type in (AttnMaskType.no_mask, AttnMaskType.causal):  # megatron's rule: causal only when sq > 1
         torch.testing.assert_close(attention(q[-1:], k, v, None, attn_mask_type=mask_type), last_row,
-                                   rtol=1e-5, atol=1e-5)
+                                   rtol=1e-5, atol=1e-5)  # as in the test above: two fp32 kernels
 
 
 def test_sdpa_attention_under_context_parallelism_is_one_process_attention():
@@ -67,7 +69,8 @@ def test_sdpa_attention_under_context_parallelism_is_one_process_attention():
     assert sorted(r["rank"] for r in ranks) == [0, 1]
     for r in ranks:
         for mask in ("causal", "explicit"):
-            assert max(r[mask][what] for what in ("out", "dq", "dk", "dv")) < 1e-12, r  # float64
+            # float64 (2^-53 ~ 1e-16): sums of <= 16 terms grouped otherwise, of values of order 10: within 1e-12
+            assert max(r[mask][what] for what in ("out", "dq", "dk", "dv")) < 1e-12, r
             assert r[mask]["unshifted_out"] > 0.1, r
         # Attention dropout on two tensor-parallel ranks fed the same Q, K, V: each rank its own masks (SDPAttention
         # as megatron-core's DotProductAttention); no dropout, the same output to the last bit.
@@ -157,6 +160,8 @@ def test_recompute_keeps_fewer_activations_for_the_same_loss_and_gradients(singl
     assert kept_recompute < kept * (0.8 if "full" in flags else 0.95), (kept_recompute, kept)
     assert loss_recompute == loss
     for g, g_recompute in zip(grads, grads_recompute):
+        # The same kernels on the same inputs; autograd accumulates the recomputed segment's gradients in another
+        # order: a few fp32 roundings (2^-24 ~ 6e-8) of gradients below 1.
         torch.testing.assert_close(g_recompute, g, rtol=1e-6, atol=1e-7)
 
 

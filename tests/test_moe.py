@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from conftest import TINY, Launches, assert_bitwise, assert_same, config_error
+from conftest import PRINTED, TINY, Launches, assert_bitwise, assert_same, config_error
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "2", "--moe-aux-loss-coeff", "1e-2",
        "--moe-z-loss-coeff", "1e-3", "--moe-shared-expert-intermediate-size", "64", "--disable-bias-linear"]
@@ -111,7 +111,7 @@ def test_the_log_line_shows_megatron_lms_auxiliary_losses(runs):
     line = next(line for line in run["stdout"].splitlines() if " iteration        3/" in line)
     assert " | lm loss: " in line and " | load_balancing_loss: " in line and " | z_loss: " in line
     aux = float(line.split("load_balancing_loss: ")[1].split(" |")[0])
-    assert aux == pytest.approx(run["load_balancing_loss"][3], rel=1e-6)
+    assert aux == pytest.approx(run["load_balancing_loss"][3], rel=PRINTED)  # the log line's digits
     assert 0.9 < aux < 1.2  # near 1: the balanced value of Switch's loss for top-2 of 4 experts (coefficient left out)
 
 
@@ -202,14 +202,14 @@ def test_generate_splits_the_experts_or_the_matrices_and_samples_as_one_process(
 
 def test_bf16_at_expert_parallel_size_2_is_the_one_rank_bf16_run(runs):
     """Mixed precision: bf16 weights, fp32 main weights and gradient reduction. EP=2's experts multiply other
-    groupings of tokens (each expert gets both ranks' tokens at once) in bf16: the losses within 1e-4 of one rank;
-    the gradient norm within bf16's unit roundoff, 2**-8: each gradient is computed in bf16 and so differs by its
-    rounding when its sums are grouped otherwise, and a norm's relative difference is at most its elements' largest."""
+    groupings of tokens (each expert gets both ranks' tokens at once) in bf16, so each expert output, and each
+    gradient, may round to the other neighbouring bf16 value: bf16's unit roundoff, 2^-8, relative. The losses (a mean
+    of positive per-token losses, each a function of its logits that does not amplify a relative change) and the
+    gradient norm (a norm's relative difference is at most its elements' largest) are then within 2^-8 of one rank's."""
     one = runs("one_bf16", 1, "--bf16")
     ep2 = runs("ep2_bf16", 2, "--bf16", *EP2, *A2A)
     assert ep2["iterations"] == one["iterations"] == list(range(1, 7))
-    assert_same(ep2, one, range(1, 7), ["lm loss", "load_balancing_loss"], rel=1e-4)
-    assert_same(ep2, one, range(1, 7), ["grad-norm"], rel=2 ** -8)
+    assert_same(ep2, one, range(1, 7), ["lm loss", "load_balancing_loss", "grad-norm"], rel=2 ** -8)
 
 
 def test_a_second_moe_run_in_one_process_may_have_more_layers():
@@ -225,18 +225,23 @@ def test_a_second_moe_run_in_one_process_may_have_more_layers():
         assert [line[0] for line in log_lines(out)] == [1, 2] and "load_balancing_loss: " in out
 
 
-def test_experts_with_biases_train_at_expert_parallel_size_1():
+def test_experts_with_biases_train_at_expert_parallel_size_1(capsys):
     """Megatron-LM's default biases, one rank: megatron-core's MLP adds each expert's bias in place to what its
     output projection returned (mlp.py:247), which at EP=1 is the reduce Function's own input, and autograd refuses
-    (ExpertRowParallelLinear leaves it to the dispatcher, as at EP>1). Three iterations that learn."""
+    (ExpertRowParallelLinear leaves it to the dispatcher, as at EP>1). Six iterations that learn: the loss falls."""
     import config
     import train
+    from conftest import log_lines
 
-    cfg = config.parse_args([*TINY, "--num-experts", "4", "--mock-data", "--train-iters", "3", "--eval-iters", "0",
+    cfg = config.parse_args([*TINY, "--num-experts", "4", "--mock-data", "--train-iters", "6", "--eval-iters", "0",
                              "--num-workers", "0", "--log-interval", "1"], world_size=1, gpu=False)
     assert cfg.model.add_bias_linear
     state = train.pretrain(cfg)
-    assert state.train_state.step == 3
+    losses = [loss for _, _, _, loss, _, _ in log_lines(capsys.readouterr().out)]
+    assert state.train_state.step == 6 and len(losses) == 6
+    # From the uniform guess over the 384 rows (ln 384 = 5.95) toward the mock data's structure: past warm-up (2
+    # iterations) each step at lr 3e-3 takes it down by ~0.1-0.2 nats; 0.1 in all is far above float noise.
+    assert losses[-1] < losses[0] - 0.1, losses
 
 
 @pytest.mark.parametrize("saved, loading, expected", [

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import config
-from conftest import TINY, config_error, log_lines, torchrun
+from conftest import REORDERED, TINY, config_error, log_lines, torchrun
 
 
 def _cfg(*flags, world_size=1):
@@ -132,7 +132,7 @@ def test_lora_resumes_bitwise_and_tensor_parallel_gives_the_same_losses(lora_run
     tp2 = torchrun([*args, "--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"])
     assert tp2.returncode == 0, tp2.stderr[-3000:]
     for it, loss in {l[0]: l[3] for l in log_lines(tp2.stdout)}.items():
-        assert loss == pytest.approx(lora_run["losses"][it], rel=1e-5), it
+        assert loss == pytest.approx(lora_run["losses"][it], rel=REORDERED), it  # TP=2's sums grouped otherwise
 
 
 def test_merged_checkpoint_loads_without_peft_and_gives_the_adapted_logits(lora_run, tmp_path):
@@ -162,6 +162,8 @@ def test_merged_checkpoint_loads_without_peft_and_gives_the_adapted_logits(lora_
     run_config = "iter_0000012/run_config.yaml"
     adapted = logits("--config-file", str(lora_run["dir"] / "lora" / run_config), "--load", str(lora_run["dir"] / "lora"))
     plain = logits("--config-file", str(merged / run_config), "--pretrained-checkpoint", str(merged))
+    # W + scale x BA folded once, against x W + scale x (x A) B: the same products summed in another order, each
+    # logit within (h + r) sums' log2 x 2^-24 of the largest logit: within 1e-5 of it.
     torch.testing.assert_close(plain, adapted, rtol=1e-5, atol=1e-5 * adapted.abs().max().item())
 
 

@@ -66,23 +66,39 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: 
 # --------------------------------------------------------------------------------------------------
 
 
-class Norm:
-    """The local layers' LayerNorm or RMSNorm (torch's, as megatron-core's WrappedTorchNorm builds them), which also
+class Norm(torch.nn.Module):
+    """The local layers' LayerNorm or RMSNorm (torch's arithmetic, `F.layer_norm` / `F.rms_norm`, and torch's
+    parameter names, `weight` and LayerNorm's `bias`, as megatron-core's WrappedTorchNorm builds them), which also
     runs under sequence parallelism.
 
     WrappedTorchNorm asserts that sequence parallelism is off (transformer/torch_norm.py:50), although a norm
     acts on each token alone and needs nothing from the other tokens. What sequence parallelism asks of a norm is
     what megatron-core's TE and apex norms do: mark the weights `sequence_parallel`, so that finalize_model_grads
-    sums their gradients, computed on each rank's part of the sequence, over the tensor-parallel group. A torch
-    module, so the parameter names and the checkpoint are WrappedTorchNorm's."""
+    sums their gradients, computed on each rank's part of the sequence, over the tensor-parallel group.
 
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
-                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
-        assert not config.layernorm_zero_centered_gamma, "zero-centred gamma needs transformer-engine's norms"
-        norm = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}[config.normalization](hidden_size, eps=eps)
-        for param in norm.parameters():
+    megatron-core's norm arguments: `normalization` (None: the config's) picks the kind; `persist_layer_norm` picks
+    apex's persistent kernel, the same arithmetic, which torch's norms have no need of (accepted, as megatron-core's
+    torch norm does); `zero_centered_gamma` (and the config's layernorm_zero_centered_gamma) is transformer-engine's
+    and refused (config.py refuses --apply-layernorm-1p on the local layers first)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                 zero_centered_gamma: bool = False, normalization: Optional[str] = None):
+        super().__init__()
+        if zero_centered_gamma or config.layernorm_zero_centered_gamma:
+            raise ValueError("model.Norm: zero-centred gamma needs transformer-engine's norms")
+        self.normalization = normalization or config.normalization
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"model.Norm: normalization {self.normalization!r}; LayerNorm or RMSNorm")
+        self.hidden_size, self.eps = hidden_size, eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.bias = torch.nn.Parameter(torch.zeros(hidden_size)) if self.normalization == "LayerNorm" else None
+        for param in self.parameters():
             param.sequence_parallel = config.sequence_parallel
-        return norm
+
+    def forward(self, x):
+        if self.normalization == "LayerNorm":
+            return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
+        return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
 
 
 class SDPAttention(MegatronModule):

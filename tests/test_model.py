@@ -177,3 +177,26 @@ def test_no_weight_decay_on_biases_and_norms(single_rank_groups):
     assert decay and no_decay
     assert all(p.ndim >= 2 for p in decay) and all(p.ndim == 1 for p in no_decay)
     assert len(decay) + len(no_decay) == len(list(model[0].parameters()))
+
+
+def test_norm_is_a_module_of_its_own_with_torchs_arithmetic_and_names():
+    """model.Norm is what megatron-core's spec builds (isinstance holds), honours the `normalization` it is given
+    over the config's, computes torch's LayerNorm and RMSNorm bit for bit under their parameter names, and refuses
+    zero-centred gamma (transformer-engine's)."""
+    from model import Norm, transformer_config
+
+    settings = transformer_config(config.parse_args(["--sequence-parallel", "--tensor-model-parallel-size", "2"],
+                                                    world_size=2, gpu=False))
+    x = torch.randn(5, 3, 16, generator=torch.Generator().manual_seed(0))
+    for kind, reference in (("LayerNorm", torch.nn.LayerNorm(16, eps=1e-5)), ("RMSNorm", torch.nn.RMSNorm(16, eps=1e-5))):
+        norm = Norm(settings, 16, eps=1e-5, normalization=kind)
+        assert isinstance(norm, Norm) and norm.normalization == kind
+        with torch.no_grad():
+            for p in (*norm.parameters(), *reference.parameters()):
+                p.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(p.numel()))
+        assert sorted(dict(norm.named_parameters())) == sorted(dict(reference.named_parameters()))
+        assert torch.equal(norm(x), reference(x))
+        assert all(p.sequence_parallel for p in norm.parameters())
+    assert Norm(settings, 16).normalization == settings.normalization == "LayerNorm"
+    with pytest.raises(ValueError, match="zero-centred gamma"):
+        Norm(settings, 16, zero_centered_gamma=True)

@@ -237,8 +237,13 @@ def test_experts_with_biases_train_at_expert_parallel_size_1(capsys):
                              "--num-workers", "0", "--log-interval", "1"], world_size=1, gpu=False)
     assert cfg.model.add_bias_linear
     state = train.pretrain(cfg)
-    losses = [loss for _, _, _, loss, _, _ in log_lines(capsys.readouterr().out)]
+    out = capsys.readouterr().out
+    losses = [loss for _, _, _, loss, _, _ in log_lines(out)]
     assert state.train_state.step == 6 and len(losses) == 6
+    # --moe-aux-loss-coeff 0, Megatron-LM's default: no load-balancing loss is computed, and the log line still names
+    # it with 0, as Megatron-LM core_v0.19.0's does with the same flags (training.py:2761-2794: the tracker is
+    # force-initialised for every name of --moe-router-load-balancing-type).
+    assert out.count("| load_balancing_loss: 0.000000E+00 |") == 6
     # From the uniform guess over the 384 rows (ln 384 = 5.95) toward the mock data's structure: past warm-up (2
     # iterations) each step at lr 3e-3 takes it down by ~0.1-0.2 nats; 0.1 in all is far above float noise.
     assert losses[-1] < losses[0] - 0.1, losses

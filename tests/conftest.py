@@ -35,6 +35,9 @@ REORDERED = 2e-5
 #   matmul or three, another attention): each of the <= 3 layers' sums of n <= 4h terms rounds by log2(n) x 2^-24
 #   relative, of logits of magnitude <= ~10 through residual sums of ~10 terms each: 1e-4 absolute.
 HF_LOGITS = 1e-4
+# - pytest.approx with no tolerance given (rel 1e-6): closed forms in float64 (memory, FLOPs, throughput figures, a
+#   reduced loss) or a scalar held in fp32 (a learning rate in a param group, a loss tensor's .item()): a few
+#   roundings of 2^-53, or one of 2^-24 (6e-8), within it.
 
 LOG_LINE = re.compile(
     r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| (?:skipped samples: +\d+ \| )?"

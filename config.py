@@ -802,7 +802,10 @@ class DistributedInitConfig:
     """Process-group setup."""
 
     distributed_backend: Optional[str] = arg(None, "Collective backend. Default: nccl with a GPU, gloo without.", choices=["nccl", "gloo"])
-    distributed_timeout_minutes: int = arg(10, "Timeout of collective operations, in minutes.", bounds="(0, inf)")
+    distributed_timeout_minutes: float = arg(
+        10, "Timeout of collective operations, in minutes: a rank that waits longer for another fails (and torchrun "
+            "--max-restarts restarts the job). A fraction is taken here (Megatron-LM takes whole minutes).",
+        bounds="(0, inf)")
     external_gpu_device_mapping: bool = arg(
         False, "The launcher has given each process one GPU (CUDA_VISIBLE_DEVICES): use device 0 instead of the local "
                "rank's.", cli=False)

@@ -54,6 +54,8 @@ What the shim answers (file:line in megatron-core 0.19.2), and why:
     / manual_seed, random._get_cuda_rng_state  rerun_state_machine.py:979,992,                 (the tracker swaps its
     / random._set_cuda_rng_state               random.py:104,135 (fork() swaps the tracker's   streams through it)
                                                streams in and out)
+    the tracker's warning that a fork moved    random.py:331-333                               filtered: the CUDA
+    the CPU generator                                                                          generator is the CPU's
 
 `torch.cuda.is_available()` stays False: code that asks it (ours, torch's) still learns the truth. The
 `device=` rewrite is a `torch.overrides.TorchFunctionMode`, so every torch call from Python passes through
@@ -95,6 +97,7 @@ import contextlib
 import functools
 import importlib.abc
 import importlib.util
+import logging
 import os
 import sys
 import warnings
@@ -112,8 +115,6 @@ def _import_cpp_extension_quietly() -> None:
     torch (what the package index serves) on a machine without a CUDA runtime logs "No CUDA runtime is found" then,
     in every process, before any output of ours (a one-line error would be two). Imported here with that one
     record filtered out; the filter is removed after, and the module's later messages pass."""
-    import logging
-
     log = logging.getLogger("torch.utils.cpp_extension")
     quiet = logging.Filter()
     quiet.filter = lambda record: "No CUDA runtime is found" not in record.getMessage()
@@ -485,6 +486,8 @@ def shim():
         setattr(owner, name, answer)
     with contextlib.ExitStack() as stack:
         if not cuda():
+            stack.enter_context(_filtered(logging.getLogger("megatron.core.tensor_parallel.random"),
+                                          "CPU RNG state changed within GPU RNG context"))
             if "torch._dynamo" in sys.modules:  # something was torch.compile'd: megatron-core's kernels run as written
                 stack.enter_context(torch.compiler.set_stance("force_eager"))
             _mode = stack.enter_context(CudaOnCpu())
@@ -499,6 +502,20 @@ def shim():
 
 
 _NO_MODE = object()  # the shim's state on a GPU: installed, with no mode to enter
+
+
+@contextlib.contextmanager
+def _filtered(logger, message: str):
+    """`logger` without its records that contain `message`, for the block. The RNG tracker's fork() warns when the
+    CPU generator moved while a CUDA stream was swapped in (random.py:331-333); on a CPU the CUDA generator is the
+    CPU's (the table above), so every fork that draws (dropout in a tensor-parallel region) would warn."""
+    quiet = logging.Filter()
+    quiet.filter = lambda record: message not in record.getMessage()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def in_shim(function):

@@ -26,6 +26,8 @@ import functools
 import math
 import os
 import random
+import time
+import uuid
 from datetime import timedelta
 from typing import Optional
 
@@ -586,18 +588,63 @@ def initialize_distributed(cfg) -> None:
     device.bind_local_gpu(cfg.use_gpu, cfg.dist.external_gpu_device_mapping)
     backend = cfg.dist.distributed_backend or device.backend()
     timeout = timedelta(minutes=cfg.dist.distributed_timeout_minutes)
-    if "RANK" in os.environ:
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent, which may have restarted this worker group
+        store, rank, world_size = next(torch.distributed.rendezvous("env://", timeout=timeout))  # torch's own store
+        store = torch.distributed.PrefixStore(f"attempt/{this_attempt(store, rank, world_size, timeout)}/", store)
+        torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    elif "RANK" in os.environ:
         torch.distributed.init_process_group(backend, timeout=timeout)
     else:
         torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1,
                                              timeout=timeout)
     m = cfg.model
+    # megatron-core's groups get the run's timeout too (its default is 30 minutes): a rank that hangs (stopped, or in
+    # a read that never returns) then fails the others' collectives, and torchrun restarts the job.
     parallel_state.initialize_model_parallel(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
                                              m.virtual_pipeline_model_parallel_size,
                                              context_parallel_size=m.context_parallel_size,
                                              hierarchical_context_parallel_sizes=m.hierarchical_context_parallel_sizes,
                                              expert_model_parallel_size=m.expert_model_parallel_size,
-                                             expert_tensor_parallel_size=m.expert_tensor_parallel_size)
+                                             expert_tensor_parallel_size=m.expert_tensor_parallel_size,
+                                             distributed_timeout_minutes=cfg.dist.distributed_timeout_minutes)
+
+
+def this_attempt(store, rank: int, world_size: int, timeout: timedelta) -> str:
+    """A name for this start of the worker group that every rank agrees on, for the keys of its process groups.
+
+    torch defect (README: defects): torchrun's agent keeps one TCPStore for the whole job and hands it to every
+    restart of the workers (elastic/rendezvous/dynamic_rendezvous.py:1193-1236), while the workers' env:// store
+    assumes a new store per restart and adds no prefix (distributed/rendezvous.py:188-196). A restarted group's
+    process groups then read the previous attempt's keys: the addresses of dead ranks (gloo's connectFullMesh:
+    "Connection refused") or a group counter that is already there (a hang in new_group). TORCHELASTIC_RESTART_COUNT
+    cannot name the attempt: each node's agent counts its own restarts (pytorch/pytorch#108158).
+
+    So the ranks agree through the store, on keys no earlier attempt can have written: each rank announces a fresh
+    random token under its rank; rank 0 answers every token it sees with its own (a stale token from a dead
+    process gets an answer nobody reads) until every rank has acknowledged the answer under rank 0's token. Rank
+    0's token is the attempt's name. A rank that never comes fails the others at `timeout`, and torchrun restarts."""
+    token = uuid.uuid4().hex
+    store.set(f"restart/hello/{rank}", token)
+    if rank != 0:
+        attempt = store.get(f"restart/welcome/{token}").decode()  # waits, up to the store's timeout
+        store.set(f"restart/ack/{attempt}/{rank}", "")
+        return attempt
+    answered, acknowledged = {}, {0}
+    deadline = time.monotonic() + timeout.total_seconds()
+    while len(acknowledged) < world_size:
+        for r in set(range(world_size)) - acknowledged:
+            if store.check([f"restart/hello/{r}"]):
+                seen = store.get(f"restart/hello/{r}").decode()
+                if answered.get(r) != seen:
+                    store.set(f"restart/welcome/{seen}", token)
+                    answered[r] = seen
+            if store.check([f"restart/ack/{token}/{r}"]):
+                acknowledged.add(r)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"ranks {sorted(set(range(world_size)) - acknowledged)} did not join this attempt "
+                               f"within {timeout}")
+        time.sleep(0.01)
+    return token
 
 
 def destroy_distributed() -> None:

@@ -226,6 +226,7 @@ def setup(cfg: ConfigContainer):
     # Resume this run's own checkpoint if --load holds one; otherwise start from pretrained weights if given.
     state.checkpoint_manager.load(checkpoint.CheckpointLoadContext(state, model, optimizer, scheduler))
     state.start_step = state.train_state.step
+    report_restart(cfg, state.start_step)
     state.num_microbatches_calculator.update(state.train_state.consumed_train_samples, consistency_check=True)
     state.start_floating_point_operations = state.train_state.floating_point_operations_so_far
     state.floating_point_operations_at_last_log = state.start_floating_point_operations
@@ -238,6 +239,22 @@ def setup(cfg: ConfigContainer):
     iterators = [one_iterator_per_chunk(it, len(model)) for it in iterators]
     iterators[0] = attach_rerun_state_machine(state, iterators[0])
     return state, model, optimizer, scheduler, iterators
+
+
+def report_restart(cfg: ConfigContainer, step: int) -> None:
+    """Under torchrun --max-restarts, one line saying which start of the worker group this is and where it resumed
+    (torchrun's TORCHELASTIC_RESTART_COUNT, this node's count); at the first start, a warning when a restart could
+    not resume: it continues from the newest checkpoint in --load, so --save and --load must name one directory."""
+    restarts, attempt = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")), os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    ck = cfg.checkpoint
+    if attempt not in (None, "0"):
+        print_rank_0(f" restart {attempt} of torchrun --max-restarts {restarts}: "
+                     + (f"resumed at iteration {step} from {ck.load}" if step else "no checkpoint published yet: "
+                        "training from scratch"))
+    elif restarts and not (ck.save and ck.load and os.path.abspath(ck.save) == os.path.abspath(ck.load)):
+        print_rank_0(f"WARNING: torchrun --max-restarts {restarts} restarts this job from the newest checkpoint in "
+                     f"--load, which must be where --save writes (now --save {ck.save}, --load {ck.load}): a restart "
+                     f"would train from scratch")
 
 
 def setup_logging(logging_level: Optional[int]) -> None:

@@ -2524,7 +2524,7 @@ def derive_machine(cfg: ConfigContainer) -> None:
                          f"--context-parallel-size {m.context_parallel_size} on the local layers: SDPAttention gathers "
                          f"keys and values (Megatron-LM's default p2p is transformer-engine's ring)")
         else:
-            m.cp_comm_type = ["p2p"]  # Megatron-LM's default, as it is
+            derive_value(cfg, "model.cp_comm_type", ["p2p"], "not given: Megatron-LM's default")
 
 
 def check_machine(cfg: ConfigContainer) -> None:

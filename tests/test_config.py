@@ -234,7 +234,7 @@ def test_context_parallelism_alone_gathers_keys_and_values_on_the_local_layers()
     assert cfg.model.cp_comm_type == ["all_gather"]
     assert "--context-parallel-size 2 on the local layers" in cfg.derived["model.cp_comm_type"][1]
     plain = config.parse_args([], world_size=1, gpu=False)
-    assert plain.model.cp_comm_type == ["p2p"] and "model.cp_comm_type" not in plain.derived
+    assert plain.model.cp_comm_type == ["p2p"] and "Megatron-LM's default" in plain.derived["model.cp_comm_type"][1]
 
 
 def test_a_model_that_cannot_fit_names_the_figures_and_the_flags(capsys):

@@ -84,13 +84,26 @@ def test_most_recent_k_keeps_the_newest_and_synchronous_saves_start_no_process(t
     import train
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    before = set(multiprocessing.active_children())
-    train.pretrain(_cfg(tmp_path, "--train-iters", "5", "--save", str(tmp_path / "ck"), "--save-interval", "1",
-                        "--most-recent-k", "2"))
+    before, own_queue = set(multiprocessing.active_children()), filesystem_async._results_queue
+    seen = []
+    write = checkpoint.save_checkpoint
+
+    def save_checkpoint(*args, **kwargs):  # the queue the writer reports through, as the save leaves it set
+        directory = write(*args, **kwargs)
+        seen.append(filesystem_async._results_queue)
+        return directory
+
+    checkpoint.save_checkpoint = save_checkpoint
+    try:
+        train.pretrain(_cfg(tmp_path, "--train-iters", "5", "--save", str(tmp_path / "ck"), "--save-interval", "1",
+                            "--most-recent-k", "2"))
+    finally:
+        checkpoint.save_checkpoint = write
     assert sorted(os.listdir(tmp_path / "ck")) == ["iter_0000004", "iter_0000005", "latest_checkpointed_iteration.txt",
                                                    "latest_train_state.pt", "progress.txt"]
     assert set(multiprocessing.active_children()) <= before
-    assert type(filesystem_async._results_queue) is queue.Queue
+    assert len(seen) == 5 and all(type(q) is queue.Queue for q in seen)
+    assert filesystem_async._results_queue is own_queue  # megatron-core's own, given back when the run ended
 
 
 def test_iterations_to_skip_consume_their_data(tmp_path, capsys):

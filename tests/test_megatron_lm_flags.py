@@ -796,7 +796,7 @@ ARCHITECTURE_FLAGS = [
     (["--qk-layernorm"], lambda tc: tc.qk_layernorm,
      lambda g: tuple(_attention(g).q_layernorm.weight.shape) == (16,) and hasattr(_attention(g).k_layernorm, "weight")),
     (["--qk-layernorm", "--normalization", "RMSNorm"], lambda tc: tc.qk_layernorm,
-     lambda g: "RMSNorm" in type(_attention(g).q_layernorm).__name__),
+     lambda g: _attention(g).q_layernorm.normalization == "RMSNorm"),  # model.Norm
     (["--qk-l2-norm"], lambda tc: tc.qk_l2_norm,
      lambda g: type(_attention(g).q_layernorm).__name__ == type(_attention(g).k_layernorm).__name__ == "L2Norm"),
     (["--bf16", "--attention-backend", "local"], lambda tc: tc.attention_softmax_in_fp32 is False,  # Megatron-LM's

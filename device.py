@@ -88,8 +88,8 @@ Beyond the shim, the machines differ in only these, each answered here once:
     megatron-core's fused      torch.compile'd at their first call  run as written       (_compile_on_first_
     kernels (megatron/core/                                                               call)
     jit.py)
-    flash decoding's kernels   flash-attn's, if installed           torch versions with  (fill_missing_flash_
-    (generate.py's cached                                           flash-attn's contract attn_names)
+    flash decoding's kernels   flash-attn's, if installed           torch versions with  (_flash_attn_
+    (generate.py's cached                                           flash-attn's contract answers, in shim())
     decode steps)
 """
 
@@ -472,7 +472,7 @@ def shim():
       device and RNG calls and megatron-core's three answered on the CPU, and any function megatron-core decorated
       with the real torch.compile (when it was imported before this module) run as written, as `_compile_on_first_call`
       runs them: the numbers do not depend on the import order.
-    - Without flash-attn, the two kernels of megatron-core's flash decoding (fill_missing_flash_attn_names).
+    - Without flash-attn, the two kernels of megatron-core's flash decoding (`_flash_attn_answers`).
 
     Each replaced name is put back on exit, and the mode left. Nested uses are one: the outermost installs and
     removes."""

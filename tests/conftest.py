@@ -1,5 +1,8 @@
 """Shared helpers: launching real `torchrun` jobs of train.py, and one expensive run shared by many tests."""
 
+import contextlib
+import itertools
+import json
 import os
 import re
 import socket
@@ -123,25 +126,61 @@ def train_here(argv) -> str:
 class Launches:
     """Jobs of train.py sharing one scratch folder and one dataset cache, each run once by name, with the named
     TensorBoard scalars read back (the layout matrices of test_engine and test_moe): torchrun jobs, and the
-    one-rank references in this process (train_here)."""
+    one-rank references in this process (train_here).
+
+    Inside `together()`, a run asked for is only noted (the call returns None); at its end the noted runs go in
+    order, the one-rank ones in this process and each stretch of consecutive runs with the same number of ranks in
+    one torchrun job (tests/scripts/runs_in_turn.py), whose processes import torch and megatron-core once for the
+    stretch. The tests then ask for the same runs and get what they printed."""
 
     def __init__(self, out, flags: list, metrics: tuple):
-        self.out, self.flags, self.metrics, self.done = out, flags, metrics, {}
+        self.out, self.flags, self.metrics, self.done, self.noted = out, flags, metrics, {}, None
 
     def __call__(self, name, nproc, *flags):
-        if name not in self.done:
-            argv = [*self.flags, *flags, "--tensorboard-dir", str(self.out / name / "tb"), "--data-cache-path",
-                    str(self.out / "cache")]
-            if nproc == 1:
-                stdout = train_here(argv)
-            else:
-                proc = torchrun(argv, nproc=nproc, timeout=600)
-                assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-                stdout = proc.stdout
-            tb = tensorboard_scalars(self.out / name / "tb")
-            self.done[name] = dict(stdout=stdout, **{m: tb.get(m, {}) for m in self.metrics},
-                                   iterations=[it for it, *_ in log_lines(stdout)])
+        argv = [*self.flags, *flags, "--tensorboard-dir", str(self.out / name / "tb"), "--data-cache-path",
+                str(self.out / "cache")]
+        if name in self.done:
+            assert self.done[name]["argv"] == argv, f"run {name} was made with other flags"
+        else:
+            if self.noted is not None:
+                noted = {n: a for n, _, a in self.noted}
+                assert noted.get(name, argv) == argv, f"run {name} noted with other flags"
+                if name not in noted:
+                    self.noted.append((name, nproc, argv))
+                return None
+            self._run([(name, nproc, argv)])
         return self.done[name]
+
+    @contextlib.contextmanager
+    def together(self):
+        self.noted = []
+        try:
+            yield
+            runs = self.noted
+        finally:
+            self.noted = None
+        for _, stretch in itertools.groupby(runs, key=lambda run: run[1]):
+            self._run(list(stretch))
+
+    def _run(self, runs) -> None:
+        """`runs`, (name, nproc, argv) with one nproc: in this process (1) or in one torchrun job."""
+        nproc = runs[0][1]
+        if nproc == 1:
+            printed = {name: train_here(argv) for name, _, argv in runs}
+        else:
+            for name, _, _ in runs:
+                (self.out / name).mkdir(parents=True, exist_ok=True)
+            plan = self.out / f"{runs[0][0]}.plan.json"
+            plan.write_text(json.dumps([dict(argv=argv, stdout=str(self.out / name / "stdout"))
+                                        for name, _, argv in runs]))
+            proc = torchrun([str(plan)], nproc=nproc, script="tests/scripts/runs_in_turn.py", timeout=300 * len(runs))
+            assert proc.returncode == 0, f"{[name for name, _, _ in runs]}: " + proc.stdout[-2000:] + proc.stderr[-3000:]
+            printed = {name: "".join((self.out / name / f"stdout.rank{rank}").read_text() for rank in range(nproc))
+                       for name, _, _ in runs}
+        for name, _, argv in runs:
+            tb = tensorboard_scalars(self.out / name / "tb")
+            self.done[name] = dict(argv=argv, stdout=printed[name], **{m: tb.get(m, {}) for m in self.metrics},
+                                   iterations=[it for it, *_ in log_lines(printed[name])])
 
     def ckpt(self, name):
         return str(self.out / name / "ckpt")

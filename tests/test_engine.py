@@ -58,7 +58,20 @@ class Runs(Launches):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return Runs(tmp_path_factory.mktemp("engine"))
+    """Every run of the matrix, made up front: the one-rank references, then each process count's runs in one
+    torchrun job (conftest.Launches.together)."""
+    runs = Runs(tmp_path_factory.mktemp("engine"))
+    with runs.together():
+        runs.plain(), runs.dopt(), runs.rope()
+        for nproc in (2, 4, 8):
+            for name in [name for name, (n, _, _) in LAYOUTS.items() if n == nproc]:
+                layout(runs, name)
+            if nproc == 2:
+                dopt_resumed(runs)
+            for name in [name for name in RESUMED if LAYOUTS[name][0] == nproc]:
+                stop_and_resume(runs, name)
+        one_from_eight(runs), one_from_cp2(runs)
+    return runs
 
 
 def assert_same(run, reference, iterations, rel=REORDERED):
@@ -120,10 +133,16 @@ def test_distributed_optimizer_resumes_bitwise_in_each_checkpoint_format(runs):
     """Each parameter gets back its own Adam step: a fully_reshardable load (the 1-rank checkpoint, 1 shard into
     2) and a dp_reshardable one (2 shards into 2) both continue bit for bit. Without the fix the first fails with
     KeyError 'step' and the second drifts from its second step."""
-    straight = layout(runs, "dp2_dopt")
-    resumed = runs.resume("dp2_dopt_resumed", 2, "dp2_dopt", 9, *DOPT)
+    straight, resumed = layout(runs, "dp2_dopt"), dopt_resumed(runs)
     assert resumed["iterations"] == [10, 11, 12]
     assert_bitwise(resumed, straight, [10, 11, 12])
+
+
+def dopt_resumed(runs):
+    return runs.resume("dp2_dopt_resumed", 2, "dp2_dopt", 9, *DOPT)
+
+
+RESUMED = ["tp2_pp2", "tp2_pp2_dp2"]
 
 
 def stop_and_resume(runs, name):
@@ -135,7 +154,7 @@ def stop_and_resume(runs, name):
     return layout(runs, name), runs.resume(name + "_resumed", nproc, name, 9, *kept, *more)
 
 
-@pytest.mark.parametrize("name", ["tp2_pp2", "tp2_pp2_dp2"])
+@pytest.mark.parametrize("name", RESUMED)
 def test_four_and_eight_rank_layouts_stop_at_9_and_resume_bitwise(runs, name):
     straight, resumed = stop_and_resume(runs, name)
     assert resumed["iterations"][:3] == [10, 11, 12]
@@ -150,12 +169,20 @@ def test_a_save_holds_saving_ranks_times_writers_per_rank_files(runs):
     assert sorted(f for f in files if f.endswith(".distcp")) == [f"__{r}_{w}.distcp" for r in range(4) for w in range(2)]
 
 
+def one_from_eight(runs):
+    return runs.resume("one_from_eight", 1, "tp2_pp2_dp2", 12, *DOPT, "--exit-interval", "15")
+
+
+def one_from_cp2(runs):
+    return runs.resume("one_from_cp2", 1, "cp2", 12, "--exit-interval", "15")
+
+
 def test_the_eight_rank_checkpoint_continues_on_one_rank(runs):
     """dist_checkpointing's promise: TP 2 x PP 2 x DP 2 shards of weights and distributed Adam state, read by a
     single process, continue with the 8-rank run's losses."""
     _, eight = stop_and_resume(runs, "tp2_pp2_dp2")
     assert eight["iterations"] == list(range(10, 16))
-    one = runs.resume("one_from_eight", 1, "tp2_pp2_dp2", 12, *DOPT, "--exit-interval", "15")
+    one = one_from_eight(runs)
     assert one["iterations"] == [13, 14, 15]
     assert_same(one, eight, [13, 14, 15])
 
@@ -165,7 +192,7 @@ def test_the_context_parallel_checkpoint_continues_on_one_rank(runs):
     continued by one process, gives the CP run's losses from 13 to 15."""
     cp = layout(runs, "cp2")
     assert cp["iterations"] == list(range(7, 16))
-    one = runs.resume("one_from_cp2", 1, "cp2", 12, "--exit-interval", "15")
+    one = one_from_cp2(runs)
     assert one["iterations"] == [13, 14, 15]
     assert_same(one, cp, [13, 14, 15])
 

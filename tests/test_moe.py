@@ -54,7 +54,21 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return Launches(tmp_path_factory.mktemp("moe"), FLAGS, (*METRICS, "z_loss"))
+    """Every run of the matrix, made up front: the one-rank references, then each process count's runs in one
+    torchrun job (conftest.Launches.together), then the one-rank runs that continue their checkpoints."""
+    runs = Launches(tmp_path_factory.mktemp("moe"), FLAGS, (*METRICS, "z_loss"))
+    with runs.together():
+        one_rank(runs), one_fresh(runs), one_bf16(runs)
+        for nproc in (2, 4):
+            for name in [name for name, (n, _) in LAYOUTS.items() if n == nproc]:
+                layout(runs, name)
+            if nproc == 2:
+                ep2_from_one(runs), ep2_fresh_from_one(runs), ep2_resumed(runs), ep2_bf16(runs)
+            for name, step in RESUMED:
+                if LAYOUTS[name][0] == nproc:
+                    stop_and_resume(runs, name, step)
+        one_from_ep2_dp2(runs), one_from_ep2(runs)
+    return runs
 
 
 def one_rank(runs):
@@ -115,6 +129,27 @@ def test_the_log_line_shows_megatron_lms_auxiliary_losses(runs):
     assert 0.9 < aux < 1.2  # near 1: the balanced value of Switch's loss for top-2 of 4 experts (coefficient left out)
 
 
+# The runs that cross the EP=1 / EP>1 line (test_expert_parallel_checkpoints_cross_expert_parallel_sizes).
+def ep2_from_one(runs):
+    return runs.resume("ep2_from_one", 2, "one", 6, *EP2, *DOPT, "--exit-interval", "9")
+
+
+def one_from_ep2_dp2(runs):
+    return runs.resume("one_from_ep2_dp2", 1, "ep2_dp2", 6, *DOPT, "--exit-interval", "9")
+
+
+def ep2_fresh_from_one(runs):
+    return runs.resume("ep2_fresh_from_one", 2, "one", 6, *EP2, *FRESH)
+
+
+def one_from_ep2(runs):
+    return runs.resume("one_from_ep2", 1, "ep2_alltoall", 6, *FRESH)
+
+
+def ep2_resumed(runs):
+    return runs.resume("ep2_resumed", 2, "ep2_alltoall", 6, *EP2, *A2A, "--exit-interval", "9")
+
+
 def test_expert_parallel_checkpoints_cross_expert_parallel_sizes(runs):
     """Checkpoints cross the EP=1 / EP>1 line, where megatron-core's optimizers regroup (one for all at EP=1, the
     experts' own beside it at EP>1): with the distributed optimizer's fully_reshardable state, Adam's moments and
@@ -123,20 +158,15 @@ def test_expert_parallel_checkpoints_cross_expert_parallel_sizes(runs):
     one-rank continuation with a fresh optimizer), its optimizer state one line naming --no-load-optim. EP=2
     resumes its own plain checkpoint bitwise."""
     one, reference = one_rank(runs), one_fresh(runs)
-    nproc, flags = LAYOUTS["ep2_alltoall"]
-    straight = runs("ep2_alltoall", nproc, *[runs.ckpt("ep2_alltoall") if f == "CKPT" else f for f in flags])
+    straight = layout(runs, "ep2_alltoall")
     assert reference["iterations"] == [7, 8, 9]
     sharded = [m for m in METRICS if "l2_norm" not in m]  # the distributed optimizer's shard of each gradient
-    assert_same(runs.resume("ep2_from_one", 2, "one", 6, *EP2, *DOPT, "--exit-interval", "9"), one, [7, 8, 9],
-                sharded)
-    nproc, flags = LAYOUTS["ep2_dp2"]
-    four = runs("ep2_dp2", nproc, *[runs.ckpt("ep2_dp2") if f == "CKPT" else f for f in flags])
-    assert_same(runs.resume("one_from_ep2_dp2", 1, "ep2_dp2", 6, *DOPT, "--exit-interval", "9"), four, [7, 8, 9],
-                sharded)
-    assert_same(runs.resume("ep2_fresh_from_one", 2, "one", 6, *EP2, *FRESH), reference, [7, 8, 9], METRICS)
-    assert_same(runs.resume("one_from_ep2", 1, "ep2_alltoall", 6, *FRESH), reference, [7, 8, 9], METRICS)
-    assert_bitwise(runs.resume("ep2_resumed", 2, "ep2_alltoall", 6, *EP2, *A2A, "--exit-interval", "9"), straight,
-                   [7, 8, 9], METRICS)
+    assert_same(ep2_from_one(runs), one, [7, 8, 9], sharded)
+    four = layout(runs, "ep2_dp2")
+    assert_same(one_from_ep2_dp2(runs), four, [7, 8, 9], sharded)
+    assert_same(ep2_fresh_from_one(runs), reference, [7, 8, 9], METRICS)
+    assert_same(one_from_ep2(runs), reference, [7, 8, 9], METRICS)
+    assert_bitwise(ep2_resumed(runs), straight, [7, 8, 9], METRICS)
     import checkpoint
     import config
     import train
@@ -149,15 +179,22 @@ def test_expert_parallel_checkpoints_cross_expert_parallel_sizes(runs):
     assert "add --no-load-optim" in str(e.value)
 
 
-@pytest.mark.parametrize("name, step", [("ep2_dopt", 6), ("ep2_dp2", 6), ("tp2_sp_ep2", 6), ("ep2_pp2", 8)])
+RESUMED = [("ep2_dopt", 6), ("ep2_dp2", 6), ("tp2_sp_ep2", 6), ("ep2_pp2", 8)]
+
+
+def stop_and_resume(runs, name, step):
+    """A layout's run and its resume from its own checkpoint of `step` to 9."""
+    nproc, flags = LAYOUTS[name]
+    kept = [f for f in flags if f not in ("--save", "CKPT", "--save-interval", str(step))]
+    return layout(runs, name), runs.resume(name + "_resumed", nproc, name, step, *kept, "--exit-interval", "9")
+
+
+@pytest.mark.parametrize("name, step", RESUMED)
 def test_layouts_stop_and_resume_bitwise(runs, name, step):
     """Each layout's own checkpoint, resumed: the same run bit for bit to 9. The experts' distributed Adam state in
     each format (2 ranks: dp_reshardable; 4 ranks, expert data parallelism 2: fully_reshardable), and the other
     4-rank layouts (TP=2 + SP x EP=2, EP=2 x PP=2), Adam state and all."""
-    nproc, flags = LAYOUTS[name]
-    straight = layout(runs, name)
-    kept = [f for f in flags if f not in ("--save", "CKPT", "--save-interval", str(step))]
-    resumed = runs.resume(name + "_resumed", nproc, name, step, *kept, "--exit-interval", "9")
+    straight, resumed = stop_and_resume(runs, name, step)
     assert resumed["iterations"] == list(range(step + 1, 10))
     assert_bitwise(resumed, straight, range(step + 1, 10), [m for m in METRICS if "l2_norm" not in m])
 
@@ -200,14 +237,21 @@ def test_generate_splits_the_experts_or_the_matrices_and_samples_as_one_process(
         assert proc.stdout == texts[0] + "---------------\n" + texts[1]
 
 
+def one_bf16(runs):
+    return runs("one_bf16", 1, "--bf16")
+
+
+def ep2_bf16(runs):
+    return runs("ep2_bf16", 2, "--bf16", *EP2, *A2A)
+
+
 def test_bf16_at_expert_parallel_size_2_is_the_one_rank_bf16_run(runs):
     """Mixed precision: bf16 weights, fp32 main weights and gradient reduction. EP=2's experts multiply other
     groupings of tokens (each expert gets both ranks' tokens at once) in bf16, so each expert output, and each
     gradient, may round to the other neighbouring bf16 value: bf16's unit roundoff, 2^-8, relative. The losses (a mean
     of positive per-token losses, each a function of its logits that does not amplify a relative change) and the
     gradient norm (a norm's relative difference is at most its elements' largest) are then within 2^-8 of one rank's."""
-    one = runs("one_bf16", 1, "--bf16")
-    ep2 = runs("ep2_bf16", 2, "--bf16", *EP2, *A2A)
+    one, ep2 = one_bf16(runs), ep2_bf16(runs)
     assert ep2["iterations"] == one["iterations"] == list(range(1, 7))
     assert_same(ep2, one, range(1, 7), ["lm loss", "load_balancing_loss", "grad-norm"], rel=2 ** -8)
 

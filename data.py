@@ -697,6 +697,24 @@ def data_worker_init(exit_signal: str, worker_id: int) -> None:
     for sig in {signal.SIGINT, signal.SIGTERM, signal.Signals[exit_signal]}:
         signal.signal(sig, _noted)
     quiet_broken_connections()
+    die_with_parent()
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when the thread that forked it ends (the rank's main thread).
+
+    torch defect (README: defects): a DataLoader worker is forked from its rank and inherits the rank's sockets,
+    the process groups' TCP connections among them; torch's worker looks for its parent only every 5 seconds
+    (utils/data/_utils/worker.py, MP_STATUS_CHECK_INTERVAL). A rank killed with SIGKILL then keeps its connections
+    open in its workers for up to 5 s, and the other ranks' collectives wait for it that long before they fail
+    and torchrun can restart the job. Dying with the parent closes them with the rank."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def _noted(signum, frame) -> None:
@@ -759,6 +777,11 @@ _LIVE_ITERATORS = weakref.WeakSet()
 
 @atexit.register
 def _shut_down_workers() -> None:
+    # The rank is ending: a SIGTERM now (torchrun stopping the group after another rank failed) must not raise in
+    # the middle of the shutdown (train.py's handler raises JobSignal), or multiprocessing's hook would be left
+    # waiting on workers that ignore SIGTERM, until torchrun's SIGKILL 30 s later.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     for iterator in list(_LIVE_ITERATORS):
         iterator._shutdown_workers()
 

@@ -370,3 +370,46 @@ train.pretrain(cfg, forward_step_func=boom)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 1 and "RuntimeError: a forward step that fails" in proc.stderr, proc.stderr[-2000:]
+
+
+class _DeathSignal(torch.utils.data.Dataset):
+    """One item: the signal this process gets when its parent ends (Linux's prctl PR_GET_PDEATHSIG; 0: none)."""
+
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, index):
+        import ctypes
+
+        value = ctypes.c_int()
+        ctypes.CDLL(None).prctl(2, ctypes.byref(value), 0, 0, 0)  # PR_GET_PDEATHSIG
+        return value.value
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's prctl")
+def test_a_data_worker_dies_with_its_rank():
+    """A rank's DataLoader worker gets SIGKILL when the rank ends (data.die_with_parent): a rank killed with SIGKILL
+    then closes its process groups' connections at once, not when torch's worker next looks for its parent (every
+    5 s), and the other ranks fail and restart without waiting for it (README: defects)."""
+    import functools
+    import signal
+
+    import data
+
+    loader = torch.utils.data.DataLoader(_DeathSignal(), num_workers=1,
+                                         worker_init_fn=functools.partial(data.data_worker_init, "SIGTERM"))
+    batches = iter(loader)
+    try:
+        assert next(batches).tolist() == [signal.SIGKILL]
+    finally:
+        batches._shutdown_workers()  # the worker ignores SIGTERM (data_worker_init): end it before the exit hooks
+
+
+def test_a_sigterm_during_the_exit_leaves_no_rank_waiting_on_its_workers():
+    """A rank that is ending (another rank failed, its own step raised) gets torchrun's SIGTERM while data.py's exit
+    hook shuts its DataLoader workers down: the rank still exits at once. (Without SIG_IGN there, train.py's handler
+    raised in the middle of the shutdown, and multiprocessing's exit hook then waited on the workers, which ignore
+    SIGTERM, until torchrun's SIGKILL 30 s later.)"""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "scripts", "signal_at_exit.py")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "exiting\n", proc.stderr[-3000:]

@@ -393,8 +393,9 @@ class TrainingConfig:
         choices=[0, 1, 2])
 
 
-# Megatron-LM's --optimizer choices of its emerging optimizers (arguments.py, core_v0.19.0): accepted by the parser,
-# refused by validation as not yet supported here.
+# Megatron-LM's --optimizer choices of its emerging optimizers (arguments.py, core_v0.19.0), built by megatron-core's
+# own path (optimizer/emerging_optimizers.py) from the `emerging-optimizers` package. dist_muon (megatron-core's
+# layer-wise distributed optimizer) is refused in validation.
 MEGATRON_LM_EMERGING_OPTIMIZERS = ["muon", "dist_muon", "lion", "soap", "adaptive_muon"]
 
 
@@ -402,7 +403,10 @@ MEGATRON_LM_EMERGING_OPTIMIZERS = ["muon", "dist_muon", "lion", "soap", "adaptiv
 class OptimizerConfig:
     """The optimizer (Megatron's OptimizerConfig): Adam or SGD, clipping, loss scaling."""
 
-    optimizer: str = arg("adam", "Optimizer: adam or sgd (Megatron-LM's emerging optimizers are not yet supported).",
+    optimizer: str = arg("adam", "Optimizer: adam, sgd, or one of Megatron-LM's emerging optimizers (muon, adaptive_muon, "
+                                 "soap, lion; the `emerging-optimizers` package): Muon orthogonalizes the update of each "
+                                 "2-D weight, and megatron-core gives the embeddings, the output layer, biases and norms "
+                                 "to --muon-scalar-optimizer.",
                          choices=["adam", "sgd", *MEGATRON_LM_EMERGING_OPTIMIZERS])
     lr: float = arg(1e-3, "Peak learning rate.")
     min_lr: float = arg(0.0, "Learning rate at the end of the decay.")
@@ -419,6 +423,29 @@ class OptimizerConfig:
     min_loss_scale: float = arg(1.0, "Minimum dynamic loss scale for --fp16.")
     loss_scale_window: float = arg(1000, "Iterations without overflow before the dynamic loss scale grows.")
     hysteresis: int = arg(2, "Overflows tolerated before the dynamic loss scale shrinks.")
+    # Muon and the other emerging optimizers (Megatron-LM core_v0.19.0's flags and defaults, arguments.py:2518-2554;
+    # megatron-core's OptimizerConfig fields of the same names).
+    muon_momentum: float = arg(0.9, "Muon's momentum (Megatron-LM's default; megatron-core's own is 0.95).",
+                               bounds="[0, 1)")
+    muon_split_qkv: bool = arg(True, "Orthogonalize the query, key and value parts of the fused QKV weight separately.",
+                               flag="--muon-no-split-qkv")
+    muon_nesterov: bool = arg(False, "Nesterov momentum for Muon.")
+    muon_scale_mode: str = arg("spectral", "How Muon scales the orthogonalized update by the weight's shape.",
+                               choices=["spectral", "unit_rms_norm", "shape_scaling"])
+    muon_fp32_matmul_prec: str = arg("medium", "Precision of the fp32 matmuls of the Newton-Schulz iteration.",
+                                     choices=["low", "medium", "high"])
+    muon_coefficient_type: str = arg("quintic", "The Newton-Schulz iteration's coefficients.",
+                                     choices=["simple", "quintic", "polar_express", "cans", "aol", "deepseekv4"])
+    muon_num_ns_steps: int = arg(5, "Newton-Schulz iterations per Muon step.", bounds="(0, inf)")
+    muon_tp_mode: str = arg("blockwise", "Muon under tensor parallelism: blockwise orthogonalizes each rank's shard on "
+                                         "its own (not the one-process update); duplicated gathers the whole matrix; "
+                                         "distributed orthogonalizes it across the ranks.",
+                            choices=["blockwise", "duplicated", "distributed"])
+    muon_extra_scale_factor: float = arg(1.0, "A factor on Muon's update.")
+    muon_scalar_optimizer: str = arg("adam", "The optimizer of what Muon does not update (embeddings, output layer, "
+                                             "biases, norms).", choices=["adam", "lion"])
+    lion_beta1: float = arg(0.95, "Lion beta1 (--muon-scalar-optimizer lion).", bounds="[0, 1)")
+    lion_beta2: float = arg(0.98, "Lion beta2 (--muon-scalar-optimizer lion).", bounds="[0, 1)")
 
 
 @dataclass
@@ -2136,12 +2163,32 @@ def _validate_and_sync_distributed_optimizer_settings(config: ConfigContainer) -
             derive_value(config, setting, True, "the distributed optimizer in both configs")
 
 
+def check_emerging_optimizer(cfg: ConfigContainer) -> None:
+    """What megatron-core's emerging-optimizer path (optimizer/__init__.py:725-985) and Megatron-LM's validation
+    (arguments.py:1669-1687) refuse, and what this trainer does not build yet, one line each."""
+    o = cfg.optimizer
+    require(importlib.util.find_spec("emerging_optimizers") is not None,
+            f"--optimizer {o.optimizer} is built from the emerging-optimizers package, which is not installed: "
+            f"pip install emerging-optimizers")
+    require(not (o.optimizer == "dist_muon" or o.use_distributed_optimizer),
+            f"--optimizer {o.optimizer}" + (" with --use-distributed-optimizer" if o.optimizer != "dist_muon" else "")
+            + ": Megatron-LM shards an emerging optimizer with megatron-core's layer-wise distributed optimizer, which "
+              "is not supported here; drop --use-distributed-optimizer (--optimizer muon)")
+    require(o.optimizer != "adaptive_muon",
+            "--optimizer adaptive_muon: megatron-core 0.19.2's TensorParallelAdaptiveMuon fails at its first step with "
+            "emerging-optimizers 0.3.0 (AttributeError: no 'scale_mode', optimizer/emerging_optimizers.py:411); use muon")
+    require(not cfg.model.fp16, f"--optimizer {o.optimizer} with --fp16: megatron-core's emerging optimizers do not "
+                                f"support fp16 (optimizer/__init__.py:769); use --bf16")
+    require(cfg.checkpoint.ckpt_format in ("torch", "torch_dist"),
+            f"--optimizer {o.optimizer} with --ckpt-format {cfg.checkpoint.ckpt_format}: Megatron-LM saves an emerging "
+            f"optimizer in torch or torch_dist only")
+
+
 def check_optimizer_and_schedule(cfg: ConfigContainer) -> None:
     """The optimizer's numbers, the learning-rate schedule and megatron-core DDP's settings."""
     o, s, d = cfg.optimizer, cfg.scheduler, cfg.ddp
-    require(o.optimizer not in MEGATRON_LM_EMERGING_OPTIMIZERS,
-            f"--optimizer {o.optimizer}: Megatron-LM's emerging optimizers ({', '.join(MEGATRON_LM_EMERGING_OPTIMIZERS)}) "
-            f"are not yet supported here; use adam or sgd")
+    if o.optimizer in MEGATRON_LM_EMERGING_OPTIMIZERS:
+        check_emerging_optimizer(cfg)
     require(o.lr > 0, f"--lr must be positive, got {o.lr}")
     require(0 <= o.min_lr <= o.lr, f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}")
     require(o.clip_grad >= 0, f"--clip-grad must be non-negative, got {o.clip_grad}")
@@ -3159,7 +3206,7 @@ UNSUPPORTED_FLAGS = [
      "CPU offloading of optimizer states or activations"),
     (("--one-logger-", "--no-one-logger", "--app-tag-run-"), "NVIDIA's one-logger"),
     (("--use-kitchen-", "--kitchen-"), "the kitchen extension"),
-    (("--muon-", "--qk-clip", "--qk-clip-"), "the Muon optimizer and its QK-clip (--optimizer adam or sgd here)"),
+    (("--qk-clip", "--qk-clip-"), "Muon's QK-clip (transformer-engine's attention)"),
     (("--use-precision-aware-optimizer", "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype",
       "--exp-avg-sq-dtype"), "transformer-engine's precision-aware optimizer"),
     (("--non-persistent-", "--replication", "--replication-"), "non-persistent and local (replicated) checkpoints"),
@@ -3179,10 +3226,10 @@ UNSUPPORTED_FLAGS = [
 
 _NO_FP8 = "is a setting of transformer-engine's FP8 training, which this trainer does not drive; drop it (--bf16 trains " \
           "without FP8)"
-# Megatron-LM's emerging optimizers, multi-latent attention and multi-token prediction: not built yet (their flags that
-# core_v0.16.1 had already are refused as machinery in UNSUPPORTED_FLAGS; --optimizer's choices in validation).
-_NOT_YET_OPTIMIZERS = "is a setting of Megatron-LM's emerging optimizers (Muon, Lion, SOAP), which are not yet " \
-                      "supported here; drop it (--optimizer adam or sgd)"
+# What is not built yet: megatron-core's layer-wise distributed optimizer for Muon, multi-latent attention and
+# multi-token prediction (their flags that core_v0.16.1 had already are refused as machinery in UNSUPPORTED_FLAGS).
+_NOT_YET_OPTIMIZERS = "is a setting of megatron-core's layer-wise distributed optimizer for Muon, which is not " \
+                      "supported here; drop it (--optimizer muon without --use-distributed-optimizer)"
 _NOT_YET_MLA = "is a setting of multi-latent attention (MLA) and its YaRN rotary embedding, which are not yet supported " \
                "here; drop it"
 _NOT_YET_MTP = "is a setting of multi-token prediction (MTP), which is not yet supported here; drop it"
@@ -3190,8 +3237,8 @@ _NOT_YET_MTP = "is a setting of multi-token prediction (MTP), which is not yet s
 # Megatron-LM refuses too, settings whose meaning this trainer cannot give, and machinery not built yet. (flags, the
 # rest of the one-line error after the flag). unsupported_flag reads these exact names before UNSUPPORTED_FLAGS.
 MEGATRON_LM_REFUSED_FLAGS = [
-    (("--muon-coefficient-type", "--muon-nesterov", "--muon-scalar-optimizer", "--no-use-layer-wise-param-layout",
-      "--lion-beta1", "--lion-beta2"), _NOT_YET_OPTIMIZERS),
+    (("--no-use-layer-wise-param-layout",), _NOT_YET_OPTIMIZERS),
+    (("--muon-use-nesterov",), "is Megatron-LM core_v0.16's name, gone in core_v0.19; use --muon-nesterov"),
     (("--mla-down-proj-fusion", "--yarn-original-max-position-embeddings", "--yarn-beta-fast", "--yarn-beta-slow",
       "--yarn-correction-range-round-to-int", "--no-yarn-correction-range-round-to-int"), _NOT_YET_MLA),
     (("--mtp-detach-heads", "--mtp-hybrid-override-pattern", "--mtp-use-repeated-layer"), _NOT_YET_MTP),

@@ -26,6 +26,7 @@ import functools
 import math
 import os
 import random
+import re
 import time
 import uuid
 from datetime import timedelta
@@ -435,6 +436,12 @@ class DistributedDataParallelConfig(MegatronDDPConfig):
         super().__post_init__()
 
 
+# The emerging optimizers' settings: config.py's fields are megatron-core's OptimizerConfig fields of the same names.
+MUON_FIELDS = ("muon_momentum", "muon_split_qkv", "muon_nesterov", "muon_scale_mode", "muon_fp32_matmul_prec",
+               "muon_coefficient_type", "muon_num_ns_steps", "muon_tp_mode", "muon_extra_scale_factor",
+               "muon_scalar_optimizer", "lion_beta1", "lion_beta2")
+
+
 def megatron_optimizer_config(cfg, timers=None) -> OptimizerConfig:
     """megatron-core's optimizer config from config.py's flags, finalized. `timers` (the run's) time the
     optimizer's inner phases at --timing-log-level 1 and 2."""
@@ -448,6 +455,7 @@ def megatron_optimizer_config(cfg, timers=None) -> OptimizerConfig:
         loss_scale_window=o.loss_scale_window, hysteresis=o.hysteresis,
         use_distributed_optimizer=o.use_distributed_optimizer, overlap_param_gather=cfg.ddp.overlap_param_gather,
         log_num_zeros_in_grad=cfg.logger.log_num_zeros_in_grad, timers=timers,
+        **{name: getattr(o, name) for name in MUON_FIELDS},
     )
     config.finalize()
     return config
@@ -497,6 +505,22 @@ def build_optimizer(cfg, model: list, timers=None):
         for group in optimizer.param_groups:
             group["fused"] = True
     return optimizer
+
+
+def who_updates_what(model: list, optimizer) -> str:
+    """One line per optimizer megatron-core built (an emerging optimizer chains its own with the one of what it does
+    not update): its class, how many tensors and parameters, and their names (layer numbers as *)."""
+    names = {id(p): name for chunk in model for name, p in chunk.named_parameters()}
+    lines = []
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(inner, "float16_groups"):  # --bf16: the model's own tensors beside their fp32 main copies
+            params = [p for group in inner.float16_groups + inner.fp32_from_fp32_groups for p in group]
+        else:
+            params = [p for group in inner.optimizer.param_groups for p in group["params"]]
+        kinds = sorted({re.sub(r"\.\d+\.", ".*.", names[id(p)].removeprefix("module.")) for p in params if id(p) in names})
+        lines.append(f" > {type(inner.optimizer).__name__} updates {len(params)} tensors "
+                     f"({sum(p.numel() for p in params) / 1e6:.2f}M parameters): {', '.join(kinds)}")
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------------

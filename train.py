@@ -58,7 +58,8 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from model import (build_model, build_optimizer, build_rerun_state_machine, destroy_distributed,
-                   get_forward_backward_func, initialize_distributed, padded_vocab_size, set_random_seed, wrap_model,
+                   get_forward_backward_func, initialize_distributed, padded_vocab_size, set_random_seed, who_updates_what,
+                   wrap_model,
                    zero_grad)  # first: device.py, which model.py imports, quiets megatron-core's import warnings
 from megatron.core import config as mcore_config
 from megatron.core import parallel_state
@@ -221,6 +222,8 @@ def setup(cfg: ConfigContainer):
                      f"{cfg.peft.lora_dim} on {', '.join(cfg.peft.lora_target_modules)}")
     model = wrap_model(cfg, model)
     optimizer = build_optimizer(cfg, model, state.timers)
+    if cfg.optimizer.optimizer not in ("adam", "sgd"):  # megatron-core's split between Muon (say) and Adam, said once
+        print_rank_0(who_updates_what(model, optimizer))
     scheduler = build_scheduler(cfg, optimizer)
 
     # Resume this run's own checkpoint if --load holds one; otherwise start from pretrained weights if given.

@@ -302,7 +302,7 @@ def test_transformer_config_extras_are_megatron_core_fields(with_te):
     (["--tp-comm-overlap"], "transformer-engine's userbuffer communication overlap"),
     (["--use-torch-fsdp2"], "FSDP"),
     (["--use-legacy-models"], "Megatron-LM's legacy models"),
-    (["--muon-momentum", "0.9"], "the Muon optimizer"),
+    (["--qk-clip"], "Muon's QK-clip"),
     # new in core_v0.19.0
     (["--high-priority-a2a-comm-stream"], "Mixture-of-Experts machinery beyond megatron-core's MoELayer"),
     (["--no-dsa-indexer-scoring-relu"], "Mamba, hybrid and experimental attention layers"),
@@ -737,23 +737,20 @@ def test_every_flag_of_the_installed_megatron_lm_parser_is_decided():
     assert sorted(f for f in flags if f not in known and config.unsupported_flag(f) is None) == []
 
 
-_NOT_YET_OPTIMIZERS = "is a setting of Megatron-LM's emerging optimizers (Muon, Lion, SOAP), which are not yet supported"
+_NOT_YET_OPTIMIZERS = "is a setting of megatron-core's layer-wise distributed optimizer for Muon, which is not supported"
 _NOT_YET_MLA = "is a setting of multi-latent attention (MLA) and its YaRN rotary embedding, which are not yet supported"
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--muon-nesterov"], f"--muon-nesterov {_NOT_YET_OPTIMIZERS} here; drop it (--optimizer adam or sgd)"),
-    (["--muon-scalar-optimizer", "adam"], f"--muon-scalar-optimizer {_NOT_YET_OPTIMIZERS}"),
-    (["--lion-beta1", "0.9"], f"--lion-beta1 {_NOT_YET_OPTIMIZERS}"),
-    (["--no-use-layer-wise-param-layout"], f"--no-use-layer-wise-param-layout {_NOT_YET_OPTIMIZERS}"),
+    (["--no-use-layer-wise-param-layout"], f"--no-use-layer-wise-param-layout {_NOT_YET_OPTIMIZERS} here; drop it "
+                                           "(--optimizer muon without --use-distributed-optimizer)"),
     (["--mla-down-proj-fusion"], f"--mla-down-proj-fusion {_NOT_YET_MLA} here; drop it"),
     (["--yarn-beta-fast", "32"], f"--yarn-beta-fast {_NOT_YET_MLA}"),
     (["--no-yarn-correction-range-round-to-int"], f"--no-yarn-correction-range-round-to-int {_NOT_YET_MLA}"),
     (["--mtp-detach-heads"], "--mtp-detach-heads is a setting of multi-token prediction (MTP), which is not yet "
                              "supported here; drop it"),
-    (["--optimizer", "lion"], "--optimizer lion: Megatron-LM's emerging optimizers (muon, dist_muon, lion, soap, "
-                              "adaptive_muon) are not yet supported here; use adam or sgd"),
-    (["--optimizer", "muon"], "--optimizer muon: Megatron-LM's emerging optimizers"),
+    (["--optimizer", "dist_muon"], "--optimizer dist_muon: Megatron-LM shards an emerging optimizer with megatron-core's "
+                                   "layer-wise distributed optimizer, which is not supported here"),
 ])
 def test_core_v0_19_optimizer_mla_and_mtp_flags_are_not_yet_supported(argv, message, capsys):
     err = config_error(argv, capsys)
@@ -1063,8 +1060,9 @@ REFUSED = [
     ("--no-inference-wandb-logging", "is a Megatron-LM setting of the inference server"),
     ("--init-model-with-meta-device", "is a Megatron-LM setting of FSDP"),
     ("--no-strict-fsdp-dtensor-load", "is a Megatron-LM setting of FSDP"),
-    ("--qk-clip", "is a Megatron-LM setting of the Muon optimizer and its QK-clip"),
-    ("--qk-clip-threshold", "is a Megatron-LM setting of the Muon optimizer and its QK-clip"),
+    ("--qk-clip", "is a Megatron-LM setting of Muon's QK-clip"),
+    ("--qk-clip-threshold", "is a Megatron-LM setting of Muon's QK-clip"),
+    ("--muon-use-nesterov", "is Megatron-LM core_v0.16's name, gone in core_v0.19; use --muon-nesterov"),
     ("--te-rng-tracker", "is a Megatron-LM setting of CUDA graphs"),
     ("--adlr-autoresume-interval", "is a Megatron-LM setting of ADLR autoresume"),
     # new in core_v0.19.0

@@ -17,10 +17,12 @@ def parse(argv, world_size=1, gpu=False):
 
 
 def build(cfg):
-    """The real GPT, its data-parallel wrapper, optimizer and scheduler, as setup() builds them."""
+    """The real GPT, its data-parallel wrapper, optimizer and scheduler, as setup() builds them (after seeding, which
+    gives megatron-core's RNG tracker the streams dropout draws from)."""
     import train
-    from model import build_model, build_optimizer, wrap_model
+    from model import build_model, build_optimizer, set_random_seed, wrap_model
 
+    set_random_seed(cfg.rng.seed)
     model = wrap_model(cfg, build_model(cfg, 256))
     optimizer = build_optimizer(cfg, model)
     return model, optimizer, train.build_scheduler(cfg, optimizer)

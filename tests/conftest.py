@@ -5,9 +5,11 @@ import itertools
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -78,6 +80,77 @@ def torchrun(args, nproc=2, script="train.py", timeout=300, cwd=None):
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+class WarmRanks:
+    """A two-rank torchrun job of tests/scripts/warm_ranks.py that stays up and runs train.py's command lines one
+    after another (see there: it saves each run's start-up, ~7 CPU seconds a rank). For runs expected to succeed;
+    one that fails ends the job, and the next call starts a fresh one. Calling it as `torchrun(args)` would be called
+    returns a CompletedProcess: stdout and stderr are rank 0's then rank 1's."""
+
+    def __init__(self, folder):
+        self.folder, self.job, self.n = folder, None, 0
+
+    def __call__(self, args, cwd=None, timeout=300) -> subprocess.CompletedProcess:
+        if self.job is None or self.job.poll() is not None:
+            self._start()
+        request = os.path.join(self.job_dir, f"{self.n}.json")
+        with open(request + ".tmp", "w") as f:
+            json.dump(dict(argv=[str(a) for a in args], cwd=str(cwd or os.getcwd())), f)
+        os.replace(request + ".tmp", request)
+        codes = [os.path.join(self.job_dir, f"{self.n}.code.rank{rank}") for rank in range(2)]
+        deadline = time.monotonic() + timeout
+        while not all(os.path.exists(c) for c in codes) and self.job.poll() is None:
+            if time.monotonic() > deadline:
+                self.kill()
+                raise subprocess.TimeoutExpired(args, timeout)
+            time.sleep(0.02)
+        if not all(os.path.exists(c) for c in codes):  # a rank died without an exit code: the job's, then
+            self.job.wait(30)
+        read = lambda name: "".join(open(p).read() for rank in range(2)
+                                    if os.path.exists(p := os.path.join(self.job_dir, f"{self.n}.{name}.rank{rank}")))
+        returned = [int(open(c).read()) for c in codes if os.path.exists(c)]
+        code = max(returned) if len(returned) == 2 else self.job.returncode or 1
+        out, err = read("stdout"), read("stderr")
+        if code:
+            err += open(os.path.join(self.job_dir, "stderr")).read()
+            self.job.wait(60)
+        self.n += 1
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    def _start(self) -> None:
+        self.job_dir, self.n = os.path.join(self.folder, f"job{time.monotonic_ns()}"), 0
+        os.makedirs(self.job_dir)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+               os.path.join(ROOT, "tests", "scripts", "warm_ranks.py"), self.job_dir]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.job = subprocess.Popen(cmd, env=env, stdout=open(os.path.join(self.job_dir, "stdout"), "w"),
+                                    stderr=open(os.path.join(self.job_dir, "stderr"), "w"), start_new_session=True)
+
+    def close(self) -> None:
+        if self.job is not None and self.job.poll() is None:
+            open(os.path.join(self.job_dir, "quit"), "w").close()
+            try:
+                self.job.wait(60)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL to the job and its ranks (torchrun starts each in a session of its own)."""
+        import psutil
+
+        for p in psutil.Process(self.job.pid).children(recursive=True):
+            p.kill()
+        os.killpg(self.job.pid, signal.SIGKILL)
+        self.job.wait()
+
+
+@pytest.fixture(scope="session")
+def warm_torchrun(tmp_path_factory):
+    """`torchrun(args)` for two-rank train.py runs expected to succeed, on ranks that stay up (WarmRanks)."""
+    ranks = WarmRanks(tmp_path_factory.mktemp("warm_ranks"))
+    yield ranks
+    ranks.close()
+
+
 def log_lines(stdout: str) -> list:
     """(iteration, consumed samples, global batch, lm loss, skipped, nan) of each Megatron log line."""
     return [(int(m[0]), int(m[2]), int(m[3]), float(m[4]), int(m[5]), int(m[6])) for m in LOG_LINE.findall(stdout)]
@@ -126,15 +199,16 @@ def train_here(argv) -> str:
 class Launches:
     """Jobs of train.py sharing one scratch folder and one dataset cache, each run once by name, with the named
     TensorBoard scalars read back (the layout matrices of test_engine and test_moe): torchrun jobs, and the
-    one-rank references in this process (train_here).
+    one-rank references in this process (train_here), and two-rank runs on the session's warm ranks when given.
 
     Inside `together()`, a run asked for is only noted (the call returns None); at its end the noted runs go in
     order, the one-rank ones in this process and each stretch of consecutive runs with the same number of ranks in
     one torchrun job (tests/scripts/runs_in_turn.py), whose processes import torch and megatron-core once for the
     stretch. The tests then ask for the same runs and get what they printed."""
 
-    def __init__(self, out, flags: list, metrics: tuple):
+    def __init__(self, out, flags: list, metrics: tuple, warm=None):
         self.out, self.flags, self.metrics, self.done, self.noted = out, flags, metrics, {}, None
+        self.warm = warm  # the session's WarmRanks: two-rank runs go to its job
 
     def __call__(self, name, nproc, *flags):
         argv = [*self.flags, *flags, "--tensorboard-dir", str(self.out / name / "tb"), "--data-cache-path",
@@ -167,6 +241,12 @@ class Launches:
         nproc = runs[0][1]
         if nproc == 1:
             printed = {name: train_here(argv) for name, _, argv in runs}
+        elif nproc == 2 and self.warm is not None:
+            printed = {}
+            for name, _, argv in runs:
+                proc = self.warm(argv)
+                assert proc.returncode == 0, f"{name}: " + proc.stdout[-2000:] + proc.stderr[-3000:]
+                printed[name] = proc.stdout
         else:
             for name, _, _ in runs:
                 (self.out / name).mkdir(parents=True, exist_ok=True)
@@ -229,7 +309,7 @@ def megatron_core_on_this_machine():
 
 
 @pytest.fixture(scope="session")
-def mock_run(tmp_path_factory):
+def mock_run(tmp_path_factory, warm_torchrun):
     """One 2-rank CPU run on megatron-core's mock data, inspected by several tests."""
     out = tmp_path_factory.mktemp("mock_run")
     args = [*TINY, "--mock-data", "--train-iters", "30", "--global-batch-size", "8", "--log-interval", "5",
@@ -238,7 +318,7 @@ def mock_run(tmp_path_factory):
             "--log-runtime-to-tensorboard", "--log-l2-norm-grad", "--timing-log-level", "1", "--log-timers-to-tensorboard",
             "--log-params-norm",
             "--save", str(out / "ckpt"), "--save-interval", "15", "--data-cache-path", str(out / "cache")]
-    proc = torchrun(args)
+    proc = warm_torchrun(args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return dict(dir=out, stdout=proc.stdout, stderr=proc.stderr, args=args)
 

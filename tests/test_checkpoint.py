@@ -497,14 +497,14 @@ def test_kill_9_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, mode,
 # --- --async-save ------------------------------------------------------------------------------------------
 
 
-def test_async_save_publishes_the_state_of_its_step(tmp_path):
+def test_async_save_publishes_the_state_of_its_step(tmp_path, warm_torchrun):
     """Training goes on while the writer thread writes: resuming from the async checkpoint of iteration 6
     must still give the straight run's losses for 7-12, bitwise (with dropout on)."""
     ck = tmp_path / "ck"
     args = [*TINY, "--mock-data", "--train-iters", "12", "--global-batch-size", "8", "--eval-iters", "0",
             "--log-interval", "1", "--num-workers", "0", "--data-cache-path", str(tmp_path / "cache"),
             "--save", str(ck), "--save-interval", "6", "--async-save"]
-    straight = torchrun(args)
+    straight = warm_torchrun(args)
     assert straight.returncode == 0, straight.stderr[-2000:]
     assert "scheduled async save of iteration       6" in straight.stdout
     assert "successfully saved checkpoint from iteration       6" in straight.stdout
@@ -512,7 +512,7 @@ def test_async_save_publishes_the_state_of_its_step(tmp_path):
     assert (ck / "latest_checkpointed_iteration.txt").read_text() == "12"
     assert torch.load(ck / "iter_0000006" / "train_state.pt")["consumed_train_samples"] == 48
 
-    resumed = torchrun([a for a in args if a != "--async-save"] + ["--load", str(ck), "--ckpt-step", "6",
+    resumed = warm_torchrun([a for a in args if a != "--async-save"] + ["--load", str(ck), "--ckpt-step", "6",
                                                                    "--save", str(tmp_path / "ck2")])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     first, second = log_lines(straight.stdout), log_lines(resumed.stdout)

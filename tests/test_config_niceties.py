@@ -27,7 +27,7 @@ tensor_inspect:
 
 
 @pytest.fixture(scope="module")
-def twin_runs(tmp_path_factory):
+def twin_runs(tmp_path_factory, warm_torchrun):
     out = tmp_path_factory.mktemp("twins")
     (out / "services_off.yaml").write_text(SERVICES_OFF)
     i = TINY.index("--lr-warmup-iters")  # each run gives its warmup its own way
@@ -39,7 +39,7 @@ def twin_runs(tmp_path_factory):
         ("samples", [*BY_SAMPLES, "--logging-level", "20", "--config-file", str(out / "services_off.yaml")]),
     ):
         args = [*common, *extra, "--tensorboard-dir", str(out / name / "tb"), "--data-cache-path", str(out / name)]
-        proc = torchrun(args)
+        proc = warm_torchrun(args)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         runs[name] = dict(stdout=proc.stdout, stderr=proc.stderr, tb=out / name / "tb")
     return runs

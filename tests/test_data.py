@@ -140,9 +140,9 @@ def prefixes(corpora, tmp_path_factory):
     return str(out / "a_text_document"), str(out / "b_text_document")
 
 
-def test_two_rank_training_on_a_weighted_blend(prefixes, tmp_path):
+def test_two_rank_training_on_a_weighted_blend(prefixes, tmp_path, warm_torchrun):
     a, b = prefixes
-    proc = torchrun([*TINY, "--data-path", "0.7", a, "0.3", b, "--split", "90,8,2", "--train-iters", "20",
+    proc = warm_torchrun([*TINY, "--data-path", "0.7", a, "0.3", b, "--split", "90,8,2", "--train-iters", "20",
                      "--global-batch-size", "8", "--log-interval", "5", "--eval-interval", "10", "--eval-iters", "2",
                      "--data-cache-path", str(tmp_path / "cache"), "--num-workers", "1"])
     assert proc.returncode == 0, proc.stderr[-3000:]

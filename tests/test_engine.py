@@ -37,8 +37,8 @@ METRICS = ("lm loss", "grad-norm")
 class Runs(Launches):
     """The matrix's torchrun jobs (conftest.Launches) and the references they continue."""
 
-    def __init__(self, out):
-        super().__init__(out, FLAGS, METRICS)
+    def __init__(self, out, warm):
+        super().__init__(out, FLAGS, METRICS, warm)
 
     def plain(self):
         """The reference: one rank, megatron-core's (non-distributed) optimizer, a save at 6."""
@@ -57,10 +57,10 @@ class Runs(Launches):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, warm_torchrun):
     """Every run of the matrix, made up front: the one-rank references, then each process count's runs in one
     torchrun job (conftest.Launches.together)."""
-    runs = Runs(tmp_path_factory.mktemp("engine"))
+    runs = Runs(tmp_path_factory.mktemp("engine"), warm_torchrun)
     with runs.together():
         runs.plain(), runs.dopt(), runs.rope()
         for nproc in (2, 4, 8):

@@ -154,8 +154,8 @@ def test_fim_tokens_must_be_in_a_huggingface_vocabulary(tmp_path):
         data.add_fim_tokens(data.ByteTokenizer(), cfg.dataset)
 
 
-def test_two_rank_training_on_fim_data_learns(corpus, tmp_path):
-    proc = torchrun([*TINY, "--fim-data", "--fim-rate", "0.9", "--data-path", corpus, "--split", "98,2,0",
+def test_two_rank_training_on_fim_data_learns(corpus, tmp_path, warm_torchrun):
+    proc = warm_torchrun([*TINY, "--fim-data", "--fim-rate", "0.9", "--data-path", corpus, "--split", "98,2,0",
                      "--data-cache-path", str(tmp_path / "cache"), "--train-iters", "30", "--global-batch-size", "8",
                      "--log-interval", "5", "--eval-interval", "30", "--eval-iters", "2"])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -27,12 +27,12 @@ def _printed(program):
 
 
 @pytest.fixture(scope="module", params=["megatron_lm", "bridge", "megatron_lm_moe"])
-def continued(request, tmp_path_factory):
+def continued(request, tmp_path_factory, warm_torchrun):
     """train.py going on from the program's checkpoint with the program's own flags, saving at iteration 10."""
     program, out = request.param, tmp_path_factory.mktemp(request.param)
     printed = _printed(program)
     shutil.copytree(os.path.join(FIXTURES, program, "ckpt"), out / "theirs")
-    proc = torchrun([*printed["flags"], "--load", str(out / "theirs"), "--save", str(out / "ours"),
+    proc = warm_torchrun([*printed["flags"], "--load", str(out / "theirs"), "--save", str(out / "ours"),
                      "--tensorboard-dir", str(out / "tb"), "--data-cache-path", str(out / "cache")])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return dict(program=program, printed=printed, out=out, stdout=proc.stdout, tb=tensorboard_scalars(out / "tb"))
@@ -114,7 +114,7 @@ def test_our_checkpoint_holds_what_their_loaders_read(continued):
                                                                           "eod_id": 59}
 
 
-def test_megatron_lm_continues_our_grouped_query_checkpoint_with_our_losses(tmp_path):
+def test_megatron_lm_continues_our_grouped_query_checkpoint_with_our_losses(tmp_path, warm_torchrun):
     """Megatron-LM builds --num-query-groups only with --group-query-attention (arguments.py:1348-1351). train.py's
     checkpoint of a grouped-query model made with --num-query-groups 2 alone carries the switch in its args, and
     Megatron-LM's pretrain_gpt.py went on from it (fixture megatron_lm_gqa: its printed losses, 6-10) with the losses
@@ -122,7 +122,7 @@ def test_megatron_lm_continues_our_grouped_query_checkpoint_with_our_losses(tmp_
     with open(os.path.join(FIXTURES, "megatron_lm_gqa", "printed.json")) as fh:
         printed = json.load(fh)
     flags, cache = [*printed["flags"], "--data-cache-path", str(tmp_path / "cache")], tmp_path / "ck"
-    first = torchrun([*flags, "--save", str(cache), "--save-interval", "5", "--exit-interval", "5",
+    first = warm_torchrun([*flags, "--save", str(cache), "--save-interval", "5", "--exit-interval", "5",
                       "--tensorboard-dir", str(tmp_path / "tb1")])
     assert first.returncode == 0, first.stderr[-3000:]
     from megatron.core import dist_checkpointing
@@ -132,7 +132,7 @@ def test_megatron_lm_continues_our_grouped_query_checkpoint_with_our_losses(tmp_
     assert "derived: model.group_query_attention = True (--num-query-groups 2: grouped-query attention" in first.stdout
     written = tensorboard_scalars(tmp_path / "tb1")["lm loss"]
     assert [f"{written[i]:.6E}" for i in range(1, 6)] == [printed["first_run"][str(i)]["lm loss"] for i in range(1, 6)]
-    second = torchrun([*flags, "--load", str(cache), "--no-save", "--tensorboard-dir", str(tmp_path / "tb2")])
+    second = warm_torchrun([*flags, "--load", str(cache), "--no-save", "--tensorboard-dir", str(tmp_path / "tb2")])
     assert second.returncode == 0, second.stderr[-3000:]
     ours, theirs = tensorboard_scalars(tmp_path / "tb2"), printed["continued"]
     for step in range(6, 11):
@@ -141,7 +141,7 @@ def test_megatron_lm_continues_our_grouped_query_checkpoint_with_our_losses(tmp_
         assert f"{ours['grad-norm'][step]:.3f}" == theirs[str(step)]["grad norm"], step
 
 
-def test_a_checkpoint_of_megatron_core_0_16_continues_with_its_losses(tmp_path):
+def test_a_checkpoint_of_megatron_core_0_16_continues_with_its_losses(tmp_path, warm_torchrun):
     """Checkpoints move forward: train.py's own checkpoint written on megatron-core 0.16.1 (its common state in a
     common.pt, two writer files on rank 0; fixture megatron_core_0_16, default dropout 0.1) goes on here from
     iteration 5 with the lm loss and grad norm that the 0.16.1 stack printed going on from it, and the checkpoint
@@ -154,7 +154,7 @@ def test_a_checkpoint_of_megatron_core_0_16_continues_with_its_losses(tmp_path):
     # Its NullTokenizer of 60 counted the end-of-document apart (megatron-core <= 0.16): 61 ids in today's meaning.
     flags = printed["flags"]
     flags = [*flags[:flags.index("--vocab-size")], "--vocab-size", "61", *flags[flags.index("--vocab-size") + 2:]]
-    proc = torchrun([*flags, "--load", str(tmp_path / "old"), "--save", str(tmp_path / "new"),
+    proc = warm_torchrun([*flags, "--load", str(tmp_path / "old"), "--save", str(tmp_path / "new"),
                      "--data-cache-path", str(tmp_path / "cache")])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     got = [[i, loss, round(norm, 3)] for i, loss, norm in

@@ -53,10 +53,10 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, warm_torchrun):
     """Every run of the matrix, made up front: the one-rank references, then each process count's runs in one
     torchrun job (conftest.Launches.together), then the one-rank runs that continue their checkpoints."""
-    runs = Launches(tmp_path_factory.mktemp("moe"), FLAGS, (*METRICS, "z_loss"))
+    runs = Launches(tmp_path_factory.mktemp("moe"), FLAGS, (*METRICS, "z_loss"), warm_torchrun)
     with runs.together():
         one_rank(runs), one_fresh(runs), one_bf16(runs)
         for nproc in (2, 4):

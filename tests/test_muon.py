@@ -34,10 +34,10 @@ def one_from_tp2(runs):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, warm_torchrun):
     """One rank, then the 2-rank runs in one torchrun job (conftest.Launches.together), then a one-rank resume of
     the TP=2 checkpoint."""
-    runs = Launches(tmp_path_factory.mktemp("muon"), FLAGS, METRICS)
+    runs = Launches(tmp_path_factory.mktemp("muon"), FLAGS, METRICS, warm_torchrun)
     with runs.together():
         one(runs)
         for mode in [*TP_MODES, "blockwise"]:

@@ -96,14 +96,14 @@ def _sft_jsonl(path):
 
 
 @pytest.fixture(scope="module")
-def lora_run(mock_run, tmp_path_factory):
+def lora_run(mock_run, tmp_path_factory, warm_torchrun):
     """LoRA on --sft data over the shared mock run's checkpoint (2 data-parallel ranks), saving at 6 and 12."""
     out = tmp_path_factory.mktemp("lora")
     args = [*TINY, "--peft", "lora", "--lora-dim", "8", "--pretrained-checkpoint", str(mock_run["dir"] / "ckpt"),
             "--sft", "--data-path", str(_sft_jsonl(out / "sft.jsonl")), "--split", "90,10,0", "--train-iters", "12",
             "--global-batch-size", "8", "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--data-cache-path", str(out / "cache")]
-    proc = torchrun([*args, "--save", str(out / "lora"), "--save-interval", "6"])
+    proc = warm_torchrun([*args, "--save", str(out / "lora"), "--save-interval", "6"])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return dict(dir=out, args=args, stdout=proc.stdout, losses={l[0]: l[3] for l in log_lines(proc.stdout)})
 
@@ -123,13 +123,13 @@ def test_lora_trains_on_sft_data_and_saves_the_adapters_only(lora_run, mock_run)
     assert _dir_bytes(saved) < 0.25 * _dir_bytes(full)
 
 
-def test_lora_resumes_bitwise_and_tensor_parallel_gives_the_same_losses(lora_run):
+def test_lora_resumes_bitwise_and_tensor_parallel_gives_the_same_losses(lora_run, warm_torchrun):
     args, ckpt = lora_run["args"], str(lora_run["dir"] / "lora")
-    resumed = torchrun([*args, "--load", ckpt, "--ckpt-step", "6"])
+    resumed = warm_torchrun([*args, "--load", ckpt, "--ckpt-step", "6"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert {l[0]: l[3] for l in log_lines(resumed.stdout)} == {i: lora_run["losses"][i] for i in range(7, 13)}
     # TP=2 (the adapters split like their layers; 64 x 2 keeps the checkpoint's padded vocabulary) from the start.
-    tp2 = torchrun([*args, "--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"])
+    tp2 = warm_torchrun([*args, "--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"])
     assert tp2.returncode == 0, tp2.stderr[-3000:]
     for it, loss in {l[0]: l[3] for l in log_lines(tp2.stdout)}.items():
         assert loss == pytest.approx(lora_run["losses"][it], rel=REORDERED), it  # TP=2's sums grouped otherwise

@@ -14,10 +14,10 @@ RAMP = [*TINY, "--mock-data", "--train-iters", "8", "--global-batch-size", "16",
 BATCHES = [4, 4, 8, 12, 16, 16, 16, 16]  # consumed before iteration: 0, 4, 8, 16, 28, 44, ... (> 24: full batch)
 
 
-def test_ramp_up_grows_the_batch_saves_at_each_change_and_resumes_mid_ramp(tmp_path):
+def test_ramp_up_grows_the_batch_saves_at_each_change_and_resumes_mid_ramp(tmp_path, warm_torchrun):
     common = [*RAMP, "--data-cache-path", str(tmp_path / "cache")]
     ckpt = tmp_path / "ckpt"
-    first = torchrun([*common, "--save", str(ckpt), "--save-interval", "3"])
+    first = warm_torchrun([*common, "--save", str(ckpt), "--save-interval", "3"])
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
     lines = log_lines(first.stdout)
     assert [l[0] for l in lines] == list(range(1, 9))
@@ -34,7 +34,7 @@ def test_ramp_up_grows_the_batch_saves_at_each_change_and_resumes_mid_ramp(tmp_p
     assert "ramping up global batch size from 12 to 16 after iteration 4 (28 samples consumed)" in first.stdout
 
     # Resumed from iteration 3 (12 samples per batch next): the same batches, samples and losses.
-    resumed = torchrun([*common, "--load", str(ckpt), "--ckpt-step", "3"])
+    resumed = warm_torchrun([*common, "--load", str(ckpt), "--ckpt-step", "3"])
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     assert log_lines(resumed.stdout) == lines[3:]
 

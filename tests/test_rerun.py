@@ -99,8 +99,8 @@ def test_report_determinism_stats_reruns_every_step_and_changes_nothing(tmp_path
         (str(i), f"{4 * i} samples, all identical") for i in range(1, 5)]
 
 
-def test_two_ranks_determinism_stats_are_gathered_from_every_rank(tmp_path):
-    proc = torchrun([*COMMON, "--data-cache-path", str(tmp_path / "cache"), "--rerun-mode", "report_determinism_stats",
+def test_two_ranks_determinism_stats_are_gathered_from_every_rank(tmp_path, warm_torchrun):
+    proc = warm_torchrun([*COMMON, "--data-cache-path", str(tmp_path / "cache"), "--rerun-mode", "report_determinism_stats",
                      "--train-iters", "4", "--log-interval", "2"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     # 2 microbatches per rank per step, 2 ranks, 4 steps: 16 losses compared with their reruns.

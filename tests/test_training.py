@@ -80,13 +80,13 @@ def test_checkpoint_layout(mock_run):
     assert cfg.model.hidden_size == 64 and cfg.train.train_iters == 30 and cfg.dataset.mock_data
 
 
-def test_resume_continues_at_the_saved_iteration(mock_run, tmp_path):
+def test_resume_continues_at_the_saved_iteration(mock_run, tmp_path, warm_torchrun):
     args = [a if a != "30" else "40" for a in mock_run["args"]]  # same run, 40 iterations
     args += ["--load", str(mock_run["dir"] / "ckpt")]
     refused = torchrun(args)  # a longer run changes the LR schedule: Megatron refuses unless told which to follow
     assert refused.returncode != 0 and "pass --override-opt-param-scheduler" in refused.stderr
     assert "Traceback" not in refused.stderr.split("train.py: error:")[0][-200:]
-    proc = torchrun(args + ["--override-opt-param-scheduler"])
+    proc = warm_torchrun(args + ["--override-opt-param-scheduler"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "loaded checkpoint" in proc.stdout and "iter_0000030 at iteration 30" in proc.stdout
     lines = log_lines(proc.stdout)
@@ -97,12 +97,12 @@ def test_resume_continues_at_the_saved_iteration(mock_run, tmp_path):
 # --- tensor parallelism on CPU --------------------------------------------------------------------------------
 
 
-def test_tensor_parallel_over_gloo_matches_single_rank():
+def test_tensor_parallel_over_gloo_matches_single_rank(warm_torchrun):
     """megatron-core's column/row-parallel layers over gloo give the losses of the unsplit model."""
     common = [*TINY, "--mock-data", "--train-iters", "6", "--log-interval", "1", "--eval-iters", "0",
               "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0"]
     # The vocabulary is padded to a multiple of 128 x TP: halve the multiple so both pad 258 ids to 384.
-    tp2 = torchrun([*common, "--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"], nproc=2)
+    tp2 = warm_torchrun([*common, "--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"])
     tp1 = train_here(common)  # the unsplit model, one process (this one)
     assert tp2.returncode == 0, tp2.stderr[-2000:]
     assert "model parallel rank (1, 0)" in tp2.stdout  # each rank holds half of the split matrices
@@ -110,16 +110,16 @@ def test_tensor_parallel_over_gloo_matches_single_rank():
     assert len(l1) == 6 and l2 == pytest.approx(l1, rel=REORDERED)  # TP=2's sums grouped otherwise
 
 
-def test_tensor_parallel_with_the_default_dropout_stops_and_resumes_bitwise(tmp_path):
+def test_tensor_parallel_with_the_default_dropout_stops_and_resumes_bitwise(tmp_path, warm_torchrun):
     """TP=2 with Megatron-LM's default dropout (0.1, hidden and attention; each TP rank draws its attention masks from
     its own tracker stream): 6 iterations straight, saving at 3, and a resume from 3 give the same lm loss and grad
     norm at 4-6, bit for bit (the tracker's streams are in the checkpoint's rng_state, one per rank)."""
     common = [*TINY, "--mock-data", "--train-iters", "6", "--log-interval", "1", "--eval-iters", "0",
               "--num-workers", "0", "--tensor-model-parallel-size", "2", "--data-cache-path", str(tmp_path / "cache")]
     common = [f for f in common if f != "--no-save"]
-    straight = torchrun([*common, "--save", str(tmp_path / "ckpt"), "--save-interval", "3"])
+    straight = warm_torchrun([*common, "--save", str(tmp_path / "ckpt"), "--save-interval", "3"])
     assert straight.returncode == 0, straight.stderr[-3000:]
-    resumed = torchrun([*common, "--no-save", "--load", str(tmp_path / "ckpt"), "--ckpt-step", "3"])
+    resumed = warm_torchrun([*common, "--no-save", "--load", str(tmp_path / "ckpt"), "--ckpt-step", "3"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     grad_norm = re.compile(r"iteration +(\d+)/.*? grad norm: ([\d.]+) \|")
     assert re.search(r"model\.attention_dropout \.+ 0\.1\n", straight.stdout), "Megatron-LM's default dropout"
@@ -219,13 +219,13 @@ def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(tmp_path, caps
     assert {**first, **second} == straight
 
 
-def test_two_rank_resume_from_the_middle_is_bitwise_identical(mock_run, tmp_path):
+def test_two_rank_resume_from_the_middle_is_bitwise_identical(mock_run, tmp_path, warm_torchrun):
     """Resume the shared run's iteration-15 checkpoint on 2 ranks: iterations 16-30 give the same logged
     losses (dropout on) and the same validation losses, as the uninterrupted run printed."""
     args = list(mock_run["args"])
     args[args.index("--save") + 1] = str(tmp_path / "ckpt")
     args[args.index("--tensorboard-dir") + 1] = str(tmp_path / "tb")
-    proc = torchrun(args + ["--load", str(mock_run["dir"] / "ckpt"), "--ckpt-step", "15"])
+    proc = warm_torchrun(args + ["--load", str(mock_run["dir"] / "ckpt"), "--ckpt-step", "15"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     straight = {l[0]: l for l in log_lines(mock_run["stdout"])}
     resumed = {l[0]: l for l in log_lines(proc.stdout)}

@@ -81,20 +81,20 @@ def torchrun(args, nproc=2, script="train.py", timeout=300, cwd=None):
 
 
 class WarmRanks:
-    """A two-rank torchrun job of tests/scripts/warm_ranks.py that stays up and runs train.py's command lines one
-    after another (see there: it saves each run's start-up, ~7 CPU seconds a rank). For runs expected to succeed;
+    """A two-rank torchrun job of tests/scripts/warm_ranks.py that stays up and runs train.py's (or generate.py's)
+    command lines one after another (see there: it saves each run's start-up, ~7 CPU seconds a rank). For runs expected to succeed;
     one that fails ends the job, and the next call starts a fresh one. Calling it as `torchrun(args)` would be called
     returns a CompletedProcess: stdout and stderr are rank 0's then rank 1's."""
 
     def __init__(self, folder):
         self.folder, self.job, self.n = folder, None, 0
 
-    def __call__(self, args, cwd=None, timeout=300) -> subprocess.CompletedProcess:
+    def __call__(self, args, cwd=None, timeout=300, script="train.py") -> subprocess.CompletedProcess:
         if self.job is None or self.job.poll() is not None:
             self._start()
         request = os.path.join(self.job_dir, f"{self.n}.json")
         with open(request + ".tmp", "w") as f:
-            json.dump(dict(argv=[str(a) for a in args], cwd=str(cwd or os.getcwd())), f)
+            json.dump(dict(script=script, argv=[str(a) for a in args], cwd=str(cwd or os.getcwd())), f)
         os.replace(request + ".tmp", request)
         codes = [os.path.join(self.job_dir, f"{self.n}.code.rank{rank}") for rank in range(2)]
         deadline = time.monotonic() + timeout
@@ -145,7 +145,7 @@ class WarmRanks:
 
 @pytest.fixture(scope="session")
 def warm_torchrun(tmp_path_factory):
-    """`torchrun(args)` for two-rank train.py runs expected to succeed, on ranks that stay up (WarmRanks)."""
+    """`torchrun(args)` for two-rank train.py (or generate.py) runs expected to succeed, on ranks that stay up (WarmRanks)."""
     ranks = WarmRanks(tmp_path_factory.mktemp("warm_ranks"))
     yield ranks
     ranks.close()

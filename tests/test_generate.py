@@ -14,7 +14,7 @@ import torch
 
 import yaml
 
-from conftest import LLAMA_FLAGS, TINY, torchrun
+from conftest import LLAMA_FLAGS, TINY
 
 
 def one_process_world_ends():
@@ -256,13 +256,13 @@ def test_flash_attns_own_kernel_is_left_to_the_precisions_it_takes(monkeypatch):
     assert generate.flash_decoding_applies(model)
 
 
-def test_tensor_parallel_samples_are_the_one_process_samples(llama_ckpt):
+def test_tensor_parallel_samples_are_the_one_process_samples(llama_ckpt, warm_torchrun):
     """torchrun --nproc-per-node 2 generate.py --num-samples 2: each rank holds half of each matrix (and half
     of the query groups), the gathered logits give every rank the same draws, and the two samples are what one
     process draws from one seeded generator."""
     import generate
 
-    proc = torchrun(["--load", llama_ckpt, "--prompt", "The", "--num-samples", "2", "--max-new-tokens", "30",
+    proc = warm_torchrun(["--load", llama_ckpt, "--prompt", "The", "--num-samples", "2", "--max-new-tokens", "30",
                      "--seed", "5"], script="generate.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     model, tokenizer, _ = generate.load_model(llama_ckpt)
@@ -371,7 +371,7 @@ def test_expert_parallelism_a_checkpoint_or_the_ranks_cannot_take_is_one_line(ll
             m.sequence_parallel) == (1, 2, 1, False)
 
 
-def test_quick_start_outputs_feed_generate_with_no_flag_under_tensor_parallelism(tmp_path, monkeypatch):
+def test_quick_start_outputs_feed_generate_with_no_flag_under_tensor_parallelism(tmp_path, monkeypatch, warm_torchrun):
     """The quick start's configuration (config.QUICK_START: its own BPE tokenizer of the built-in corpus), shrunk, in
     an empty folder and with no output flag: the tokenizer is trained on first use and reads the corpus back exactly;
     a checkpoint in checkpoints/ that carries it, TensorBoard files in runs/; then `generate.py --prompt` (2 ranks,
@@ -419,7 +419,7 @@ def test_quick_start_outputs_feed_generate_with_no_flag_under_tensor_parallelism
         train.pretrain(wrong)
     assert "\n" not in str(e.value)
 
-    proc = torchrun(["--prompt", "The Python", "--greedy", "--max-new-tokens", "40"], script="generate.py", cwd=tmp_path)
+    proc = warm_torchrun(["--prompt", "The Python", "--greedy", "--max-new-tokens", "40"], script="generate.py", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     model, tokenizer, cfg = generate.load_model("checkpoints")
     assert cfg.model.tensor_model_parallel_size == 1 and os.path.samefile(tokenizer.file, saved)  # the checkpoint's copy

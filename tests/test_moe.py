@@ -199,7 +199,7 @@ def test_layouts_stop_and_resume_bitwise(runs, name, step):
     assert_bitwise(resumed, straight, range(step + 1, 10), [m for m in METRICS if "l2_norm" not in m])
 
 
-def test_generate_splits_the_experts_or_the_matrices_and_samples_as_one_process(runs):
+def test_generate_splits_the_experts_or_the_matrices_and_samples_as_one_process(runs, warm_torchrun):
     """generate.py on the TP=2 + SP x EP=2 checkpoint, two seeded samples: under torchrun with
     --expert-model-parallel-size 2 (each rank holds 2 of the 4 experts, tokens dispatched all-to-all) and at TP=2
     (each rank half of each matrix, every expert whole; no sequence parallelism, which a one-token decode step cannot
@@ -207,15 +207,14 @@ def test_generate_splits_the_experts_or_the_matrices_and_samples_as_one_process(
     import io
 
     import generate
-    from conftest import torchrun
     from megatron.core import parallel_state
     import torch
 
     layout(runs, "tp2_sp_ep2")
     args = ["--load", runs.ckpt("tp2_sp_ep2"), "--ckpt-step", "6", "--prompt", "The", "--num-samples", "2",
             "--max-new-tokens", "40", "--seed", "5"]
-    ep2 = torchrun([*args, "--expert-model-parallel-size", "2"], script="generate.py")
-    tp2 = torchrun(args, script="generate.py")
+    ep2 = warm_torchrun([*args, "--expert-model-parallel-size", "2"], script="generate.py")
+    tp2 = warm_torchrun(args, script="generate.py")
     try:
         model, tokenizer, cfg = generate.load_model(runs.ckpt("tp2_sp_ep2"), 6)
         generator = torch.Generator().manual_seed(5)

@@ -1,11 +1,11 @@
 """Run under torchrun: ranks that stay up and run train.py's command lines as the suite asks for them.
-`warm_ranks.py DIR`: each rank waits for DIR/<n>.json (n = 0, 1, 2, ...: {"argv": [...], "cwd": "..."}), runs
-train.py's `main` of those flags in that folder with its stdout and stderr (file descriptors 1 and 2, so C-level
+`warm_ranks.py DIR`: each rank waits for DIR/<n>.json (n = 0, 1, 2, ...: {"script": "train.py" or "generate.py",
+"argv": [...], "cwd": "..."}), runs the script's `main` of those flags in that folder with its stdout and stderr (file descriptors 1 and 2, so C-level
 writes too) in DIR/<n>.stdout.rank<R> and DIR/<n>.stderr.rank<R>, and then writes the run's exit code to
 DIR/<n>.code.rank<R>. DIR/quit ends the job.
 
 Why: a worker's import of torch and megatron-core and torch's first optimizer (which imports dynamo) cost about 7
-CPU seconds a rank, far more than a tiny run: the suite's two-rank runs that are expected to succeed pay them once
+CPU seconds a rank, far more than a tiny run: the suite's two-rank runs (and samplings) that are expected to succeed pay them once
 (conftest.warm_torchrun). Each run initializes and destroys its process groups as a fresh start does. A run that
 fails ends the job (its collectives may be half done): the next request starts a fresh one."""
 
@@ -23,6 +23,10 @@ import train  # noqa: E402
 
 def run(request: dict) -> int:
     try:
+        if request["script"] == "generate.py":
+            import generate
+
+            return generate.main(generate.parse_args(request["argv"])) or 0
         return train.main(config.parse_args(request["argv"], run=True)) or 0
     except SystemExit as e:  # a command line the parser refuses exits 2, as `python train.py` would
         return e.code if isinstance(e.code, int) else 1

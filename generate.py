@@ -23,6 +23,7 @@ both beside transformers' generate().
 
 import argparse
 import contextlib
+import gc
 import os
 import sys
 import types
@@ -355,6 +356,10 @@ def main(args) -> int:
         parallel_state.destroy_model_parallel()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        # The model holds its process groups in reference cycles, and a destroyed gloo group's I/O thread polls until
+        # its object is freed (as at the end of train.pretrain).
+        model = None  # noqa: F841
+        gc.collect()
 
 
 if __name__ == "__main__":

@@ -159,6 +159,11 @@ def pretrain(config: ConfigContainer, forward_step_func: Optional[Callable] = No
             state.checkpoint_manager.finalize_async_saves(state, blocking=True, terminate=True)
         finally:
             _finish_train(state)
+            # The model, optimizer and iterators hold the run's process groups in reference cycles, and a destroyed
+            # gloo group's I/O thread keeps polling until its object is freed: free them now, not at some later
+            # full collection (a process that runs again, a notebook, would gather polling threads run after run).
+            del model, optimizer, scheduler, train_it, valid_it, test_it
+            gc.collect()
         return state
 
 

@@ -162,6 +162,11 @@ def pretrain(config: ConfigContainer, forward_step_func: Optional[Callable] = No
             # The model, optimizer and iterators hold the run's process groups in reference cycles, and a destroyed
             # gloo group's I/O thread keeps polling until its object is freed: free them now, not at some later
             # full collection (a process that runs again, a notebook, would gather polling threads run after run).
+            # Some cycles run through autograd's C++ graph, which the collector cannot see: the distributed
+            # optimizer's shard views and the MoE dispatcher's routing tensors keep graphs that end in DDP's
+            # gradient hooks, and the hooks hold the DDP wrapper. An emptied wrapper holds nothing.
+            for chunk in model:
+                chunk.__dict__.clear()
             del model, optimizer, scheduler, train_it, valid_it, test_it
             gc.collect()
         return state

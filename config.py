@@ -238,8 +238,26 @@ class ModelConfig:
         None, "Layers without rotary embedding (Llama 4's NoPE layers): N skips it on every Nth layer, or a 0/1 list "
               "with one entry per layer such as '([0]*3+[1])*2' (1: no rotary embedding).")
     rope_type: Optional[str] = arg(
-        None, "Megatron-LM's rotary kind: rope is what dense attention uses (inert here); yarn is multi-latent "
-              "attention's (refused).", choices=["rope", "yarn"])
+        None, "Megatron-LM's rotary kind: rope, or YaRN's rescaled frequencies (yarn, multi-latent attention only). "
+              "Default: yarn under --multi-latent-attention, rope otherwise.", choices=["rope", "yarn"])
+    # Multi-latent attention (DeepSeek-V2/V3): queries, and keys and values, pass through low-rank latents; each head's
+    # query and key have a part without position (qk_head_dim) and a rotary part (qk_pos_emb_head_dim), the key's
+    # rotary part shared by the heads. megatron-core's MLASelfAttention on the local layers.
+    multi_latent_attention: bool = arg(False, "Multi-latent attention (MLA), megatron-core's MLASelfAttention, "
+                                              "instead of multi-head or grouped-query attention.")
+    q_lora_rank: Optional[int] = arg(None, "MLA: rank of the queries' low-rank latent. Default: none, the queries "
+                                           "are one full projection.", bounds="[1, inf)")
+    kv_lora_rank: int = arg(32, "MLA: rank of the keys' and values' shared low-rank latent.", bounds="[1, inf)")
+    qk_head_dim: int = arg(128, "MLA: each head's query and key width without position (the rotary part is apart).",
+                           bounds="[1, inf)")
+    qk_pos_emb_head_dim: int = arg(64, "MLA: each head's query and key width that rotary embedding rotates.",
+                                   bounds="[2, inf)")
+    v_head_dim: int = arg(128, "MLA: each head's value width.", bounds="[1, inf)")
+    rotary_scaling_factor: float = arg(1.0, "MLA with --rope-type yarn: how far YaRN stretches the rotary "
+                                            "frequencies' context.", bounds="(0, inf)")
+    mscale: float = arg(1.0, "MLA with --rope-type yarn: YaRN's attention-temperature coefficient.")
+    mscale_all_dim: float = arg(0.0, "MLA with --rope-type yarn: YaRN's coefficient of the softmax scale over "
+                                     "every dimension.")
     add_position_embedding: bool = arg(
         True, "Megatron-LM's deprecated switch off the position embedding: with --position-embedding-type rope it "
               "changes nothing (inert); otherwise Megatron-LM refuses it, and so does this trainer (use "
@@ -1568,6 +1586,8 @@ def derive_model_sizes(cfg: ConfigContainer) -> None:
                      "2/3 of 4 x --hidden-size, to 64 (--swiglu)" if m.swiglu else "4 x --hidden-size")
     if m.max_position_embeddings is None:
         derive_value(cfg, "model.max_position_embeddings", m.seq_length, "--seq-length")
+    if m.multi_latent_attention and m.rope_type is None:  # megatron-core's MLATransformerConfig default
+        derive_value(cfg, "model.rope_type", "yarn", "--multi-latent-attention: Megatron-LM's default for MLA")
 
 
 def check_model_sizes(cfg: ConfigContainer) -> None:
@@ -1644,8 +1664,19 @@ def check_architecture(cfg: ConfigContainer) -> None:
             "--activation-func-clamp-value clamps the halves of --quick-geglu's MLP; add --quick-geglu or drop it")
     require(not (m.qk_layernorm and m.qk_l2_norm), "--qk-layernorm and --qk-l2-norm each normalize the queries and "
                                                    "keys; give one")
-    require(m.rope_type != "yarn", "--rope-type yarn is multi-latent attention's rotary embedding, which this trainer "
-                                   "does not have (dense attention uses rope); drop it")
+    if m.multi_latent_attention:
+        require(m.num_query_groups == m.num_attention_heads, f"--num-query-groups {m.num_query_groups} groups the keys "
+                "and values of grouped-query attention; multi-latent attention shares one latent among all heads "
+                "instead: drop --num-query-groups and --group-query-attention")
+        require(not m.qk_l2_norm, "--qk-l2-norm is not built for multi-latent attention (megatron-core refuses it); "
+                                  "use --qk-layernorm (the latents' norms) or drop it")
+        require(cfg.peft.peft == "none", f"--peft {cfg.peft.peft} adapts linear_qkv, linear_proj and the MLP here; "
+                                         f"multi-latent attention's projections are not among its targets yet: drop "
+                                         f"--peft or --multi-latent-attention")
+        require(m.qk_pos_emb_head_dim % 2 == 0, f"--qk-pos-emb-head-dim {m.qk_pos_emb_head_dim} must be even: rotary "
+                                                f"embedding rotates pairs of dimensions")
+    require(m.rope_type != "yarn" or m.multi_latent_attention, "--rope-type yarn is multi-latent attention's rotary "
+                                                               "embedding here; add --multi-latent-attention or drop it")
     require(m.add_position_embedding or m.position_embedding_type == "rope",
             f"--no-position-embedding is deprecated, and Megatron-LM refuses it without rope too "
             f"(--position-embedding-type {m.position_embedding_type}); use --position-embedding-type none for no "
@@ -2942,6 +2973,11 @@ def transformer_config_extras(cfg: ConfigContainer) -> dict:
                       moe_layer_freq=layer_pattern(m.moe_layer_freq, "--moe-layer-freq", m.num_layers),
                       moe_router_load_balancing_type=one(m.moe_router_load_balancing_type),
                       moe_aux_loss_coeff=one(m.moe_aux_loss_coeff))
+    if m.multi_latent_attention:  # MLATransformerConfig's fields (model.transformer_config picks that class)
+        extras.update({name: getattr(m, name) for name in (
+            "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+            "rotary_scaling_factor", "mscale", "mscale_all_dim", "rope_type", "rotary_base", "rotary_percent")})
+        # YaRN's original context stays MLATransformerConfig's 4096, as in Megatron-LM (no flag of core_v0.19 sets it).
     if m.init_method_xavier_uniform:  # Megatron-LM's init_method and scaled_init_method (megatron-core's output_layer_)
         import torch
 
@@ -3164,9 +3200,7 @@ UNSUPPORTED_FLAGS = [
       "--save-tokens-per-expert-interval"),
      "Mixture-of-Experts machinery beyond megatron-core's MoELayer with SequentialMLP experts (upcycling, latent MoE, "
      "DeepEP and HybridEP dispatch, expert-parallel communication overlap, MoE recomputation)"),
-    (("--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
-      "--v-head-dim", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim", "--cache-mla-latents"),
-     "multi-latent attention (MLA)"),
+    (("--cache-mla-latents",), "multi-latent attention's cache of latents for flash decoding at inference"),
     (("--mtp-",), "multi-token prediction"),
     (("--mamba-", "--hybrid-", "--is-hybrid-model", "--disable-mamba-mem-eff-path", "--linear-conv-kernel-dim",
       "--linear-key-head-dim", "--linear-value-head-dim", "--linear-num-key-heads", "--linear-num-value-heads",
@@ -3353,7 +3387,8 @@ INERT_SETTINGS = {
     ("dataset", "mmap_bin_files"): None,
     ("dataset", "create_attention_mask_in_dataloader"): None,
     ("tokenizer", "tiktoken_pattern"): None,
-    ("model", "rope_type"): None,  # rope: what dense attention uses (yarn is refused)
+    # rope without multi-latent attention: what dense attention uses (yarn is refused there)
+    ("model", "rope_type"): lambda cfg: not cfg.model.multi_latent_attention,
     ("model", "add_position_embedding"): None,  # --no-position-embedding with rope (refused without)
     ("model", "disable_bf16_reduced_precision_matmul"): lambda cfg: not (cfg.use_gpu and cfg.model.bf16),
     # fp32 training: the residual stream is fp32 already (Megatron-LM asks for --bf16/--fp16; generate.py runs in fp32)

@@ -165,16 +165,32 @@ def num_floating_point_operations(cfg, batch_size: int, padded_vocab_size: int) 
     """
     m = cfg.model
     s, h, L = m.seq_length, m.hidden_size, m.num_layers
-    query_projection_ratio = m.kv_channels * m.num_attention_heads / h
     gated_multiplier = 3 / 2 if m.swiglu else 1
-    weights = ((1 + m.num_query_groups / m.num_attention_heads) * query_projection_ratio  # attention projections
+    if m.multi_latent_attention:  # each 12 h^2 of the formula is 6 x a token's multiply-adds, 2 h^2 of them
+        projections = mla_attention_parameters(m, norms=1) / (2 * h * h)
+        core_attention = s * m.num_attention_heads * (m.qk_head_dim + m.qk_pos_emb_head_dim + m.v_head_dim) / (4 * h * h)
+    else:
+        query_projection_ratio = m.kv_channels * m.num_attention_heads / h
+        projections = (1 + m.num_query_groups / m.num_attention_heads) * query_projection_ratio
+        core_attention = s / h / 2 * query_projection_ratio
+    weights = (projections  # attention projections
                + (active_mlp_width(m) / h) * gated_multiplier  # MLP
                + padded_vocab_size / (2 * L * h))  # logits
-    core_attention = s / h / 2 * query_projection_ratio
     if cfg.peft.peft == "none":
         return 12 * batch_size * s * L * h * h * (weights + core_attention)
     return 12 * batch_size * s * L * h * h * (weights * 2 / 3 + core_attention) + \
         batch_size * s * adapter_flops_per_token(cfg)
+
+
+def mla_attention_parameters(m, norms: int) -> int:
+    """Multi-latent attention's weights in one layer: the query projection (through its latent of --q-lora-rank,
+    with that latent's norm), the key-value latent with its norm and the keys' shared rotary part, the per-head
+    key and value up-projection, the output projection. `norms`: each latent norm's parameters per channel (1 for
+    RMSNorm; the FLOPs count 1 as Megatron-LM's does). Megatron-LM's training.py and theoretical_memory_usage.py
+    (core_v0.19), multi_latent_attention branches."""
+    h, a, qk, pos, v = m.hidden_size, m.num_attention_heads, m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim
+    q = h * a * (qk + pos) if m.q_lora_rank is None else m.q_lora_rank * (h + a * (qk + pos) + norms)
+    return q + m.kv_lora_rank * (h + a * (qk + v) + norms) + h * pos + a * v * h
 
 
 def active_mlp_width(m) -> float:
@@ -946,14 +962,18 @@ def bytes_per_parameter(config, expert: bool = False) -> tuple:
 
 def layer_parameters(m) -> list:
     """(non-expert, expert) parameters of each transformer layer, biases left out: 2h^2 x (attention (1 + groups/
-    heads) x q-projection/h + 2/h for the two norms), and the MLP: 2h x ffn (x 3/2 for SwiGLU) in a dense layer; in
+    heads) x q-projection/h + 2/h for the two norms; multi-latent attention's own count, mla_attention_parameters,
+    under --multi-latent-attention), and the MLP: 2h x ffn (x 3/2 for SwiGLU) in a dense layer; in
     an MoE layer the router (experts x h) and the shared experts beside it, and the experts, 2h x
     moe-ffn x experts (x 3/2), apart (Megatron-LM's theoretical_memory_usage.py, with the router megatron-core
     builds)."""
     h = m.hidden_size
     gated = 3 / 2 if m.swiglu else 1
-    attention = 2 * h * h * ((1 + m.num_query_groups / m.num_attention_heads) * m.kv_channels * m.num_attention_heads / h
-                             + 2 / h)
+    if m.multi_latent_attention:
+        attention = mla_attention_parameters(m, norms=1 if m.normalization == "RMSNorm" else 2) + 4 * h
+    else:
+        attention = 2 * h * h * ((1 + m.num_query_groups / m.num_attention_heads) * m.kv_channels *
+                                 m.num_attention_heads / h + 2 / h)
     dense = attention + 2 * h * m.ffn_hidden_size * gated
     moe = (attention + (m.num_experts or 0) * h + 2 * h * (m.moe_shared_expert_intermediate_size or 0) * gated,
            2 * h * (m.moe_ffn_hidden_size or 0) * (m.num_experts or 0) * gated)

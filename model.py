@@ -47,7 +47,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func as mcore_get_forward_backward_func
-from megatron.core.transformer import MegatronModule, TransformerConfig
+from megatron.core.transformer import MegatronModule, MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import Float16Module
 from megatron.core.tensor_parallel import RowParallelLinear
@@ -119,7 +119,9 @@ class SDPAttention(MegatronModule):
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type=None, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, k_channels=None, v_channels=None):
+        # k_channels, v_channels: multi-latent attention's query/key and value head widths (SDPA reads them off the
+        # tensors).
         super().__init__(config=config)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale  # None: 1/sqrt(head_dim), SDPA's default
@@ -203,7 +205,9 @@ def transformer_config(cfg) -> TransformerConfig:
     activation_func, gated_linear_unit = (
         (F.silu, True) if m.swiglu else (squared_relu, False) if m.squared_relu else (quick_gelu, True) if m.quick_geglu
         else (functools.partial(F.gelu, approximate="tanh") if m.openai_gelu else F.gelu, False))
-    return TransformerConfig(
+    # Multi-latent attention's sizes are fields of megatron-core's MLATransformerConfig, a TransformerConfig.
+    config_class = MLATransformerConfig if m.multi_latent_attention else TransformerConfig
+    return config_class(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         ffn_hidden_size=m.ffn_hidden_size,
@@ -259,15 +263,17 @@ def layer_spec(cfg, num_experts: Optional[int] = None):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=m.moe_grouped_gemm,
-                                                          qk_layernorm=m.qk_layernorm, qk_l2_norm=m.qk_l2_norm)
+                                                          qk_layernorm=m.qk_layernorm, qk_l2_norm=m.qk_l2_norm,
+                                                          multi_latent_attention=m.multi_latent_attention)
     # --qk-layernorm / --qk-l2-norm: the spec's q/k norms (Megatron-LM's gpt_builders passes the local spec no
     # qk_l2_norm, which leaves it without effect there; here it means on the local layers what it means on TE's).
     spec = get_gpt_layer_local_spec(num_experts=num_experts, normalization=m.normalization, qk_layernorm=m.qk_layernorm,
-                                    qk_l2_norm=m.qk_l2_norm)
+                                    qk_l2_norm=m.qk_l2_norm, multi_latent_attention=m.multi_latent_attention)
     layer, attention = spec.submodules, spec.submodules.self_attention.submodules
     layer.input_layernorm = layer.pre_mlp_layernorm = Norm
-    if m.qk_layernorm and not m.qk_l2_norm:
-        attention.q_layernorm = attention.k_layernorm = Norm
+    if m.qk_layernorm and not m.qk_l2_norm:  # MLA's are the norms of its query and key-value latents
+        for name in ("q_layernorm", "kv_layernorm") if m.multi_latent_attention else ("q_layernorm", "k_layernorm"):
+            setattr(attention, name, Norm)
     if cfg.model.attention_backend != "local":
         attention.core_attention = SDPAttention
     if num_experts:  # the MLP is a builder, partial(MoELayer, submodules=MoESubmodules(experts=partial(...), ...))

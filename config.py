@@ -258,6 +258,13 @@ class ModelConfig:
     mscale: float = arg(1.0, "MLA with --rope-type yarn: YaRN's attention-temperature coefficient.")
     mscale_all_dim: float = arg(0.0, "MLA with --rope-type yarn: YaRN's coefficient of the softmax scale over "
                                      "every dimension.")
+    # Multi-token prediction (DeepSeek-V3): after the decoder, module k predicts the token k + 1 places ahead from
+    # module k - 1's output and the embedding of the token k places ahead. Training only: generation ignores them.
+    mtp_num_layers: Optional[int] = arg(None, "Multi-token prediction: this many modules after the decoder (each a "
+                                              "transformer layer of the decoder's last layer's kind), on the last "
+                                              "pipeline stage. Default: none.", bounds="[1, inf)")
+    mtp_loss_scaling_factor: float = arg(0.1, "Multi-token prediction: the weight of the MTP losses' mean in the "
+                                              "training loss.", bounds="[0, inf)")
     add_position_embedding: bool = arg(
         True, "Megatron-LM's deprecated switch off the position embedding: with --position-embedding-type rope it "
               "changes nothing (inert); otherwise Megatron-LM refuses it, and so does this trainer (use "
@@ -1517,6 +1524,7 @@ def check(cfg: ConfigContainer) -> None:
     check_architecture(cfg)
     check_parallelism(cfg)
     check_moe(cfg)
+    check_multi_token_prediction(cfg)
     check_batch_sizes_and_length(cfg)
     check_precision(cfg)
     check_rerun_state_machine(cfg)
@@ -1673,6 +1681,10 @@ def check_architecture(cfg: ConfigContainer) -> None:
         require(cfg.peft.peft == "none", f"--peft {cfg.peft.peft} adapts linear_qkv, linear_proj and the MLP here; "
                                          f"multi-latent attention's projections are not among its targets yet: drop "
                                          f"--peft or --multi-latent-attention")
+        require(not (m.qk_layernorm and m.q_lora_rank is None and m.transformer_impl != "transformer_engine"),
+                "--qk-layernorm without --q-lora-rank normalizes the queries inside a fused norm-and-linear "
+                "projection, which only transformer-engine has (megatron-core, mla_qk_norm_config.py:240-245); on the "
+                "local layers add --q-lora-rank or drop --qk-layernorm")
         require(m.qk_pos_emb_head_dim % 2 == 0, f"--qk-pos-emb-head-dim {m.qk_pos_emb_head_dim} must be even: rotary "
                                                 f"embedding rotates pairs of dimensions")
     require(m.rope_type != "yarn" or m.multi_latent_attention, "--rope-type yarn is multi-latent attention's rotary "
@@ -1881,6 +1893,16 @@ def derive_moe(cfg: ConfigContainer) -> None:
     if m.expert_tensor_parallel_size is None:
         derive_value(cfg, "model.expert_tensor_parallel_size", m.tensor_model_parallel_size,
                      "--tensor-model-parallel-size")
+
+
+def check_multi_token_prediction(cfg: ConfigContainer) -> None:
+    """--mtp-num-layers: what is not built for it here. (Megatron-LM's own refusal, position embeddings without
+    position ids, cannot arise: every --position-embedding-type here takes them.)"""
+    m = cfg.model
+    if not m.mtp_num_layers:
+        return
+    require(cfg.peft.peft == "none", f"--peft {cfg.peft.peft} with --mtp-num-layers: the adapters' targets in the MTP "
+                                     f"layers are not defined here yet; drop one")
 
 
 def check_moe(cfg: ConfigContainer) -> None:
@@ -2973,6 +2995,8 @@ def transformer_config_extras(cfg: ConfigContainer) -> dict:
                       moe_layer_freq=layer_pattern(m.moe_layer_freq, "--moe-layer-freq", m.num_layers),
                       moe_router_load_balancing_type=one(m.moe_router_load_balancing_type),
                       moe_aux_loss_coeff=one(m.moe_aux_loss_coeff))
+    if m.mtp_num_layers:
+        extras.update(mtp_num_layers=m.mtp_num_layers, mtp_loss_scaling_factor=m.mtp_loss_scaling_factor)
     if m.multi_latent_attention:  # MLATransformerConfig's fields (model.transformer_config picks that class)
         extras.update({name: getattr(m, name) for name in (
             "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
@@ -3201,7 +3225,7 @@ UNSUPPORTED_FLAGS = [
      "Mixture-of-Experts machinery beyond megatron-core's MoELayer with SequentialMLP experts (upcycling, latent MoE, "
      "DeepEP and HybridEP dispatch, expert-parallel communication overlap, MoE recomputation)"),
     (("--cache-mla-latents",), "multi-latent attention's cache of latents for flash decoding at inference"),
-    (("--mtp-",), "multi-token prediction"),
+    (("--mtp-hybrid-override-pattern",), "multi-token prediction in hybrid (Mamba) models"),
     (("--mamba-", "--hybrid-", "--is-hybrid-model", "--disable-mamba-mem-eff-path", "--linear-conv-kernel-dim",
       "--linear-key-head-dim", "--linear-value-head-dim", "--linear-num-key-heads", "--linear-num-value-heads",
       "--linear-attention-freq", "--experimental-attention-variant", "--dsa-", "--no-dsa-", "--disable-dsa-",
@@ -3266,7 +3290,8 @@ _NOT_YET_OPTIMIZERS = "is a setting of megatron-core's layer-wise distributed op
                       "supported here; drop it (--optimizer muon without --use-distributed-optimizer)"
 _NOT_YET_MLA = "is a setting of multi-latent attention (MLA) and its YaRN rotary embedding, which are not yet supported " \
                "here; drop it"
-_NOT_YET_MTP = "is a setting of multi-token prediction (MTP), which is not yet supported here; drop it"
+_NOT_YET_MTP = "is a variant of multi-token prediction (MTP) that is not yet supported here (--mtp-num-layers " \
+               "builds separate MTP layers trained with the model); drop it"
 # Megatron-LM flags (arguments.py, core_v0.19.0 and core_v0.16.1) refused for a reason of their own: deprecated ones
 # Megatron-LM refuses too, settings whose meaning this trainer cannot give, and machinery not built yet. (flags, the
 # rest of the one-line error after the flag). unsupported_flag reads these exact names before UNSUPPORTED_FLAGS.
@@ -3275,7 +3300,7 @@ MEGATRON_LM_REFUSED_FLAGS = [
     (("--muon-use-nesterov",), "is Megatron-LM core_v0.16's name, gone in core_v0.19; use --muon-nesterov"),
     (("--mla-down-proj-fusion", "--yarn-original-max-position-embeddings", "--yarn-beta-fast", "--yarn-beta-slow",
       "--yarn-correction-range-round-to-int", "--no-yarn-correction-range-round-to-int"), _NOT_YET_MLA),
-    (("--mtp-detach-heads", "--mtp-hybrid-override-pattern", "--mtp-use-repeated-layer"), _NOT_YET_MTP),
+    (("--mtp-detach-heads", "--mtp-use-repeated-layer", "--mtp-standalone"), _NOT_YET_MTP),
     (("--batch-size",), "is no longer valid in Megatron-LM either; use --micro-batch-size"),
     (("--warmup",), "is no longer valid in Megatron-LM either; use --lr-warmup-fraction (or --lr-warmup-iters)"),
     (("--model-parallel-size",), "is no longer valid in Megatron-LM either; use --tensor-model-parallel-size"),

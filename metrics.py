@@ -162,9 +162,13 @@ def num_floating_point_operations(cfg, batch_size: int, padded_vocab_size: int) 
 
     With PEFT the frozen weights get no weight gradient: their GEMMs count 2 (forward, input gradient), not 3
     (as Bridge's LoRA count scales frozen work by 2/3), and the adapters add theirs (adapter_flops_per_token).
+
+    Multi-token prediction's modules count as Megatron-LM counts them: each a layer of the decoder's last layer's
+    kind, its projection of 2h to h and its three norms (3h), and one more logit computation each.
     """
     m = cfg.model
-    s, h, L = m.seq_length, m.hidden_size, m.num_layers
+    mtp = m.mtp_num_layers or 0
+    s, h, L = m.seq_length, m.hidden_size, m.num_layers + mtp
     gated_multiplier = 3 / 2 if m.swiglu else 1
     if m.multi_latent_attention:  # each 12 h^2 of the formula is 6 x a token's multiply-adds, 2 h^2 of them
         projections = mla_attention_parameters(m, norms=1) / (2 * h * h)
@@ -175,7 +179,8 @@ def num_floating_point_operations(cfg, batch_size: int, padded_vocab_size: int) 
         core_attention = s / h / 2 * query_projection_ratio
     weights = (projections  # attention projections
                + (active_mlp_width(m) / h) * gated_multiplier  # MLP
-               + padded_vocab_size / (2 * L * h))  # logits
+               + (1 + mtp) * padded_vocab_size / (2 * L * h)  # logits
+               + mtp * (3 * h + 2 * h * h) / (2 * L * h * h))  # MTP's norms and projection
     if cfg.peft.peft == "none":
         return 12 * batch_size * s * L * h * h * (weights + core_attention)
     return 12 * batch_size * s * L * h * h * (weights * 2 / 3 + core_attention) + \
@@ -186,7 +191,7 @@ def mla_attention_parameters(m, norms: int) -> int:
     """Multi-latent attention's weights in one layer: the query projection (through its latent of --q-lora-rank,
     with that latent's norm), the key-value latent with its norm and the keys' shared rotary part, the per-head
     key and value up-projection, the output projection. `norms`: each latent norm's parameters per channel (1 for
-    RMSNorm; the FLOPs count 1 as Megatron-LM's does). Megatron-LM's training.py and theoretical_memory_usage.py
+    RMSNorm, 2 for LayerNorm, 0 without --qk-layernorm; the FLOPs count 1 as Megatron-LM's does). Megatron-LM's training.py and theoretical_memory_usage.py
     (core_v0.19), multi_latent_attention branches."""
     h, a, qk, pos, v = m.hidden_size, m.num_attention_heads, m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim
     q = h * a * (qk + pos) if m.q_lora_rank is None else m.q_lora_rank * (h + a * (qk + pos) + norms)
@@ -194,12 +199,14 @@ def mla_attention_parameters(m, norms: int) -> int:
 
 
 def active_mlp_width(m) -> float:
-    """The MLP width a token passes through, averaged over the layers: --ffn-hidden-size in a dense layer; in an MoE
-    layer --moe-router-topk experts of --moe-ffn-hidden-size each and the shared experts (Megatron-LM's
-    transformer_flops, training.py:520-530; the router's small matmul is not counted there either)."""
-    moe = sum(config_moe_layers(m))
+    """The MLP width a token passes through, averaged over the layers and the multi-token prediction layers (each of
+    the decoder's last layer's kind): --ffn-hidden-size in a dense layer; in an MoE layer --moe-router-topk experts of
+    --moe-ffn-hidden-size each and the shared experts (Megatron-LM's transformer_flops, training.py:520-530; the
+    router's small matmul is not counted there either)."""
+    kinds = config_moe_layers(m)
+    kinds = kinds + kinds[-1:] * (m.mtp_num_layers or 0)
     routed = m.moe_router_topk * (m.moe_ffn_hidden_size or 0) + (m.moe_shared_expert_intermediate_size or 0)
-    return ((m.num_layers - moe) * m.ffn_hidden_size + moe * routed) / m.num_layers
+    return sum(routed if moe else m.ffn_hidden_size for moe in kinds) / len(kinds)
 
 
 def adapter_flops_per_token(cfg) -> float:
@@ -534,12 +541,13 @@ class Scalar:
 
 def step_report(loss_dict: dict, learning_rate, decoupled_learning_rate, batch_size: int, loss_scale: float,
                 grad_norm, num_zeros_in_grad, params_norm, seconds_per_iteration: Optional[float] = None,
-                moe_losses: Optional[dict] = None) -> list:
+                moe_losses: Optional[dict] = None, mtp_metrics: Optional[dict] = None) -> list:
     """The iteration's scalars, in the console line's order: Megatron's names on the console, Megatron's
     TensorBoard tags. A new scalar is one more line here. `seconds_per_iteration` is the log interval's so far (the
     log line's elapsed time per iteration, evaluation and saves left out): what a rate divides by. `moe_losses`: the
     MoE layers' auxiliary losses (moe_auxiliary_losses), averaged over the interval on the console as the lm loss;
-    the per-layer ones ("moe/...") only in TensorBoard and the trackers."""
+    the per-layer ones ("moe/...") only in TensorBoard and the trackers. `mtp_metrics`: multi-token prediction's
+    (multi_token_prediction_metrics), its losses on the console too, its acceptance rates only in TensorBoard."""
     return [
         Scalar("learning rate", "learning-rate", learning_rate),
         Scalar("", "decoupled-learning-rate", decoupled_learning_rate),
@@ -547,6 +555,8 @@ def step_report(loss_dict: dict, learning_rate, decoupled_learning_rate, batch_s
         *(Scalar(key, key, value, is_loss=True) for key, value in loss_dict.items()),
         *(Scalar("" if key.startswith("moe/") else key, key, value, is_loss=not key.startswith("moe/"),
                  by_samples=False) for key, value in (moe_losses or {}).items()),
+        *(Scalar(key if key.endswith(" loss") else "", key, value, is_loss=key.endswith(" loss"), by_samples=False)
+          for key, value in (mtp_metrics or {}).items()),
         Scalar("loss scale", "loss-scale", loss_scale, ".1f"),
         Scalar("grad norm", "grad-norm", grad_norm, ".3f"),
         Scalar("num zeros", "num-zeros", num_zeros_in_grad, ".1f"),
@@ -593,6 +603,22 @@ def moe_auxiliary_losses(cfg, num_microbatches: int) -> dict:
     return dict(collected)
 
 
+def multi_token_prediction_metrics(cfg, num_microbatches: int) -> dict:
+    """This iteration's multi-token prediction metrics, as Megatron-LM logs them (training.py:2798-2802, core_v0.19):
+    megatron-core's MTPLossLoggingHelper sums each MTP layer's loss over the microbatches, averages it over the
+    data-parallel ranks and the microbatches: "mtp_<k> loss"; with the share of positions whose most likely token is
+    the label, this iteration's ("mtp_<k>_acceptance_rate", %) and since the run began (the "cumulative" one). Then
+    it clears its tracker. A collective among the ranks that hold the MTP layers (the last pipeline stage); {} on
+    the others and without --mtp-num-layers."""
+    if not cfg.model.mtp_num_layers:
+        return {}
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    collected = _Collected()
+    MTPLossLoggingHelper.track_mtp_metrics(loss_scale=1 / num_microbatches, iteration=0, writer=collected)
+    return dict(collected)
+
+
 def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_rate, loss_scale,
                  report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros_in_grad,
                  config, global_state, history_wct, model) -> bool:
@@ -603,7 +629,8 @@ def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_r
         ts.step, global_state.start_step, interval)
     report = step_report(loss_dict, learning_rate, decoupled_learning_rate, global_state.current_global_batch_size,
                          loss_scale, grad_norm, num_zeros_in_grad, params_norm, seconds,
-                         moe_losses=moe_auxiliary_losses(config, global_state.num_microbatches))
+                         moe_losses=moe_auxiliary_losses(config, global_state.num_microbatches),
+                         mtp_metrics=multi_token_prediction_metrics(config, global_state.num_microbatches))
     return log_step(report, total_loss_dict, report_memory_flag, skipped_iter, global_state, history_wct, model)
 
 
@@ -969,8 +996,9 @@ def layer_parameters(m) -> list:
     builds)."""
     h = m.hidden_size
     gated = 3 / 2 if m.swiglu else 1
-    if m.multi_latent_attention:
-        attention = mla_attention_parameters(m, norms=1 if m.normalization == "RMSNorm" else 2) + 4 * h
+    if m.multi_latent_attention:  # the latents' norms are built with --qk-layernorm only
+        norms = (1 if m.normalization == "RMSNorm" else 2) if m.qk_layernorm else 0
+        attention = mla_attention_parameters(m, norms=norms) + 4 * h
     else:
         attention = 2 * h * h * ((1 + m.num_query_groups / m.num_attention_heads) * m.kv_channels *
                                  m.num_attention_heads / h + 2 / h)
@@ -984,7 +1012,7 @@ def compute_weight_and_optimizer_memory(config, verbose: bool = False) -> float:
     """Bytes of weights, gradients and optimizer state on the most loaded shard.
 
     Parameters: each layer's (layer_parameters) plus the final norm, plus the h x vocab embedding (twice if
-    untied). The most loaded shard is the pipeline stage with the most bytes (its layers, uneven with
+    untied), plus multi-token prediction's modules on the last stage. The most loaded shard is the pipeline stage with the most bytes (its layers, uneven with
     --decoder-first/last-pipeline-num-layers; the embedding on the first, the output layer on the last), its
     non-expert parameters split over tensor parallelism, its MoE experts over expert x expert-tensor parallelism.
     Bytes per parameter: bytes_per_parameter(), frozen weights (PEFT, `config.trainable_fraction`) at the weight's
@@ -1008,6 +1036,14 @@ def compute_weight_and_optimizer_memory(config, verbose: bool = False) -> float:
         first += n
     stages[0][0] += embedding
     stages[-1][0] += embedding if untied or len(stages) > 1 else 0  # the output layer (a tied copy on the last stage)
+    if m.mtp_num_layers:  # on the last stage: layers of the last layer's kind, each with its 2h x h projection and
+        dense, expert = layers[-1]  # three norms, and (on a stage of its own) the embedding that reads the tokens ahead
+        mtp = [m.mtp_num_layers * (dense + 2 * h * h + 3 * final_norm), m.mtp_num_layers * expert]
+        if len(stages) > 1:
+            mtp[0] += (embedding if untied else 0) + (m.max_position_embeddings * h
+                                                      if m.position_embedding_type == "learned_absolute" else 0)
+        stages[-1] = [stages[-1][0] + mtp[0], stages[-1][1] + mtp[1]]
+        in_layers, total = in_layers + sum(mtp), total + sum(mtp)
     experts_split = m.expert_model_parallel_size * (m.expert_tensor_parallel_size or 1)
     shards = [(dense / m.tensor_model_parallel_size, expert / experts_split) for dense, expert in stages]
     trainable, frozen = bytes_per_parameter(config)

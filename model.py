@@ -43,7 +43,7 @@ from megatron.core import rerun_state_machine as mcore_rerun
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.distributed import DistributedDataParallelConfig as MegatronDDPConfig
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func as mcore_get_forward_backward_func
@@ -271,9 +271,11 @@ def layer_spec(cfg, num_experts: Optional[int] = None):
                                     qk_l2_norm=m.qk_l2_norm, multi_latent_attention=m.multi_latent_attention)
     layer, attention = spec.submodules, spec.submodules.self_attention.submodules
     layer.input_layernorm = layer.pre_mlp_layernorm = Norm
-    if m.qk_layernorm and not m.qk_l2_norm:  # MLA's are the norms of its query and key-value latents
-        for name in ("q_layernorm", "kv_layernorm") if m.multi_latent_attention else ("q_layernorm", "k_layernorm"):
-            setattr(attention, name, Norm)
+    if m.qk_layernorm and not m.qk_l2_norm and m.multi_latent_attention:
+        # MLA's are the norms of its latents (config.py refuses a query norm without a query latent on these layers)
+        attention.q_layernorm = attention.kv_layernorm = Norm
+    elif m.qk_layernorm and not m.qk_l2_norm:
+        attention.q_layernorm = attention.k_layernorm = Norm
     if cfg.model.attention_backend != "local":
         attention.core_attention = SDPAttention
     if num_experts:  # the MLP is a builder, partial(MoELayer, submodules=MoESubmodules(experts=partial(...), ...))
@@ -299,6 +301,22 @@ def block_spec(cfg, config: TransformerConfig, vp_stage: Optional[int]):
 
         return TransformerBlockSubmodules(layer_specs=layers, layer_norm=TENorm)
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=Norm)
+
+
+def mtp_block_spec(cfg, config: TransformerConfig, vp_stage: Optional[int]):
+    """Multi-token prediction's modules (--mtp-num-layers), on the last pipeline stage (None elsewhere): each
+    megatron-core's MultiTokenPredictionLayer, its transformer layer of the decoder's last layer's kind (dense or MoE,
+    as Megatron-LM's gpt_builders picks it), its projection of [norm(embedding); norm(hidden)] to the hidden size,
+    and its norms, Norm here as in the decoder (megatron-core's local choice asserts that sequence parallelism is
+    off)."""
+    m = cfg.model
+    last = layer_spec(cfg, m.num_experts if m.num_experts and moe_layers(m)[-1] else None)
+    te = m.transformer_impl == "transformer_engine"
+    spec = get_gpt_mtp_block_spec(config, last, use_transformer_engine=te, vp_stage=vp_stage)
+    if spec is not None and not te:
+        for layer in spec.layer_specs:
+            layer.submodules.enorm = layer.submodules.hnorm = layer.submodules.layer_norm = Norm
+    return spec
 
 
 class SequentialExperts(SequentialMLP):
@@ -379,6 +397,7 @@ def build_model(cfg, vocab_size: int) -> list:
             position_embedding_type=m.position_embedding_type,
             rotary_percent=m.rotary_percent,
             rotary_base=m.rotary_base,
+            mtp_block_spec=mtp_block_spec(cfg, config, vp_stage if vpp else None) if m.mtp_num_layers else None,
             vp_stage=vp_stage if vpp else None,
         ))
     if device.cuda():

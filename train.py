@@ -67,6 +67,7 @@ from megatron.core import rerun_state_machine as mcore_rerun
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler, get_canonical_lr_for_logging
 from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 from megatron.core.utils import configure_nvtx_profiling, get_batch_on_this_cp_rank, nvtx_range_pop, nvtx_range_push
 
 import checkpoint
@@ -200,6 +201,9 @@ def setup(cfg: ConfigContainer):
     # of the first model that filled them: a second run in this process with more layers would fail (moe_logging.py:
     # 122). A new tracker for each run.
     destroy_moe_metrics_tracker()
+    # The same for multi-token prediction's (a class attribute, multi_token_prediction.py:345): its "cumulative"
+    # acceptance rate is this run's.
+    MTPLossLoggingHelper.tracker.clear()
     state = GlobalState(cfg)
     # Who saves and loads: checkpoint.py's manager, or checkpoint.custom_manager_class's (checked before the model).
     state.checkpoint_manager = checkpoint.create_checkpoint_manager(cfg.checkpoint)
@@ -469,7 +473,8 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
                 step.grad_norm, step.num_zeros_in_grad,
                 metrics.calc_params_l2_norm(model) if cfg.logger.log_params_norm else None,
                 timers("interval-time").elapsed(reset=False) / in_interval,
-                moe_losses=metrics.moe_auxiliary_losses(cfg, global_state.num_microbatches))
+                moe_losses=metrics.moe_auxiliary_losses(cfg, global_state.num_microbatches),
+                mtp_metrics=metrics.multi_token_prediction_metrics(cfg, global_state.num_microbatches))
             report_memory_flag = metrics.log_step(report, total_loss_dict, report_memory_flag, step.skipped_iter,
                                                   global_state, history_wct, model)
         if cfg.train.eval_iters and valid_data_iterator is not None and ts.step % cfg.train.eval_interval == 0:
@@ -981,7 +986,8 @@ def forward_step(state: GlobalState, data_iterator, model, return_schedule_plan:
     timers("batch-generator", log_level=2).start()
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
     timers("batch-generator").stop()
-    output = model(tokens, position_ids, attention_mask, labels=labels)  # GPTModel returns losses given labels
+    # GPTModel returns per-token losses given labels; the loss mask is for multi-token prediction's losses
+    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output, functools.partial(masked_token_loss, loss_mask)
 
 

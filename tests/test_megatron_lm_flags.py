@@ -290,7 +290,7 @@ def test_transformer_config_extras_are_megatron_core_fields(with_te):
     (["--moe-enable-deepep"], "Mixture-of-Experts machinery beyond megatron-core's MoELayer"),
     (["--overlap-moe-expert-parallel-comm"], "Mixture-of-Experts machinery beyond megatron-core's MoELayer"),
     (["--cache-mla-latents"], "multi-latent attention's cache of latents for flash decoding at inference"),
-    (["--mtp-num-layers", "1"], "multi-token prediction"),
+    (["--mtp-hybrid-override-pattern", "*"], "multi-token prediction in hybrid (Mamba) models"),
     (["--mamba-state-dim", "64"], "Mamba, hybrid and experimental attention layers"),
     (["--grpo-group-size", "4"], "reinforcement learning (GRPO)"),
     (["--inference-max-requests", "4"], "the inference server"),
@@ -412,6 +412,8 @@ MEGATRON_LM_DEFAULTS = [
     ("--rotary-scaling-factor", 1.0, "arguments.py:3391 _add_mla_args"),
     ("--mscale", 1.0, "arguments.py:3393 _add_mla_args"),
     ("--mscale-all-dim", 0.0, "arguments.py:3395 _add_mla_args"),
+    ("--mtp-num-layers", None, "TransformerConfig.mtp_num_layers, transformer_config.py:68"),
+    ("--mtp-loss-scaling-factor", 0.1, "TransformerConfig.mtp_loss_scaling_factor, transformer_config.py:75"),
     ("--no-position-embedding", True, "arguments.py:2354 _add_network_size_args, store_false (add_position_embedding)"),
     ("--embedding-init-method-std", None, "TransformerConfig.embedding_init_method_std, transformer_config.py:396 "
                                           "(then --init-method-std)"),
@@ -756,8 +758,8 @@ _NOT_YET_MLA = "is a setting of multi-latent attention (MLA) and its YaRN rotary
     (["--mla-down-proj-fusion"], f"--mla-down-proj-fusion {_NOT_YET_MLA} here; drop it"),
     (["--yarn-beta-fast", "32"], f"--yarn-beta-fast {_NOT_YET_MLA}"),
     (["--no-yarn-correction-range-round-to-int"], f"--no-yarn-correction-range-round-to-int {_NOT_YET_MLA}"),
-    (["--mtp-detach-heads"], "--mtp-detach-heads is a setting of multi-token prediction (MTP), which is not yet "
-                             "supported here; drop it"),
+    (["--mtp-detach-heads"], "--mtp-detach-heads is a variant of multi-token prediction (MTP) that is not yet "
+                             "supported here"),
     (["--optimizer", "dist_muon"], "--optimizer dist_muon: Megatron-LM shards an emerging optimizer with megatron-core's "
                                    "layer-wise distributed optimizer, which is not supported here"),
 ])

@@ -100,8 +100,10 @@ def test_mla_flops_and_parameters_are_megatron_lms_formulas(q_lora, single_rank_
     import metrics
     from model import build_model
 
-    mla = [f for f in MLA if f not in ("--normalization", "RMSNorm", "--q-lora-rank", "32")]
-    cfg = _cfg(*mla, *q_lora, "--hidden-size", "128", "--seq-length", "256", "--num-layers", "3")
+    # LayerNorm; without a query latent, no --qk-layernorm (the local layers have no fused norm-and-linear)
+    mla = [f for f in MLA if f not in ("--normalization", "RMSNorm", "--q-lora-rank", "32", "--qk-layernorm")]
+    cfg = _cfg(*mla, *q_lora, *(["--qk-layernorm"] if q_lora else []), "--hidden-size", "128", "--seq-length", "256",
+               "--num-layers", "3")
     assert metrics.num_floating_point_operations(cfg, 4, 384) == pytest.approx(_megatron_lm_mla_flops(cfg, 4), rel=1e-12)
     n = sum(p.numel() for p in build_model(cfg, 384)[0].parameters())
     assert metrics.compute_weight_and_optimizer_memory(cfg) == pytest.approx(16 * n)  # fp32: weight, grad, Adam
@@ -116,7 +118,16 @@ def test_mla_flops_and_parameters_are_megatron_lms_formulas(q_lora, single_rank_
     (["--cache-mla-latents"], "--cache-mla-latents"),
 ])
 def test_bad_mla_settings_are_one_line(argv, message, capsys):
-    assert message in config_error([*TINY, *MLA, *argv], capsys)
+    mla = [f for f in MLA if f != "--qk-layernorm"] if "--qk-l2-norm" in argv else MLA  # one q/k norm at a time
+    assert message in config_error([*TINY, *mla, *argv], capsys)
+
+
+def test_a_query_norm_without_a_query_latent_is_one_line_on_the_local_layers(capsys):
+    """megatron-core puts that norm inside transformer-engine's fused norm-and-linear projection, which the local
+    layers do not have (without the check: a ValueError from deep inside the model's construction)."""
+    without_latent = [f for f in MLA if f not in ("--q-lora-rank", "32")]
+    assert "--qk-layernorm without --q-lora-rank normalizes the queries inside a fused norm-and-linear projection" \
+        in config_error([*TINY, *without_latent], capsys)
 
 
 def test_yarn_without_mla_is_one_line(capsys):

@@ -48,7 +48,7 @@ LOG_LINE = re.compile(
     r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| (?:skipped samples: +\d+ \| )?"
     r"elapsed time per iteration \(ms\): [\d.]+ \|"
     r"(?: throughput per GPU \(TFLOP/s/GPU\): [\d.]+ \| MFU: [^|]+ \|)? learning rate: [\d.E+-]+ \| "
-    r"global batch size: +(\d+) \| lm loss: ([\d.E+-]+) \|(?: [a-z_ ]+: [\d.E+-]+ \|)* loss scale: [\d.]+ \| "
+    r"global batch size: +(\d+) \| lm loss: ([\d.E+-]+) \|(?: [a-z0-9_ ]+: [\d.E+-]+ \|)* loss scale: [\d.]+ \| "
     r"grad norm: [\d.]+ \|(?: (?:num zeros|params norm): [\d.]+ \|)*(?: trainable params: [^|]+ \|)? "
     r"number of skipped iterations: +(\d+) \| number of nan iterations: +(\d+) \|$", re.M)
 

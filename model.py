@@ -561,9 +561,30 @@ def get_forward_backward_func(model: list, optimizer, timers=None):
     config = unwrap(model[0]).config
     config.no_sync_func = model[0].no_sync if len(model) == 1 else [m.no_sync for m in model]
     config.finalize_model_grads_func = finalize_model_grads
+    mla_q_norm = config.multi_latent_attention and config.qk_layernorm and not config.sequence_parallel
+    if mla_q_norm and parallel_state.get_tensor_model_parallel_world_size() > 1:
+        config.finalize_model_grads_func = finalize_model_grads_of_mla  # megatron-core's, then a defect undone
     config.grad_scale_func = optimizer.scale_loss if optimizer is not None else None
     config.timers = timers
     return mcore_get_forward_backward_func()
+
+
+def finalize_model_grads_of_mla(model: list, *args, **kwargs) -> None:
+    """megatron-core's finalize_model_grads, then its over-count of multi-latent attention's query norm undone.
+
+    With --qk-layernorm it sums over the tensor-parallel ranks the gradient of every parameter whose name holds
+    "q_layernorm" (distributed/finalize_model_grads.py:451-452): right for dense attention's per-head query norm,
+    whose heads are split over the ranks, but MLA's q_layernorm normalizes the whole query latent, whose gradient
+    each rank already holds in full (the up-projection all-reduces it): summed, it is TP times the one-process
+    gradient. (Under sequence parallelism each rank's norm sees its part of the sequence and the sum is right; on
+    transformer-engine's layers that norm is fused into linear_q_up_proj under another name.) The ranks' copies are
+    equal, so the division is exact."""
+    finalize_model_grads(model, *args, **kwargs)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    for chunk in model:
+        for name, param in chunk.named_parameters():
+            if name.endswith("self_attention.q_layernorm.weight") and param.requires_grad:
+                param.main_grad.div_(tp)
 
 
 # --------------------------------------------------------------------------------------------------

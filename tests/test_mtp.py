@@ -4,6 +4,8 @@ with a shared expert and DeepSeek-V3's router (sigmoid scores, expert bias, grou
 under Megatron-LM's names; every parallel layout gives the one-process run; FLOPs and parameters are Megatron-LM's
 counts; what is not built is one line."""
 
+import types
+
 import pytest
 
 from conftest import REORDERED, TINY, Launches, assert_same, config_error, log_lines, tensorboard_scalars
@@ -164,3 +166,32 @@ def test_hf_export_names_mtp_as_what_no_layout_has():
     import hf
 
     assert "no --mtp-num-layers" in hf.layout_mismatches(_cfg("--mtp-num-layers", "1").model, "llama")
+
+
+def test_generate_samples_from_deepseek_v3_without_running_its_mtp_layer(tmp_path, monkeypatch):
+    """generate.py on the DeepSeek-V3-shaped model: the KV-cached decoding gives the --no-kv-cache loop's tokens,
+    greedy and sampled, and never runs the MTP layer (megatron-core skips it under an inference context; the plain
+    loop's full forward runs it and drops its output, the main head's logits being the first chunk)."""
+    import generate
+    from conftest import _trained_in_process
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+
+    from test_generate import one_process_world_ends
+
+    try:
+        load = _trained_in_process(tmp_path, [*V3[len(TINY):], "--hidden-dropout", "0", "--attention-dropout", "0"])
+        model, tokenizer, cfg = generate.load_model(load)
+        assert cfg.model.mtp_num_layers == 1 and cfg.model.multi_latent_attention
+        calls = []
+        forward = MultiTokenPredictionBlock.forward
+        monkeypatch.setattr(MultiTokenPredictionBlock, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+        prompt = tokenizer.tokenize("import os\n")
+        never_stops = types.SimpleNamespace(vocab_size=tokenizer.vocab_size, eod=-1)  # all 40 tokens, no early end
+        for sampling in (dict(), dict(seed=3, temperature=0.8, top_k=50, top_p=0.95)):
+            calls.clear()
+            with_cache = generate.generate(model, never_stops, prompt, 40, **sampling)  # within the 64-token context
+            assert calls == [] and len(with_cache) == 40, "the cached decoding ran the MTP layer"
+            assert with_cache == generate.generate(model, never_stops, prompt, 40, kv_cache=False, **sampling), sampling
+        assert calls, "the plain loop's full forward runs the MTP layer (and drops its output)"
+    finally:
+        one_process_world_ends()

@@ -272,6 +272,26 @@ class Launches:
         return self(name, nproc, *flags, "--load", self.ckpt(source), "--ckpt-step", str(step))
 
 
+class ContinuedLayouts(Launches):
+    """A one-rank run that saves at iteration `step`, and two-rank layouts that each continue its checkpoint
+    (resharded on load), so that both sides start from the same weights (a pipeline stage seeds its own
+    initialisation, as Megatron-LM's). All made up front (Launches.together, the layouts on the warm ranks)."""
+
+    def __init__(self, out, flags: list, metrics: tuple, warm, layouts: dict, step: int = 3):
+        super().__init__(out, flags, metrics, warm)
+        self.layouts, self.step = layouts, step
+        with self.together():
+            self.one()
+            for name in layouts:
+                self.layout(name)
+
+    def one(self):
+        return self("one", 1, *self.saving("one", self.step))
+
+    def layout(self, name):
+        return self.resume(name, 2, "one", self.step, *self.layouts[name])
+
+
 def assert_same(run, reference, iterations, metrics, rel=REORDERED):
     for metric in metrics:
         for it in iterations:

@@ -5,7 +5,7 @@ run; its FLOPs and parameters are Megatron-LM's formulas; bad settings are one l
 
 import pytest
 
-from conftest import REORDERED, TINY, Launches, assert_same, config_error, log_lines
+from conftest import REORDERED, TINY, ContinuedLayouts, assert_same, config_error, log_lines
 
 # DeepSeek-V3's attention, shrunk: a query latent, a key-value latent, rotary and plain parts of each head, YaRN
 # (Megatron-LM's default under MLA), norms on the latents, RMSNorm, SwiGLU, no biases.
@@ -29,28 +29,13 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, warm_torchrun):
-    """One rank, then each two-rank layout from its checkpoint (conftest.Launches.together, on the warm ranks)."""
-    runs = Launches(tmp_path_factory.mktemp("mla"), FLAGS, METRICS, warm_torchrun)
-    with runs.together():
-        one(runs)
-        for name in LAYOUTS:
-            layout(runs, name)
-    return runs
-
-
-def one(runs):
-    return runs("one", 1, *runs.saving("one", 3))
-
-
-def layout(runs, name):
-    """The layout continues the one-rank run's checkpoint of iteration 3 (resharded on load), so that both start
-    from the same weights (a pipeline stage seeds its own initialisation, as Megatron-LM's)."""
-    return runs.resume(name, 2, "one", 3, *LAYOUTS[name])
+    """One rank saving at iteration 3, then each two-rank layout continuing it (conftest.ContinuedLayouts)."""
+    return ContinuedLayouts(tmp_path_factory.mktemp("mla"), FLAGS, METRICS, warm_torchrun, LAYOUTS)
 
 
 def test_multi_latent_attention_builds_megatron_cores_mla_and_learns(runs):
     """The loss falls."""
-    run = one(runs)
+    run = runs.one()
     losses = [line[3] for line in log_lines(run["stdout"])]
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.5, losses
 
@@ -77,7 +62,7 @@ def test_every_parallel_layout_of_mla_is_the_one_process_run(runs, name):
     """TP=2 (each rank half the heads; the latents' down-projections whole on each), TP=2 with sequence
     parallelism, CP=2 (each rank two chunks of the sequence, keys and values gathered) and PP=2 give the one-process
     lm loss and grad norm, their sums grouped otherwise (REORDERED)."""
-    assert_same(layout(runs, name), one(runs), range(4, 7), METRICS[:2], rel=REORDERED)
+    assert_same(runs.layout(name), runs.one(), range(4, 7), METRICS[:2], rel=REORDERED)
 
 
 @pytest.mark.parametrize("name", ["tp2", "tp2_sp", "cp2"])
@@ -87,7 +72,7 @@ def test_the_query_latents_norm_gets_the_one_process_gradient(runs, name):
     sequence parallelism; model.finalize_model_grads_of_mla divides it back (without it: 2.000x here). The first
     step from the same weights; rel=0.1 tells 2 from 1 whatever the rounding of a gradient this small (its terms
     cancel to ~1e-5), and the other layouts need nothing undone."""
-    run, reference = layout(runs, name), one(runs)
+    run, reference = runs.layout(name), runs.one()
     assert run[Q_NORM][4] == pytest.approx(reference[Q_NORM][4], rel=0.1), (run[Q_NORM][4], reference[Q_NORM][4])
 
 

@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from conftest import REORDERED, TINY, Launches, assert_same, config_error, log_lines, tensorboard_scalars
+from conftest import REORDERED, TINY, ContinuedLayouts, assert_same, config_error, log_lines, tensorboard_scalars
 from test_mla import MLA
 
 # DeepSeek-V3, shrunk to 4 layers: MLA (test_mla's), the first layer dense and the others MoE (4 experts of 32, top-2
@@ -38,30 +38,15 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, warm_torchrun):
-    """One rank, then each two-rank layout from its checkpoint (conftest.Launches.together, on the warm ranks)."""
-    runs = Launches(tmp_path_factory.mktemp("v3"), FLAGS, METRICS, warm_torchrun)
-    with runs.together():
-        one(runs)
-        for name in LAYOUTS:
-            layout(runs, name)
-    return runs
-
-
-def one(runs):
-    return runs("one", 1, *runs.saving("one", 3))
-
-
-def layout(runs, name):
-    """The layout continues the one-rank run's checkpoint of iteration 3 (resharded on load), so that both start
-    from the same weights (a pipeline stage seeds its own initialisation, as Megatron-LM's)."""
-    return runs.resume(name, 2, "one", 3, *LAYOUTS[name])
+    """One rank saving at iteration 3, then each two-rank layout continuing it (conftest.ContinuedLayouts)."""
+    return ContinuedLayouts(tmp_path_factory.mktemp("v3"), FLAGS, METRICS, warm_torchrun, LAYOUTS)
 
 
 def test_the_mtp_loss_is_on_the_log_line_and_in_tensorboard_under_megatron_lms_names(runs):
     """Megatron-LM's log line gains "mtp_1 loss" after the MoE losses, averaged over the interval as the lm loss;
     TensorBoard gets "mtp_1 loss" and the acceptance rates (the share of positions whose most likely token is the one
     two places ahead, this iteration's and the run's). Both losses fall."""
-    run = one(runs)
+    run = runs.one()
     line = [line for line in run["stdout"].splitlines() if " iteration        6/" in line][0]
     assert line.index("| lm loss:") < line.index("| seq_load_balancing_loss:") < line.index("| mtp_1 loss:") \
         < line.index("| loss scale:"), line
@@ -100,7 +85,7 @@ def test_every_parallel_layout_of_deepseek_v3_is_the_one_process_run(runs, name)
     balancing loss at iterations 4-6, their sums grouped otherwise (REORDERED), and the grad norm of iteration 4,
     the first step from the same weights (after it, Adam turns the reordered rounding of the smallest gradients,
     the latents' norms', into updates of the learning rate's size: 2e-5 apart by iteration 6 under TP=2)."""
-    run, one_rank = layout(runs, name), one(runs)
+    run, one_rank = runs.layout(name), runs.one()
     assert_same(run, one_rank, range(4, 7), METRICS[:3], rel=REORDERED)
     assert_same(run, one_rank, [4], ["grad-norm"], rel=REORDERED)
 
@@ -112,7 +97,7 @@ def test_under_context_parallelism_each_rank_weighs_its_own_mtp_tokens(runs):
     averaged, where one process divides by all the tokens; the rank that holds the sequence's end has one MTP
     target fewer. So the MTP loss differs from one process's by at most 1/(2n - 1) of it, n the tokens of a
     sequence on a rank (32: 1/63), and the weights after the step differ too."""
-    run, one_rank = layout(runs, "cp2"), one(runs)
+    run, one_rank = runs.layout("cp2"), runs.one()
     assert_same(run, one_rank, [4], ["lm loss", "seq_load_balancing_loss"], rel=REORDERED)
     assert run["mtp_1 loss"][4] == pytest.approx(one_rank["mtp_1 loss"][4], rel=1 / 63)
 

@@ -6,7 +6,7 @@ Names here are this project's own; the other side's (tensor names, config.json k
     python hf.py import --hf DIR --save CKPT                     # a checkpoint for --pretrained-checkpoint
     AutoModelForCausalLM.from_pretrained(DIR)                    # in transformers, on the exported directory
 
-Four layouts, each a megatron-core GPTModel with certain flags:
+Five layouts, each a megatron-core GPTModel with certain flags:
 
     layout     transformers class   our flags
     ---------  -------------------  --------------------------------------------------------------------------
@@ -19,6 +19,11 @@ Four layouts, each a megatron-core GPTModel with certain flags:
                                     every layer an MoE layer, softmax over the chosen experts' logits, no shared expert
     qwen3_moe  Qwen3MoeForCausalLM  mixtral's and --qk-layernorm; dense layers where --moe-layer-freq puts them (HF's
                                     mlp_only_layers); --moe-router-pre-softmax is HF's norm_topk_prob false
+    deepseek_v3 DeepseekV3ForCausalLM rope or yarn, RMSNorm, SwiGLU, no biases, --multi-latent-attention
+                                    --q-lora-rank --qk-layernorm (the latents' norms) --norm-epsilon 1e-6 (transformers'
+                                    fixed epsilon of those norms) [--num-experts: a sigmoid router with the expert bias,
+                                    a shared expert, dense layers first]; its MTP layers are not exported (the notes
+                                    above yarn_mscale say what maps how)
 
 The tensors are renamed, transposed where GPT-2 stores (in, out), and split or joined where megatron-core
 fuses: its linear_qkv holds, per query group, that group's query heads then its key head then its value head;
@@ -31,6 +36,7 @@ are read: pickled `.bin` weights can run code when loaded.
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -42,7 +48,8 @@ import config as config_lib
 
 # Our name of each layout, and its transformers model_type and class.
 LAYOUTS = {"gpt2": ("GPT-2", "GPT2LMHeadModel"), "llama": ("LLaMA", "LlamaForCausalLM"),
-           "mixtral": ("Mixtral", "MixtralForCausalLM"), "qwen3_moe": ("Qwen3-MoE", "Qwen3MoeForCausalLM")}
+           "mixtral": ("Mixtral", "MixtralForCausalLM"), "qwen3_moe": ("Qwen3-MoE", "Qwen3MoeForCausalLM"),
+           "deepseek_v3": ("DeepSeek-V3", "DeepseekV3ForCausalLM")}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -102,6 +109,8 @@ def layout_mismatches(m, layout: str) -> list:
                  (m.swiglu, "SwiGLU (has GeLU)")]
     if layout in ("gpt2", "llama"):
         needs += [(not m.num_experts, f"no experts (has --num-experts {m.num_experts})")]
+    elif layout == "deepseek_v3":
+        needs += deepseek_v3_needs(m)
     else:  # transformers' MoE blocks: a softmax router over routed experts alone, no biases
         layers = config_lib.moe_layers(m)
         needs += [(m.num_experts, "experts (has no --num-experts)"),
@@ -119,20 +128,107 @@ def layout_mismatches(m, layout: str) -> list:
                       (not m.moe_router_pre_softmax, "softmax over the chosen experts (has --moe-router-pre-softmax)")]
         else:
             needs += [(m.qk_layernorm, "--qk-layernorm (RMSNorm on each head's queries and keys)")]
-    # The model variants that no transformers layout has: each one named, never exported wrongly.
+    # The model variants that no transformers layout has: each one named, never exported wrongly. (DeepSeek-V3's
+    # MTP layers are training's alone: the export leaves them out, saying so.)
+    has = {"qwen3_moe": ("qk_layernorm",), "deepseek_v3": ("qk_layernorm", "multi_latent_attention", "mtp_num_layers")}
     needs += [(not getattr(m, flag, False), f"no --{flag.replace('_', '-')}") for flag in
-              (("add_qkv_bias", "qk_l2_norm", "squared_relu", "quick_geglu", "apply_layernorm_1p",
+              ("add_qkv_bias", "qk_l2_norm", "squared_relu", "quick_geglu", "apply_layernorm_1p",
                "attention_output_gate", "rotary_interleaved", "window_size", "activation_func_clamp_value",
-               "no_rope_freq", "multi_latent_attention", "mtp_num_layers")
-               + (() if layout == "qwen3_moe" else ("qk_layernorm",)))]
+               "no_rope_freq", "multi_latent_attention", "mtp_num_layers", "qk_layernorm")
+              if flag not in has.get(layout, ())]
     needs += [(not getattr(m, "glu_linear_offset", 0.0), "no --glu-linear-offset"),
               (getattr(m, "softmax_type", "vanilla") == "vanilla", "the plain softmax (has --softmax-type)")]
     return [what for ok, what in needs if not ok]
 
 
+# transformers' DeepSeek-V3 (models/deepseek_v3/modeling_deepseek_v3.py in transformers 5.23) beside megatron-core
+# 0.19's MLA (transformer/multi_latent_attention.py), YaRN (models/common/embeddings/yarn_rotary_pos_embedding.py) and
+# router (transformer/moe/moe_utils.py), where they differ:
+# - the latents' norms: transformers builds q_a_layernorm and kv_a_layernorm with RMSNorm's default epsilon, 1e-6, not
+#   rms_norm_eps (modeling :380, :392); megatron-core gives them --norm-epsilon (multi_latent_attention.py:619-629);
+# - the softmax scale: megatron-core multiplies 1/sqrt(qk_head_dim + qk_pos_emb_head_dim) by
+#   yarn_mscale(--rotary-scaling-factor, --mscale-all-dim)^2 under either rope type (:177-178), transformers only
+#   under a rescaled rope (modeling :268-274, :405);
+# - group-limited routing: megatron-core scores a group by the sum of its top --moe-router-topk /
+#   --moe-router-group-topk experts (moe_utils.py:655-657), transformers by its top 2 (modeling :137-142);
+# - the routing weights: megatron-core's sigmoid router renormalises the top-k scores when k > 1, never when k = 1
+#   (moe_utils.py:868), transformers when norm_topk_prob is true (modeling :154-156);
+# - the layers: transformers' first first_k_dense_replace layers are dense, the others MoE (modeling :492-495).
+# Equal (so the tensors copy as they are): each head's query rows are its qk_head_dim rows without position, then its
+# qk_pos_emb_head_dim rotary rows (multi_latent_attention.py:924-926; modeling :441-442); linear_kv_down_proj's rows
+# are the kv_lora_rank latent, then the shared rotary key (:741-750; modeling :444-445 kv_a_proj_with_mqa); each head's
+# linear_kv_up_proj rows are its key rows, then its value rows (:930-932; modeling :414-417); megatron-core's MLA
+# rotates the rotary dimensions as interleaved pairs (mla_rotary_interleaved=True, :935-952, rope_utils.py:126-136),
+# transformers' rope_interleave true (modeling :310-346, :452-453); YaRN's frequencies, attention factor and defaults
+# (yarn_rotary_pos_embedding.py; modeling_rope_utils.py _compute_yarn_parameters); the router's expert_bias is
+# e_score_correction_bias, added to the scores to choose the experts and not to weigh them (moe_utils.py:862-865;
+# modeling :137, :153); --moe-router-topk-scaling-factor is routed_scaling_factor.
+
+
+def yarn_mscale(scale: float, mscale: float) -> float:
+    """YaRN's attention-temperature factor, the same formula on both sides (megatron-core's _yarn_get_mscale,
+    transformers' yarn_get_mscale)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def mla_yarn_constants() -> dict:
+    """megatron-core's MLATransformerConfig YaRN settings that no flag of ours sets (config.py refuses
+    --yarn-original-max-position-embeddings, --yarn-beta-fast, --yarn-beta-slow), as transformers names them."""
+    from megatron.core.transformer import MLATransformerConfig
+
+    fields = MLATransformerConfig.__dataclass_fields__
+    return {name: fields[name].default for name in ("original_max_position_embeddings", "beta_fast", "beta_slow")}
+
+
+def first_k_dense(m) -> int:
+    """The layers before the first MoE layer: transformers' first_k_dense_replace (all of them: a dense model)."""
+    layers = config_lib.moe_layers(m)
+    return layers.index(1) if any(layers) else len(layers)
+
+
+def router_groups(m) -> tuple:
+    """(n_group, topk_group) of our router: megatron-core limits the routing to groups only with
+    --moe-router-group-topk (moe_utils.py:812), and choosing every group limits nothing."""
+    groups, chosen = m.moe_router_num_groups, m.moe_router_group_topk
+    return (groups, chosen) if chosen and chosen != groups else (1, 1)
+
+
+def deepseek_v3_needs(m) -> list:
+    """(fits, phrase) of what transformers' DeepSeek-V3 asks of the model beyond rope, RMSNorm and SwiGLU."""
+    needs = [(m.multi_latent_attention, "multi-latent attention (--multi-latent-attention)"),
+             (m.q_lora_rank is not None, "a query latent (--q-lora-rank)"),
+             (m.qk_layernorm, "RMSNorm on the query and key-value latents (--qk-layernorm)"),
+             (m.norm_epsilon == 1e-6, f"--norm-epsilon 1e-6, transformers' epsilon of the latents' norms whatever "
+                                      f"rms_norm_eps (has {m.norm_epsilon:g})"),
+             (not m.add_bias_linear, "no biases (add --disable-bias-linear)")]
+    if m.rope_type != "yarn":
+        needs += [(yarn_mscale(m.rotary_scaling_factor, m.mscale_all_dim) == 1.0,
+                   f"no YaRN softmax scale without --rope-type yarn (has --rotary-scaling-factor "
+                   f"{m.rotary_scaling_factor:g} --mscale-all-dim {m.mscale_all_dim:g})")]
+    if not m.num_experts:
+        return needs
+    shared, width = m.moe_shared_expert_intermediate_size, m.moe_ffn_hidden_size
+    k, chosen = first_k_dense(m), m.moe_router_group_topk
+    groups = router_groups(m)[0]
+    return needs + [
+        (config_lib.moe_layers(m)[k:] == [1] * (m.num_layers - k),
+         f"dense layers only before the MoE ones (first_k_dense_replace; has --moe-layer-freq {m.moe_layer_freq})"),
+        (m.moe_router_score_function == "sigmoid",
+         f"a sigmoid router (has --moe-router-score-function {m.moe_router_score_function})"),
+        (shared, "a shared expert (--moe-shared-expert-intermediate-size)"),
+        (not shared or shared % width == 0, f"a shared expert a multiple of --moe-ffn-hidden-size {width} wide "
+                                            f"(n_shared_experts; has --moe-shared-expert-intermediate-size {shared})"),
+        (m.num_experts // groups >= 2, "two experts or more in each group (transformers scores a group by its top 2)"),
+        (groups == 1 or m.moe_router_topk // chosen == 2,
+         f"groups scored by their top 2 experts, as transformers (megatron-core sums the top --moe-router-topk / "
+         f"--moe-router-group-topk = {m.moe_router_topk // (chosen or 1)})"),
+        (m.moe_expert_capacity_factor is None, "no token dropping (has --moe-expert-capacity-factor)")]
+
+
 def choose_layout(m, wanted=None) -> str:
     """`wanted`, or else the layout the model fits; a one-line error naming what differs from each."""
-    candidates = [wanted] if wanted else ["mixtral", "qwen3_moe"] if m.num_experts else ["gpt2", "llama"]
+    candidates = [wanted] if wanted else ["deepseek_v3"] if m.multi_latent_attention else \
+        ["mixtral", "qwen3_moe"] if m.num_experts else ["gpt2", "llama"]
     for layout in candidates:
         if not layout_mismatches(m, layout):
             return layout
@@ -198,6 +294,9 @@ def tensor_names(layout: str, m) -> tuple:
             hf, ours = f"model.layers.{i}.", f"decoder.layers.{i}."
             names += [(f"{hf}input_layernorm.weight", f"{ours}input_layernorm.weight", False),
                       (f"{hf}post_attention_layernorm.weight", f"{ours}pre_mlp_layernorm.weight", False)]
+            if layout == "deepseek_v3":
+                names += deepseek_v3_layer_names(m, i, moe)
+                continue
             if layout == "qwen3_moe":  # RMSNorm over each head's queries and keys
                 names += [(f"{hf}self_attn.{p}_norm.weight", f"{ours}self_attention.{p}_layernorm.weight", False)
                           for p in "qk"]
@@ -213,6 +312,24 @@ def tensor_names(layout: str, m) -> tuple:
     return names, embedding, None if tied else "lm_head.weight"
 
 
+def deepseek_v3_layer_names(m, i: int, moe: bool) -> list:
+    """tensor_names' rows of layer i of the DeepSeek-V3 layout: MLA's projections and latent norms (one tensor each
+    side, in the same row order: see the notes above yarn_mscale), and the MLP's unfused tensors."""
+    hf, ours = f"model.layers.{i}.", f"decoder.layers.{i}."
+    attention = [("q_a_proj", "linear_q_down_proj"), ("q_a_layernorm", "q_layernorm"), ("q_b_proj", "linear_q_up_proj"),
+                 ("kv_a_proj_with_mqa", "linear_kv_down_proj"), ("kv_a_layernorm", "kv_layernorm"),
+                 ("kv_b_proj", "linear_kv_up_proj"), ("o_proj", "linear_proj")]
+    names = [(f"{hf}self_attn.{theirs}.weight", f"{ours}self_attention.{name}.weight", False)
+             for theirs, name in attention]
+    if not moe:
+        return names + [(f"{hf}mlp.down_proj.weight", f"{ours}mlp.linear_fc2.weight", False)]
+    names += [(f"{hf}mlp.gate.weight", f"{ours}mlp.router.weight", False),
+              (f"{hf}mlp.gate.e_score_correction_bias", f"{ours}mlp.router.expert_bias", False),
+              (f"{hf}mlp.shared_experts.down_proj.weight", f"{ours}mlp.shared_experts.linear_fc2.weight", False)]
+    return names + [(expert_names("deepseek_v3", i, j)[2], f"{ours}mlp.experts.local_experts.{j}.linear_fc2.weight",
+                     False) for j in range(m.num_experts)]
+
+
 def fused_names(layout: str, m, i: int) -> list:
     """(our fused name, transformers names it splits into) of layer i: the query/key/value projection (and,
     past GPT-2, SwiGLU's gate and up projections: the dense MLP's, or each expert's)."""
@@ -221,8 +338,12 @@ def fused_names(layout: str, m, i: int) -> list:
     if layout == "gpt2":
         return [(f"{ours}self_attention.linear_qkv.{k}", [f"transformer.h.{i}.attn.c_attn.{k}"]) for k in kinds]
     hf = f"model.layers.{i}."
-    names = [(f"{ours}self_attention.linear_qkv.{k}", [f"{hf}self_attn.{p}_proj.{k}" for p in "qkv"]) for k in kinds]
+    names = [] if layout == "deepseek_v3" else \
+        [(f"{ours}self_attention.linear_qkv.{k}", [f"{hf}self_attn.{p}_proj.{k}" for p in "qkv"]) for k in kinds]
     if config_lib.moe_layers(m)[i]:
+        if layout == "deepseek_v3":  # the shared expert: SwiGLU's gate rows, then its up rows, as the experts'
+            names += [(f"{ours}mlp.shared_experts.linear_fc1.weight",
+                       [f"{hf}mlp.shared_experts.gate_proj.weight", f"{hf}mlp.shared_experts.up_proj.weight"])]
         return names + [(f"{ours}mlp.experts.local_experts.{j}.linear_fc1.weight", list(expert_names(layout, i, j)[:2]))
                         for j in range(m.num_experts)]
     return names + [(f"{ours}mlp.linear_fc1.{k}", [f"{hf}mlp.gate_proj.{k}", f"{hf}mlp.up_proj.{k}"]) for k in kinds]
@@ -231,6 +352,11 @@ def fused_names(layout: str, m, i: int) -> list:
 def to_hf(ours: dict, m, layout: str, vocab: int) -> dict:
     """Our model's state dict (tensor-parallel size 1) as the transformers model's, over `vocab` ids."""
     names, embedding, lm_head = tensor_names(layout, m)
+    if layout == "deepseek_v3" and m.num_experts and not m.moe_router_enable_expert_bias:
+        # transformers' router always has its e_score_correction_bias: ours is zero without
+        # --moe-router-enable-expert-bias
+        zero = torch.zeros(m.num_experts, dtype=torch.float32)
+        ours = {**ours, **{name: zero for _, name, _ in names if name.endswith("mlp.router.expert_bias")}}
     out = {hf: (ours[name].t() if transposed else ours[name]) for hf, name, transposed in names}
     out[embedding] = ours["embedding.word_embeddings.weight"][:vocab]
     if lm_head:
@@ -249,11 +375,14 @@ def to_hf(ours: dict, m, layout: str, vocab: int) -> dict:
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
 
 
-def from_hf(hf: dict, m, layout: str, rows: int) -> dict:
+def from_hf(hf: dict, m, layout: str, rows: int, rope_interleave: bool = True) -> dict:
     """The transformers model's tensors as our model's state dict (tensor-parallel size 1), the embedding
-    (and output layer) padded with zero rows to our `rows`."""
+    (and output layer) padded with zero rows to our `rows`. `rope_interleave` false (DeepSeek-V3): its rotary rows
+    rotate as halves, which the rows' order turns into megatron-core's interleaved pairs (interleave_rotary_rows)."""
     names, embedding, lm_head = tensor_names(layout, m)
     ours = {name: (hf[key].t() if transposed else hf[key]) for key, name, transposed in names}
+    if layout == "deepseek_v3" and not rope_interleave:
+        interleave_rotary_rows(ours, m)
 
     def padded(w):
         return torch.cat([w, w.new_zeros(rows - w.shape[0], w.shape[1])])
@@ -272,6 +401,27 @@ def from_hf(hf: dict, m, layout: str, rows: int) -> dict:
     return {k: v.contiguous() for k, v in ours.items()}
 
 
+def interleave_rotary_rows(ours: dict, m) -> None:
+    """transformers' DeepSeek-V3 with rope_interleave false rotates each rotary row r (of d) with row r + d/2 at
+    frequency r (rotate_half, modeling :277-307); megatron-core's MLA rotates rows 2r and 2r + 1 at frequency r and
+    returns them in the order [the pairs' first rows, their second rows] (rope_utils.py:126-136), that of
+    rotate_half's output. So the rows interleaved, hf row r to our 2r and hf row r + d/2 to our 2r + 1, give the same
+    rotated query and key, in the same order: in each head's query rows (after its qk_head_dim rows without position)
+    and in the shared rotary key rows of linear_kv_down_proj (after the kv_lora_rank latent)."""
+    d, heads = m.qk_pos_emb_head_dim, m.num_attention_heads
+
+    def interleaved(rotary):  # [d, ...] -> [d, ...]
+        return torch.stack([rotary[:d // 2], rotary[d // 2:]], dim=1).reshape(rotary.shape)
+
+    for i in range(m.num_layers):
+        name = f"decoder.layers.{i}.self_attention.linear_q_up_proj.weight"
+        q = ours[name].reshape(heads, m.qk_head_dim + d, -1)
+        ours[name] = torch.cat([q[:, :m.qk_head_dim], torch.stack([interleaved(h) for h in q[:, m.qk_head_dim:]])],
+                               dim=1).reshape(ours[name].shape)
+        name = f"decoder.layers.{i}.self_attention.linear_kv_down_proj.weight"
+        ours[name] = torch.cat([ours[name][:m.kv_lora_rank], interleaved(ours[name][m.kv_lora_rank:])])
+
+
 # --------------------------------------------------------------------------------------------------
 # config.json and our flags
 # --------------------------------------------------------------------------------------------------
@@ -281,6 +431,8 @@ def hf_config(m, layout: str, vocab: int, eod: int, dtype: torch.dtype) -> dict:
     """config.json for the transformers model of `m` (a ModelConfig) with `vocab` ids."""
     common = dict(vocab_size=vocab, bos_token_id=eod, eos_token_id=eod, initializer_range=m.init_method_std,
                   tie_word_embeddings=not m.untie_embeddings_and_output_weights, dtype=str(dtype).split(".")[-1])
+    if layout == "deepseek_v3":
+        return deepseek_v3_config(m, common)
     if layout == "gpt2":
         return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_positions=m.max_position_embeddings,
                     n_embd=m.hidden_size, n_layer=m.num_layers, n_head=m.num_attention_heads,
@@ -305,6 +457,33 @@ def hf_config(m, layout: str, vocab: int, eod: int, dtype: torch.dtype) -> dict:
                 use_sliding_window=False, **common)
 
 
+def deepseek_v3_config(m, common: dict) -> dict:
+    """config.json of the DeepSeek-V3 layout (`common`: hf_config's keys of every layout)."""
+    if m.rope_type == "yarn":  # written out whole, the attention factor too: megatron-core's, whatever the mscales
+        rope = dict(rope_type="yarn", rope_theta=float(m.rotary_base), factor=float(m.rotary_scaling_factor),
+                    mscale=float(m.mscale), mscale_all_dim=float(m.mscale_all_dim), truncate=True,
+                    attention_factor=yarn_mscale(m.rotary_scaling_factor, m.mscale) /
+                    yarn_mscale(m.rotary_scaling_factor, m.mscale_all_dim), **mla_yarn_constants())
+    else:
+        rope = dict(rope_type="default", rope_theta=float(m.rotary_base))
+    moe = {}
+    if m.num_experts:
+        groups, chosen = router_groups(m)
+        moe = dict(n_routed_experts=m.num_experts, num_experts_per_tok=m.moe_router_topk, n_group=groups,
+                   topk_group=chosen, moe_intermediate_size=m.moe_ffn_hidden_size,
+                   n_shared_experts=m.moe_shared_expert_intermediate_size // m.moe_ffn_hidden_size,
+                   routed_scaling_factor=float(m.moe_router_topk_scaling_factor or 1.0),
+                   norm_topk_prob=m.moe_router_topk > 1)  # megatron-core renormalises the top k > 1 sigmoid scores
+    return dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=m.hidden_size,
+                num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+                num_key_value_heads=m.num_attention_heads, intermediate_size=m.ffn_hidden_size, hidden_act="silu",
+                max_position_embeddings=m.max_position_embeddings, rms_norm_eps=m.norm_epsilon, rope_parameters=rope,
+                rope_interleave=True, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+                qk_nope_head_dim=m.qk_head_dim, qk_rope_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
+                first_k_dense_replace=first_k_dense(m), attention_bias=False, attention_dropout=0.0,
+                num_nextn_predict_layers=0, **moe, **common)
+
+
 def flags_from_hf(c: dict, where: str) -> tuple:
     """(layout, train.py's model flags) for a transformers config.json `c`; a one-line error for what our
     GPTModel cannot express."""
@@ -326,10 +505,11 @@ def flags_from_hf(c: dict, where: str) -> tuple:
             ([] if tied else ["--untie-embeddings-and-output-weights"])
     kind = c.get("model_type")
     if kind not in LAYOUTS:
-        raise config_lib.ConfigError(f"{where}: model_type {kind!r}; hf.py reads the {', '.join(LAYOUTS)} layouts")
+        raise config_lib.ConfigError(f"{where}: model_type {kind!r}; hf.py reads the "
+                                     f"{', '.join(list(LAYOUTS)[:-1])} layouts and {list(LAYOUTS)[-1]}")
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
     theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
-    if rope.get("rope_type", "default") != "default":
+    if rope.get("rope_type", "default") != "default" and not (kind == "deepseek_v3" and rope["rope_type"] == "yarn"):
         refuse(f"rope_type {rope['rope_type']} (a rescaled rope)")
     if c.get("hidden_act", "silu") != "silu":
         refuse(f"hidden_act {c['hidden_act']}")
@@ -341,6 +521,8 @@ def flags_from_hf(c: dict, where: str) -> tuple:
         refuse(f"sliding_window {c['sliding_window']} (attention over a window)")
     if theta != int(theta):
         refuse(f"rope_theta {theta} (not an integer, as --rotary-base)")
+    if kind == "deepseek_v3":
+        return kind, deepseek_v3_flags(c, rope, int(theta), tied, refuse)
     heads, positions = c["num_attention_heads"], c.get("max_position_embeddings", 2048)
     flags = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
              "--num-layers", c["num_hidden_layers"], "--hidden-size", c["hidden_size"], "--num-attention-heads", heads,
@@ -352,10 +534,75 @@ def flags_from_hf(c: dict, where: str) -> tuple:
     return kind, flags + (moe_flags_from_hf(c, kind, refuse) if kind != "llama" else [])
 
 
+def deepseek_v3_flags(c: dict, rope: dict, theta: int, tied: bool, refuse) -> list:
+    """train.py's model flags for a DeepSeek-V3 config.json (flags_from_hf has checked the activation, the biases and
+    the rope's kind and base); `refuse` for what the notes above yarn_mscale say differs."""
+    heads, layers, positions = c["num_attention_heads"], c["num_hidden_layers"], c.get("max_position_embeddings", 4096)
+    if c.get("num_key_value_heads", heads) != heads:
+        refuse(f"num_key_value_heads {c['num_key_value_heads']} for {heads} heads (MLA's keys and values are per head)")
+    if c.get("q_lora_rank") is None:
+        refuse("q_lora_rank null (queries without a latent: the local layers build the key-value latent's norm, "
+               "--qk-layernorm, only with a query latent)")
+    if c.get("rms_norm_eps", 1e-6) != 1e-6:
+        refuse(f"rms_norm_eps {c['rms_norm_eps']} (the latents' norms use 1e-6, ours all one --norm-epsilon)")
+    flags = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+             "--num-layers", layers, "--hidden-size", c["hidden_size"], "--num-attention-heads", heads,
+             "--ffn-hidden-size", c["intermediate_size"], "--norm-epsilon", 1e-6, "--rotary-base", theta,
+             "--max-position-embeddings", positions, "--seq-length", positions,
+             "--multi-latent-attention", "--q-lora-rank", c["q_lora_rank"], "--kv-lora-rank", c["kv_lora_rank"],
+             "--qk-head-dim", c["qk_nope_head_dim"], "--qk-pos-emb-head-dim", c["qk_rope_head_dim"],
+             "--v-head-dim", c["v_head_dim"], "--qk-layernorm"]
+    flags += [] if tied else ["--untie-embeddings-and-output-weights"]
+    if rope.get("rope_type", "default") == "default":
+        flags += ["--rope-type", "rope"]
+    else:  # transformers' YaRN (modeling_rope_utils.py, _compute_yarn_parameters) as megatron-core's
+        constants = mla_yarn_constants()
+        given = dict(original_max_position_embeddings=rope.get("original_max_position_embeddings"),
+                     beta_fast=rope.get("beta_fast") or 32, beta_slow=rope.get("beta_slow") or 1)
+        for key, value in given.items():
+            if value != constants[key]:
+                refuse(f"rope_parameters {key} {value} (megatron-core's YaRN here keeps {constants[key]})")
+        if not rope.get("truncate", True) or rope.get("partial_rotary_factor", 1.0) != 1.0:
+            refuse("rope_parameters truncate false or partial_rotary_factor (YaRN's range unrounded, or a partial "
+                   "rope)")
+        factor = rope.get("factor") or positions / constants["original_max_position_embeddings"]
+        mscale, all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        theirs = rope.get("attention_factor") or (yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim)
+                                                  if mscale and all_dim else yarn_mscale(factor, 1))
+        mscale, all_dim = 1.0 if mscale is None else mscale, all_dim or 0.0
+        ours = yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim)
+        if not math.isclose(theirs, ours, rel_tol=1e-12):
+            refuse(f"a YaRN attention factor of {theirs:g} (megatron-core's is yarn_mscale(factor, mscale) / "
+                   f"yarn_mscale(factor, mscale_all_dim) = {ours:g})")
+        flags += ["--rope-type", "yarn", "--rotary-scaling-factor", factor, "--mscale", mscale,
+                  "--mscale-all-dim", all_dim]
+    dense = c.get("first_k_dense_replace", 0)
+    if dense >= layers:  # no MoE layer: a dense model with multi-latent attention
+        return flags
+    experts, topk = hf_experts(c), c["num_experts_per_tok"]
+    groups, chosen = c.get("n_group") or 1, c.get("topk_group") or 1
+    if not c.get("n_shared_experts"):
+        refuse("n_shared_experts 0 (no shared expert: hf.py's DeepSeek-V3 layout has one, as DeepSeek-V3)")
+    if c.get("norm_topk_prob", True) != (topk > 1):
+        refuse(f"norm_topk_prob {c.get('norm_topk_prob', True)} with num_experts_per_tok {topk} (megatron-core's "
+               f"sigmoid router renormalises the top k weights exactly when k > 1)")
+    if chosen < groups and topk // chosen != 2:
+        refuse(f"n_group {groups} with topk_group {chosen} and num_experts_per_tok {topk} (transformers scores each "
+               f"group by its top 2 experts, megatron-core by its top num_experts_per_tok / topk_group = "
+               f"{topk // chosen})")
+    flags += ["--num-experts", experts, "--moe-router-topk", topk, "--moe-ffn-hidden-size", c["moe_intermediate_size"],
+              "--moe-shared-expert-intermediate-size", c["moe_intermediate_size"] * c["n_shared_experts"],
+              "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+              "--moe-layer-freq", "[" + ",".join(["0"] * dense + ["1"] * (layers - dense)) + "]"]
+    flags += ["--moe-router-num-groups", groups, "--moe-router-group-topk", chosen] if chosen < groups else []
+    scale = c.get("routed_scaling_factor", 1.0)
+    return flags + ([] if scale == 1.0 else ["--moe-router-topk-scaling-factor", scale])
+
+
 def hf_experts(c: dict) -> int:
     """The number of routed experts a transformers MoE config.json gives (Qwen3-MoE's num_experts is saved as
-    num_local_experts, Mixtral's name)."""
-    return c.get("num_local_experts") or c.get("num_experts") or 0
+    num_local_experts, Mixtral's name; DeepSeek-V3's is n_routed_experts)."""
+    return c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts") or 0
 
 
 def moe_flags_from_hf(c: dict, kind: str, refuse) -> list:
@@ -394,6 +641,10 @@ def export(load: str, out: str, ckpt_step=None, layout=None) -> str:
     model, tokenizer, cfg = generate.load_model(load, ckpt_step)
     vocab = tokenizer.vocab_size  # the ids text can have: the pad row past them and the TP padding are dropped
     tensors = to_hf(model.state_dict(), cfg.model, layout, vocab)
+    if cfg.model.mtp_num_layers:  # (only the DeepSeek-V3 layout admits them)
+        print(f"hf.py: note: the {cfg.model.mtp_num_layers} multi-token prediction layer(s) are not exported: "
+              f"DeepseekV3ForCausalLM has no module for them (num_nextn_predict_layers 0); the decoder is exported "
+              f"whole")
     os.makedirs(out, exist_ok=True)
     dtype = model.embedding.word_embeddings.weight.dtype
     with open(os.path.join(out, "config.json"), "w") as fh:
@@ -427,7 +678,8 @@ def safetensors_files(directory: str) -> list:
 def check_experts(files: list, hf: dict, layout: str, where: str) -> None:
     """Each MoE layer's experts in the files (their names, read from the headers: no tensor loads) are the
     config.json's count; a one-line error naming both otherwise."""
-    if layout not in ("mixtral", "qwen3_moe"):
+    if layout not in ("mixtral", "qwen3_moe", "deepseek_v3") or \
+            hf.get("first_k_dense_replace", 0) >= hf["num_hidden_layers"]:  # (a DeepSeek-V3 without MoE layers)
         return
     found = {}
     for path in files:
@@ -487,7 +739,14 @@ def import_hf(directory: str, save: str) -> str:
     tensors = {}
     for file in files:
         tensors.update(load_file(file))
-    ours = from_hf(tensors, cfg.model, layout, model[0].embedding.word_embeddings.weight.shape[0])
+    ours = from_hf(tensors, cfg.model, layout, model[0].embedding.word_embeddings.weight.shape[0],
+                   rope_interleave=hf.get("rope_interleave", True))
+    extra = sorted({int(match[1]) for name in tensors if (match := re.match(r"model\.layers\.(\d+)\.", name))
+                    and int(match[1]) >= cfg.model.num_layers})
+    if extra:  # DeepSeek-V3's multi-token prediction layers, past the decoder's (transformers does not run them either)
+        print(f"hf.py: note: layer(s) {', '.join(map(str, extra))} of the weights (DeepSeek-V3's multi-token "
+              f"prediction) are not imported: the checkpoint is the {cfg.model.num_layers}-layer decoder without "
+              f"--mtp-num-layers")
     missing = model[0].load_state_dict(ours, strict=False).missing_keys
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing:

@@ -257,7 +257,9 @@ def megatron_lm_args(cfg, ts) -> argparse.Namespace:
     m = cfg.model
     args.update(world_size=cfg.world_size, data_parallel_size=cfg.data_parallel_size,
                 padded_vocab_size=getattr(cfg, "padded_vocab_size", None),
-                add_position_embedding=m.position_embedding_type == "learned_absolute",
+                # Megatron-LM's --no-position-embedding switch (True unless given; inert under RoPE), which its loader
+                # compares with its own command line's (checkpointing.py:171, core_v0.19)
+                add_position_embedding=m.add_position_embedding,
                 use_dist_ckpt=cfg.checkpoint.ckpt_format == "torch_dist",
                 iteration=ts.step, consumed_train_samples=ts.consumed_train_samples,
                 skipped_train_samples=ts.skipped_train_samples, consumed_valid_samples=ts.consumed_valid_samples)

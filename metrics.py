@@ -586,7 +586,7 @@ def moe_auxiliary_losses(cfg, num_microbatches: int) -> dict:
     """This iteration's MoE auxiliary losses, {name: value} (and {"moe/<name>_layer_<N>": value} with
     --moe-per-layer-logging), as Megatron-LM logs them: megatron-core's MoE metrics tracker's `report` sums each loss over the
     pipeline stages and its reduce groups, averages it over the data-parallel ranks and the microbatches and divides
-    it by the MoE layers; then it clears the layers' tracker for the next iteration. A collective: every rank calls
+    it by the MoE layers (the MTP layers of MoE kind among them); then it clears the layers' tracker for the next iteration. A collective: every rank calls
     it every iteration. {} for a dense model."""
     m = cfg.model
     if not m.num_experts:
@@ -599,7 +599,10 @@ def moe_auxiliary_losses(cfg, num_microbatches: int) -> dict:
     get_moe_metrics_tracker().report(
         loss_scale=1 / num_microbatches, iteration=0, writer=collected, per_layer_logging=m.moe_per_layer_logging,
         force_initialize=True, track_names=moe_loss_names(m), num_layers=m.num_layers,
-        moe_layer_freq=layer_pattern(m.moe_layer_freq, "--moe-layer-freq", m.num_layers))
+        moe_layer_freq=layer_pattern(m.moe_layer_freq, "--moe-layer-freq", m.num_layers),
+        # the MTP layers are MoE layers when the last decoder layer is: counted in the mean, as Megatron-LM's
+        # training.py:2792 (core_v0.19) counts them, and in the tracker's size on every pipeline stage
+        mtp_num_layers=m.mtp_num_layers)
     return dict(collected)
 
 

@@ -26,7 +26,17 @@ def _printed(program):
         return json.load(fh)
 
 
-@pytest.fixture(scope="module", params=["megatron_lm", "bridge", "megatron_lm_moe"])
+# megatron_lm_v3_muon: Megatron-LM's DeepSeek-V3-shaped GPT (4 layers, MLA, MoE from the second layer with the sigmoid
+# router, expert bias, group top-k, shared expert and seq_aux_loss, one MTP layer), trained with Muon at EP=2.
+V3 = "megatron_lm_v3_muon"
+# Their printed losses compared, each program's: the lm loss; MoE's load-balancing loss; the MTP layer's loss.
+LOSSES = {"megatron_lm": ["lm loss"], "bridge": ["lm loss"], "megatron_lm_moe": ["lm loss", "load_balancing_loss"],
+          # its load_balancing_loss is 0 (README); its seq_load_balancing_loss is averaged over the decoder's 3 MoE
+          # layers and the MTP layer's, as Megatron-LM's training.py:2792 (core_v0.19.0) has the tracker count them
+          V3: ["lm loss", "load_balancing_loss", "seq_load_balancing_loss", "mtp_1 loss"]}
+
+
+@pytest.fixture(scope="module", params=["megatron_lm", "bridge", "megatron_lm_moe", V3])
 def continued(request, tmp_path_factory, warm_torchrun):
     """train.py going on from the program's checkpoint with the program's own flags, saving at iteration 10."""
     program, out = request.param, tmp_path_factory.mktemp(request.param)
@@ -38,12 +48,8 @@ def continued(request, tmp_path_factory, warm_torchrun):
     return dict(program=program, printed=printed, out=out, stdout=proc.stdout, tb=tensorboard_scalars(out / "tb"))
 
 
-def test_their_checkpoint_continues_with_their_losses(continued):
-    """megatron_lm_moe: Megatron-LM's MoE GPT (4 experts, top-2, aux loss) saved by 2 ranks at EP=2 with the alltoall
-    dispatcher; its load-balancing loss is compared too."""
+def _assert_their_losses(continued, losses):
     theirs, ours = continued["printed"]["continued"], continued["tb"]
-    assert sorted(map(int, theirs)) == sorted(ours["lm loss"]) == [6, 7, 8, 9, 10]
-    losses = ["lm loss", "load_balancing_loss"] if continued["program"] == "megatron_lm_moe" else ["lm loss"]
     for step in range(6, 11):
         for loss in losses:
             want = float(theirs[str(step)][loss])
@@ -53,6 +59,16 @@ def test_their_checkpoint_continues_with_their_losses(continued):
                 # since the start, that first iteration included: with --log-interval 1, iteration 7 is mean(6, 7).
                 got = (ours[loss][6] + ours[loss][7]) / 2
             assert got == pytest.approx(want, rel=PRINTED), (loss, step, got, want)  # their log line's digits
+
+
+def test_their_checkpoint_continues_with_their_losses(continued):
+    """megatron_lm_moe: Megatron-LM's MoE GPT (4 experts, top-2, aux loss) saved by 2 ranks at EP=2 with the alltoall
+    dispatcher; its load-balancing loss is compared too. megatron_lm_v3_muon: its sequence-wise balancing loss and
+    its MTP loss too."""
+    theirs, ours = continued["printed"]["continued"], continued["tb"]
+    assert sorted(map(int, theirs)) == sorted(ours["lm loss"]) == [6, 7, 8, 9, 10]
+    _assert_their_losses(continued, LOSSES[continued["program"]])
+    for step in range(6, 11):
         assert f"{ours['grad-norm'][step]:.3f}" == theirs[str(step)]["grad norm"], step
 
 
@@ -81,18 +97,23 @@ def test_our_checkpoint_holds_what_their_loaders_read(continued):
     assert isinstance(common["num_floating_point_operations_so_far"], float)
     args = common["args"]
     assert isinstance(args, argparse.Namespace)
-    for name, value in {"num_layers": 2, "hidden_size": 16, "num_attention_heads": 2, "tensor_model_parallel_size": 1,
-                        "pipeline_model_parallel_size": 1, "world_size": 2, "data_parallel_size": 2,
-                        "consumed_train_samples": 80, "skipped_train_samples": 0, "consumed_valid_samples": 0,
-                        "no_save_rng": False, "no_save_optim": False, "add_position_embedding": True,
-                        "tokenizer_type": "NullTokenizer", "vocab_size": 60,
-                        "padded_vocab_size": 64 if continued["program"].startswith("megatron_lm") else 128}.items():
+    expected = {"num_layers": 4 if continued["program"] == V3 else 2, "hidden_size": 16, "num_attention_heads": 2,
+                "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "world_size": 2,
+                "data_parallel_size": 2, "consumed_train_samples": 80, "skipped_train_samples": 0,
+                "consumed_valid_samples": 0, "no_save_rng": False, "no_save_optim": False,
+                # Megatron-LM's --no-position-embedding switch, which its loader compares with its own command line's
+                # (checkpointing.py:171): True unless given, under RoPE too
+                "add_position_embedding": True, "tokenizer_type": "NullTokenizer", "vocab_size": 60,
+                "padded_vocab_size": 64 if continued["program"].startswith("megatron_lm") else 128}
+    for name, value in expected.items():
         assert getattr(args, name) == value and type(getattr(args, name)) is type(value), name
-    if continued["program"] == "megatron_lm_moe":
+    if continued["program"] in ("megatron_lm_moe", V3):
         # Every tensor and object Megatron-LM's MoE checkpoint holds, under its names (the experts as one sharded
-        # tensor per weight, its random states one per (PP, TP, DP) rank under expert parallelism).
+        # tensor per weight, its random states one per (PP, TP) rank; V3's MLA, MTP layer and Muon's momentum).
         assert (args.num_experts, args.expert_model_parallel_size, args.moe_router_topk) == (4, 2, 2)
-        theirs = checkpoint_keys(os.path.join(FIXTURES, "megatron_lm_moe", "ckpt", "iter_0000005"))
+        if continued["program"] == V3:
+            assert (args.multi_latent_attention, args.mtp_num_layers, args.optimizer) == (True, 1, "muon")
+        theirs = checkpoint_keys(os.path.join(FIXTURES, continued["program"], "ckpt", "iter_0000005"))
         # Megatron-LM 0.17 on also writes its rerun state machine's state, which it reads only where it is there.
         theirs = {k for k in theirs if not k.startswith("rerun_state_machine_state/")}
         assert checkpoint_keys(it) == theirs and "rng_state/shard_0.0_1.1" in theirs

@@ -1,4 +1,4 @@
-"""The seams a fork changes in one place (README: Fork it): a learning-rate schedule (schedules.py), a new scalar
+"""The seams a fork changes in one place (docs/fork.md): a learning-rate schedule (schedules.py), a new scalar
 (metrics.step_report), another core attention (model.layer_spec)."""
 
 import re

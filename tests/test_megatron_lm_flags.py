@@ -523,7 +523,7 @@ def test_defaults_megatron_lm_derives_are_derived_the_same():
     assert megatron_ddp_config(cfg).grad_reduce_in_fp32 is False and cfg.train.check_for_nan_in_loss_and_grad
 
 
-# The flags whose default is ours, not Megatron-LM's (README, "Defaults that are ours"): Megatron-LM has none (a
+# The flags whose default is ours, not Megatron-LM's (docs/flags.md, "Defaults that are ours"): Megatron-LM has none (a
 # required setting), or they choose where and how often outputs go, or they depend on the machine.
 OURS = {"--num-layers": 4, "--hidden-size": 256, "--num-attention-heads": 4, "--seq-length": 256,
         "--max-position-embeddings": None, "--micro-batch-size": 4, "--lr": 1e-3, "--train-iters": None,
@@ -533,8 +533,8 @@ OURS = {"--num-layers": 4, "--hidden-size": 256, "--num-attention-heads": 4, "--
 
 
 def test_the_readme_lists_every_default_that_is_ours():
-    with open(os.path.join(ROOT, "README.md")) as fh:
-        section = fh.read().split("### Defaults that are ours", 1)[1].split("\n#", 1)[0]
+    with open(os.path.join(ROOT, "docs", "flags.md")) as fh:
+        section = fh.read().split("## Defaults that are ours", 1)[1].split("\n#", 1)[0]
     listed = re.findall(r"^\| `(--[a-z0-9-]+)", section, re.M)
     assert sorted(listed) == sorted(OURS)
     for flag, value in OURS.items():

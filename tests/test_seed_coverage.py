@@ -1,5 +1,5 @@
-"""The README's table of seed functions and classes: every place it names exists, and every name the
-specification's documentation pages list is in it."""
+"""docs/bridge-map.md's table of Megatron Bridge's functions and classes: every place it names exists, and every
+name the specification's documentation pages list is in it."""
 
 import ast
 import glob
@@ -15,8 +15,8 @@ ROW = re.compile(r"^\| `(\w+)` \| (?:`(\w+)\.py:(\w+)`|—) \|(.*)\|$", re.M)
 
 
 def readme_rows() -> dict:
-    text = open(os.path.join(ROOT, "README.md")).read()
-    section = text.split("## Where each seed function and class lives", 1)[1].split("\n## ", 1)[0]
+    text = open(os.path.join(ROOT, "docs", "bridge-map.md")).read()
+    section = text.split("# Where each Bridge function and class lives", 1)[1].split("\n## ", 1)[0]
     return {m[0]: (m[1], m[2], m[3]) for m in ROW.findall(section)}
 
 
@@ -60,4 +60,4 @@ def test_every_seed_name_is_in_the_table():
     documented = seed_names()
     assert {"train", "training_log", "ConfigContainer", "pretrain", "compute_activation_memory"} <= documented
     missing = documented - set(readme_rows())
-    assert not missing, f"seed names missing from the README table: {sorted(missing)}"
+    assert not missing, f"seed names missing from the table of docs/bridge-map.md: {sorted(missing)}"

@@ -937,6 +937,14 @@ def create_checkpoint_manager(checkpoint_config):
     return cls(checkpoint_config)
 
 
+def experts_apart(settings: dict) -> bool:
+    """Whether megatron-core gives the experts an optimizer of their own under these parallel sizes (a checkpoint's
+    saved settings or this run's): their layers use the expert groups at EP > 1 or an expert-TP size other than TP
+    (tensor_parallel/layers.py:961-964; an expert-TP size of None is TP's, Megatron-LM's default)."""
+    tp = settings.get("tensor_model_parallel_size") or 1
+    return (settings.get("expert_model_parallel_size") or 1) > 1 or (settings.get("expert_tensor_parallel_size") or tp) != tp
+
+
 def common_file(directory: str) -> str:
     """Where a torch_dist checkpoint keeps its common state, for messages: common.pt (megatron-core <= 0.16, the
     form older checkpoints have), else the `common_state` object inside the torch_dist files (0.17 and later, what
@@ -1101,18 +1109,25 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
     if load_rng and settings.get("no_save_rng", False):
         print_rank_0(f" {directory} was saved without random states (--no-save-rng): they start afresh from --seed")
         load_rng = False
-    # megatron-core builds the experts their own optimizer when EP > 1 (a ChainedOptimizer of two) and none at EP=1,
-    # and its loaders do not move the state between the two (optimizer.py:1578); only the distributed optimizer's
-    # fully_reshardable state, kept by parameter name, is regrouped here (_regrouped).
-    saved_ep, ep = settings.get("expert_model_parallel_size") or 1, cfg.model.expert_model_parallel_size
-    crossing = load_optim and cfg.model.num_experts and (saved_ep > 1) != (ep > 1)
+    # megatron-core builds the experts an optimizer of their own (a ChainedOptimizer of two) when their layers use the
+    # expert groups, EP > 1 or an expert-TP size other than TP (tensor_parallel/layers.py:961-964, optimizer/
+    # __init__.py:817), and none otherwise; its loaders do not move the state between the two (optimizer.py:1578):
+    # only the distributed optimizer's fully_reshardable state, kept by parameter name, is regrouped here (_regrouped).
+    saved_split, split = experts_apart(settings), experts_apart(dict(
+        expert_model_parallel_size=m.expert_model_parallel_size, tensor_model_parallel_size=m.tensor_model_parallel_size,
+        expert_tensor_parallel_size=m.expert_tensor_parallel_size))
+    crossing = load_optim and m.num_experts and saved_split != split
     if crossing and load_metadata(cfg, directory).get("distrib_optim_sharding_type") == "fully_reshardable":
         crossing = False  # each parameter's state kept whole, by name: load_optimizer_state regroups it
     if crossing:
-        raise CheckpointError(f"{directory}: its optimizer state was saved at --expert-model-parallel-size {saved_ep}, "
-                              f"which megatron-core cannot load at {ep} (one optimizer for all parameters at EP=1, the "
-                              f"experts' own beside it at EP>1); add --no-load-optim to continue its weights with a "
-                              f"fresh optimizer, or resume at --expert-model-parallel-size {saved_ep}")
+        def sizes(d):
+            tp = d.get("tensor_model_parallel_size") or 1
+            return (f"EP {d.get('expert_model_parallel_size') or 1}, TP {tp}, expert TP "
+                    f"{d.get('expert_tensor_parallel_size') or tp}")
+        kinds = ("one optimizer for all parameters", "the experts' optimizer apart")
+        raise CheckpointError(f"{directory}: its optimizer state was saved with {kinds[saved_split]} ({sizes(settings)}), "
+                              f"which megatron-core cannot load into {kinds[split]} ({sizes(vars(m))}; apart at EP > 1 "
+                              f"or expert TP != TP); add --no-load-optim to continue its weights with a fresh optimizer")
     peft_run = cfg.peft.peft != "none" and not finetune  # a PEFT run's own checkpoint: adapters only
     if saved_format == "torch_dist":
         payload = _load_sharded(cfg, directory, model, optimizer, scheduler, peft_run, load_optim, load_rng)

@@ -978,7 +978,7 @@ def DoRA(**fields) -> PEFTConfig:
 # NVIDIA service configs (Bridge's FaultToleranceConfig, NVRxStragglerDetectionConfig, InProcessRestartConfig,
 # TensorInspectConfig). The services come from separate packages and this training loop does not run them:
 # the sections are here so Bridge configs load and validate, and enabling one says what is missing
-# (README, "NVIDIA service configs"). All are off by default. Flags only where Megatron-LM has them.
+# (docs/flags.md, "NVIDIA service configs"). All are off by default. Flags only where Megatron-LM has them.
 
 
 @dataclass
@@ -3081,8 +3081,8 @@ def check_unset(cfg: ConfigContainer, section: str, names: list, sub=None) -> No
     defaults = type(sub)()
     for name in names:
         require(getattr(sub, name) == getattr(defaults, name),
-                f"{section}.{name} {getattr(sub, name)!r} is not supported by this trainer; drop it (see README, "
-                f"Compared with Megatron-LM)")
+                f"{section}.{name} {getattr(sub, name)!r} is not supported by this trainer; drop it (see "
+                f"docs/interchange.md, Compared with Megatron-LM)")
 
 
 def derive_services(cfg: ConfigContainer) -> None:
@@ -3141,7 +3141,7 @@ def require_service(setting: str, service: str, package: str) -> None:
             f"{setting}: {service} needs the {package} package, which is not installed (pip install {package}); "
             f"this training loop does not run it either, so drop the setting")
     require(False, f"{setting}: {package} is installed, but this training loop does not run {service} "
-                   f"(see README, 'NVIDIA service configs'); drop the setting")
+                   f"(see docs/flags.md, 'NVIDIA service configs'); drop the setting")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ What the shim answers (file:line in megatron-core 0.19.2), and why:
 
 `torch.cuda.is_available()` stays False: code that asks it (ours, torch's) still learns the truth. The
 `device=` rewrite is a `torch.overrides.TorchFunctionMode`, so every torch call from Python passes through
-one small function; `python bench.py overhead` measures what that costs (README, "Running on CPU").
+one small function; `python bench.py overhead` measures what that costs (docs/cpu.md).
 
 Beyond the shim, the machines differ in only these, each answered here once:
 
@@ -153,7 +153,7 @@ _torch_compile = torch.compile
 
 def _import_megatron_core() -> None:
     """megatron-core, imported here first, without what its import costs every process for nothing it trains with
-    (1.7 s of the 3.9 s that importing train.py took, measured on a CPU; README, "Running on CPU"):
+    (1.7 s of the 3.9 s that importing train.py took, measured on a CPU; docs/cpu.md):
     - its fused kernels are `torch.compile`d functions (megatron/core/jit.py), decorated at import: that imports
       torch's compiler stack (dynamo, inductor) although they compile only when called, and they are called only
       with the fusion flags (--bias-gelu-fusion and the like, off on the local layers), and by an MoE router at

@@ -275,11 +275,12 @@ class Launches:
 class ContinuedLayouts(Launches):
     """A one-rank run that saves at iteration `step`, and two-rank layouts that each continue its checkpoint
     (resharded on load), so that both sides start from the same weights (a pipeline stage seeds its own
-    initialisation, as Megatron-LM's). All made up front (Launches.together, the layouts on the warm ranks)."""
+    initialisation, as Megatron-LM's). All made up front (Launches.together, the layouts on the warm ranks). A
+    layout named in `nproc` runs on that many ranks instead."""
 
-    def __init__(self, out, flags: list, metrics: tuple, warm, layouts: dict, step: int = 3):
+    def __init__(self, out, flags: list, metrics: tuple, warm, layouts: dict, step: int = 3, nproc=None):
         super().__init__(out, flags, metrics, warm)
-        self.layouts, self.step = layouts, step
+        self.layouts, self.step, self.nproc = layouts, step, nproc or {}
         with self.together():
             self.one()
             for name in layouts:
@@ -289,7 +290,7 @@ class ContinuedLayouts(Launches):
         return self("one", 1, *self.saving("one", self.step))
 
     def layout(self, name):
-        return self.resume(name, 2, "one", self.step, *self.layouts[name])
+        return self.resume(name, self.nproc.get(name, 2), "one", self.step, *self.layouts[name])
 
 
 def assert_same(run, reference, iterations, metrics, rel=REORDERED):

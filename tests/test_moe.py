@@ -175,7 +175,8 @@ def test_expert_parallel_checkpoints_cross_expert_parallel_sizes(runs):
                              str(runs.out / "cache"), "--no-tensorboard"], world_size=1, gpu=False)
     with pytest.raises(checkpoint.CheckpointError) as e:
         train.pretrain(cfg)
-    assert "saved at --expert-model-parallel-size 2, which megatron-core cannot load at 1" in str(e.value)
+    assert "saved with the experts' optimizer apart (EP 2, TP 1, expert TP 1), which megatron-core cannot load into one " \
+        "optimizer for all parameters (EP 1, TP 1, expert TP 1" in str(e.value)
     assert "add --no-load-optim" in str(e.value)
 
 

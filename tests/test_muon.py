@@ -7,7 +7,9 @@ import re
 
 import pytest
 
-from conftest import REORDERED, TINY, Launches, assert_bitwise, assert_same, config_error, log_lines, train_here
+from conftest import (REORDERED, TINY, ContinuedLayouts, Launches, assert_bitwise, assert_same, config_error, log_lines,
+                      train_here)
+from test_mtp import V3
 
 FLAGS = [*TINY, "--mock-data", "--global-batch-size", "4", "--train-iters", "6", "--log-interval", "1",
          "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0",
@@ -94,6 +96,100 @@ def test_muon_resumes_bitwise_and_its_momentum_crosses_to_one_rank(runs):
     assert resumed["iterations"] == [4, 5, 6]
     assert_bitwise(resumed, straight, [4, 5, 6], METRICS)
     assert_same(one_from_tp2(runs), straight, [4, 5, 6], METRICS, rel=REORDERED)
+
+
+# Kimi K2's recipe, shrunk: DeepSeek-V3's block (test_mtp's V3: multi-latent attention, MoE from the second layer with
+# DeepSeek-V3's router and a shared expert, one MTP layer) trained with Muon.
+V3_FLAGS = [*V3, *FLAGS[len(TINY):]]
+V3_METRICS = ("lm loss", "mtp_1 loss", "seq_load_balancing_loss", "grad-norm")
+# MoE under tensor parallelism needs sequence parallelism, and experts whole on each rank (as test_mtp's layouts)
+TP2_SP = [*TP2, "--sequence-parallel", "--expert-tensor-parallel-size", "1"]
+
+
+@pytest.fixture(scope="module")
+def v3(tmp_path_factory, warm_torchrun):
+    """One rank saving at iteration 3, then, from its weights with a fresh optimizer (--no-load-optim: megatron-core
+    gives the experts an optimizer of their own under tensor or expert parallelism, and cannot load one rank's state
+    there), one rank again, TP=2 under each exact --muon-tp-mode and EP=2. The duplicated TP=2 run also saves at 5;
+    a TP=2 run resumes that, and EP=2 continues it (the momentum resharded)."""
+    out = tmp_path_factory.mktemp("muon_v3")
+    layouts = {"one_fresh": []}
+    layouts.update({f"tp2_sp_{mode}": [*TP2_SP, "--muon-tp-mode", mode] for mode in TP_MODES})
+    layouts["tp2_sp_duplicated"] += ["--save", str(out / "tp2_sp_duplicated" / "ckpt"), "--save-interval", "5"]
+    layouts["ep2"] = ["--expert-model-parallel-size", "2"]
+    layouts = {name: [*flags, "--no-load-optim"] for name, flags in layouts.items()}
+    runs = ContinuedLayouts(out, V3_FLAGS, V3_METRICS, warm_torchrun, layouts, nproc={"one_fresh": 1})
+    with runs.together():
+        tp2_sp_resumed(runs), ep2_from_tp2(runs)
+    return runs
+
+
+def tp2_sp_resumed(runs):
+    return runs.resume("tp2_sp_resumed", 2, "tp2_sp_duplicated", 5, *TP2_SP, "--muon-tp-mode", "duplicated")
+
+
+def ep2_from_tp2(runs):
+    return runs.resume("ep2_from_tp2", 2, "tp2_sp_duplicated", 5, "--expert-model-parallel-size", "2")
+
+
+def test_deepseek_v3_with_muon_updates_its_latent_projections_experts_and_mtp_layer_with_muon(v3):
+    """megatron-core's choice on DeepSeek-V3's block: every 2-D weight but the embedding and the output layer, the
+    latent attention's down- and up-projections, the experts, the router and the MTP layer's projection included;
+    the norms go to Adam. Both losses fall."""
+    run = v3.one()
+    said = [line for line in run["stdout"].splitlines() if " updates " in line]
+    muon = said[0].split(": ", 1)[1].split(", ")
+    for name in ("decoder.layers.*.self_attention.linear_q_down_proj.weight",
+                 "decoder.layers.*.self_attention.linear_kv_up_proj.weight",
+                 "decoder.layers.*.mlp.experts.local_experts.*.linear_fc1.weight",
+                 "decoder.layers.*.mlp.shared_experts.linear_fc2.weight", "decoder.layers.*.mlp.router.weight",
+                 "mtp.layers.*.eh_proj.weight"):
+        assert name in muon, name
+    adam = said[1].split(": ", 1)[1].split(", ")
+    assert "embedding.word_embeddings.weight" in adam and "mtp.layers.*.enorm.weight" in adam
+    lm = [run["lm loss"][it] for it in range(1, 4)] + [v3.layout("one_fresh")["lm loss"][it] for it in range(4, 7)]
+    mtp = [run["mtp_1 loss"][it] for it in range(1, 4)] + [v3.layout("one_fresh")["mtp_1 loss"][it] for it in range(4, 7)]
+    # From ln 384 = 5.95 (the uniform guess): Muon takes the lm loss down by ~0.9 in 6 steps, the MTP loss by ~0.4
+    assert lm[-1] < lm[0] - 0.2 and mtp[-1] < mtp[0] - 0.2, (lm, mtp)
+
+
+@pytest.mark.parametrize("name", ["tp2_sp_duplicated", "tp2_sp_distributed", "ep2"])
+def test_deepseek_v3_with_muon_on_two_ranks_is_the_one_process_run(v3, name):
+    """TP=2 with sequence parallelism under each --muon-tp-mode that computes the one-process update, and EP=2 (two
+    experts a rank, each orthogonalized whole), from the one-rank checkpoint's weights: the one-process losses at
+    iterations 4-6 and grad norm at 4 (REORDERED, as test_mtp's layouts: after the first step, the smallest
+    gradients' reordered rounding moves the updates)."""
+    run, one_rank = v3.layout(name), v3.layout("one_fresh")
+    assert run["iterations"] == [4, 5, 6]
+    assert_same(run, one_rank, range(4, 7), V3_METRICS[:3], rel=REORDERED)
+    assert_same(run, one_rank, [4], ["grad-norm"], rel=REORDERED)
+
+
+def test_deepseek_v3_with_muon_resumes_bitwise_and_its_momentum_crosses_to_expert_parallelism(v3):
+    """TP=2 stopped at 5 and resumed: iteration 6 is the straight run's, bit for bit (momentum and expert bias in the
+    checkpoint); EP=2 continuing the same checkpoint, the dense momentum gathered from its TP shards and the experts'
+    split over the EP ranks, gives the TP=2 run's iteration 6 (REORDERED)."""
+    straight = v3.layout("tp2_sp_duplicated")
+    resumed = tp2_sp_resumed(v3)
+    assert resumed["iterations"] == [6]
+    assert_bitwise(resumed, straight, [6], V3_METRICS)
+    assert_same(ep2_from_tp2(v3), straight, [6], V3_METRICS, rel=REORDERED)
+
+
+def test_a_tensor_parallel_moe_checkpoints_optimizer_on_one_rank_is_one_line(v3, tmp_path):
+    """At TP=2 with expert TP 1 megatron-core sets the experts' optimizer apart (their layers use the expert groups:
+    tensor_parallel/layers.py:961-964), at one rank it does not, and it cannot load the one into the other: one line
+    before any state is read, naming --no-load-optim (the one-rank run with it is test_muon's "one_fresh")."""
+    import checkpoint
+    import config
+    import train
+
+    cfg = config.parse_args([*V3_FLAGS, "--load", v3.ckpt("tp2_sp_duplicated"), "--ckpt-step", "5", "--no-tensorboard",
+                             "--data-cache-path", str(tmp_path)], world_size=1, gpu=False)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        train.pretrain(cfg)
+    assert "saved with the experts' optimizer apart (EP 1, TP 2, expert TP 1), which megatron-core cannot load into " \
+           "one optimizer for all parameters (EP 1, TP 1, expert TP 1" in str(e.value) and "--no-load-optim" in str(e.value)
 
 
 def test_lion_and_soap_train_through_the_same_path():

@@ -61,13 +61,36 @@ def with_attention_backend(load: str, backend: str, tmp_path) -> str:
     return copy
 
 
+def full_forward_tokens(model, prompt: list, new: list, vocab: int, sampling: dict) -> list:
+    """The tokens the --no-kv-cache loop picks at each step given the tokens before it (`prompt + new`), its full
+    forwards batched: one over the first context's worth (causal: position t's logits see tokens 0..t only) and one
+    over every later window, the newest `context` tokens before each. The same picks in the same order (the sampled
+    ones from the same seeded generator), so the result is the loop's tokens where `new` is."""
+    context, ids = model.max_sequence_length, [*prompt, *new]
+    targets = range(len(prompt), len(ids))  # the position each row of logits predicts
+    with torch.no_grad():
+        head = torch.tensor([ids[:context]])
+        rows = list(model(head, torch.arange(head.shape[1])[None], attention_mask=None)[0, [j - 1 for j in targets
+                                                                                               if j <= context]])
+        later = [ids[j - context:j] for j in targets if j > context]
+        if later:
+            windows = torch.tensor(later)
+            rows += list(model(windows, torch.arange(context).expand(len(later), -1), attention_mask=None)[:, -1])
+    import generate
+
+    generator = torch.Generator().manual_seed(sampling["seed"]) if "seed" in sampling else None
+    knobs = [sampling.get("temperature", 1.0), sampling.get("top_k", 0), sampling.get("top_p", 1.0)]
+    return [generate.pick(row[:vocab].float(), *knobs, generator) for row in rows]
+
+
 @pytest.mark.parametrize("kind, backend", [("gpt2", "auto"), ("gpt2", "local"), ("llama", "auto"), ("llama", "local"),
                                            ("mixtral", "auto")])
 def test_kv_cached_decoding_gives_the_full_forward_tokens_past_the_context(kind, backend, mock_run, llama_ckpt,
                                                                           moe_ckpts, tmp_path, monkeypatch):
     """300 tokens from a 64-token context, greedy and sampled: the cache serves every token while the sequence
-    fits, the full-forward loop the rest, and the tokens are the --no-kv-cache loop's. Mixtral-like: a router
-    picks 2 of 4 experts for each token, in the prefill and at every cached step."""
+    fits, the full-forward loop the rest, and the tokens are the --no-kv-cache loop's (full_forward_tokens, its
+    forwards batched). Mixtral-like: a router picks 2 of 4 experts for each token, in the prefill and at every
+    cached step."""
     import generate
 
     load = {"gpt2": str(mock_run["dir"] / "ckpt"), "llama": llama_ckpt}.get(kind) or moe_ckpts[kind]
@@ -81,12 +104,15 @@ def test_kv_cached_decoding_gives_the_full_forward_tokens_past_the_context(kind,
     cached_calls = []
     cached = generate.cached_next_token_logits
     monkeypatch.setattr(generate, "cached_next_token_logits", lambda *a: cached_calls.append(1) or cached(*a))
-    for sampling in (dict(), dict(seed=3, temperature=0.8, top_k=50, top_p=0.95)):
+    with_cache = {}
+    for name, sampling in (("greedy", dict()), ("sampled", dict(seed=3, temperature=0.8, top_k=50, top_p=0.95))):
         cached_calls.clear()
-        with_cache = generate.generate(model, never_stops, prompt, 300, **sampling)
+        with_cache[name] = generate.generate(model, never_stops, prompt, 300, **sampling)
         assert len(cached_calls) == 64 - len(prompt) + 1  # prefill, then one token each until the window is full
-        plain = generate.generate(model, never_stops, prompt, 300, kv_cache=False, **sampling)
-        assert len(with_cache) == 300 and with_cache == plain, sampling
+        assert len(with_cache[name]) == 300
+        assert with_cache[name] == full_forward_tokens(model, prompt, with_cache[name], tokenizer.vocab_size, sampling)
+    # The batched reference stands for the loop: the loop itself gives its first 70 tokens (past the context).
+    assert generate.generate(model, never_stops, prompt, 70, kv_cache=False) == with_cache["greedy"][:70]
 
 
 def test_the_cache_holds_the_prompt_and_the_new_tokens_and_decodes_as_the_plain_loop(llama_ckpt, monkeypatch):

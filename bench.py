@@ -11,6 +11,7 @@ Names here are this project's own.
     python bench.py generate [train.py model flags]                      # generate.py's tokens/s vs transformers
     python bench.py parallel [train.py flags]                            # SP and CP per iteration vs TP=2, 2 processes
     python bench.py moe [train.py flags]                                 # MoE vs dense, EP=2, vs Megatron-LM's
+    python bench.py v3 [train.py flags]                                  # MLA+MoE+MTP, Adam vs Muon, vs Megatron-LM's
 
 Benchmarks report; the tests never assert on timings.
 """
@@ -630,25 +631,16 @@ MEGATRON_LM_CPU = ["--transformer-impl", "local", "--no-persist-layer-norm", "--
                    "--no-bias-dropout-fusion", "--no-rope-fusion", "--distributed-backend", "gloo"]
 
 
-def bench_moe(argv) -> list:
-    """train.py's time per iteration of an MoE GPT beside the dense GPT of the same active parameters (1 process),
-    at EP=2 (2 processes), and, with MEGATRON_LM set to a Megatron-LM core_v0.19.0 checkout, Megatron-LM's own
-    pretrain_gpt.py on the same command line (through tests/fixtures/interchange/megatron_lm_cpu.py). Three
-    alternating rounds; the best round's median iteration time (the log line's, iterations 6-20) of each."""
+def _best_round(runs: dict, bench: str) -> dict:
+    """{name: ms per iteration} of each run, `runs` {name: (processes, "train.py" or "mlm", flags)}: three rounds, the
+    runs alternating within each; the best round's median iteration time (the log line's, iterations 6-20). "mlm" is
+    Megatron-LM core_v0.19.0's pretrain_gpt.py at $MEGATRON_LM, through tests/fixtures/interchange/megatron_lm_cpu.py.
+    2 threads in all (1 each for 2 processes)."""
     import re
     import subprocess
 
     here = os.path.dirname(os.path.abspath(__file__))
     launcher = os.path.join(here, "tests", "fixtures", "interchange", "megatron_lm_cpu.py")
-    mlm = os.environ.get("MEGATRON_LM")
-    line = [*MOE_FLAGS, *MEGATRON_LM_CPU, *argv]
-    ours = ["--no-save", "--no-tensorboard"]
-    runs = {"dense, 1 process": (1, "train.py", [*line, *ours]),
-            "MoE, 1 process": (1, "train.py", [*line, *MOE, *ours]),
-            "MoE EP=2, 2 processes": (2, "train.py", [*line, *MOE, "--expert-model-parallel-size", "2", *ours])}
-    if mlm and os.path.isfile(launcher):
-        runs["Megatron-LM MoE, 1 process"] = (1, "mlm", [*line, *MOE])
-        runs["Megatron-LM MoE EP=2, 2 processes"] = (2, "mlm", [*line, *MOE, "--expert-model-parallel-size", "2"])
     elapsed = re.compile(r"iteration +(\d+)/ +\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)")
     best = {name: float("inf") for name in runs}
     with tempfile.TemporaryDirectory() as work:
@@ -657,17 +649,73 @@ def bench_moe(argv) -> list:
                 script = [os.path.join(here, "train.py")] if program == "train.py" else [launcher, "mlm"]
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
                        "29518", *script, *flags, "--data-cache-path", os.path.join(work, "cache")]
-                env = dict(os.environ, OMP_NUM_THREADS=str(2 // nproc), MEGATRON_LM=mlm or "", PROJECT=here)
+                env = dict(os.environ, OMP_NUM_THREADS=str(2 // nproc), MEGATRON_LM=os.environ.get("MEGATRON_LM", ""),
+                           PROJECT=here)
                 out = subprocess.run(cmd, capture_output=True, text=True, cwd=work, env=env)
                 times = sorted(float(ms) for it, ms in elapsed.findall(out.stdout) if int(it) > 5)
                 if out.returncode or not times:
-                    sys.exit(f"bench.py moe: {name} failed:\n{out.stderr[-2000:]}")
+                    sys.exit(f"bench.py {bench}: {name} failed:\n{out.stderr[-2000:]}")
                 best[name] = min(best[name], times[len(times) // 2])
+    return best
+
+
+def _megatron_lm() -> bool:
+    """Whether $MEGATRON_LM names a Megatron-LM checkout to run beside train.py."""
+    return bool(os.environ.get("MEGATRON_LM"))
+
+
+def bench_moe(argv) -> list:
+    """train.py's time per iteration of an MoE GPT beside the dense GPT of the same active parameters (1 process),
+    at EP=2 (2 processes), and, with MEGATRON_LM set to a Megatron-LM core_v0.19.0 checkout, Megatron-LM's own
+    pretrain_gpt.py on the same command line (_best_round)."""
+    line = [*MOE_FLAGS, *MEGATRON_LM_CPU, *argv]
+    ours = ["--no-save", "--no-tensorboard"]
+    runs = {"dense, 1 process": (1, "train.py", [*line, *ours]),
+            "MoE, 1 process": (1, "train.py", [*line, *MOE, *ours]),
+            "MoE EP=2, 2 processes": (2, "train.py", [*line, *MOE, "--expert-model-parallel-size", "2", *ours])}
+    if _megatron_lm():
+        runs["Megatron-LM MoE, 1 process"] = (1, "mlm", [*line, *MOE])
+        runs["Megatron-LM MoE EP=2, 2 processes"] = (2, "mlm", [*line, *MOE, "--expert-model-parallel-size", "2"])
+    best = _best_round(runs, "moe")
     setup = "4x256, seq 256, gbs 8; MoE: 8 experts of 512, top-2 (dense: ffn 1024); 2 threads in all"
-    dense = best["dense, 1 process"]
-    rows = [("moe" if i == 0 else "", setup if i == 0 else "", name, f"{ms:.1f} ms/it",
-             f"{100 * (ms - dense) / dense:+.1f}% vs dense") for i, (name, ms) in enumerate(best.items())]
-    if not mlm:
+    return _rows("moe", setup, best, "dense, 1 process", "dense")
+
+
+# bench.py v3: DeepSeek-V3's block on bench moe's model: multi-latent attention (value heads hidden/heads wide, which
+# Megatron-LM's local layers need: megatron_lm_cpu.py P5), MoE from the second layer with DeepSeek-V3's router and a
+# shared expert, one MTP layer; trained with Adam and with Muon.
+V3 = ["--multi-latent-attention", "--q-lora-rank", "128", "--kv-lora-rank", "64", "--qk-head-dim", "64",
+      "--qk-pos-emb-head-dim", "32", "--v-head-dim", "64", "--rotary-scaling-factor", "4", "--mscale", "1",
+      "--mscale-all-dim", "1", "--qk-layernorm", "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type",
+      "rope", "--untie-embeddings-and-output-weights", "--num-experts", "8", "--moe-layer-freq", "([0]+[1]*3)",
+      "--moe-router-topk", "2", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+      "--moe-router-num-groups", "2", "--moe-router-group-topk", "1", "--moe-shared-expert-intermediate-size", "512",
+      "--moe-ffn-hidden-size", "512", "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff",
+      "1e-3", "--moe-token-dispatcher-type", "alltoall", "--mtp-num-layers", "1"]
+
+
+def bench_v3(argv) -> list:
+    """train.py's time per iteration of the DeepSeek-V3-shaped model (V3) with Adam and with Muon, 1 process, and,
+    with MEGATRON_LM set, Megatron-LM's pretrain_gpt.py on the same command lines (_best_round)."""
+    line = [*MOE_FLAGS, *MEGATRON_LM_CPU, *V3, *argv]
+    ours = ["--no-save", "--no-tensorboard"]
+    # Muon's Newton-Schulz products in fp32 (--muon-fp32-matmul-prec high): Megatron-LM's default, medium, asks for
+    # bf16 matmuls, which a CPU without bf16 instructions emulates, ~20x slower (docs/optimizer.md)
+    optimizers = {"Adam": ["--optimizer", "adam"], "Muon": ["--optimizer", "muon", "--muon-fp32-matmul-prec", "high"]}
+    runs = {f"{who}MLA+MoE+MTP, {opt}": (1, program, [*line, *optimizers[opt], *extra])
+            for who, program, extra in [("", "train.py", ours), ("Megatron-LM ", "mlm", [])][:1 + _megatron_lm()]
+            for opt in optimizers}
+    best = _best_round(runs, "v3")
+    setup = ("bench moe's 4x256 with MLA (q/kv latents 128/64), MoE from layer 2 (8 of 512, top-2, shared 512), "
+             "1 MTP layer; 1 process x 2 threads")
+    return _rows("v3", setup, best, "MLA+MoE+MTP, Adam", "train.py Adam")
+
+
+def _rows(bench: str, setup: str, best: dict, reference: str, called: str) -> list:
+    """The table's rows of `best` ({name: ms per iteration}), each against the `reference` run's time."""
+    rows = [(bench if i == 0 else "", setup if i == 0 else "", name, f"{ms:.1f} ms/it",
+             f"{100 * (ms - best[reference]) / best[reference]:+.1f}% vs {called}") for i, (name, ms) in enumerate(best.items())]
+    if not _megatron_lm():
         rows.append(("", "", "Megatron-LM", "not run", "set MEGATRON_LM to a core_v0.19.0 checkout"))
     return rows
 
@@ -682,7 +730,7 @@ def print_table(rows) -> None:
 if __name__ == "__main__":
     benches = {"checkpoint": bench_checkpoint, "logging": bench_logging, "data": bench_data,
                "overhead": bench_overhead, "ladder": bench_ladder, "hotpath": bench_hotpath,
-               "generate": bench_generate, "parallel": bench_parallel, "moe": bench_moe}
+               "generate": bench_generate, "parallel": bench_parallel, "moe": bench_moe, "v3": bench_v3}
     name = sys.argv[1] if len(sys.argv) > 1 else "checkpoint"
     import device
 

@@ -3,7 +3,8 @@
 The fixtures (tests/fixtures/interchange/, its README says how they were made) are tiny checkpoints written by
 Megatron-LM's own pretrain_gpt.py and Bridge's own pretrain() at iteration 5, each with the losses its program
 printed when it went on from that checkpoint to iteration 10. train.py loads each as it is, with the program's
-command line, and must print the same losses (to the log line's 7 digits: conftest.PRINTED).
+command line, and must print the same losses: to the log line's 7 digits on the machine that made the fixture, and
+within conftest.ELSEWHERE on another CPU.
 """
 
 import argparse
@@ -16,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import PRINTED, ROOT, checkpoint_keys, tensorboard_scalars, torchrun
+from conftest import ELSEWHERE, ROOT, checkpoint_keys, same_printed_grad_norm, tensorboard_scalars, torchrun
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "interchange")
 
@@ -58,7 +59,7 @@ def _assert_their_losses(continued, losses):
                 # Megatron-LM (0.19 as 0.16) prints the first iteration of a run on its own, then the mean of the interval
                 # since the start, that first iteration included: with --log-interval 1, iteration 7 is mean(6, 7).
                 got = (ours[loss][6] + ours[loss][7]) / 2
-            assert got == pytest.approx(want, rel=PRINTED), (loss, step, got, want)  # their log line's digits
+            assert got == pytest.approx(want, rel=ELSEWHERE), (loss, step, got, want)  # their machine's digits
 
 
 def test_their_checkpoint_continues_with_their_losses(continued):
@@ -69,7 +70,7 @@ def test_their_checkpoint_continues_with_their_losses(continued):
     assert sorted(map(int, theirs)) == sorted(ours["lm loss"]) == [6, 7, 8, 9, 10]
     _assert_their_losses(continued, LOSSES[continued["program"]])
     for step in range(6, 11):
-        assert f"{ours['grad-norm'][step]:.3f}" == theirs[str(step)]["grad norm"], step
+        assert same_printed_grad_norm(ours["grad-norm"][step], theirs[str(step)]["grad norm"]), step
 
 
 def test_their_progress_and_tokenizer_are_read(continued):
@@ -152,14 +153,15 @@ def test_megatron_lm_continues_our_grouped_query_checkpoint_with_our_losses(tmp_
     assert args.group_query_attention is True and args.num_query_groups == 2 and args.num_attention_heads == 4
     assert "derived: model.group_query_attention = True (--num-query-groups 2: grouped-query attention" in first.stdout
     written = tensorboard_scalars(tmp_path / "tb1")["lm loss"]
-    assert [f"{written[i]:.6E}" for i in range(1, 6)] == [printed["first_run"][str(i)]["lm loss"] for i in range(1, 6)]
+    assert [written[i] for i in range(1, 6)] == pytest.approx(
+        [float(printed["first_run"][str(i)]["lm loss"]) for i in range(1, 6)], rel=ELSEWHERE)  # their machine's digits
     second = warm_torchrun([*flags, "--load", str(cache), "--no-save", "--tensorboard-dir", str(tmp_path / "tb2")])
     assert second.returncode == 0, second.stderr[-3000:]
     ours, theirs = tensorboard_scalars(tmp_path / "tb2"), printed["continued"]
     for step in range(6, 11):
         got = ours["lm loss"][step] if step != 7 else (ours["lm loss"][6] + ours["lm loss"][7]) / 2  # its mean(6, 7)
-        assert got == pytest.approx(float(theirs[str(step)]["lm loss"]), rel=PRINTED), step  # their printed digits
-        assert f"{ours['grad-norm'][step]:.3f}" == theirs[str(step)]["grad norm"], step
+        assert got == pytest.approx(float(theirs[str(step)]["lm loss"]), rel=ELSEWHERE), step  # their machine's digits
+        assert same_printed_grad_norm(ours["grad-norm"][step], theirs[str(step)]["grad norm"]), step
 
 
 def test_a_checkpoint_of_megatron_core_0_16_continues_with_its_losses(tmp_path, warm_torchrun):
@@ -178,13 +180,14 @@ def test_a_checkpoint_of_megatron_core_0_16_continues_with_its_losses(tmp_path, 
     proc = warm_torchrun([*flags, "--load", str(tmp_path / "old"), "--save", str(tmp_path / "new"),
                      "--data-cache-path", str(tmp_path / "cache")])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    got = [[i, loss, round(norm, 3)] for i, loss, norm in
+    got = [[i, loss, norm] for i, loss, norm in
            ((int(m[0]), float(m[1]), float(m[2])) for m in
             re.findall(r"iteration +(\d+)/ +\d+ \|.*?lm loss: ([\d.E+-]+) \|.*?grad norm: ([\d.]+) \|", proc.stdout))]
     assert [g[0] for g in got] == [6, 7, 8, 9, 10]
     for (step, loss, norm), (_, want_loss, want_norm) in zip(got, printed["continued"]):
-        # The log line prints 7 significant digits: the same arithmetic gives the same digits.
-        assert (loss, norm) == (want_loss, want_norm), step
+        # Printed by the 0.16.1 stack on the machine that made the fixture: the same arithmetic on another CPU.
+        assert loss == pytest.approx(want_loss, rel=ELSEWHERE), step
+        assert same_printed_grad_norm(norm, f"{want_norm:.3f}"), step
     it = tmp_path / "new" / "iter_0000010"
     assert not (it / "common.pt").exists() and "common_state/shard_0_1" in checkpoint_keys(it)
 

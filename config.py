@@ -2227,9 +2227,6 @@ def check_emerging_optimizer(cfg: ConfigContainer) -> None:
             f"--optimizer {o.optimizer}" + (" with --use-distributed-optimizer" if o.optimizer != "dist_muon" else "")
             + ": Megatron-LM shards an emerging optimizer with megatron-core's layer-wise distributed optimizer, which "
               "is not supported here; drop --use-distributed-optimizer (--optimizer muon)")
-    require(o.optimizer != "adaptive_muon",
-            "--optimizer adaptive_muon: megatron-core 0.19.2's TensorParallelAdaptiveMuon fails at its first step with "
-            "emerging-optimizers 0.3.0 (AttributeError: no 'scale_mode', optimizer/emerging_optimizers.py:411); use muon")
     require(not cfg.model.fp16, f"--optimizer {o.optimizer} with --fp16: megatron-core's emerging optimizers do not "
                                 f"support fp16 (optimizer/__init__.py:769); use --bf16")
     require(cfg.checkpoint.ckpt_format in ("torch", "torch_dist"),

@@ -509,6 +509,67 @@ def megatron_ddp_config(cfg) -> DistributedDataParallelConfig:
     return config
 
 
+@functools.cache
+def adaptive_muon_class():
+    """megatron-core's TensorParallelAdaptiveMuon as emerging-optimizers 0.3.0's AdaptiveMuon.step expects it.
+
+    Defect (megatron-core 0.19.2, optimizer/emerging_optimizers.py:361-402): the class runs TensorParallelMuon's
+    __init__, whose orthogonalization already multiplies by Muon's scale factor, and never sets `scale_mode` and
+    `extra_scale_factor`, which AdaptiveMuon.step reads to scale the update *after* the second-moment normalization
+    (emerging_optimizers/orthogonalized_optimizers/adaptive_muon.py:122, 324): the first step raises AttributeError.
+    Setting the two attributes alone would scale twice, once before the normalization (which, for adamuon,
+    divides it out again) and once after by the shard's shape instead of the matrix's.
+
+    Here, as AdaptiveMuon does on one device: the tensor-parallel Newton-Schulz (megatron-core's newton_schulz_tp, the
+    same call as TensorParallelMuon's) without a scale, then the second moment, then Muon's scale by the whole
+    matrix's shape (the shard's under --muon-tp-mode blockwise, where each shard is its own matrix, as
+    TensorParallelMuon scales it)."""
+    from emerging_optimizers.orthogonalized_optimizers.muon import get_muon_scale_factor
+    from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz_tp
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelAdaptiveMuon as MegatronCoresAdaptiveMuon
+    from megatron.core.utils import get_pg_size
+
+    class TensorParallelAdaptiveMuon(MegatronCoresAdaptiveMuon):  # megatron-core's name, on the log line
+        def __init__(self, params, *, num_ns_steps=5, coefficient_type="quintic", scale_mode="spectral",
+                     extra_scale_factor=1.0, tp_mode="duplicated", **kwargs):
+            super().__init__(params, num_ns_steps=num_ns_steps, coefficient_type=coefficient_type,
+                             scale_mode=scale_mode, extra_scale_factor=extra_scale_factor, tp_mode=tp_mode, **kwargs)
+            self.scale_mode, self.extra_scale_factor, self.whole_shape = scale_mode, extra_scale_factor, None
+
+            def orthogonalize_unscaled(grad, tp_group, partition_dim=None):
+                return newton_schulz_tp(grad, steps=num_ns_steps, coefficient_type=coefficient_type, tp_group=tp_group,
+                                        partition_dim=partition_dim,
+                                        tp_mode="duplicated" if tp_mode == "blockwise" else tp_mode)
+            self.scaled_orthogonalize_fn = orthogonalize_unscaled
+
+        def orthogonalize(self, p, grad, **kwargs):
+            shape, dim = list(p.shape[-2:]), getattr(p, "partition_dim", None)
+            if self.tp_mode != "blockwise" and dim in (0, 1) and self.pg_collection is not None:
+                shape[dim] *= get_pg_size(self.pg_collection.expt_tp if getattr(p, "expert_tp", False)
+                                          else self.pg_collection.tp)
+            self.whole_shape = shape  # read by _apply_muon_scale, which step calls next for the same parameter
+            return super().orthogonalize(p, grad, **kwargs)
+
+        def _apply_muon_scale(self, update, size_out, size_in):
+            return update * get_muon_scale_factor(*self.whole_shape, mode=self.scale_mode) * self.extra_scale_factor
+
+    return TensorParallelAdaptiveMuon
+
+
+@contextlib.contextmanager
+def megatron_cores_adaptive_muon_mended():
+    """megatron-core's registry of emerging optimizers builds adaptive_muon_class() for the time of one
+    get_megatron_optimizer call, then its own class again."""
+    from megatron.core.optimizer.emerging_optimizers import _EMERGING_OPTIMIZERS
+
+    entry = _EMERGING_OPTIMIZERS["adaptive_muon"]
+    own, entry.optimizer_cls = entry.optimizer_cls, adaptive_muon_class()
+    try:
+        yield
+    finally:
+        entry.optimizer_cls = own
+
+
 def build_optimizer(cfg, model: list, timers=None):
     """megatron-core's optimizer (`get_megatron_optimizer`): torch AdamW/SGD inside, wrapped for fp32 main
     weights and loss scaling (--bf16/--fp16) or sharded over data-parallel ranks (--use-distributed-optimizer).
@@ -522,7 +583,8 @@ def build_optimizer(cfg, model: list, timers=None):
     config = megatron_optimizer_config(cfg, timers)
     context = OptimizerConfigOverrideProviderContext(scheduler_config=cfg.scheduler, optimizer_config=config, model=model)
     overrides = cfg.optimizer_config_override_provider.build_config_overrides(context)
-    optimizer = get_megatron_optimizer(config, model, config_overrides=overrides)
+    with megatron_cores_adaptive_muon_mended() if config.optimizer == "adaptive_muon" else contextlib.nullcontext():
+        optimizer = get_megatron_optimizer(config, model, config_overrides=overrides)
     if not device.cuda() and cfg.optimizer.optimizer == "adam":
         # Without apex or transformer-engine megatron-core builds torch's AdamW with its defaults
         # (optimizer/__init__.py:557), a per-tensor loop on CPU; torch's fused CPU kernel is 3-5x faster

@@ -703,8 +703,10 @@ def save_tokenizer(tokenizer, directory: str) -> None:
     out = os.path.join(directory, TOKENIZER_DIR)
     os.makedirs(out, exist_ok=True)
     _atomic_write_text(json.dumps(tokenizer.unique_identifiers, sort_keys=True), os.path.join(out, TOKENIZER_IDENTITY))
-    if getattr(tokenizer, "file", None):
-        shutil.copyfile(tokenizer.file, os.path.join(out, "tokenizer.json"))
+    if getattr(tokenizer, "file", None):  # copied aside, then renamed into place, as every file of a save
+        tmp = os.path.join(out, f"tokenizer.json.tmp{os.getpid()}")
+        shutil.copyfile(tokenizer.file, tmp)
+        os.replace(tmp, os.path.join(out, "tokenizer.json"))
 
 
 def saved_tokenizer(directory: str, common: dict):

@@ -565,7 +565,7 @@ def step_report(loss_dict: dict, learning_rate, decoupled_learning_rate, batch_s
 
 
 def moe_loss_names(m) -> list:
-    """The MoE auxiliary losses Megatron-LM's training_log tracks (training.py:1957-1967): one per load-balancing type,
+    """The MoE auxiliary losses Megatron-LM's training_log tracks (megatron/training/training.py:2761-2769): one per load-balancing type,
     and z_loss with --moe-z-loss-coeff. With one type Megatron-LM tests the names as substrings of it, so
     seq_aux_loss also shows load_balancing_loss (0: no layer adds to it); kept, for the same log line."""
     kinds = m.moe_router_load_balancing_type

@@ -31,7 +31,13 @@ def adaptive(runs, mode=None):
     """--optimizer adaptive_muon on one rank, or at TP=2 in --muon-tp-mode `mode`."""
     if mode is None:
         return runs("adaptive_one", 1, "--optimizer", "adaptive_muon")
-    return runs(f"adaptive_tp2_{mode}", 2, *TP2, "--optimizer", "adaptive_muon", "--muon-tp-mode", mode)
+    return runs(f"adaptive_tp2_{mode}", 2, *TP2, "--optimizer", "adaptive_muon", "--muon-tp-mode", mode,
+                *runs.saving(f"adaptive_tp2_{mode}", 3))
+
+
+def adaptive_resumed(runs):
+    return runs.resume("adaptive_tp2_duplicated_resumed", 2, "adaptive_tp2_duplicated", 3, *TP2, "--optimizer",
+                       "adaptive_muon", "--muon-tp-mode", "duplicated")
 
 
 def tp2_resumed(runs):
@@ -54,6 +60,7 @@ def runs(tmp_path_factory, warm_torchrun):
             tp2(runs, mode)
         for mode in TP_MODES:
             adaptive(runs, mode)
+        adaptive_resumed(runs)
         tp2_resumed(runs)
         one_from_tp2(runs)
     return runs
@@ -143,9 +150,9 @@ def test_adaptive_muon_is_emerging_optimizers_own_on_one_device(method):
 
 
 def test_adaptive_muon_learns_and_tensor_parallel_gives_the_one_process_update(runs):
-    """The run: the loss falls, and TP=2 in --muon-tp-mode duplicated and distributed gives the one-process run: the
-    Newton-Schulz of the whole matrix as Muon's, and Muon's scale by the whole matrix's shape (a shard's shape
-    would scale linear_fc1 by sqrt(128) instead of sqrt(256))."""
+    """The run: the loss falls, TP=2 in --muon-tp-mode duplicated and distributed gives the one-process run (the
+    Newton-Schulz of the whole matrix as Muon's, and Muon's scale by the whole matrix's shape: a shard's shape would
+    scale linear_fc1 by sqrt(128) instead of sqrt(256)), and a TP=2 run resumes bit for bit."""
     reference = adaptive(runs)
     assert " > TensorParallelAdaptiveMuon updates 9 tensors" in reference["stdout"]
     losses = [loss for _, _, _, loss, _, _ in log_lines(reference["stdout"])]
@@ -154,6 +161,10 @@ def test_adaptive_muon_learns_and_tensor_parallel_gives_the_one_process_update(r
     for mode in TP_MODES:
         # REORDERED, as Muon's TP test above: the second moment's division is elementwise and adds no sum.
         assert_same(adaptive(runs, mode), reference, range(1, 7), METRICS, rel=REORDERED)
+    # Its momentum and second moment are in the checkpoint: the TP=2 run resumed at 3 is the same run, bit for bit.
+    resumed = adaptive_resumed(runs)
+    assert resumed["iterations"] == [4, 5, 6]
+    assert_bitwise(resumed, adaptive(runs, "duplicated"), [4, 5, 6], METRICS)
 
 
 # Kimi K2's recipe, shrunk: DeepSeek-V3's block (test_mtp's V3: multi-latent attention, MoE from the second layer with

@@ -1798,6 +1798,11 @@ def check_pipeline_split(cfg: ConfigContainer) -> None:
     uneven = any(n is not None for n in (m.decoder_first_pipeline_num_layers, m.decoder_last_pipeline_num_layers))
     require(pp > 1 or not uneven, "--decoder-first/last-pipeline-num-layers set a pipeline stage's layers; add "
                                   "--pipeline-model-parallel-size 2 or more")
+    for flag, n in (("first", m.decoder_first_pipeline_num_layers), ("last", m.decoder_last_pipeline_num_layers)):
+        # megatron-core's TransformerConfig raises on every rank (transformer_config.py:1998, 2017); a multi-token
+        # prediction layer does not make the last stage (megatron-core puts it after the decoder's last layer there)
+        require(n is None or n > 0, f"--decoder-{flag}-pipeline-num-layers {n}: the {flag} pipeline stage needs a "
+                                    f"decoder layer; give it 1 or more")
     stages = pipeline_stage_layers(m)
     split = "the layers the first/last stages leave" if uneven else "--num-layers"
     require(sum(stages) == m.num_layers and min(stages) >= 0,

@@ -509,6 +509,28 @@ def megatron_ddp_config(cfg) -> DistributedDataParallelConfig:
     return config
 
 
+def check_emerging_optimizer_installed(cfg) -> None:
+    """--optimizer NAME of Megatron-LM's emerging optimizers is built from megatron-core's registry, which holds its
+    own muon and adaptive_muon and what the installed emerging-optimizers package registers
+    (megatron/core/optimizer/emerging_optimizers.py:463-501), from version 0.2 on (megatron/core/optimizer/__init__.py:45).
+    A name it lacks is one line here, before any model is built, not megatron-core's error after it."""
+    from config import MEGATRON_LM_EMERGING_OPTIMIZERS, ConfigError
+
+    name = cfg.optimizer.optimizer
+    if name not in MEGATRON_LM_EMERGING_OPTIMIZERS:
+        return
+    from importlib.metadata import version
+
+    from megatron.core.optimizer import HAVE_EMERGING_OPTIMIZERS
+    from megatron.core.optimizer.emerging_optimizers import _EMERGING_OPTIMIZERS
+
+    have = sorted(_EMERGING_OPTIMIZERS) if HAVE_EMERGING_OPTIMIZERS else []
+    if name.removeprefix("dist_") not in have:
+        raise ConfigError(f"--optimizer {name}: the installed emerging-optimizers {version('emerging-optimizers')} "
+                          f"does not provide it to megatron-core (it has: {', '.join(have) or 'none'}); "
+                          f"pip install --upgrade emerging-optimizers")
+
+
 @functools.cache
 def adaptive_muon_class():
     """megatron-core's TensorParallelAdaptiveMuon as emerging-optimizers 0.3.0's AdaptiveMuon.step expects it.

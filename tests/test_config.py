@@ -130,6 +130,11 @@ def test_megatron_lm_cpu_command_line_switches_are_accepted_and_named_as_inert(s
      "= 6 do not divide the world size 8"),
     (["--pipeline-model-parallel-size", "2", "--num-layers", "6", "--num-layers-per-virtual-pipeline-stage", "2"], 8,
      False, "must divide the 3 layers of each pipeline stage"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--decoder-last-pipeline-num-layers", "0",
+      "--mtp-num-layers", "1"], 2, False, "--decoder-last-pipeline-num-layers 0: the last pipeline stage needs a "
+     "decoder layer"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--decoder-first-pipeline-num-layers", "0"], 2,
+     False, "--decoder-first-pipeline-num-layers 0: the first pipeline stage needs a decoder layer"),
     # context parallelism on the local layers is SDPAttention's all-gather of keys and values (model.py)
     (["--context-parallel-size", "2", "--cp-comm-type", "p2p"], 2, False, "--cp-comm-type p2p is transformer-engine's "
      "context-parallel attention; the local layers gather keys and values: add --cp-comm-type all_gather"),

@@ -282,6 +282,22 @@ def test_what_muon_refuses_is_one_line(flags, expected, capsys):
     assert expected in config_error([*TINY, *flags], capsys)
 
 
+def test_an_optimizer_the_installed_package_lacks_is_one_line_before_any_model(tmp_path, monkeypatch, capsys):
+    """megatron-core builds what the installed emerging-optimizers registers: an older package without Lion (here, the
+    registry without its entry) is one line through train.py's command line, exit 2, before any model is built."""
+    import config
+    import train
+    from megatron.core.optimizer.emerging_optimizers import _EMERGING_OPTIMIZERS
+
+    monkeypatch.delitem(_EMERGING_OPTIMIZERS, "lion")
+    cfg = config.parse_args([*FLAGS, "--optimizer", "lion", "--save", str(tmp_path / "ck")], world_size=1, gpu=False)
+    assert train.main(cfg) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("train.py: error: --optimizer lion: the installed emerging-optimizers 0.3.0 does not "
+                          "provide it to megatron-core (it has: ") and err.count("\n") == 1, err
+    assert "number of parameters" not in out and not (tmp_path / "ck").exists()
+
+
 def test_muon_without_the_package_names_it(capsys, monkeypatch):
     """Where emerging-optimizers is not installed (it is here, in requirements.txt), one line says what to install."""
     import importlib.util

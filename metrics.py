@@ -565,8 +565,8 @@ def step_report(loss_dict: dict, learning_rate, decoupled_learning_rate, batch_s
 
 
 def moe_loss_names(m) -> list:
-    """The MoE auxiliary losses Megatron-LM's training_log tracks (megatron/training/training.py:2761-2769): one per load-balancing type,
-    and z_loss with --moe-z-loss-coeff. With one type Megatron-LM tests the names as substrings of it, so
+    """The MoE auxiliary losses Megatron-LM's training_log tracks (megatron/training/training.py:2761-2769): one per
+    load-balancing type, and z_loss with --moe-z-loss-coeff. With one type Megatron-LM tests the names as substrings of it, so
     seq_aux_loss also shows load_balancing_loss (0: no layer adds to it); kept, for the same log line."""
     kinds = m.moe_router_load_balancing_type
     kind = kinds[0] if len(kinds) == 1 else kinds

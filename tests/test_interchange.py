@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import ELSEWHERE, ROOT, checkpoint_keys, same_printed_grad_norm, tensorboard_scalars, torchrun
+from conftest import ELSEWHERE, PRINTED, ROOT, checkpoint_keys, same_printed_grad_norm, tensorboard_scalars, torchrun
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "interchange")
 
@@ -185,9 +185,11 @@ def test_a_checkpoint_of_megatron_core_0_16_continues_with_its_losses(tmp_path, 
             re.findall(r"iteration +(\d+)/ +\d+ \|.*?lm loss: ([\d.E+-]+) \|.*?grad norm: ([\d.]+) \|", proc.stdout))]
     assert [g[0] for g in got] == [6, 7, 8, 9, 10]
     for (step, loss, norm), (_, want_loss, want_norm) in zip(got, printed["continued"]):
-        # Printed by the 0.16.1 stack on the machine that made the fixture: the same arithmetic on another CPU.
-        assert loss == pytest.approx(want_loss, rel=ELSEWHERE), step
-        assert same_printed_grad_norm(norm, f"{want_norm:.3f}"), step
+        # Printed by the 0.16.1 stack on the machine that made the fixture (the same arithmetic on another CPU), and
+        # ours read from our log line: both sides printed, so a PRINTED more, and a whole unit of the grad norm's
+        # third decimal (each side rounds it by half a unit).
+        assert loss == pytest.approx(want_loss, rel=ELSEWHERE + PRINTED), step
+        assert abs(norm - want_norm) <= 1e-3 + ELSEWHERE * want_norm, step
     it = tmp_path / "new" / "iter_0000010"
     assert not (it / "common.pt").exists() and "common_state/shard_0_1" in checkpoint_keys(it)
 

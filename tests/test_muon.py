@@ -135,10 +135,9 @@ def test_adaptive_muon_is_emerging_optimizers_own_on_one_device(method):
                     moment2_method=method, beta2=0.95, eps=1e-8)
     with model.megatron_cores_adaptive_muon_mended():
         ours = _EMERGING_OPTIMIZERS["adaptive_muon"].optimizer_cls
-    theirs = AdaptiveMuon
     weights = {}
     for name, cls, extra in (("ours", ours, dict(use_decoupled_weight_decay=True, tp_mode="duplicated")),
-                             ("theirs", theirs, dict(weight_decay_method="decoupled"))):
+                             ("theirs", AdaptiveMuon, dict(weight_decay_method="decoupled"))):
         w = torch.nn.Parameter(start.clone())
         opt = cls([w], **settings, **extra)
         for g in grads:

@@ -60,7 +60,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from metrics import print_rank_0
-from model import unwrap
+from model import layer_wise, unwrap
 
 TRACKER = "latest_checkpointed_iteration.txt"
 LATEST_TRAIN_STATE = "latest_train_state.pt"
@@ -261,6 +261,10 @@ def megatron_lm_args(cfg, ts) -> argparse.Namespace:
                 # compares with its own command line's (checkpointing.py:171, core_v0.19)
                 add_position_embedding=m.add_position_embedding,
                 use_dist_ckpt=cfg.checkpoint.ckpt_format == "torch_dist",
+                # an emerging optimizer's --use-distributed-optimizer, as Megatron-LM's validation turns it into
+                # megatron-core's layer-wise optimizer (arguments.py:1679-1681, core_v0.19)
+                use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer and not layer_wise(cfg),
+                use_layer_wise_distributed_optimizer=layer_wise(cfg),
                 iteration=ts.step, consumed_train_samples=ts.consumed_train_samples,
                 skipped_train_samples=ts.skipped_train_samples, consumed_valid_samples=ts.consumed_valid_samples)
     return argparse.Namespace(**args)
@@ -1130,6 +1134,17 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
         raise CheckpointError(f"{directory}: its optimizer state was saved with {kinds[saved_split]} ({sizes(settings)}), "
                               f"which megatron-core cannot load into {kinds[split]} ({sizes(vars(m))}; apart at EP > 1 "
                               f"or expert TP != TP); add --no-load-optim to continue its weights with a fresh optimizer")
+    # megatron-core's layer-wise distributed optimizer keeps each rank's whole matrices for the data-parallel size
+    # that saved them ("for fixed DP usage only", optimizer/layer_wise_optimizer.py:930-931) under keys no other
+    # optimizer has: a KeyError from inside the load, otherwise.
+    saved_lw, lw = bool(settings.get("use_layer_wise_distributed_optimizer")), layer_wise(cfg)
+    saved_dp = settings.get("data_parallel_size")
+    if load_optim and (saved_lw or lw) and (saved_lw != lw or saved_dp != cfg.data_parallel_size):
+        kind = lambda layered: "megatron-core's layer-wise distributed optimizer" if layered else "another optimizer"
+        raise CheckpointError(f"{directory}: its optimizer state was saved by {kind(saved_lw)} at data-parallel size "
+                              f"{saved_dp}, and this run has {kind(lw)} at {cfg.data_parallel_size}: the layer-wise "
+                              f"state loads only where it was saved; add --no-load-optim to continue its weights with a "
+                              f"fresh optimizer")
     peft_run = cfg.peft.peft != "none" and not finetune  # a PEFT run's own checkpoint: adapters only
     if saved_format == "torch_dist":
         payload = _load_sharded(cfg, directory, model, optimizer, scheduler, peft_run, load_optim, load_rng)

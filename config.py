@@ -419,8 +419,8 @@ class TrainingConfig:
 
 
 # Megatron-LM's --optimizer choices of its emerging optimizers (arguments.py, core_v0.19.0), built by megatron-core's
-# own path (optimizer/emerging_optimizers.py) from the `emerging-optimizers` package. dist_muon (megatron-core's
-# layer-wise distributed optimizer) is refused in validation.
+# own path (optimizer/emerging_optimizers.py) from the `emerging-optimizers` package. dist_muon is Megatron-LM's
+# deprecated name for muon with --use-distributed-optimizer (megatron-core's layer-wise distributed optimizer).
 MEGATRON_LM_EMERGING_OPTIMIZERS = ["muon", "dist_muon", "lion", "soap", "adaptive_muon"]
 
 
@@ -2205,6 +2205,10 @@ def derive_optimizer_and_schedule(cfg: ConfigContainer) -> None:
     for name in ("start_weight_decay", "end_weight_decay"):
         if getattr(s, name) is None:
             derive_value(cfg, f"scheduler.{name}", o.weight_decay, "--weight-decay")
+    if o.optimizer == "dist_muon":  # Megatron-LM 0.19's deprecated name (arguments.py:1672-1678)
+        derive_value(cfg, "optimizer.optimizer", "muon", "--optimizer dist_muon, Megatron-LM's deprecated name for "
+                                                         "--optimizer muon --use-distributed-optimizer")
+        derive_value(cfg, "optimizer.use_distributed_optimizer", True, "--optimizer dist_muon")
     _validate_and_sync_distributed_optimizer_settings(cfg)
 
 
@@ -2228,10 +2232,18 @@ def check_emerging_optimizer(cfg: ConfigContainer) -> None:
     require(importlib.util.find_spec("emerging_optimizers") is not None,
             f"--optimizer {o.optimizer} is built from the emerging-optimizers package, which is not installed: "
             f"pip install emerging-optimizers")
-    require(not (o.optimizer == "dist_muon" or o.use_distributed_optimizer),
-            f"--optimizer {o.optimizer}" + (" with --use-distributed-optimizer" if o.optimizer != "dist_muon" else "")
-            + ": Megatron-LM shards an emerging optimizer with megatron-core's layer-wise distributed optimizer, which "
-              "is not supported here; drop --use-distributed-optimizer (--optimizer muon)")
+    if o.use_distributed_optimizer:  # megatron-core's layer-wise distributed optimizer (model.wrap_model)
+        # its base optimizers get megatron-core's wrappers only under bf16 (layer_wise_optimizer.py:503-516); in fp32
+        # the chain of optimizers asserts at construction (optimizer.py:1440)
+        require(cfg.model.bf16, f"--optimizer {o.optimizer} with --use-distributed-optimizer: megatron-core 0.19.2's "
+                                f"layer-wise distributed optimizer is built for bf16 only; add --bf16")
+        require(not cfg.ddp.overlap_param_gather,
+                f"--optimizer {o.optimizer} with --use-distributed-optimizer and --overlap-param-gather: the layer-wise "
+                f"optimizer's overlapped gather is not built here; drop --overlap-param-gather")
+        require(not (cfg.model.num_experts and cfg.model.add_bias_linear),
+                f"--optimizer {o.optimizer} with --use-distributed-optimizer: megatron-core 0.19.2 does not shard the "
+                f"experts' biases beside the layer-wise optimizer (optimizer/__init__.py:913-921); add "
+                f"--disable-bias-linear")
     require(not cfg.model.fp16, f"--optimizer {o.optimizer} with --fp16: megatron-core's emerging optimizers do not "
                                 f"support fp16 (optimizer/__init__.py:769); use --bf16")
     require(cfg.checkpoint.ckpt_format in ("torch", "torch_dist"),
@@ -3288,8 +3300,8 @@ _NO_FP8 = "is a setting of transformer-engine's FP8 training, which this trainer
           "without FP8)"
 # What is not built yet: megatron-core's layer-wise distributed optimizer for Muon, multi-latent attention and
 # multi-token prediction (their flags that core_v0.16.1 had already are refused as machinery in UNSUPPORTED_FLAGS).
-_NOT_YET_OPTIMIZERS = "is a setting of megatron-core's layer-wise distributed optimizer for Muon, which is not " \
-                      "supported here; drop it (--optimizer muon without --use-distributed-optimizer)"
+_NOT_YET_OPTIMIZERS = "asks for megatron-core's legacy layer-wise path (parameters gathered without a shard-aligned " \
+                      "layout), which is not supported here; drop it (the layout is the default)"
 _NOT_YET_MLA = "is a setting of multi-latent attention (MLA) and its YaRN rotary embedding, which are not yet supported " \
                "here; drop it"
 _NOT_YET_MTP = "is a variant of multi-token prediction (MTP) that is not yet supported here (--mtp-num-layers " \

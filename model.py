@@ -425,8 +425,21 @@ def wrap_model(cfg, model: list) -> list:
     if cfg.model.bf16 or cfg.model.fp16:
         model = [Float16Module(m.config, m) for m in model]
     ddp_config = megatron_ddp_config(cfg)
+    layouts = [None] * len(model)  # megatron-core's DDP lays out the distributed optimizer's buffers itself
+    if layer_wise(cfg):
+        # What Megatron-LM's wrap_model_chunks_with_ddp does (megatron/training/training.py:1635-1682): each
+        # parameter tagged with its optimizer, and the layer-wise buffers laid out so no matrix straddles two ranks.
+        from megatron.core.optimizer.layer_wise_optimizer import (LayerWiseDistributedOptimizer,
+                                                                  tag_params_for_buffer_routing)
+
+        tag_params_for_buffer_routing(model)
+        dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        layouts = [LayerWiseDistributedOptimizer.compute_full_param_layout(
+            [p for p in m.parameters() if p.requires_grad], ddp_config.bucket_size, dp, ddp_config,
+            expert_data_parallel_world_size=parallel_state.get_expert_data_parallel_world_size()) for m in model]
     # Only the first chunk overlaps its reduce in buckets: the others' gradients are ready together at the end.
-    model = [DistributedDataParallel(config=unwrap(m).config, ddp_config=ddp_config, module=m, disable_bucketing=i > 0)
+    model = [DistributedDataParallel(config=unwrap(m).config, ddp_config=ddp_config, module=m, disable_bucketing=i > 0,
+                                     full_param_layout=layouts[i])
              for i, m in enumerate(model)]
     for m in model:
         m.broadcast_params()
@@ -482,8 +495,19 @@ def megatron_optimizer_config(cfg, timers=None) -> OptimizerConfig:
         log_num_zeros_in_grad=cfg.logger.log_num_zeros_in_grad, timers=timers,
         **{name: getattr(o, name) for name in MUON_FIELDS},
     )
+    if layer_wise(cfg):  # Megatron-LM's arguments.py:1679-1681: the distributed optimizer of an emerging one
+        config.use_distributed_optimizer, config.use_layer_wise_distributed_optimizer = False, True
     config.finalize()
     return config
+
+
+def layer_wise(cfg) -> bool:
+    """--use-distributed-optimizer with an emerging optimizer (Muon, ...): megatron-core's LayerWiseDistributedOptimizer,
+    as Megatron-LM 0.19 builds it. Each data-parallel rank updates whole matrices (Newton-Schulz needs a whole one) and
+    the ranks gather them after the step; megatron-core's DistributedOptimizer shards what Adam updates, byte-wise."""
+    from config import MEGATRON_LM_EMERGING_OPTIMIZERS
+
+    return cfg.optimizer.optimizer in MEGATRON_LM_EMERGING_OPTIMIZERS and cfg.optimizer.use_distributed_optimizer
 
 
 def megatron_ddp_config(cfg) -> DistributedDataParallelConfig:
@@ -619,16 +643,27 @@ def build_optimizer(cfg, model: list, timers=None):
 def who_updates_what(model: list, optimizer) -> str:
     """One line per optimizer megatron-core built (an emerging optimizer chains its own with the one of what it does
     not update): its class, how many tensors and parameters, and their names (layer numbers as *)."""
+    from megatron.core.optimizer import DistributedOptimizer
+    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+
     names = {id(p): name for chunk in model for name, p in chunk.named_parameters()}
     lines = []
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if hasattr(inner, "float16_groups"):  # --bf16: the model's own tensors beside their fp32 main copies
-            params = [p for group in inner.float16_groups + inner.fp32_from_fp32_groups for p in group]
-        else:
-            params = [p for group in inner.optimizer.param_groups for p in group["params"]]
-        kinds = sorted({re.sub(r"\.\d+\.", ".*.", names[id(p)].removeprefix("module.")) for p in params if id(p) in names})
-        lines.append(f" > {type(inner.optimizer).__name__} updates {len(params)} tensors "
-                     f"({sum(p.numel() for p in params) / 1e6:.2f}M parameters): {', '.join(kinds)}")
+    for outer in getattr(optimizer, "chained_optimizers", [optimizer]):
+        # the layer-wise distributed optimizer chains this rank's share of the matrices (a whole matrix each)
+        sharded = isinstance(outer, (LayerWiseDistributedOptimizer, DistributedOptimizer))
+        for inner in outer.chained_optimizers if isinstance(outer, LayerWiseDistributedOptimizer) else [outer]:
+            if hasattr(inner, "model_float16_groups"):  # the distributed optimizer: the model's tensors it shards
+                groups = inner.model_float16_groups + inner.model_fp32_groups
+            elif hasattr(inner, "float16_groups"):  # --bf16: the model's own tensors beside their fp32 main copies
+                groups = inner.float16_groups + inner.fp32_from_fp32_groups
+            else:
+                groups = [group["params"] for group in inner.optimizer.param_groups]
+            params = [p for group in groups for p in group]
+            kinds = sorted({re.sub(r"\.\d+\.", ".*.", re.sub(r"^(module\.)+", "", names[id(p)])) for p in params
+                            if id(p) in names})  # the names inside the DDP (and Float16Module) wrappers
+            lines.append(f" > {type(inner.optimizer).__name__} updates {len(params)} tensors "
+                         f"({sum(p.numel() for p in params) / 1e6:.2f}M parameters"
+                         f"{', sharded over the data-parallel ranks' if sharded else ''}): {', '.join(kinds)}")
     return "\n".join(lines)
 
 

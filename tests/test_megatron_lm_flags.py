@@ -748,20 +748,17 @@ def test_every_flag_of_the_installed_megatron_lm_parser_is_decided():
     assert sorted(f for f in flags if f not in known and config.unsupported_flag(f) is None) == []
 
 
-_NOT_YET_OPTIMIZERS = "is a setting of megatron-core's layer-wise distributed optimizer for Muon, which is not supported"
+_NOT_YET_OPTIMIZERS = "asks for megatron-core's legacy layer-wise path"
 _NOT_YET_MLA = "is a setting of multi-latent attention (MLA) and its YaRN rotary embedding, which are not yet supported"
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--no-use-layer-wise-param-layout"], f"--no-use-layer-wise-param-layout {_NOT_YET_OPTIMIZERS} here; drop it "
-                                           "(--optimizer muon without --use-distributed-optimizer)"),
+    (["--no-use-layer-wise-param-layout"], f"--no-use-layer-wise-param-layout {_NOT_YET_OPTIMIZERS}"),
     (["--mla-down-proj-fusion"], f"--mla-down-proj-fusion {_NOT_YET_MLA} here; drop it"),
     (["--yarn-beta-fast", "32"], f"--yarn-beta-fast {_NOT_YET_MLA}"),
     (["--no-yarn-correction-range-round-to-int"], f"--no-yarn-correction-range-round-to-int {_NOT_YET_MLA}"),
     (["--mtp-detach-heads"], "--mtp-detach-heads is a variant of multi-token prediction (MTP) that is not yet "
                              "supported here"),
-    (["--optimizer", "dist_muon"], "--optimizer dist_muon: Megatron-LM shards an emerging optimizer with megatron-core's "
-                                   "layer-wise distributed optimizer, which is not supported here"),
 ])
 def test_core_v0_19_optimizer_mla_and_mtp_flags_are_not_yet_supported(argv, message, capsys):
     err = config_error(argv, capsys)

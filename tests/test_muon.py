@@ -40,6 +40,22 @@ def adaptive_resumed(runs):
                        "adaptive_muon", "--muon-tp-mode", "duplicated")
 
 
+DP2_BF16 = ["--bf16"]  # megatron-core builds its layer-wise distributed optimizer for bf16 only (config.py says so)
+
+
+def dp2(runs, *flags, name="dp2_bf16"):
+    """Muon at DP=2 in bf16: plainly, or with `flags` (the distributed optimizer, saving at 3)."""
+    return runs(name, 2, *DP2_BF16, *flags)
+
+
+def layer_wise(runs):
+    return dp2(runs, "--use-distributed-optimizer", *runs.saving("dp2_layer_wise", 3), name="dp2_layer_wise")
+
+
+def layer_wise_resumed(runs):
+    return runs.resume("dp2_layer_wise_resumed", 2, "dp2_layer_wise", 3, *DP2_BF16, "--use-distributed-optimizer")
+
+
 def tp2_resumed(runs):
     return runs.resume("tp2_duplicated_resumed", 2, "tp2_duplicated", 3, *TP2, "--muon-tp-mode", "duplicated")
 
@@ -61,6 +77,10 @@ def runs(tmp_path_factory, warm_torchrun):
         for mode in TP_MODES:
             adaptive(runs, mode)
         adaptive_resumed(runs)
+        dp2(runs)
+        layer_wise(runs)
+        layer_wise_resumed(runs)
+        dp2(runs, "--optimizer", "dist_muon", name="dp2_dist_muon")
         tp2_resumed(runs)
         one_from_tp2(runs)
     return runs
@@ -166,6 +186,27 @@ def test_adaptive_muon_learns_and_tensor_parallel_gives_the_one_process_update(r
     assert_bitwise(resumed, adaptive(runs, "duplicated"), [4, 5, 6], METRICS)
 
 
+def test_muons_distributed_optimizer_is_megatron_cores_layer_wise_one(runs):
+    """--use-distributed-optimizer with Muon (or Megatron-LM's deprecated --optimizer dist_muon, the same run bit for
+    bit) is megatron-core's LayerWiseDistributedOptimizer, as Megatron-LM 0.19 builds it: each data-parallel rank
+    updates whole matrices and the ranks gather them, and megatron-core's distributed optimizer shards Adam's part. It
+    gives the plain DP=2 run's figures and resumes bit for bit."""
+    plain, sharded = dp2(runs), layer_wise(runs)
+    said = [line for line in sharded["stdout"].splitlines() if " updates " in line]
+    assert said[0].startswith(" > TensorParallelMuon updates ") and said[1].startswith(" > AdamW updates ")
+    assert all("sharded over the data-parallel ranks" in line for line in said), said
+    # bf16 weights from fp32 main weights: the two runs sum the gradients in another order (an all-reduce, a
+    # reduce-scatter), so a main weight may differ in its last fp32 bits and its bf16 copy round to the neighbouring
+    # value: at most bf16's unit roundoff, 2^-8, relative.
+    assert_same(sharded, plain, range(1, 7), METRICS, rel=2 ** -8)
+    resumed = layer_wise_resumed(runs)
+    assert resumed["iterations"] == [4, 5, 6]
+    assert_bitwise(resumed, sharded, [4, 5, 6], METRICS)
+    dist_muon = dp2(runs, "--optimizer", "dist_muon", name="dp2_dist_muon")
+    assert "derived: optimizer.use_distributed_optimizer = True (--optimizer dist_muon)" in dist_muon["stdout"]
+    assert_bitwise(dist_muon, sharded, range(1, 7), METRICS)
+
+
 # Kimi K2's recipe, shrunk: DeepSeek-V3's block (test_mtp's V3: multi-latent attention, MoE from the second layer with
 # DeepSeek-V3's router and a shared expert, one MTP layer) trained with Muon.
 V3_FLAGS = [*V3, *FLAGS[len(TINY):]]
@@ -244,6 +285,24 @@ def test_deepseek_v3_with_muon_resumes_bitwise_and_its_momentum_crosses_to_exper
     assert_same(ep2_from_tp2(v3), straight, [6], V3_METRICS, rel=REORDERED)
 
 
+def test_a_layer_wise_optimizer_state_on_another_data_parallel_size_is_one_line(runs, tmp_path):
+    """megatron-core's layer-wise distributed optimizer keeps each rank's whole matrices for the data-parallel size
+    that saved them: one rank loading the DP=2 checkpoint's optimizer is one line naming --no-load-optim (it was a
+    KeyError from inside megatron-core's load, "the checkpoint is corrupt"), and with it the weights continue."""
+    import checkpoint
+    import config
+    import train
+
+    layer_wise(runs)
+    flags = [*FLAGS, *DP2_BF16, "--load", runs.ckpt("dp2_layer_wise"), "--ckpt-step", "3", "--no-save"]
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        train.pretrain(config.parse_args(flags, world_size=1, gpu=False))
+    assert "its optimizer state was saved by megatron-core's layer-wise distributed optimizer at data-parallel size " \
+           "2, and this run has another optimizer at 1" in str(e.value) and "--no-load-optim" in str(e.value)
+    out = train_here([*flags, "--no-load-optim"])
+    assert [it for it, *_ in log_lines(out)] == [4, 5, 6]
+
+
 def test_a_tensor_parallel_moe_checkpoints_optimizer_on_one_rank_is_one_line(v3, tmp_path):
     """At TP=2 with expert TP 1 megatron-core sets the experts' optimizer apart (their layers use the expert groups:
     tensor_parallel/layers.py:961-964), at one rank it does not, and it cannot load the one into the other: one line
@@ -271,8 +330,13 @@ def test_lion_and_soap_train_through_the_same_path():
 
 @pytest.mark.parametrize("flags, expected", [
     (["--optimizer", "muon", "--use-distributed-optimizer"], "--optimizer muon with --use-distributed-optimizer: "
-     "Megatron-LM shards an emerging optimizer with megatron-core's layer-wise distributed optimizer"),
-    (["--optimizer", "dist_muon"], "--optimizer dist_muon: Megatron-LM shards an emerging optimizer"),
+     "megatron-core 0.19.2's layer-wise distributed optimizer is built for bf16 only; add --bf16"),
+    (["--optimizer", "dist_muon"], "--optimizer muon with --use-distributed-optimizer: megatron-core 0.19.2's "
+     "layer-wise distributed optimizer is built for bf16 only"),
+    (["--optimizer", "muon", "--use-distributed-optimizer", "--bf16", "--num-experts", "2"], "does not shard the "
+     "experts' biases beside the layer-wise optimizer"),
+    (["--optimizer", "muon", "--use-distributed-optimizer", "--bf16", "--overlap-param-gather"], "the layer-wise "
+     "optimizer's overlapped gather is not built here"),
     (["--optimizer", "muon", "--fp16"], "--optimizer muon with --fp16: megatron-core's emerging optimizers do not "
                                         "support fp16"),
     (["--optimizer", "muon", "--muon-tp-mode", "sideways"], "invalid choice: 'sideways'"),

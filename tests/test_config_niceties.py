@@ -104,14 +104,15 @@ def test_the_readmes_flag_list_names_flags_that_exist():
     import re
 
     import config
+    import megatron_lm_flags
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     text = open(os.path.join(root, "docs", "flags.md")).read()
     section = text[text.index("## The flags, by section"):text.index("Megatron-LM's own GPT example scripts")]
     named = set(re.findall(r"(--[a-z0-9][a-z0-9_-]*[a-z0-9])", section))
     known = {o for action in config.build_parser()._actions for o in action.option_strings}
-    known |= {flag for _, flags in config.MEGATRON_LM_INERT_FLAGS for flag, _ in flags}
-    known |= {flag for prefixes, _ in config.MEGATRON_LM_REFUSED_FLAGS for flag in prefixes}
+    known |= {flag for _, flags in megatron_lm_flags.MEGATRON_LM_INERT_FLAGS for flag, _ in flags}
+    known |= {flag for prefixes, _ in megatron_lm_flags.MEGATRON_LM_REFUSED_FLAGS for flag in prefixes}
     families = ("--inprocess", "--fp8")  # named as --inprocess-* and --fp8-*
     assert sorted(f for f in named if f not in known and f not in families) == []
     main = {"--" + f.name.replace("_", "-") for name, f, _ in config._cli_fields()

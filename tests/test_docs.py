@@ -178,10 +178,11 @@ def argument_flags(path: str) -> set:
 
 def known_flags() -> set:
     import config
+    import megatron_lm_flags
 
     known = {o for action in config.build_parser()._actions for o in action.option_strings}
-    known |= {flag for _, flags in config.MEGATRON_LM_INERT_FLAGS for flag, _ in flags}
-    known |= {flag for prefixes, _ in config.MEGATRON_LM_REFUSED_FLAGS for flag in prefixes}
+    known |= {flag for _, flags in megatron_lm_flags.MEGATRON_LM_INERT_FLAGS for flag, _ in flags}
+    known |= {flag for prefixes, _ in megatron_lm_flags.MEGATRON_LM_REFUSED_FLAGS for flag in prefixes}
     for module in ("generate", "hf", "data", "peft", "bench"):
         known |= argument_flags(os.path.join(ROOT, f"{module}.py"))
     known |= argument_flags(os.path.join(package_root("torch"), "distributed", "run.py"))  # torchrun
@@ -190,12 +191,13 @@ def known_flags() -> set:
 
 def flag_problems(page: str, text: str, known: set) -> list:
     import config
+    import megatron_lm_flags
 
     problems = []
     for flag in sorted(set(re.findall(r"(?<![\w-])(--[a-z0-9][a-z0-9_-]*[a-z0-9])", text))):
         if flag in known or flag in ("--inprocess", "--fp8"):  # the families --inprocess-* and --fp8-*
             continue
-        if config.unsupported_flag(flag) is not None:  # a Megatron-LM flag refused by name, one line
+        if megatron_lm_flags.unsupported_flag(flag) is not None:  # a Megatron-LM flag refused by name, one line
             continue
         problems.append(f"{page}: {flag} is a flag of no command here")
     return problems

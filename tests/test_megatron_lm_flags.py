@@ -18,6 +18,7 @@ import sys
 import pytest
 
 import config
+import megatron_lm_flags
 from conftest import ROOT, TINY, config_error
 
 SCRIPTS = os.path.join(ROOT, "tests", "fixtures", "megatron_lm_scripts")
@@ -697,7 +698,7 @@ def test_no_megatron_lm_flag_gets_argparses_generic_error(capsys):
     known = _known_flags()
     assert len(MEGATRON_LM_FLAGS_DECIDED) == 192 and len(MEGATRON_LM_FLAGS_NEW_IN_0_19) == 193
     flags = MEGATRON_LM_FLAGS_DECIDED + MEGATRON_LM_FLAGS_NEW_IN_0_19
-    assert [f for f in flags if f not in known and config.unsupported_flag(f) is None] == []
+    assert [f for f in flags if f not in known and megatron_lm_flags.unsupported_flag(f) is None] == []
     for flag in flags:
         if flag not in known:  # a value after it, for the flags that take one
             err = config_error([flag, "1"], capsys)
@@ -712,8 +713,8 @@ def test_flags_core_v0_19_dropped_are_decided_as_before():
     assert MEGATRON_LM_0_19_FLAG_COUNT - len(new) + len(removed) == MEGATRON_LM_0_16_FLAG_COUNT
     known = _known_flags()
     assert [f for f in MEGATRON_LM_FLAGS_REMOVED_IN_0_19 if f in known] == REMOVED_IN_0_19_STILL_ACCEPTED
-    assert [f for f in MEGATRON_LM_FLAGS_REMOVED_IN_0_19 if f not in known and not config.unsupported_flag(f)] == []
-    inert = {flag for _, flags in config.MEGATRON_LM_INERT_FLAGS for flag, _ in flags}
+    assert [f for f in MEGATRON_LM_FLAGS_REMOVED_IN_0_19 if f not in known and not megatron_lm_flags.unsupported_flag(f)] == []
+    inert = {flag for _, flags in megatron_lm_flags.MEGATRON_LM_INERT_FLAGS for flag, _ in flags}
     assert set(REMOVED_IN_0_19_STILL_ACCEPTED) <= inert
 
 
@@ -745,7 +746,7 @@ def test_every_flag_of_the_installed_megatron_lm_parser_is_decided():
     assert set(MEGATRON_LM_FLAGS_NEW_IN_0_19) <= flags and not flags & set(MEGATRON_LM_FLAGS_REMOVED_IN_0_19)
     assert set(MEGATRON_LM_FLAGS_DECIDED) - flags <= set(MEGATRON_LM_FLAGS_REMOVED_IN_0_19)
     known = _known_flags()
-    assert sorted(f for f in flags if f not in known and config.unsupported_flag(f) is None) == []
+    assert sorted(f for f in flags if f not in known and megatron_lm_flags.unsupported_flag(f) is None) == []
 
 
 _NOT_YET_OPTIMIZERS = "asks for megatron-core's legacy layer-wise path"
@@ -977,7 +978,7 @@ def test_virtual_stages_per_pipeline_rank_as_megatron_lm():
 
 def test_every_inert_flag_is_accepted_and_named_once_as_given():
     argv = []
-    for _, flags in config.MEGATRON_LM_INERT_FLAGS:
+    for _, flags in megatron_lm_flags.MEGATRON_LM_INERT_FLAGS:
         for flag, takes in flags:
             argv += [flag] if takes is None else [flag, "a", "b"] if takes == "*" else \
                 [flag, takes[-1]] if isinstance(takes, list) else [flag, "3"]
@@ -988,7 +989,7 @@ def test_every_inert_flag_is_accepted_and_named_once_as_given():
                      "--flash-attention-version 3 --use-transformer-engine-op-fuser --fused-residual-rmsnorm "
                      "--use-grouped-gemm-for-dense-mlp")
     named = (fused + " " + other).split(" --")
-    for _, flags in config.MEGATRON_LM_INERT_FLAGS:
+    for _, flags in megatron_lm_flags.MEGATRON_LM_INERT_FLAGS:
         for flag, _ in flags:
             assert sum(1 for given in named if ("--" + given.lstrip("-")).split(" ")[0] == flag) == 1, flag
     assert "--local-rank 3" in other and "--recompute-modules a b" in other and "--timing-log-option all" in other

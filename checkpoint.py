@@ -247,8 +247,8 @@ def megatron_lm_args(cfg, ts) -> argparse.Namespace:
     name, as Megatron-LM's argparse names it (`--no-save-rng` is no_save_rng = not save_rng), plus the sizes it
     derives."""
     args = {}
-    for section, f, _ in config_lib._cli_fields():
-        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+    for section, f, meta in config_lib._cli_fields():
+        flag = meta["flag"]
         value = getattr(getattr(cfg, section), f.name)
         dest = flag[2:].replace("-", "_")
         if dest.startswith("no_") and not f.name.startswith("no_") and isinstance(value, bool):

@@ -23,6 +23,7 @@ import abc
 import argparse
 import ast
 import dataclasses
+import enum
 import glob
 import importlib
 import importlib.util
@@ -45,6 +46,11 @@ if sys.version_info < (3, 12):
              f"Python 3.12 or 3.13; make the environment with `python3.12 -m venv .venv` and install again")
 
 
+import device  # noqa: E402,F401  first: it quiets megatron-core's import-time notices of its CPU fallbacks
+from megatron.training import config as mcore_training  # noqa: E402  megatron-core's training sections: Bridge's bases
+from megatron.training.argument_utils import ArgumentGroupFactory  # noqa: E402
+
+
 class ConfigError(ValueError):
     """An impossible or inconsistent setting. The message is one line saying what and how to fix it."""
 
@@ -64,6 +70,75 @@ def arg(default: Any, help: str, *, flag: Optional[str] = None, choices=None, cl
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+# megatron-core's fields this trainer acts on, by section, each with a flag generated from megatron-core's dataclass:
+# its name, type, default and docstring, by megatron-core's own ArgumentGroupFactory, as Megatron-LM 0.19's
+# arguments.py makes its flags. Every other field of megatron-core's classes keeps its default (check_mcore_fields
+# refuses a YAML that sets one; their Megatron-LM flags are megatron_lm_flags.py's).
+MCORE_FLAGS = {
+    "train": "micro_batch_size global_batch_size rampup_batch_size train_iters train_samples exit_interval "
+             "exit_duration_in_mins exit_signal_handler exit_signal iterations_to_skip manual_gc manual_gc_interval "
+             "manual_gc_eval empty_unused_memory_level",
+    "validation": "eval_iters eval_interval skip_train",
+    "scheduler": "lr_decay_style lr_decay_iters lr_decay_samples lr_warmup_iters lr_warmup_samples lr_warmup_fraction "
+                 "lr_warmup_init lr_wsd_decay_style lr_wsd_decay_iters lr_wsd_decay_samples start_weight_decay "
+                 "end_weight_decay weight_decay_incr_style override_opt_param_scheduler use_checkpoint_opt_param_scheduler",
+    "logger": "log_interval tensorboard_dir tensorboard_log_interval log_throughput log_params_norm log_num_zeros_in_grad "
+              "log_memory_to_tensorboard log_timers_to_tensorboard log_runtime_to_tensorboard throughput_window_size "
+              "log_validation_ppl_to_tensorboard timing_log_level logging_level wandb_project wandb_exp_name "
+              "wandb_save_dir wandb_entity",
+    "checkpoint": "save load save_interval save_optim save_rng load_optim load_rng finetune pretrained_checkpoint "
+                  "ckpt_step most_recent_k ckpt_format dist_ckpt_optim_fully_reshardable async_save async_strategy",
+    "dist": "distributed_backend distributed_timeout_minutes",
+    "rng": "seed",
+    "profiling": "use_nsys_profiler use_pytorch_profiler profile_step_start profile_step_end profile_ranks "
+                 "pytorch_profiler_collect_shapes pytorch_profiler_collect_callstack record_shapes "
+                 "record_memory_history memory_snapshot_path nvtx_ranges",
+    "straggler": "log_straggler straggler_minmax_count disable_straggler_on_startup",
+    "rerun_state_machine": "error_injection_rate error_injection_type check_for_spiky_loss",
+}
+# megatron-core's fields this trainer acts on without a flag (Megatron-LM has none either): YAML only.
+MCORE_YAML_ONLY = {"rerun_state_machine": "check_for_nan_in_loss",
+                   "validation": "eval_global_batch_size eval_micro_batch_size",
+                   "dist": "local_rank"}  # megatron-core's default reads $LOCAL_RANK, which differs between ranks
+# Where this trainer's flag for a megatron-core field differs from the generated one, and why. `bounds`: the interval
+# a number must lie in (validate checks it first); `off`: a second flag that unsets the setting.
+MCORE_FLAG_CHANGES = {
+    "scheduler.lr_decay_style": dict(choices=["constant", "linear", "cosine", "inverse-square-root", "WSD",
+                                              *schedules.LR_SCHEDULES]),  # schedules of your own (schedules.py)
+    "scheduler.lr_warmup_init": dict(bounds="[0, inf)"),
+    "checkpoint.ckpt_format": dict(choices=["torch", "torch_dist"]),  # the two formats this trainer writes
+    "checkpoint.save": dict(off="--no-save"),  # the default saves (DEFAULTS): --no-save saves nothing
+    "logger.tensorboard_dir": dict(off="--no-tensorboard"),
+    # Fractions of a minute, where Megatron-LM takes whole ones: a hung rank's test, a short run's deadline.
+    "dist.distributed_timeout_minutes": dict(type=float, bounds="(0, inf)"),
+    "train.exit_duration_in_mins": dict(type=float, bounds="(0, inf)"),
+    # A signal's name (SIGTERM), made a signal.Signals by validate; megatron-core's enum parser raises a KeyError
+    # (a traceback) on a wrong name.
+    "train.exit_signal": dict(type=str, choices=None),
+    "rng.seed": dict(bounds="[0, 2147483647]"),  # numpy refuses negative seeds and seeds from 2**32
+}
+# This trainer's defaults where they differ from megatron-core's dataclass, on purpose, each with its reason.
+DEFAULTS = {
+    "train.micro_batch_size": (4, "megatron-core has none (Megatron-LM asks for it); a batch a laptop trains"),
+    "validation.eval_iters": (10, "a short evaluation of the small models this trainer runs first (Megatron-LM: 100)"),
+    "validation.eval_interval": (100, "an evaluation within the quick start's 300 iterations (Megatron-LM: 1000)"),
+    "logger.log_interval": (10, "a log line every few seconds for a small model (Megatron-LM: 100)"),
+    "logger.tensorboard_dir": ("runs", "TensorBoard files by default, git-ignored (`tensorboard --logdir runs`)"),
+    "checkpoint.save": ("checkpoints", "a run leaves a checkpoint by default; generate.py reads it by default"),
+    "dist.distributed_backend": (None, "derived from the machine: nccl with a GPU, gloo without"),
+}
+
+
+def section_default(cls, section: str):
+    """A section's defaults: its class's, with DEFAULTS applied."""
+    return cls(**{k.split(".")[1]: v for k, (v, _) in DEFAULTS.items() if k.split(".")[0] == section})
+
+
+def _names(table: dict, section: str) -> list:
+    return table.get(section, "").split()
+
 
 
 # --------------------------------------------------------------------------------------------------
@@ -373,50 +448,132 @@ class ModelConfig:
 
 
 @dataclass
-class TrainingConfig:
-    """The training loop: batch sizes, length, evaluation and exit conditions."""
+class TrainingConfig(mcore_training.TrainingConfig):
+    """Bridge's TrainingConfig: megatron-core's (megatron.training.config), plus Bridge's own fields."""
 
-    micro_batch_size: int = arg(4, "Samples per forward/backward pass on one data-parallel rank.")
-    global_batch_size: Optional[int] = arg(
-        None, "Samples per optimizer step over all ranks. Default: micro batch size x data-parallel size."
-    )
-    train_iters: Optional[int] = arg(
-        None, "Iterations (optimizer steps) to train for. Default: 300 when --train-samples is not given."
-    )
-    train_samples: Optional[int] = arg(None, "Samples to train for, instead of --train-iters.")
-    eval_interval: int = arg(100, "Run evaluation on the validation set every this many iterations.")
-    eval_iters: int = arg(10, "Iterations (global batches) per evaluation. 0 disables evaluation.")
-    skip_train: bool = arg(False, "Do not train: evaluate on the validation and test sets only, then exit.")
-    exit_interval: Optional[int] = arg(None, "Exit (saving a checkpoint if --save is set) at the first iteration divisible by this.")
-    exit_duration_in_mins: Optional[float] = arg(None, "Exit (saving a checkpoint) after this many minutes of training.",
-                                                  bounds="(0, inf)")
-    exit_signal_handler: bool = arg(False, "On --exit-signal (SIGTERM by default) on any rank: save a checkpoint and exit 0.")
-    exit_signal: str = arg("SIGTERM", "Signal that --exit-signal-handler catches.")
-    iterations_to_skip: Optional[list[int]] = arg(
-        None, "Iterations (numbered as in the log line) to skip: their data is consumed, no step is taken.")
     check_for_nan_in_loss_and_grad: bool = arg(
         True, "Stop the run when the loss is NaN or Inf.", flag="--no-check-for-nan-in-loss-and-grad"
     )
-    rampup_batch_size: Optional[list[int]] = arg(
-        None, "Batch-size ramp-up: START INCR SAMPLES. The global batch starts at START and grows by INCR, evenly "
-              "over the first SAMPLES consumed samples, up to --global-batch-size (Megatron-LM). A checkpoint is saved "
-              "(with --save) each time it grows.")
     check_optimizer_step_success: bool = arg(
         True, "After each optimizer step, agree across model-parallel ranks whether it succeeded (a step that "
               "failed on any rank is skipped on all).", flag="--no-check-optimizer-step-success")
     skip_sync_grad_norm_across_mp: bool = arg(
         False, "Do not take the max of the reported grad norm over model-parallel ranks (saves one small all-reduce "
                "per step; ranks without trainable parameters then report none).")
-    manual_gc: bool = arg(False, "Turn off Python's automatic garbage collector during training and collect at "
-                                 "chosen points instead, so collections happen at the same moment on every rank.")
-    manual_gc_interval: int = arg(0, "With --manual-gc: a full collection every this many iterations (0: none "
-                                     "between steps, only around evaluation).")
-    manual_gc_eval: bool = arg(True, "With --manual-gc: do not collect garbage before and after each evaluation.",
-                               flag="--no-manual-gc-eval")
-    empty_unused_memory_level: int = arg(
-        0, "Megatron-LM: call torch.cuda.empty_cache() after each step (1) and also after each forward-backward (2), "
-           "against fragmentation. This loop does not: inert here (it changes memory, not results).",
-        choices=[0, 1, 2])
+    # Bridge's deprecated spellings of the validation section's settings: when set, they are copied there.
+    eval_iters: Optional[int] = arg(None, "Deprecated in favor of validation.eval_iters (--eval-iters).", cli=False)
+    eval_interval: Optional[int] = arg(None, "Deprecated in favor of validation.eval_interval (--eval-interval).",
+                                       cli=False)
+    skip_train: Optional[bool] = arg(None, "Deprecated in favor of validation.skip_train (--skip-train).", cli=False)
+
+
+@dataclass
+class SchedulerConfig(mcore_training.SchedulerConfig):
+    """Bridge's SchedulerConfig: megatron-core's (megatron.training.config); validate() fills in its step counts, all
+    in samples, as megatron-core's OptimizerParamScheduler counts them."""
+
+    decoupled_lr: Optional[float] = arg(
+        None, "Peak learning rate of the input embedding and the output layer (their own schedule, from "
+              "--decoupled-lr to --decoupled-min-lr); megatron-core's decoupled_lr.", bounds="(0, inf)")
+    decoupled_min_lr: Optional[float] = arg(
+        None, "Learning rate of the input embedding and output layer at the end of the decay (with --decoupled-lr). "
+              "Default: --min-lr.", bounds="[0, inf)")
+
+
+@dataclass
+class LoggerConfig(mcore_training.LoggerConfig):
+    """Bridge's LoggerConfig: megatron-core's (megatron.training.config), plus Bridge's trackers and switches."""
+
+    log_l2_norm_grad: bool = arg(False, "Write each parameter's gradient L2 norm to TensorBoard (walks all gradients).")
+    log_non_default_values: bool = arg(
+        False, "At start print only the settings that differ from their defaults, and the values derived from them, "
+               "instead of every setting.")
+    skip_train_metrics_log: bool = arg(
+        False, "Print no training log line and write no training scalars to TensorBoard or any tracker (validation is "
+               "still reported).", cli=False)
+    # Other experiment trackers, each on when its first setting is given, fed the TensorBoard scalars on the last rank.
+    mlflow_experiment: Optional[str] = arg(None, "MLflow experiment name: log to MLflow (pip install mlflow-skinny).")
+    mlflow_run_name: Optional[str] = arg(None, "MLflow run name.")
+    mlflow_tracking_uri: Optional[str] = arg(
+        None, "MLflow tracking URI: a server (http://HOST:5000), or file:///DIR with MLFLOW_ALLOW_FILE_STORE=true. "
+              "Default: MLFLOW_TRACKING_URI, else MLflow's default.")
+    mlflow_tags: Optional[dict[str, str]] = arg(None, "Tags of the MLflow run, as KEY=VALUE pairs.")
+    comet_project: Optional[str] = arg(None, "Comet project: log to Comet (pip install comet_ml; COMET_START_ONLINE=0 "
+                                             "writes an offline archive).")
+    comet_experiment_name: Optional[str] = arg(None, "Comet experiment name.")
+    comet_workspace: Optional[str] = arg(None, "Comet workspace. Default: the API key's default workspace.")
+    comet_api_key: Optional[str] = arg(None, "Comet API key. Prefer the COMET_API_KEY environment variable: a key given "
+                                             "here is kept out of saved configs.")
+    comet_tags: Optional[list[str]] = arg(None, "Tags of the Comet experiment.")
+
+
+@dataclass
+class CheckpointConfig(mcore_training.CheckpointConfig):
+    """Bridge's CheckpointConfig: megatron-core's (megatron.training.config), with Bridge's defaults and fields, and
+    megatron-core's post-init deferred to finalize() (as Bridge), so that settings may change after construction."""
+
+    use_persistent_ckpt_worker: bool = arg(
+        True, "--async-save with torch_dist: one long-lived writer process instead of a fork per save (GPU).",
+        flag="--no-use-persistent-ckpt-worker")
+    storage_writers_per_rank: int = arg(
+        1, "torch_dist: files each saving rank writes in parallel (megatron-core's writer threads); a save holds "
+           "saving ranks x this many .distcp files. (Megatron-LM's --dist-ckpt-workers, which it applies to async saves "
+           "only.)", flag="--dist-ckpt-workers", bounds="[1, inf)")
+    async_write_results_mp_mode: str = arg(
+        "fork", "--async-save with torch_dist: how the process serving the writer's results queue is started.",
+        choices=["fork", "spawn", "forkserver"], cli=False)
+    strict_fsdp_dtensor_load: bool = arg(
+        False, "Bridge's strict loading of FSDP DTensor checkpoints. Only False here: there is no FSDP and no "
+               "fsdp_dtensor format.", cli=False)
+    custom_manager_class: Optional[str] = arg(
+        None, "Dotted path of your own checkpoint manager class (Bridge's CheckpointManager protocol: __init__(checkpoint "
+              "config), save(ctx, callback_manager), load(ctx) -> (iteration, FLOPs so far), finalize_async_saves(state, "
+              "blocking, terminate)), which then does every save and load of the run. Default: "
+              "checkpoint.DefaultCheckpointManager.", cli=False)
+
+    def __post_init__(self) -> None:
+        pass  # deferred: see finalize()
+
+    def finalize(self) -> None:
+        """megatron-core's post-init on the current values (its checks; async_strategy mcore without --async-save)."""
+        super().__post_init__()
+
+
+@dataclass
+class DistributedInitConfig(mcore_training.DistributedInitConfig):
+    """Bridge's DistributedInitConfig: megatron-core's (megatron.training.config), plus Bridge's own fields."""
+
+    external_gpu_device_mapping: bool = arg(
+        False, "The launcher has given each process one GPU (CUDA_VISIBLE_DEVICES): use device 0 instead of the local "
+               "rank's.", cli=False)
+    enable_megatron_core_experimental: bool = arg(
+        False, "Turn on megatron-core's experimental features (megatron.core.config's experimental flag) for the run.",
+        flag="--enable-experimental")
+    use_decentralized_pg: bool = arg(
+        False, "Bridge's process groups passed through every call instead of megatron-core's global parallel_state. "
+               "Only False here: the global groups are what this trainer builds and reads.", cli=False)
+
+
+@dataclass
+class RerunStateMachineConfig(mcore_training.RerunStateMachineConfig):
+    """Bridge's RerunStateMachineConfig: megatron-core's (megatron.training.config), with Bridge's default mode and its
+    spiky-loss factor."""
+
+    rerun_mode: str = arg(
+        "disabled", "disabled: the loss is checked once per step (see --no-check-for-nan-in-loss-and-grad). "
+                    "validate_results: check each microbatch's loss and, on a NaN/Inf, rerun the step to tell a "
+                    "transient fault from a reproducible one, then stop. report_determinism_stats: run every step "
+                    "twice and report how much the losses differ.",
+        choices=["disabled", "validate_results", "report_determinism_stats"])
+    spiky_loss_factor: float = arg(
+        10.0, "Factor for detecting spiky loss: a loss this many times the largest observed over the sample window.")
+
+
+# megatron-core's sections that Bridge takes as they are.
+RNGConfig = mcore_training.RNGConfig
+ProfilingConfig = mcore_training.ProfilingConfig
+StragglerDetectionConfig = mcore_training.StragglerDetectionConfig
+ValidationConfig = mcore_training.ValidationConfig
 
 
 # Megatron-LM's --optimizer choices of its emerging optimizers (arguments.py, core_v0.19.0), built by megatron-core's
@@ -555,42 +712,6 @@ class OptimizerConfigOverrideProvider:
         return overrides or None
 
 
-@dataclass
-class SchedulerConfig:
-    """Learning-rate and weight-decay schedules (megatron-core's OptimizerParamScheduler), counted in samples."""
-
-    lr_decay_style: str = arg(
-        "linear", "Learning-rate decay: megatron-core's styles, or one of schedules.py's (LR_SCHEDULES).",
-        choices=["constant", "linear", "cosine", "inverse-square-root", "WSD", *schedules.LR_SCHEDULES]
-    )
-    lr_decay_iters: Optional[int] = arg(None, "Iterations to decay over. Default: --train-iters.")
-    lr_decay_samples: Optional[int] = arg(None, "Samples to decay over (sample-based training). Default: --train-samples.")
-    lr_warmup_iters: int = arg(0, "Iterations of linear warmup (iteration-based training).")
-    lr_warmup_samples: int = arg(0, "Samples of linear warmup (sample-based training).")
-    lr_warmup_fraction: Optional[float] = arg(
-        None, "Warmup as a fraction of the decay length, instead of --lr-warmup-iters/--lr-warmup-samples.")
-    lr_warmup_init: float = arg(0.0, "Learning rate at the start of warmup.", bounds="[0, inf)")
-    decoupled_lr: Optional[float] = arg(
-        None, "Peak learning rate of the input embedding and the output layer (their own schedule, from "
-              "--decoupled-lr to --decoupled-min-lr); megatron-core's decoupled_lr.", bounds="(0, inf)")
-    decoupled_min_lr: Optional[float] = arg(
-        None, "Learning rate of the input embedding and output layer at the end of the decay (with --decoupled-lr). "
-              "Default: --min-lr.", bounds="[0, inf)")
-    lr_wsd_decay_style: str = arg("exponential", "Decay of the WSD schedule's last phase.", choices=["exponential", "linear", "cosine"])
-    lr_wsd_decay_iters: Optional[int] = arg(None, "Iterations of the WSD schedule's decay phase. Default: the whole decay.")
-    lr_wsd_decay_samples: Optional[int] = arg(
-        None, "Samples of the WSD schedule's decay phase (sample-based training). Default: the whole decay.")
-    start_weight_decay: Optional[float] = arg(None, "Weight decay at the start. Default: --weight-decay.")
-    end_weight_decay: Optional[float] = arg(None, "Weight decay at the end. Default: --weight-decay.")
-    weight_decay_incr_style: str = arg("constant", "Weight-decay schedule.", choices=["constant", "linear", "cosine"])
-    override_opt_param_scheduler: bool = arg(False, "Take schedule settings from the flags, not from the checkpoint.")
-    use_checkpoint_opt_param_scheduler: bool = arg(False, "Take schedule settings from the checkpoint, not from the flags.")
-    # Computed by validate(), all in samples, as megatron-core's scheduler counts steps.
-    lr_warmup_steps: float = arg(0, "Warmup length in samples (fractional with --lr-warmup-fraction, as in Megatron).",
-                                 derived=True)
-    lr_decay_steps: int = arg(0, "Decay length in samples.", derived=True)
-    wd_incr_steps: int = arg(0, "Weight-decay schedule length in samples.", derived=True)
-    wsd_decay_steps: Optional[int] = arg(None, "WSD decay length in samples.", derived=True)
 
 
 @dataclass
@@ -747,200 +868,18 @@ class TokenizerConfig:
                                                 "other tokenizers, and so it is inert here.", choices=["v1", "v2"])
 
 
-@dataclass
-class LoggerConfig:
-    """Console and TensorBoard reporting."""
-
-    log_interval: int = arg(10, "Print the log line every this many iterations.")
-    tensorboard_dir: Optional[str] = arg(
-        "runs", "Write TensorBoard event files here. Default: runs (git-ignored; `tensorboard --logdir runs`). "
-        "--no-tensorboard writes none.", off="--no-tensorboard")
-    tensorboard_log_interval: int = arg(1, "Write TensorBoard scalars every this many iterations.")
-    log_throughput: bool = arg(False, "Add TFLOP/s per GPU and MFU to the log line, throughput/* to TensorBoard.")
-    log_params_norm: bool = arg(False, "Compute and log the parameters' L2 norm (walks all parameters).")
-    log_num_zeros_in_grad: bool = arg(False, "Count and log the zeros in the gradient (walks all gradients).")
-    log_l2_norm_grad: bool = arg(False, "Write each parameter's gradient L2 norm to TensorBoard (walks all gradients).")
-    log_memory_to_tensorboard: bool = arg(False, "Write memory statistics (memory/*) to TensorBoard.")
-    log_timers_to_tensorboard: bool = arg(False, "Write the timers of --timing-log-level to TensorBoard.")
-    log_runtime_to_tensorboard: bool = arg(False, "Write elapsed and estimated remaining time (time/*) to TensorBoard.")
-    throughput_window_size: int = arg(100, "Iterations in the rolling window of the throughput/* scalars.")
-    log_validation_ppl_to_tensorboard: bool = arg(False, "Also write validation perplexity to TensorBoard.")
-    timing_log_level: int = arg(0, "Timer detail: 0 iteration time only, 1 once-per-step phases, 2 everything.", choices=[0, 1, 2])
-    log_non_default_values: bool = arg(
-        False, "At start print only the settings that differ from their defaults, and the values derived from them, "
-               "instead of every setting.")
-    skip_train_metrics_log: bool = arg(
-        False, "Print no training log line and write no training scalars to TensorBoard or any tracker (validation is "
-               "still reported).", cli=False)
-    logging_level: Optional[int] = arg(
-        None, "Python logging level of this script's and megatron-core's loggers (10 DEBUG, 20 INFO, 30 WARNING). "
-              "Default: $MEGATRON_LOGGING_LEVEL, else Python's (warnings only).")
-    # Other experiment trackers, each on when its first setting is given, fed the TensorBoard scalars on the last rank.
-    wandb_project: Optional[str] = arg(None, "Weights & Biases project: log to W&B (pip install wandb; WANDB_MODE=offline "
-                                             "writes locally).")
-    wandb_exp_name: Optional[str] = arg(None, "W&B run name (needed with --wandb-project).")
-    wandb_save_dir: Optional[str] = arg(None, "Directory for W&B's local files. Default: SAVE/wandb, else ./wandb.")
-    wandb_entity: Optional[str] = arg(None, "W&B entity (user or team). Default: your default entity.")
-    mlflow_experiment: Optional[str] = arg(None, "MLflow experiment name: log to MLflow (pip install mlflow-skinny).")
-    mlflow_run_name: Optional[str] = arg(None, "MLflow run name.")
-    mlflow_tracking_uri: Optional[str] = arg(
-        None, "MLflow tracking URI: a server (http://HOST:5000), or file:///DIR with MLFLOW_ALLOW_FILE_STORE=true. "
-              "Default: MLFLOW_TRACKING_URI, else MLflow's default.")
-    mlflow_tags: Optional[dict[str, str]] = arg(None, "Tags of the MLflow run, as KEY=VALUE pairs.")
-    comet_project: Optional[str] = arg(None, "Comet project: log to Comet (pip install comet_ml; COMET_START_ONLINE=0 "
-                                             "writes an offline archive).")
-    comet_experiment_name: Optional[str] = arg(None, "Comet experiment name.")
-    comet_workspace: Optional[str] = arg(None, "Comet workspace. Default: the API key's default workspace.")
-    comet_api_key: Optional[str] = arg(None, "Comet API key. Prefer the COMET_API_KEY environment variable: a key given "
-                                             "here is kept out of saved configs.")
-    comet_tags: Optional[list[str]] = arg(None, "Tags of the Comet experiment.")
 
 
-@dataclass
-class CheckpointConfig:
-    """Saving and loading."""
-
-    save: Optional[str] = arg(
-        "checkpoints", "Directory to save checkpoints to: the final one, and every --save-interval iterations. Default: "
-        "checkpoints (git-ignored; generate.py reads it by default). --no-save saves nothing.", off="--no-save")
-    load: Optional[str] = arg(None, "Checkpoint to resume from: a save directory (its newest) or one iter_* directory.")
-    save_interval: Optional[int] = arg(None, "Save a checkpoint every this many iterations.")
-    save_optim: bool = arg(True, "Save the optimizer state.", flag="--no-save-optim")
-    save_rng: bool = arg(True, "Save the random number generator states.", flag="--no-save-rng")
-    load_optim: bool = arg(True, "Load the optimizer state.", flag="--no-load-optim")
-    load_rng: bool = arg(True, "Load the random number generator states.", flag="--no-load-rng")
-    finetune: bool = arg(False, "Load weights only and start at iteration 0 (no optimizer, scheduler, RNG or progress).")
-    pretrained_checkpoint: Optional[str] = arg(
-        None, "Weights to start from when --load holds no checkpoint of this run: a save directory or an iter_* directory.")
-    ckpt_step: Optional[int] = arg(None, "Load this iteration instead of the newest.")
-    most_recent_k: int = arg(-1, "Keep only the newest K checkpoints, deleting older ones after each save. -1 keeps all.")
-    ckpt_format: str = arg(
-        "torch_dist", "On-disk format: torch_dist (megatron-core dist_checkpointing: reshardable across tensor, "
-        "pipeline and data parallelism) or torch (one file per tensor/pipeline rank, same parallel layout only).",
-        choices=["torch", "torch_dist"],
-    )
-    dist_ckpt_optim_fully_reshardable: bool = arg(
-        False, "torch_dist with --use-distributed-optimizer: save the optimizer state in the model's layout "
-        "(fully_reshardable: loads under any parallel layout) instead of per data-parallel shard (dp_reshardable, "
-        "the default: faster, and loads under any data-parallel size with the same tensor and pipeline sizes).")
-    async_save: bool = arg(
-        False, "Write checkpoints in the background while training goes on; a checkpoint is published (the tracker "
-        "written) only once every rank has finished writing it. torch_dist: megatron-core's async "
-        "dist_checkpointing; torch: a writer thread over a snapshot of the state.")
-    use_persistent_ckpt_worker: bool = arg(
-        True, "--async-save with torch_dist: one long-lived writer process instead of a fork per save (GPU).",
-        flag="--no-use-persistent-ckpt-worker")
-    storage_writers_per_rank: int = arg(
-        1, "torch_dist: files each saving rank writes in parallel (megatron-core's writer threads); a save holds "
-           "saving ranks x this many .distcp files. (Megatron-LM's --dist-ckpt-workers, which it applies to async saves "
-           "only.)", flag="--dist-ckpt-workers", bounds="[1, inf)")
-    async_strategy: str = arg(
-        "nvrx", "--async-save's writer: nvrx (nvidia-resiliency-ext's) or mcore (megatron-core's). nvrx falls back to "
-                "mcore when nvidia-resiliency-ext (0.6.0 or later) is not installed.", choices=["nvrx", "mcore"])
-    async_write_results_mp_mode: str = arg(
-        "fork", "--async-save with torch_dist: how the process serving the writer's results queue is started.",
-        choices=["fork", "spawn", "forkserver"], cli=False)
-    strict_fsdp_dtensor_load: bool = arg(
-        False, "Bridge's strict loading of FSDP DTensor checkpoints. Only False here: there is no FSDP and no "
-               "fsdp_dtensor format.", cli=False)
-    custom_manager_class: Optional[str] = arg(
-        None, "Dotted path of your own checkpoint manager class (Bridge's CheckpointManager protocol: __init__(checkpoint "
-              "config), save(ctx, callback_manager), load(ctx) -> (iteration, FLOPs so far), finalize_async_saves(state, "
-              "blocking, terminate)), which then does every save and load of the run. Default: "
-              "checkpoint.DefaultCheckpointManager.", cli=False)
 
 
-@dataclass
-class DistributedInitConfig:
-    """Process-group setup."""
-
-    distributed_backend: Optional[str] = arg(None, "Collective backend. Default: nccl with a GPU, gloo without.", choices=["nccl", "gloo"])
-    distributed_timeout_minutes: float = arg(
-        10, "Timeout of collective operations, in minutes: a rank that waits longer for another fails (and torchrun "
-            "--max-restarts restarts the job). A fraction is taken here (Megatron-LM takes whole minutes).",
-        bounds="(0, inf)")
-    external_gpu_device_mapping: bool = arg(
-        False, "The launcher has given each process one GPU (CUDA_VISIBLE_DEVICES): use device 0 instead of the local "
-               "rank's.", cli=False)
-    enable_megatron_core_experimental: bool = arg(
-        False, "Turn on megatron-core's experimental features (megatron.core.config's experimental flag) for the run.",
-        flag="--enable-experimental")
-    use_decentralized_pg: bool = arg(
-        False, "Bridge's process groups passed through every call instead of megatron-core's global parallel_state. "
-               "Only False here: the global groups are what this trainer builds and reads.", cli=False)
 
 
-@dataclass
-class RNGConfig:
-    """Random seeds."""
-
-    seed: int = arg(1234, "Random seed for python, numpy and torch (offset per pipeline rank, as Megatron does).",
-                     bounds="[0, 2147483647]")  # numpy refuses negative seeds and seeds from 2**32
 
 
-@dataclass
-class ProfilingConfig:
-    """Profiling a window of iterations: PyTorch profiler traces, Nsight Systems ranges, CUDA memory history
-    (rank 0 by default, as Megatron Bridge)."""
-
-    use_nsys_profiler: bool = arg(
-        False, "Profile iterations --profile-step-start to --profile-step-end: with Nsight Systems (GPU; run under "
-               "`nsys profile --capture-range=cudaProfilerApi`), or with --use-pytorch-profiler.", flag="--profile")
-    use_pytorch_profiler: bool = arg(False, "Profile with the PyTorch profiler instead: a trace (rankN.*.pt.trace.json) "
-                                            "in --tensorboard-dir, for TensorBoard's profiler plugin or Perfetto. Runs on "
-                                            "CPU too.")
-    profile_step_start: int = arg(10, "Iteration at which profiling starts.")
-    profile_step_end: int = arg(12, "Iteration at which profiling stops.")
-    profile_ranks: list[int] = arg([], "Global ranks to profile. Default: every rank (Megatron-LM core_v0.19.0's [], "
-                                       "which was [0] before).")
-    pytorch_profiler_collect_shapes: bool = arg(False, "Record tensor shapes in the PyTorch profiler trace.")
-    pytorch_profiler_collect_callstack: bool = arg(False, "Record Python call stacks in the PyTorch profiler trace.")
-    record_shapes: bool = arg(False, "Record tensor shapes in the NVTX ranges of --profile (Nsight Systems).")
-    record_memory_history: bool = arg(
-        False, "Record the CUDA allocator's history on the profiled ranks and dump a snapshot at --profile-step-end "
-               "(open it at pytorch.org/memory_viz). GPU only.")
-    memory_snapshot_path: str = arg("snapshot.pickle", "Where --record-memory-history writes (_RANK is added before "
-                                                       "the extension).")
-    nvtx_ranges: bool = arg(False, "Mark NVTX ranges (the step phases, and megatron-core's own) for Nsight Systems. GPU only.")
 
 
-@dataclass
-class StragglerDetectionConfig:
-    """Finding slow ranks."""
-
-    log_straggler: bool = arg(
-        False, "Every --log-interval, rank 0 prints each rank's forward-step time and names the slowest and fastest ranks.")
-    straggler_minmax_count: int = arg(1, "With --log-straggler: how many of the slowest and fastest ranks to list.")
-    enable_straggler_on_startup: bool = arg(
-        True, "With --log-straggler: report from the first iteration. Megatron-LM's --disable-straggler-on-startup waits "
-              "for its controller port (--straggler-ctrlr-port) to turn the report on; there is no such port here, so "
-              "only True.", flag="--disable-straggler-on-startup")
 
 
-@dataclass
-class RerunStateMachineConfig:
-    """megatron-core's rerun state machine: validate each microbatch's loss, rerun a step to attribute a
-    fault, or measure how deterministic the computation is."""
-
-    error_injection_rate: int = arg(
-        0, "Inject an unexpected result once every this many result validations, to test --rerun-mode "
-           "validate_results. 0: never.")
-    error_injection_type: str = arg(
-        "transient_error", "Kind of fault to inject.", choices=["correct_result", "transient_error", "persistent_error"])
-    rerun_mode: str = arg(
-        "disabled", "disabled: the loss is checked once per step (see --no-check-for-nan-in-loss-and-grad). "
-                    "validate_results: check each microbatch's loss and, on a NaN/Inf, rerun the step to tell a "
-                    "transient fault from a reproducible one, then stop. report_determinism_stats: run every step "
-                    "twice and report how much the losses differ.",
-        choices=["disabled", "validate_results", "report_determinism_stats"])
-    check_for_nan_in_loss: bool = arg(
-        True, "validate_results: check each microbatch's loss for NaN/Inf. Off with --no-check-for-nan-in-loss-and-grad.",
-        cli=False)
-    check_for_spiky_loss: bool = arg(
-        False, "Warn when a microbatch's loss is --spiky-loss-factor times the largest of the first 100 losses "
-               "(not fatal).")
-    spiky_loss_factor: float = arg(
-        10.0, "Factor for detecting spiky loss: a loss this many times the largest observed over the sample window.")
 
 
 @dataclass
@@ -1049,21 +988,6 @@ class TensorInspectConfig:
     init_training_step: int = arg(0, "Initial step of the inspector. Default: --ckpt-step.", cli=False)
 
 
-@dataclass
-class ValidationConfig:
-    """Bridge's ValidationConfig (from Megatron-LM's training config). Thin: what is set here overrides the
-    same-named training settings (--eval-iters, --eval-interval, --skip-train), which stay accepted."""
-
-    eval_iters: Optional[int] = arg(None, "Iterations per evaluation (train.eval_iters).", cli=False)
-    eval_interval: Optional[int] = arg(None, "Evaluate every this many iterations (train.eval_interval).", cli=False)
-    skip_train: Optional[bool] = arg(None, "Evaluate only (train.skip_train).", cli=False)
-    start_eval_at_iter: Optional[int] = arg(None, "Not supported here: must stay unset.", cli=False)
-    eval_global_batch_size: Optional[int] = arg(None, "Must equal the training global batch size when set.", cli=False)
-    eval_micro_batch_size: Optional[int] = arg(None, "Must equal the training micro batch size when set.", cli=False)
-    test_mode: bool = arg(False, "Not supported here: must stay off.", cli=False)
-    full_validation: bool = arg(False, "Not supported here: must stay off.", cli=False)
-    multiple_validation_sets: bool = arg(False, "Not supported here: must stay off.", cli=False)
-    validation_set_names: Optional[list[str]] = arg(None, "Not supported here: must stay unset.", cli=False)
 
 
 @dataclass
@@ -1140,14 +1064,15 @@ class ConfigContainer:
     """Top-level container: one sub-config per concern, plus values derived at validation."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
-    train: TrainingConfig = field(default_factory=TrainingConfig)
+    train: TrainingConfig = field(default_factory=lambda: section_default(TrainingConfig, "train"))
+    validation: ValidationConfig = field(default_factory=lambda: section_default(ValidationConfig, "validation"))
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    scheduler: SchedulerConfig = field(default_factory=lambda: section_default(SchedulerConfig, "scheduler"))
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    dist: DistributedInitConfig = field(default_factory=DistributedInitConfig)
+    logger: LoggerConfig = field(default_factory=lambda: section_default(LoggerConfig, "logger"))
+    checkpoint: CheckpointConfig = field(default_factory=lambda: section_default(CheckpointConfig, "checkpoint"))
+    dist: DistributedInitConfig = field(default_factory=lambda: section_default(DistributedInitConfig, "dist"))
     rng: RNGConfig = field(default_factory=RNGConfig)
     ddp: DistributedDataParallelConfig = field(default_factory=DistributedDataParallelConfig)
     optimizer_config_override_provider: OptimizerConfigOverrideProvider = field(
@@ -1161,7 +1086,6 @@ class ConfigContainer:
     tensor_inspect: TensorInspectConfig = field(default_factory=TensorInspectConfig)
     peft: PEFTConfig = field(default_factory=PEFTConfig)
     # Bridge's sections, thin names over the ones above (applied by validate(), as Bridge's runtime_config_update).
-    validation: ValidationConfig = field(default_factory=ValidationConfig)
     mixed_precision: Optional[Any] = None  # a recipe name or a MixedPrecisionConfig
     comm_overlap: Optional[CommOverlapConfig] = None
     # Derived by validate() from the world size and the machine; not settable from the command line.
@@ -1176,7 +1100,8 @@ class ConfigContainer:
     derived: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
+        d = dataclasses.asdict(self, dict_factory=lambda items: {k: v.name if isinstance(v, enum.Enum) else v
+                                                                   for k, v in items})  # a signal by its name
         d.pop("derived")  # said in the sections themselves
         d["logger"]["comet_api_key"] = None  # a secret: kept out of run_config.yaml and the trackers' copies
         return d
@@ -1201,13 +1126,15 @@ class ConfigContainer:
         derived = _get_key_config_values(self)
         derived.pop("derived", None)  # listed with their reasons below
         derived["num_microbatches"] = self.train.global_batch_size // (self.train.micro_batch_size * self.data_parallel_size)
+        defaults = ConfigContainer()
         for section, sub in section_configs(self):
-            changed = _get_non_default_values(sub, type(sub))
+            default = getattr(defaults, section)
+            changed = _get_non_default_values(sub, default if type(default) is type(sub) else type(sub)())
             if changed:
                 lines.append(f"\n[{section}] Non-default values:")
                 lines += [f"  {k}: {v!r}  (default: {d!r})" for k, (v, d) in sorted(changed.items())]
             for f in dataclasses.fields(sub):
-                if f.metadata.get("derived") and getattr(sub, f.name) is not None:
+                if (f.metadata.get("derived") or not f.init) and getattr(sub, f.name) is not None:
                     derived[f"{section}.{f.name}"] = getattr(sub, f.name)
         lines += ["\n" + "-" * 70, "Other Configuration Values:", "-" * 70]
         lines += [f"  {k}: {v!r}" for k, v in derived.items()]
@@ -1220,7 +1147,8 @@ class ConfigContainer:
 OPTIONAL_SECTIONS = {"mixed_precision": MixedPrecisionConfig, "comm_overlap": CommOverlapConfig}  # None by default
 # The container's sections, in its field order (the YAML's and --help's order): each field holding settings.
 SECTIONS = [f.name for f in dataclasses.fields(ConfigContainer) if f.name in OPTIONAL_SECTIONS
-            or (dataclasses.is_dataclass(f.default_factory) and f.metadata.get("section", True))]
+            or (f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory())
+                and f.metadata.get("section", True))]
 
 
 def section_configs(cfg: ConfigContainer):
@@ -1246,16 +1174,38 @@ def _base_type(tp):
     return tp
 
 
+def _field_meta(section: str, f, hints: dict, factory) -> Optional[dict]:
+    """How a field appears on the command line: {flags, help, type, choices, bounds, off, ...}; None without a flag."""
+    if "help" in f.metadata:  # declared here with arg()
+        meta = dict(f.metadata)
+        meta["flag"] = meta["flag"] or "--" + f.name.replace("_", "-")
+        meta["flags"] = [meta["flag"]]
+        meta["type"] = _base_type(hints[f.name])
+        return meta if meta["cli"] else None
+    if f.name not in _names(MCORE_FLAGS, section):
+        return None
+    kwargs = factory._build_argparse_kwargs_from_field(f)
+    meta = dict(flags=kwargs.pop("arg_names"), help=kwargs.get("help", ""), choices=kwargs.get("choices"),
+                bounds=None, off=None, derived=False, cli=True, nargs=kwargs.get("nargs"), action=kwargs.get("action"),
+                type=kwargs.get("type"))
+    meta.update(MCORE_FLAG_CHANGES.get(f"{section}.{f.name}", {}))
+    meta["flag"] = meta["flags"][0]
+    return meta
+
+
 def _cli_fields():
-    """Yield (section, dataclass field, resolved type) for every field that has a flag."""
+    """Yield (section, dataclass field, how it appears on the command line) for every field that has a flag."""
+    defaults = ConfigContainer()
     for section in SECTIONS:
         if section in OPTIONAL_SECTIONS:
             continue
-        cls = type(getattr(ConfigContainer(), section))
+        cls = type(getattr(defaults, section))
         hints = typing.get_type_hints(cls)
+        factory = ArgumentGroupFactory(cls) if section in MCORE_FLAGS else None
         for f in dataclasses.fields(cls):
-            if f.metadata.get("cli", False):
-                yield section, f, _base_type(hints[f.name])
+            meta = _field_meta(section, f, hints, factory)
+            if meta is not None:
+                yield section, f, meta
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -1265,14 +1215,6 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-# Megatron-LM's other spellings of flags declared by the dataclasses above (arguments.py, core_v0.19.0): each does
-# what the flag does.
-FLAG_ALIASES = {
-    "--no-manual-gc-eval": ("--disable-manual-gc-eval",),
-    "--save-interval": ("--persistent-save-interval",),
-    "--override-opt-param-scheduler": ("--override-opt_param-scheduler",),
-    "--use-checkpoint-opt-param-scheduler": ("--use-checkpoint-opt_param-scheduler",),
-}
 # Megatron-LM switches that set one of those settings to one value: (switch, section, field, value, help).
 FLAG_SWITCHES = [
     ("--use-rotary-position-embeddings", "model", "position_embedding_type", "rope",
@@ -1294,28 +1236,27 @@ def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
     )
     parser.add_argument("--config-file", help="YAML file with one mapping per section (model:, train:, ...).")
     groups = {}
-    for section, f, tp in _cli_fields():
+    defaults = ConfigContainer()
+    for section, f, meta in _cli_fields():
         group = groups.get(section) or groups.setdefault(section, parser.add_argument_group(section))
-        flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
         dest = f"{section}.{f.name}"
-        help_text = f.metadata["help"]
-        flags = (flag, *FLAG_ALIASES.get(flag, ()))
-        if tp is bool:
-            action = "store_false" if f.default else "store_true"
-            group.add_argument(*flags, dest=dest, action=action, help=help_text)
-        elif isinstance(tp, tuple):  # a list of values
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-            group.add_argument(*flags, dest=dest, nargs="+", type=tp[1], metavar=f.name.upper().split("_")[-1],
-                               help=help_text + " (default: %s)" % default)
+        default = getattr(getattr(defaults, section), f.name)
+        flags = meta["flags"]  # megatron-core's fields: Megatron-LM's spellings too (argparse_meta's arg_names)
+        tp = meta["type"]
+        if tp is bool or meta.get("action") in ("store_true", "store_false"):
+            action = "store_false" if default else "store_true"
+            group.add_argument(*flags, dest=dest, action=action, help=meta["help"])
+        elif isinstance(tp, tuple) or meta.get("nargs"):  # a list of values
+            nargs = meta.get("nargs") or "+"
+            group.add_argument(*flags, dest=dest, nargs=nargs, type=tp[1] if isinstance(tp, tuple) else tp,
+                               metavar=f.name.upper().split("_")[-1], help=meta["help"] + " (default: %s)" % default)
         else:
-            group.add_argument(
-                *flags, dest=dest, type=tp, choices=f.metadata["choices"],
-                metavar=None if f.metadata["choices"] else f.name.upper(),
-                help=help_text + " (default: %s)" % (f.default,),
-            )
-        if f.metadata["off"]:
-            group.add_argument(f.metadata["off"], dest=dest, action="store_const", const=None,
-                               help=f"Unset {flag} (the last of the two given wins).")
+            group.add_argument(*flags, dest=dest, type=tp, choices=meta["choices"],
+                               metavar=None if meta["choices"] else f.name.upper(),
+                               help=meta["help"] + " (default: %s)" % (default,))
+        if meta["off"]:
+            group.add_argument(meta["off"], dest=dest, action="store_const", const=None,
+                               help=f"Unset {meta['flag']} (the last of the two given wins).")
     for switch, section, name, value, help_text in FLAG_SWITCHES:
         groups[section].add_argument(switch, dest=f"{section}.{name}", action="store_const", const=value, help=help_text)
     inert = parser.add_argument_group("Megatron-LM flags with no effect here (accepted, named once in the printed config)")
@@ -1329,6 +1270,8 @@ def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
 
 # Bridge's names (its GPTModelProvider's TransformerConfig fields) for settings this config names as Megatron-LM's flag.
 BRIDGE_SETTING_NAMES = {("model", "num_moe_experts"): "num_experts"}
+# Settings of a run_config.yaml written before the sections were megatron-core's, under their names now.
+FORMER_NAMES = {("straggler", "enable_straggler_on_startup"): ("disable_straggler_on_startup", lambda on: not on)}
 
 
 def apply_overrides(cfg: ConfigContainer, overrides: dict, source: str) -> None:
@@ -1354,6 +1297,8 @@ def apply_overrides(cfg: ConfigContainer, overrides: dict, source: str) -> None:
         for key, value in values.items():
             key = key.replace("-", "_")
             key = BRIDGE_SETTING_NAMES.get((section, key), key)
+            if (section, key) in FORMER_NAMES:
+                key, value = FORMER_NAMES[section, key][0], FORMER_NAMES[section, key][1](value)
             if key not in names:
                 raise ConfigError(f"{source}: '{section}' has no setting '{key}' (see --help for the {section} group)")
             setattr(sub, key, value)
@@ -1545,13 +1490,14 @@ def check_bounds(cfg: ConfigContainer) -> None:
     A derived value is left to the checks of what it was derived from."""
     for section, sub in section_configs(cfg):
         for f in dataclasses.fields(sub):
-            value, spec = getattr(sub, f.name), f.metadata.get("bounds")
+            value = getattr(sub, f.name)
+            spec = f.metadata.get("bounds") or MCORE_FLAG_CHANGES.get(f"{section}.{f.name}", {}).get("bounds")
             if spec is None or value is None or isinstance(value, bool) or f"{section}.{f.name}" in cfg.derived:
                 continue
             low, high, low_in, high_in = _interval(spec)
             inside = isinstance(value, (int, float)) and (low <= value if low_in else low < value) and (
                 value <= high if high_in else value < high)
-            flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
+            flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
             require(inside, f"{flag} {value!r} is out of range: it must lie in {spec}")
 
 
@@ -2008,8 +1954,9 @@ def check_batch_sizes_and_length(cfg: ConfigContainer) -> None:
             f"--train-samples {t.train_samples} is less than one global batch ({t.global_batch_size})")
     check_rampup(cfg)
     require(t.train_iters >= 0, f"--train-iters must be non-negative, got {t.train_iters}")
-    require(t.eval_interval > 0, f"--eval-interval must be positive, got {t.eval_interval}")
-    require(t.eval_iters >= 0, f"--eval-iters must be non-negative, got {t.eval_iters}")
+    v = cfg.validation
+    require(v.eval_interval is not None and v.eval_interval > 0, f"--eval-interval must be positive, got {v.eval_interval}")
+    require(v.eval_iters is not None and v.eval_iters >= 0, f"--eval-iters must be non-negative, got {v.eval_iters}")
     require(lg.log_interval > 0, f"--log-interval must be positive, got {lg.log_interval}")
     require(lg.tensorboard_log_interval > 0,
             f"--tensorboard-log-interval must be positive, got {lg.tensorboard_log_interval}")
@@ -2017,7 +1964,7 @@ def check_batch_sizes_and_length(cfg: ConfigContainer) -> None:
     require(lg.logging_level is None or lg.logging_level >= 0,
             f"--logging-level must be a logging level like 10 (DEBUG), 20 (INFO) or 30 (WARNING), got {lg.logging_level}")
     require(t.exit_interval is None or t.exit_interval > 0, f"--exit-interval must be positive, got {t.exit_interval}")
-    require(t.exit_signal in signal.Signals.__members__,
+    require(isinstance(t.exit_signal, signal.Signals),
             f"--exit-signal {t.exit_signal} is not a signal name; use e.g. SIGTERM, SIGINT or SIGUSR1")
 
 
@@ -2606,6 +2553,10 @@ def nvrx_async_unusable() -> Optional[str]:
 
 def derive_checkpointing(cfg: ConfigContainer) -> None:
     c = cfg.checkpoint
+    try:
+        c.finalize()  # megatron-core's post-init: its checks, and async_strategy mcore without --async-save
+    except AssertionError as e:
+        raise ConfigError(f"checkpoint: {e}")
     if c.async_save and c.async_strategy == "nvrx":
         why = nvrx_async_unusable()
         if why:  # the seed's fallback
@@ -2758,7 +2709,7 @@ def check_fits_in_memory(cfg: ConfigContainer) -> None:
     shards = cfg.data_parallel_size * cp if o.use_distributed_optimizer else 1
     # A run that trains holds weights, gradients and the optimizer's state; one that does not (generate.py, hf.py's
     # import: --train-iters 0) only the weights.
-    trains = t.train_iters != 0 and not t.skip_train
+    trains = t.train_iters != 0 and not cfg.validation.skip_train
     per_param = ((6 if half else 8) + ((12 if half else 8) if o.optimizer == "adam" else 4) / shards if trains
                  else 2 if half else 4)
     activations = (m.seq_length // cp) * t.micro_batch_size * (padded_vocab // tp + 2 * m.hidden_size * m.num_layers // pp) * 4
@@ -2776,13 +2727,14 @@ def check_fits_in_memory(cfg: ConfigContainer) -> None:
             f"over more devices")
     if t.train_iters is None or t.global_batch_size is None:
         return
-    evaluations = t.train_iters // t.eval_interval + 2 if t.eval_interval > 0 else 2  # validation, and the test set
+    v = cfg.validation
+    evaluations = t.train_iters // v.eval_interval + 2 if v.eval_interval > 0 else 2  # validation, and the test set
     training = t.train_samples or t.train_iters * t.global_batch_size
-    samples = training + evaluations * t.eval_iters * t.global_batch_size
+    samples = training + evaluations * v.eval_iters * t.global_batch_size
     require(16 * samples <= total,
             f"{samples:,} samples ({training:,} to train: " + (f"--train-samples {t.train_samples}" if t.train_samples
             else f"--train-iters {t.train_iters} x --global-batch-size {t.global_batch_size}") + f"; --eval-iters "
-            f"{t.eval_iters} x --global-batch-size at each of {evaluations} evaluations) need a dataset index of at "
+            f"{v.eval_iters} x --global-batch-size at each of {evaluations} evaluations) need a dataset index of at "
             f"least {_gb(16 * samples)}, more than the {_gb(total)} of RAM on this machine; train or evaluate on fewer "
             f"samples")
 
@@ -2830,7 +2782,7 @@ def check_callbacks(cfg: ConfigContainer) -> None:
     require(t.manual_gc_interval >= 0, f"--manual-gc-interval must be non-negative, got {t.manual_gc_interval}")
     require(st.straggler_minmax_count >= 1, f"--straggler-minmax-count must be at least 1, got "
                                             f"{st.straggler_minmax_count}")
-    require(st.enable_straggler_on_startup or not st.log_straggler,
+    require(not (st.disable_straggler_on_startup and st.log_straggler),
             "--disable-straggler-on-startup waits for Megatron-LM's straggler controller (--straggler-ctrlr-port) to "
             "turn the report on, and there is none here: drop it (or --log-straggler)")
     dist = cfg.dist
@@ -2862,21 +2814,15 @@ def check_callbacks(cfg: ConfigContainer) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def _get_non_default_values(config_obj: Any, default_class: type) -> dict:
-    """{field: (value, default)} for the fields of config_obj whose value
-    differs from default_class's default. Fields without a default, callables, private fields and values
-    derived during validation (they have no default to differ from) are left out."""
-    defaults = {}
-    for f in dataclasses.fields(default_class):
-        if f.default is not dataclasses.MISSING:
-            defaults[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            defaults[f.name] = f.default_factory()
+def _get_non_default_values(config_obj: Any, default_obj: Any) -> dict:
+    """{field: (value, default)} for the fields of config_obj whose value differs from default_obj's (the section as
+    the container makes it). Callables, private fields and values derived during validation (they have no default to
+    differ from) are left out."""
     changed = {}
     for f in dataclasses.fields(config_obj):
-        if f.name.startswith("_") or f.name not in defaults or f.metadata.get("derived"):
+        if f.name.startswith("_") or f.metadata.get("derived") or not f.init:
             continue
-        value, default = getattr(config_obj, f.name), defaults[f.name]
+        value, default = getattr(config_obj, f.name), getattr(default_obj, f.name)
         if callable(value) or callable(default):
             continue
         if value != default:
@@ -2942,7 +2888,7 @@ def _setting_flag(cfg: ConfigContainer, section: str, name: str) -> Optional[str
     if f is None or getattr(sub, name) == (f.default_factory() if f.default is dataclasses.MISSING else f.default):
         return None
     value = getattr(sub, name)
-    flag = f.metadata["flag"] or "--" + name.replace("_", "-")
+    flag = f.metadata.get("flag") or "--" + name.replace("_", "-")
     return flag if isinstance(value, bool) else f"{flag} {value}"
 
 
@@ -3024,10 +2970,12 @@ def transformer_config_extras(cfg: ConfigContainer) -> dict:
 def derive_bridge_sections(cfg: ConfigContainer) -> None:
     """Bridge's sections onto the settings they name (the part of Bridge's runtime_config_update that resolves
     mixed_precision and comm_overlap), so the rest of the code reads one place for each."""
-    t, v = cfg.train, cfg.validation
-    for name in ("eval_iters", "eval_interval", "skip_train"):
-        if getattr(v, name) is not None:
-            derive_value(cfg, f"train.{name}", getattr(v, name), f"validation.{name}")
+    t = cfg.train
+    for name in ("eval_iters", "eval_interval", "skip_train"):  # Bridge's deprecated spellings, as its finalize
+        if getattr(t, name) is not None:
+            derive_value(cfg, f"validation.{name}", getattr(t, name), f"train.{name} (deprecated)")
+    if isinstance(t.exit_signal, str) and t.exit_signal in signal.Signals.__members__:  # a name from a flag or YAML
+        derive_value(cfg, "train.exit_signal", signal.Signals[t.exit_signal], "its name")
     if cfg.mixed_precision is not None:
         mp = get_mixed_precision_config(cfg.mixed_precision)
         why = f"mixed_precision {cfg.mixed_precision if isinstance(cfg.mixed_precision, str) else ''}".strip()
@@ -3049,8 +2997,7 @@ def derive_bridge_sections(cfg: ConfigContainer) -> None:
 def check_bridge_sections(cfg: ConfigContainer) -> None:
     """What Bridge's sections ask for that this trainer cannot do."""
     t = cfg.train
-    check_unset(cfg, "validation", ["start_eval_at_iter", "test_mode", "full_validation", "multiple_validation_sets",
-                                    "validation_set_names"])
+    check_mcore_fields(cfg)
     for name, train_value in (("eval_global_batch_size", t.global_batch_size), ("eval_micro_batch_size", t.micro_batch_size)):
         value = getattr(cfg.validation, name)
         require(value is None or value == train_value, f"validation.{name} {value} differs from the training batch "
@@ -3078,10 +3025,22 @@ def check_bridge_sections(cfg: ConfigContainer) -> None:
                                           "wgrad_deferral_limit"])
 
 
-def check_unset(cfg: ConfigContainer, section: str, names: list, sub=None) -> None:
+def check_mcore_fields(cfg: ConfigContainer) -> None:
+    """megatron-core's fields this trainer does not act on (neither MCORE_FLAGS nor MCORE_YAML_ONLY) keep their
+    defaults: a YAML or a script that sets one is one line, not a setting silently ignored."""
+    defaults = ConfigContainer()
+    for section, sub in section_configs(cfg):
+        acted_on = _names(MCORE_FLAGS, section) + _names(MCORE_YAML_ONLY, section)
+        default = getattr(defaults, section)
+        fields = [f.name for f in dataclasses.fields(sub) if f.init and "help" not in f.metadata and f.name not in acted_on]
+        if type(default) is type(sub):
+            check_unset(cfg, section, fields, default=default)
+
+
+def check_unset(cfg: ConfigContainer, section: str, names: list, sub=None, default=None) -> None:
     """Bridge settings this trainer has no machinery for: accepted at their defaults, a one-line error when set."""
     sub = sub if sub is not None else getattr(cfg, section)
-    defaults = type(sub)()
+    defaults = default if default is not None else type(sub)()
     for name in names:
         require(getattr(sub, name) == getattr(defaults, name),
                 f"{section}.{name} {getattr(sub, name)!r} is not supported by this trainer; drop it (see "

@@ -198,9 +198,9 @@ def train_builtin_bpe(path: str) -> None:
 
 def train_valid_test_num_samples(cfg) -> list:
     """Samples each split must supply: every training step, every evaluation, one final test."""
-    t = cfg.train
-    evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters
-    return [t.train_iters * t.global_batch_size, evals * t.global_batch_size, t.eval_iters * t.global_batch_size]
+    t, v = cfg.train, cfg.validation
+    evals = (t.train_iters // v.eval_interval + 1) * v.eval_iters
+    return [t.train_iters * t.global_batch_size, evals * t.global_batch_size, v.eval_iters * t.global_batch_size]
 
 
 def build_datasets(cfg, tokenizer) -> list:
@@ -551,7 +551,7 @@ def build_sft_datasets(cfg, tokenizer) -> list:
         splits[2] = None
     if getattr(d, "max_train_samples", None) and splits[0]:
         splits[0] = splits[0][: d.max_train_samples]
-    needed = [True, bool(cfg.train.eval_iters), bool(cfg.train.eval_iters)]
+    needed = [True, bool(cfg.validation.eval_iters), bool(cfg.validation.eval_iters)]
     for name, split, need in zip(("train", "validation", "test"), splits, needed):
         if need and split is not None and not split:
             raise ConfigError(f"--split {d.split} leaves the {name} set of the finetuning data empty; "
@@ -685,7 +685,7 @@ def quiet_broken_connections() -> None:
     sys.excepthook, threading.excepthook = quiet, quiet_thread
 
 
-def data_worker_init(exit_signal: str, worker_id: int) -> None:
+def data_worker_init(exit_signal: signal.Signals, worker_id: int) -> None:
     """A DataLoader worker's init: note and otherwise ignore SIGINT, SIGTERM and the --exit-signal, and end
     quietly with its rank.
 
@@ -694,7 +694,7 @@ def data_worker_init(exit_signal: str, worker_id: int) -> None:
     step, before the checkpoint that --exit-signal-handler promises. The rank decides what a signal means;
     its workers end with it (torch's workers exit when their parent does). As Megatron-LM and Bridge do, the
     worker gets a handler that only takes note (their DistributedSignalHandler)."""
-    for sig in {signal.SIGINT, signal.SIGTERM, signal.Signals[exit_signal]}:
+    for sig in {signal.SIGINT, signal.SIGTERM, exit_signal}:
         signal.signal(sig, _noted)
     quiet_broken_connections()
     die_with_parent()

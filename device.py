@@ -108,6 +108,8 @@ import torch
 # intended setup on CPU, so the warnings are noise. Every module imports this one before megatron-core.
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed.*")
 warnings.filterwarnings("ignore", message=r"full scope is deprecated")  # a TransformerConfig default, not ours
+if importlib.util.find_spec("transformer_engine") is None:  # megatron-core reads an absent one's version as 0.0.0
+    warnings.filterwarnings("ignore", message=r"Only transformer-engine>=1.7.0 supports MoE experts")
 
 
 def _import_cpp_extension_quietly() -> None:

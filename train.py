@@ -90,7 +90,7 @@ from metrics import print_rank_0, print_rank_last
 def main(cfg: ConfigContainer) -> int:
     """The command line's run: a config or checkpoint error, or a signal the run does not handle, ends it
     with one line per rank instead of a traceback (SLURM, `timeout` and Ctrl-C signal every rank)."""
-    handled = {signal.Signals[cfg.train.exit_signal]} if cfg.train.exit_signal_handler else set()
+    handled = {cfg.train.exit_signal} if cfg.train.exit_signal_handler else set()
     for sig in {signal.SIGTERM, signal.SIGINT} - handled:
         signal.signal(sig, _raise_job_signal)
     try:
@@ -143,13 +143,13 @@ def pretrain(config: ConfigContainer, forward_step_func: Optional[Callable] = No
         cfg, ts = state.cfg, state.train_state
         state.last_saved_step = ts.step if ts.step else None  # a resumed checkpoint is not saved again
         try:
-            if not cfg.train.skip_train and ts.step < cfg.train.train_iters:
+            if not cfg.validation.skip_train and ts.step < cfg.train.train_iters:
                 train(forward_step_func, model, optimizer, scheduler, train_it, valid_it, state,
                       process_non_loss_data_func=process_non_loss_data_func, non_loss_data_func=non_loss_data_func)
             if state.exit_code is None:  # ran to the end: final save (unless just saved) and final evaluation
                 if cfg.checkpoint.save and ts.step > 0 and state.last_saved_step != ts.step:
                     save_checkpoint_and_time(state, model, optimizer, scheduler, ts.floating_point_operations_so_far)
-                if cfg.train.eval_iters:
+                if cfg.validation.eval_iters:
                     for name, iterator in (("validation", valid_it), ("test", test_it)):
                         if iterator is not None:
                             evaluate_and_print_results(state, f"iteration {ts.step} on {name} set", forward_step_func,
@@ -217,7 +217,7 @@ def setup(cfg: ConfigContainer):
     if metrics.is_rank_0():
         config_lib.print_config(cfg)
     if cfg.train.exit_signal_handler:
-        state.signal_handler = DistributedSignalHandler(signal.Signals[cfg.train.exit_signal])
+        state.signal_handler = DistributedSignalHandler(cfg.train.exit_signal)
     profiling.start_memory_history_recording(cfg.profiling)  # before the model, so its allocations are in the history
     model = build_model(cfg, vocab_size)
     if parallel_state.get_data_parallel_rank() == 0:
@@ -253,7 +253,7 @@ def setup(cfg: ConfigContainer):
     iterators = data.build_data_iterators(cfg, tokenizer, state.train_state)
     ts = state.train_state
     ts.do_train = iterators[0] is not None and cfg.train.train_iters > 0  # what train_state.pt records
-    ts.do_valid, ts.do_test = (it is not None and cfg.train.eval_iters > 0 for it in iterators[1:])
+    ts.do_valid, ts.do_test = (it is not None and cfg.validation.eval_iters > 0 for it in iterators[1:])
     iterators = [one_iterator_per_chunk(it, len(model)) for it in iterators]
     iterators[0] = attach_rerun_state_machine(state, iterators[0])
     return state, model, optimizer, scheduler, iterators
@@ -478,7 +478,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
                 mtp_metrics=metrics.multi_token_prediction_metrics(cfg, global_state.num_microbatches))
             report_memory_flag = metrics.log_step(report, total_loss_dict, report_memory_flag, step.skipped_iter,
                                                   global_state, history_wct, model)
-        if cfg.train.eval_iters and valid_data_iterator is not None and ts.step % cfg.train.eval_interval == 0:
+        if cfg.validation.eval_iters and valid_data_iterator is not None and ts.step % cfg.validation.eval_interval == 0:
             collect_garbage_around_eval(cfg, after=False)
             with forward_pre_hooks_paused(model):  # evaluate the gathered, current parameters
                 evaluate_and_print_results(global_state, f"iteration {ts.step}", forward_step_func, valid_data_iterator,
@@ -1027,9 +1027,9 @@ def evaluate(state: GlobalState, forward_step_func, data_iterator, model, proces
     t = config.train  # batches of the full global batch size, also during ramp-up
     eval_num_microbatches = t.global_batch_size // (t.micro_batch_size * config.data_parallel_size)
     with torch.no_grad():
-        for i in range(config.train.eval_iters):
+        for i in range(config.validation.eval_iters):
             if verbose:
-                print_rank_0(f" evaluating iteration {i + 1}/{config.train.eval_iters}")
+                print_rank_0(f" evaluating iteration {i + 1}/{config.validation.eval_iters}")
             reports += forward_backward_func(
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                 num_microbatches=eval_num_microbatches, seq_length=config.model.seq_length,
@@ -1079,7 +1079,7 @@ def checkpoint_and_decide_exit(state: GlobalState, model, optimizer, opt_param_s
 
     if state.signal_handler is not None and state.signal_handler.signals_received():
         save_unless_saved()
-        print_rank_0(f"exiting program after receiving {cfg.train.exit_signal} at iteration {ts.step}.")
+        print_rank_0(f"exiting program after receiving {cfg.train.exit_signal.name} at iteration {ts.step}.")
         state.exit_code = 0
         return True
     if save and cfg.checkpoint.save_interval and ts.step % cfg.checkpoint.save_interval == 0:

@@ -115,6 +115,6 @@ def test_the_readmes_flag_list_names_flags_that_exist():
     known |= {flag for prefixes, _ in megatron_lm_flags.MEGATRON_LM_REFUSED_FLAGS for flag in prefixes}
     families = ("--inprocess", "--fp8")  # named as --inprocess-* and --fp8-*
     assert sorted(f for f in named if f not in known and f not in families) == []
-    main = {"--" + f.name.replace("_", "-") for name, f, _ in config._cli_fields()
-            if name in ("train", "optimizer", "scheduler", "checkpoint") and not f.metadata.get("flag")}
+    main = {meta["flag"] for name, f, meta in config._cli_fields()
+            if name in ("train", "optimizer", "scheduler", "checkpoint") and meta["flag"] == "--" + f.name.replace("_", "-")}
     assert sorted(main - named) == []

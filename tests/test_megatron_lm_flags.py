@@ -127,14 +127,14 @@ def test_llama3_8b_fp8_script_validates_without_its_fp8_lines(tmp_path, capsys, 
     assert "--fp8-format hybrid: this trainer does not drive transformer-engine's FP8" in err
 
 
-def test_llama3_8b_fp8_script_stops_before_torch_loads(tmp_path):
-    """train.py as a user runs it with the whole script: one line, exit 2, torch never imported."""
+def test_llama3_8b_fp8_script_stops_before_the_engine_loads(tmp_path):
+    """train.py as a user runs it with the whole script: one line, exit 2, before its engine (model.py) is imported."""
     code = ("import runpy, sys; sys.argv = ['train.py'] + sys.argv[1:]\n"
             "try:\n    runpy.run_path('train.py', run_name='__main__')\n"
-            "except SystemExit as e:\n    print('exit', e.code, 'torch imported:', 'torch' in sys.modules)\n")
+            "except SystemExit as e:\n    print('exit', e.code, 'engine imported:', 'model' in sys.modules)\n")
     run = subprocess.run([sys.executable, "-c", code, *script_flags(LLAMA3_FP8, tmp_path)], cwd=ROOT, text=True,
                          capture_output=True, env=dict(os.environ, WORLD_SIZE="8"), timeout=120)
-    assert run.stdout.strip() == "exit 2 torch imported: False", (run.stdout, run.stderr)
+    assert run.stdout.strip() == "exit 2 engine imported: False", (run.stdout, run.stderr)
     assert run.stderr.startswith("train.py: error: --fp8-format hybrid") and run.stderr.count("\n") == 1
 
 
@@ -498,8 +498,8 @@ MEGATRON_LM_DEFAULTS = [
 
 def _field_of(flag: str):
     """(section, field name) of a flag."""
-    for section, f, _ in config._cli_fields():
-        if (f.metadata["flag"] or "--" + f.name.replace("_", "-")) == flag:
+    for section, f, meta in config._cli_fields():
+        if flag in meta["flags"]:
             return section, f.name
     raise KeyError(flag)
 

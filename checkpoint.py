@@ -17,13 +17,15 @@ Names and signatures follow Megatron Bridge's `training.checkpointing` and `trai
                                        keys as Megatron-LM's
       latest_train_state.pt            copy of the newest train_state.pt
       latest_checkpointed_iteration.txt
+      progress.txt                     Megatron-LM's progress log: a line per job start and per save (metrics.py)
 
 Loading reads the progress from train_state.pt, else from the common state (Megatron-LM's), and checks the version, the
 model's shape and the tokenizer before any weight.
 
 A checkpoint is complete or invisible: every rank writes its files, all ranks meet at a barrier, and
 only then does rank 0 write the two `latest_*` files (each written aside and renamed into place).
-A process killed mid-save leaves the tracker pointing at the previous complete checkpoint.
+A process killed mid-save leaves the tracker pointing at the previous complete checkpoint. progress.txt is
+appended afterwards, not atomically: a kill there may leave its last line cut short.
 
 Trust: a torch_dist checkpoint's metadata (`.metadata`, the common state) is read by PyTorch's and megatron-core's
 distributed checkpointing with `pickle`, which can run code: load only checkpoints you trust. Every other

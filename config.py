@@ -586,11 +586,12 @@ MEGATRON_LM_EMERGING_OPTIMIZERS = ["muon", "dist_muon", "lion", "soap", "adaptiv
 class OptimizerConfig:
     """The optimizer (Megatron's OptimizerConfig): Adam or SGD, clipping, loss scaling."""
 
-    optimizer: str = arg("adam", "Optimizer: adam, sgd, or one of Megatron-LM's emerging optimizers (muon, adaptive_muon, "
-                                 "soap, lion; the `emerging-optimizers` package): Muon orthogonalizes the update of each "
+    optimizer: str = arg("adam", "Optimizer: adam, sgd, signsgd (sign-SGD with momentum: docs/fork.md), or one of "
+                                 "Megatron-LM's emerging optimizers (muon, adaptive_muon, soap, lion; the "
+                                 "`emerging-optimizers` package): Muon orthogonalizes the update of each "
                                  "2-D weight, and megatron-core gives the embeddings, the output layer, biases and norms "
                                  "to --muon-scalar-optimizer.",
-                         choices=["adam", "sgd", *MEGATRON_LM_EMERGING_OPTIMIZERS])
+                         choices=["adam", "sgd", "signsgd", *MEGATRON_LM_EMERGING_OPTIMIZERS])
     lr: float = arg(1e-3, "Peak learning rate.")
     min_lr: float = arg(0.0, "Learning rate at the end of the decay.")
     weight_decay: float = arg(0.01, "Decoupled weight decay (not applied to biases and 1-D parameters).", bounds="[0, inf)")

@@ -643,8 +643,8 @@ def log_step(report: list, total_loss_dict: dict, report_memory_flag: bool, skip
     that are asked for) to TensorBoard and the trackers; every --log-interval print Megatron's log line on the last
     rank. Returns report_memory_flag (True until the first memory report has been printed).
 
-    Losses are averaged over the iterations of the interval that were not skipped; NaN/Inf losses are
-    counted as nan iterations, not averaged in. What walks all parameters (norms, per-layer gradient
+    Each loss is summed over the interval's iterations that were not skipped and divided by their number. A NaN or
+    Inf loss counts as a nan iteration and is left out of the sum, but its iteration stays in the divisor. What walks all parameters (norms, per-layer gradient
     norms) runs only when its flag asks."""
     config = global_state.cfg
     ts, lg = global_state.train_state, config.logger

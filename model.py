@@ -616,6 +616,62 @@ def megatron_cores_adaptive_muon_mended():
         entry.optimizer_cls = own
 
 
+class SignSGD(torch.optim.Optimizer):
+    """docs/fork.md's optimizer of one's own: sign-SGD with a momentum buffer (signum). m = beta m + (1 - beta) g,
+    then every weight moves by lr, by the sign of m alone, after a decoupled weight decay, as AdamW's."""
+
+    def __init__(self, params, lr=1e-3, momentum=0.9, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:  # lr and weight_decay are set each step by megatron-core's scheduler
+            for p in group["params"]:
+                if p.grad is not None:
+                    m = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                    m.lerp_(p.grad, 1 - group["momentum"])
+                    p.mul_(1 - group["lr"] * group["weight_decay"]).add_(m.sign(), alpha=-group["lr"])
+
+
+def momentum_buffers(optimizer, config=None) -> None:
+    """The state a load fills in: megatron-core's sharded_state_dict asks its init_state_fn for every tensor before
+    loading (optimizer.py:1362). torch's SGD names its buffer momentum_buffer, and keeps none without momentum."""
+    for group in optimizer.param_groups:
+        if group["momentum"]:
+            for p in group["params"]:
+                optimizer.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+
+
+# Optimizers of this project's own: each goes into megatron-core's registry of emerging optimizers, whose path
+# builds it (optimizer/emerging_optimizers.py:3-9 says how), wrapped for bf16 and checkpointed as Muon is. Its name
+# also goes into config.py's --optimizer choices. An empty default_param_overrides: it updates every parameter.
+OWN_OPTIMIZERS = {
+    "signsgd": dict(optimizer_cls=SignSGD, init_state_fn=momentum_buffers, default_param_overrides={},
+                    config_to_kwargs=lambda c, *_: dict(lr=c.lr, momentum=c.sgd_momentum, weight_decay=c.weight_decay)),
+}
+
+
+def check_optimizer_state(cfg) -> None:
+    """What megatron-core 0.19.2 does not build or save for the optimizer asked for, one line before any process
+    group: its DistributedOptimizer shards Adam's and Lion's state only (distrib_optimizer.py:687-694, 804-815: it
+    asserts for SGD); its emerging-optimizer path, which builds this project's own, refuses fp16
+    (optimizer/__init__.py:769); torch_dist saves an optimizer's state sharded as its weights, and SOAP's
+    preconditioners are square (dist_checkpointing/optimizer.py:100 asserts at the first save)."""
+    from config import ConfigError
+
+    o, ck, name = cfg.optimizer, cfg.checkpoint, cfg.optimizer.optimizer
+    if (name == "sgd" or name in OWN_OPTIMIZERS) and o.use_distributed_optimizer:
+        raise ConfigError(f"--optimizer {name} with --use-distributed-optimizer: megatron-core's distributed optimizer "
+                          f"shards Adam's and Lion's state only; drop --use-distributed-optimizer")
+    if name in OWN_OPTIMIZERS and cfg.model.fp16:
+        raise ConfigError(f"--optimizer {name} with --fp16: megatron-core's emerging-optimizer path, which builds it, "
+                          f"does not support fp16; use --bf16")
+    if name == "soap" and ck.save and ck.save_optim and ck.ckpt_format == "torch_dist":
+        raise ConfigError("--optimizer soap with --ckpt-format torch_dist: megatron-core saves an optimizer's state "
+                          "shaped as its weights, and SOAP's preconditioners are not; add --ckpt-format torch (or "
+                          "--no-save-optim)")
+
+
 def build_optimizer(cfg, model: list, timers=None):
     """megatron-core's optimizer (`get_megatron_optimizer`): torch AdamW/SGD inside, wrapped for fp32 main
     weights and loss scaling (--bf16/--fp16) or sharded over data-parallel ranks (--use-distributed-optimizer).
@@ -629,8 +685,15 @@ def build_optimizer(cfg, model: list, timers=None):
     config = megatron_optimizer_config(cfg, timers)
     context = OptimizerConfigOverrideProviderContext(scheduler_config=cfg.scheduler, optimizer_config=config, model=model)
     overrides = cfg.optimizer_config_override_provider.build_config_overrides(context)
+    from megatron.core.optimizer.emerging_optimizers import _EMERGING_OPTIMIZERS, EmergingOptimizerEntry
+
+    _EMERGING_OPTIMIZERS.update({name: EmergingOptimizerEntry(**entry) for name, entry in OWN_OPTIMIZERS.items()})
     with megatron_cores_adaptive_muon_mended() if config.optimizer == "adaptive_muon" else contextlib.nullcontext():
         optimizer = get_megatron_optimizer(config, model, config_overrides=overrides)
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(inner.optimizer, torch.optim.SGD) and inner.init_state_fn is None:
+            # megatron-core 0.19.2 gives SGD none (optimizer/__init__.py:617-624): loading its state raised TypeError
+            inner.init_state_fn = momentum_buffers
     if not device.cuda() and cfg.optimizer.optimizer == "adam":
         # Without apex or transformer-engine megatron-core builds torch's AdamW with its defaults
         # (optimizer/__init__.py:557), a per-tensor loop on CPU; torch's fused CPU kernel is 3-5x faster

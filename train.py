@@ -58,8 +58,8 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from model import (build_model, build_optimizer, build_rerun_state_machine, check_emerging_optimizer_installed,
-                   destroy_distributed, get_forward_backward_func, initialize_distributed, padded_vocab_size,
-                   set_random_seed, who_updates_what, wrap_model,
+                   check_optimizer_state, destroy_distributed, get_forward_backward_func, initialize_distributed,
+                   padded_vocab_size, set_random_seed, who_updates_what, wrap_model,
                    zero_grad)  # first: device.py, which model.py imports, quiets megatron-core's import warnings
 from megatron.core import config as mcore_config
 from megatron.core import parallel_state
@@ -194,6 +194,7 @@ def setup(cfg: ConfigContainer):
     setup_logging(cfg.logger.logging_level)
     apply_deterministic_mode(cfg)
     check_emerging_optimizer_installed(cfg)  # what the installed package lacks, before any process group or model
+    check_optimizer_state(cfg)  # and what megatron-core does not build or save for the optimizer asked for
     # megatron-core's experimental features (Megatron-LM's --enable-experimental): a process-wide flag, for this run only
     mcore_config.set_experimental_flag(cfg.dist.enable_megatron_core_experimental)
     initialize_distributed(cfg)

@@ -1,5 +1,6 @@
 """The seams a fork changes in one place (docs/fork.md): a learning-rate schedule (schedules.py), a new scalar
-(metrics.step_report), another core attention (model.layer_spec)."""
+(metrics.step_report), another core attention (model.layer_spec), an optimizer of one's own (model.OWN_OPTIMIZERS;
+its save and resume and what it refuses: test_optimizer.py)."""
 
 import re
 
@@ -7,7 +8,7 @@ import pytest
 
 import config
 import schedules
-from conftest import PRINTED, TINY
+from conftest import PRINTED, TINY, log_lines, train_here
 
 
 def test_a_schedule_of_ones_own_is_one_function_and_one_choice(tmp_path, capsys):
@@ -125,3 +126,35 @@ def test_another_core_attention_is_a_class_and_one_line_of_layer_spec(single_ran
     hot = logits()
     assert HotAttention.calls == 2  # each of the 2 layers
     assert not torch.allclose(plain, hot)
+
+
+def test_an_optimizer_of_ones_own_is_sign_sgd_with_a_momentum_buffer():
+    """model.SignSGD, the guide's example: the buffer m = beta m + (1 - beta) g, then each weight moves by lr times the
+    sign of m, after decoupled weight decay. Powers of two throughout, so every figure is exact in fp32: a weight
+    keeps its direction while the buffer outweighs a gradient against it, and stands still where m is 0."""
+    import torch
+
+    import model
+
+    w, decayed = torch.tensor([1.0, -2.0, 0.5, 0.0]), torch.tensor([1.0])
+    opt = model.SignSGD([dict(params=[w]), dict(params=[decayed], weight_decay=0.5)], lr=2**-4, momentum=0.5)
+    for grads in ([3.0, -1.0, 0.0, 1.0], [-1.0, 4.0, 0.0, -2.0]):
+        w.grad, decayed.grad = torch.tensor(grads), torch.tensor([1.0])
+        opt.step()
+    assert opt.state[w]["momentum_buffer"].tolist() == [0.25, 1.75, 0.0, -0.75]  # 0.5 (0.5 g1) + 0.5 g2
+    assert w.tolist() == [1.0 - 2 / 16, -2.0, 0.5, 0.0]  # down twice; down then back; still; up then back
+    assert decayed.tolist() == [(1.0 * (1 - 1 / 32) - 1 / 16) * (1 - 1 / 32) - 1 / 16]
+
+
+def test_an_optimizer_of_ones_own_trains_every_parameter(tmp_path):
+    """--optimizer signsgd: megatron-core's registry builds it for all 28 tensors (an empty default_param_overrides:
+    no Adam beside it, as Muon has), train.py says so, and the loss falls."""
+    out = train_here([*TINY, "--mock-data", "--global-batch-size", "4", "--train-iters", "6", "--log-interval", "1",
+                      "--eval-iters", "0", "--num-workers", "0", "--optimizer", "signsgd", "--data-cache-path",
+                      str(tmp_path / "cache")])
+    said = [line for line in out.splitlines() if " updates " in line]
+    assert len(said) == 1 and said[0].startswith(" > SignSGD updates 28 tensors (0.13M parameters): "), said
+    losses = [loss for _, _, _, loss, _, _ in log_lines(out)]
+    # From ln 384 = 5.95 (the uniform guess): every weight moves by lr = 3e-3 a step past warm-up; 0.2 in 6 steps is
+    # far above noise.
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.2, losses

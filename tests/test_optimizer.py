@@ -240,3 +240,52 @@ def test_forward_pre_hook_rules():
     assert not train.forward_pre_hooks_enabled(model)
     with train.forward_pre_hooks_paused(model):
         pass
+
+
+OPTIMIZERS = next(a.choices for a in config.build_parser()._actions if "--optimizer" in a.option_strings)
+RESUMED = [*TINY, "--mock-data", "--global-batch-size", "4", "--train-iters", "5", "--log-interval", "1",
+           "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0"]
+
+
+@pytest.fixture(scope="module")
+def resumes(tmp_path_factory):
+    from conftest import Launches
+
+    return Launches(tmp_path_factory.mktemp("resumes"), RESUMED, ("lm loss", "grad-norm"))
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_every_optimizer_resumes_bitwise(resumes, name):
+    """Each --optimizer the parser accepts: a one-rank run saved at 3 and resumed there gives the uninterrupted run's
+    losses and grad norms bit for bit (its state, momentum buffers included, is in the checkpoint). --optimizer sgd's
+    load raised TypeError in megatron-core 0.19.2, which gives SGD no init_state_fn."""
+    from conftest import assert_bitwise
+
+    flags = ["--optimizer", name, *{"dist_muon": ["--bf16"],  # megatron-core's layer-wise optimizer is bf16 only
+                                    "soap": ["--ckpt-format", "torch"]}.get(name, [])]  # (model.check_optimizer_state)
+    straight = resumes(name, 1, *flags, *resumes.saving(name, 3))
+    resumed = resumes.resume(f"{name}_resumed", 1, name, 3, *flags)
+    assert resumed["iterations"] == [4, 5]
+    assert_bitwise(resumed, straight, [4, 5], ("lm loss", "grad-norm"))
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--optimizer", "sgd", "--use-distributed-optimizer"], "--optimizer sgd with --use-distributed-optimizer: "
+     "megatron-core's distributed optimizer shards Adam's and Lion's state only; drop --use-distributed-optimizer"),
+    (["--optimizer", "signsgd", "--use-distributed-optimizer"], "--optimizer signsgd with --use-distributed-optimizer"),
+    (["--optimizer", "signsgd", "--fp16"], "--optimizer signsgd with --fp16: megatron-core's emerging-optimizer path, "
+                                           "which builds it, does not support fp16; use --bf16"),
+    (["--optimizer", "soap"], "--optimizer soap with --ckpt-format torch_dist: megatron-core saves an optimizer's "
+                              "state shaped as its weights, and SOAP's preconditioners are not; add --ckpt-format torch"),
+])
+def test_what_megatron_core_cannot_build_or_save_is_one_line_before_any_model(flags, expected, tmp_path, capsys):
+    """megatron-core 0.19.2's DistributedOptimizer asserts for SGD at construction, its emerging-optimizer path raises
+    for fp16, and its torch_dist save of SOAP's state asserts at the first save: one line instead, exit 2, before
+    any process group or model."""
+    import train
+
+    cfg = parse([*RESUMED, *flags, "--save", str(tmp_path / "ck")])
+    assert train.main(cfg) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"train.py: error: {expected}") and err.count("\n") == 1, err
+    assert "number of parameters" not in out and not (tmp_path / "ck").exists()

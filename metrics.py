@@ -1172,7 +1172,10 @@ def compute_throughputs_and_append_to_progress_log(state, num_floating_point_ope
     job_seconds = time.time() - state.start_time
     job = (num_floating_point_operations_so_far - state.start_floating_point_operations) / (
         max(job_seconds, 1e-9) * 10**12 * cfg.world_size)
-    start_time, start_flops = get_start_time_from_progress_log(cfg)
+    try:
+        start_time, start_flops = get_start_time_from_progress_log(cfg)
+    except (FileNotFoundError, ValueError):  # no job start logged (setup logs it; a loop of one's own may not): this job
+        start_time, start_flops = datetime.fromtimestamp(state.start_time), state.start_floating_point_operations
     elapsed = max((datetime.now() - start_time).total_seconds(), 1e-9)
     cumulative = (num_floating_point_operations_so_far - start_flops) / (elapsed * 10**12 * cfg.world_size)
     tokens = ts.consumed_train_samples * cfg.model.seq_length

@@ -206,8 +206,7 @@ def setup(cfg: ConfigContainer):
     # acceptance rate is this run's.
     MTPLossLoggingHelper.tracker.clear()
     state = GlobalState(cfg)
-    # Who saves and loads: checkpoint.py's manager, or checkpoint.custom_manager_class's (checked before the model).
-    state.checkpoint_manager = checkpoint.create_checkpoint_manager(cfg.checkpoint)
+    state.checkpoint_manager  # made now: a custom manager class that cannot be used fails before the model
     if state.writers is not None:  # opened now, as Megatron does: a tracker that cannot start fails before the model
         print(f"> writing metrics to {', '.join(type(w).__name__ for w in state.writers.writers)}", flush=True)
     tokenizer = state.tokenizer = data.build_tokenizer(cfg)
@@ -366,7 +365,8 @@ def one_iterator_per_chunk(iterator, num_chunks: int):
 
 class GlobalState:
     """Everything a run carries, passed explicitly (no process-global state): the config, the progress,
-    the timers, the metric writers (created on first use, on the last rank only), the signal handler."""
+    the timers, the metric writers (created on first use, on the last rank only), the checkpoint manager (created on
+    first use), the signal handler. A loop of one's own may make it directly and call the loop's functions on it."""
 
     def __init__(self, cfg: ConfigContainer):
         self.cfg = cfg
@@ -382,7 +382,7 @@ class GlobalState:
         self.exit_code: Optional[int] = None  # set when the loop stops early (signal, interval, NaN)
         self.last_saved_step: Optional[int] = None  # the newest checkpoint this job wrote or resumed: not saved twice
         self.async_calls_queue = None  # --async-save: the checkpoint writes in flight (checkpoint.py)
-        self.checkpoint_manager = None  # who saves and loads (checkpoint.create_checkpoint_manager, in setup)
+        self._checkpoint_manager = None
         self.straggler_timer = metrics.StragglerTimer(cfg.straggler.log_straggler)
         self.rerun_state_machine = None  # megatron-core's RerunStateMachine, set at setup
         self._writers = None
@@ -406,6 +406,18 @@ class GlobalState:
         if self._writers is None:
             self._writers = metrics.build_writers(self.cfg)
         return self._writers
+
+    @property
+    def checkpoint_manager(self):
+        """Who saves and loads: checkpoint.py's manager or checkpoint.custom_manager_class's, made on first use (setup
+        makes it before the model, so a bad class fails early; a loop of one's own gets it at its first save)."""
+        if self._checkpoint_manager is None:
+            self._checkpoint_manager = checkpoint.create_checkpoint_manager(self.cfg.checkpoint)
+        return self._checkpoint_manager
+
+    @checkpoint_manager.setter
+    def checkpoint_manager(self, manager) -> None:
+        self._checkpoint_manager = manager
 
     @property
     def tensorboard_logger(self):

@@ -263,3 +263,48 @@ def test_a_run_leaves_no_polling_gloo_threads_behind(tmp_path, extra):
                     "--data-cache-path", str(tmp_path / "cache"), *extra])
         counts.append(_gloo_io_threads())
     assert counts[1] == counts[0], counts
+
+
+def test_the_seeds_exit_decisions_save_on_a_global_state_made_directly(single_rank_groups, tmp_path, capsys):
+    """A loop of one's own: GlobalState(cfg) made outside setup() and the seed's checkpoint_and_decide_exit and
+    save_checkpoint_and_time called as its signatures say. The checkpoint manager is made on first use, as the
+    metric writers are: each decision saves a loadable checkpoint of its iteration."""
+    import signal
+
+    import checkpoint
+    import train
+    from test_optimizer import build
+
+    save = tmp_path / "ckpt"
+    cfg = _cfg(tmp_path, "--save", str(save), "--save-interval", "2", "--exit-interval", "3")
+    model, optimizer, scheduler = build(cfg)
+    state = train.GlobalState(cfg)
+    ts = state.train_state
+
+    def decide(step):
+        ts.step = step
+        return train.checkpoint_and_decide_exit(state, model, optimizer, scheduler, 0.0, None, None)
+
+    def newest():
+        return int((save / "latest_checkpointed_iteration.txt").read_text())
+
+    assert not decide(2) and newest() == 2  # --save-interval: saved, goes on
+    assert decide(3) and newest() == 3 and state.exit_code == 0  # --exit-interval: saved, stops
+    cfg.train.exit_interval, cfg.train.exit_duration_in_mins = None, 1.0
+    state.start_time -= 61  # --exit-duration-in-mins elapsed
+    assert decide(5) and newest() == 5
+    cfg.train.exit_duration_in_mins = None
+    state.signal_handler = train.DistributedSignalHandler(signal.SIGUSR1)
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)  # --exit-signal-handler's signal
+        assert decide(7) and newest() == 7
+    finally:
+        state.signal_handler.release()
+    ts.step = 8
+    train.save_checkpoint_and_time(state, model, optimizer, scheduler, 0.0)
+    assert newest() == 8 and state.last_saved_step == 8
+    out = capsys.readouterr().out
+    assert [int(s) for s in re.findall(r"successfully saved checkpoint from iteration +(\d+)", out)] == [2, 3, 5, 7, 8]
+    fresh = train.GlobalState(cfg)
+    checkpoint.load_checkpoint(fresh, model, optimizer, scheduler, str(save))
+    assert fresh.train_state.step == 8

@@ -761,9 +761,9 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
     should_exit, exit_code = False, 0
     if cfg.train.check_for_nan_in_loss_and_grad:
         bad = [k for k, v in loss_dict.items() if not math.isfinite(float(v))]
-        if cfg.model.pipeline_model_parallel_size > 1:  # only the last stage knows the loss
-            bad = ["loss"] if any_rank(bool(bad)) else []
-        if bad:
+        # Every rank stops together: only the last stage knows the loss, and a scalar report is each rank's own
+        if any_rank(bool(bad)):
+            bad = bad or ["the loss on another rank"]
             print_rank_last(f"error: {', '.join(bad)} is NaN or Inf at iteration {global_state.train_state.step + 1}; "
                             f"stopping without saving a checkpoint (lower --lr, raise --clip-grad or check the data)")
             should_exit, exit_code = True, 1
@@ -783,10 +783,10 @@ class TrainStepResult(NamedTuple):
 
 
 def reduce_losses(losses_per_microbatch: list) -> dict:
-    """Reduce the loss functions' reports over microbatches and data-parallel ranks (Bridge train_step).
+    """Reduce the loss functions' reports (Bridge train_step, train.py:993-996; Megatron-LM's train_step and evaluate).
 
-    `[sum, count]` pairs: summed over microbatches and ranks, then sum / count (token-weighted mean).
-    Scalars (the legacy pattern): averaged over microbatches and ranks.
+    `[sum, count]` pairs: summed over microbatches and data-parallel ranks, then sum / count (token-weighted mean).
+    Scalars (the legacy pattern): this rank's mean over its microbatches (the last rank's is what the log prints).
     """
     if not losses_per_microbatch:
         return {}
@@ -799,9 +799,7 @@ def reduce_losses(losses_per_microbatch: list) -> dict:
             torch.distributed.all_reduce(total, group=group)
             reduced[key] = total[0] / total[1]
         else:
-            mean = torch.cat(values).mean()
-            torch.distributed.all_reduce(mean, group=group)
-            reduced[key] = mean / torch.distributed.get_world_size(group)
+            reduced[key] = torch.cat(values).mean()
     return reduced
 
 

@@ -394,7 +394,10 @@ class TrainingConfig:
     iterations_to_skip: Optional[list[int]] = arg(
         None, "Iterations (numbered as in the log line) to skip: their data is consumed, no step is taken.")
     check_for_nan_in_loss_and_grad: bool = arg(
-        True, "Stop the run when the loss is NaN or Inf.", flag="--no-check-for-nan-in-loss-and-grad"
+        True, "Stop the run before the optimizer step when the loss or a gradient (megatron-core DDP checks each bucket "
+              "before the data-parallel reduce) is NaN or Inf, saving nothing of that iteration. Off: the step applies "
+              "it, the weights turn NaN and training and saving go on (--fp16's dynamic loss scaling skips such steps "
+              "instead, and turns the check off).", flag="--no-check-for-nan-in-loss-and-grad"
     )
     rampup_batch_size: Optional[list[int]] = arg(
         None, "Batch-size ramp-up: START INCR SAMPLES. The global batch starts at START and grows by INCR, evenly "

@@ -741,6 +741,9 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
     if should_exit:  # validate_results mode: a rejected result, rerun and attributed; no update
         report_rerun_verdict(global_state, exit_code)
         return TrainStepResult({}, 1, should_checkpoint, should_exit, exit_code, None, None)
+    loss_dict = reduce_losses(losses) if parallel_state.is_pipeline_last_stage() else {}
+    if cfg.train.check_for_nan_in_loss_and_grad and nonfinite_on_any_rank(global_state, loss_dict):
+        return TrainStepResult({}, 1, False, True, 1, None, None)  # no update: nothing poisoned to save
     nvtx_range_push("optimizer")
     timers("optimizer", log_level=1).start(barrier=False)
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
@@ -756,18 +759,26 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
     skipped_iter = 0 if update_successful else 1
     if update_successful:
         scheduler.step(increment=global_state.current_global_batch_size)
+    return TrainStepResult(loss_dict, skipped_iter, False, False, 0, grad_norm, num_zeros_in_grad)
 
-    loss_dict = reduce_losses(losses) if parallel_state.is_pipeline_last_stage() else {}
-    should_exit, exit_code = False, 0
-    if cfg.train.check_for_nan_in_loss_and_grad:
-        bad = [k for k, v in loss_dict.items() if not math.isfinite(float(v))]
-        # Every rank stops together: only the last stage knows the loss, and a scalar report is each rank's own
-        if any_rank(bool(bad)):
-            bad = bad or ["the loss on another rank"]
-            print_rank_last(f"error: {', '.join(bad)} is NaN or Inf at iteration {global_state.train_state.step + 1}; "
-                            f"stopping without saving a checkpoint (lower --lr, raise --clip-grad or check the data)")
-            should_exit, exit_code = True, 1
-    return TrainStepResult(loss_dict, skipped_iter, False, should_exit, exit_code, grad_norm, num_zeros_in_grad)
+
+def nonfinite_on_any_rank(global_state: GlobalState, loss_dict: dict) -> bool:
+    """--check-for-nan-in-loss-and-grad, before the optimizer step: whether any rank has a NaN or Inf reduced loss
+    (only the last stage knows the loss, and a scalar report is each rank's own) or gradient (megatron-core DDP's
+    bucket check, which the rerun state machine keeps: model.RerunStateMachine.validate_result). Every rank learns
+    it; the first rank that saw one says what (the loss first), in one line."""
+    machine = global_state.rerun_state_machine
+    seen = [f"{key} is NaN or Inf" for key, value in loss_dict.items() if not math.isfinite(float(value))]
+    seen += [machine.unhandled_rejection] if machine.unhandled_rejection else []
+    machine.unhandled_rejection = None
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    first = torch.tensor([rank if seen else world_size], device=device.current())
+    torch.distributed.all_reduce(first, op=torch.distributed.ReduceOp.MIN)
+    if first.item() == rank:
+        print(f"error: {seen[0]} at iteration {global_state.train_state.step + 1} on rank {rank}; stopping "
+              f"before the optimizer step, without saving this iteration: the newest checkpoint is the last good one "
+              f"(lower --lr, raise --clip-grad or check the data)", flush=True)
+    return first.item() < world_size
 
 
 class TrainStepResult(NamedTuple):
@@ -909,8 +920,9 @@ def report_rerun_verdict(global_state: GlobalState, exit_code: int) -> None:
     if call is None:  # the fault was on another rank, which reports it
         return
     injected = f", injected by --error-injection-rate {r.error_injection_rate}" if r.error_injection_rate else ""
+    value = "grad norm" if "grad" in call.caller.message else "loss"  # DDP's gradient check, or the loss function's
     what = (f"error: {call.caller.message} at iteration {machine.current_iteration} on rank "
-            f"{torch.distributed.get_rank()} (loss {float(machine.initial_result):.6g}{injected})")
+            f"{torch.distributed.get_rank()} ({value} {float(machine.initial_result):.6g}{injected})")
     if exit_code == mcore_rerun.EXIT_CODE_RESUME_TO_DISAMBIGUATE:
         verdict = ("the rerun of the step reproduced it, so it is no transient hardware fault: look at the data, the "
                    "learning rate or the numerics (lower --lr, raise --clip-grad)")

@@ -308,3 +308,64 @@ def test_the_seeds_exit_decisions_save_on_a_global_state_made_directly(single_ra
     fresh = train.GlobalState(cfg)
     checkpoint.load_checkpoint(fresh, model, optimizer, scheduler, str(save))
     assert fresh.train_state.step == 8
+
+
+class _NaNGradient(torch.autograd.Function):
+    """The identity forward; a NaN gradient backward: a finite loss whose gradient is NaN."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+# MoE layers whose load-balancing loss and a multi-token prediction layer whose loss join the lm loss in the backward
+MOE_MTP = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48", "--moe-aux-loss-coeff", "1e-2",
+           "--mtp-num-layers", "1"]
+
+
+@pytest.mark.parametrize("mode, code", [("disabled", 1), ("validate_results", 16)])
+def test_a_nan_gradient_under_a_finite_loss_stops_before_the_step_with_the_last_good_checkpoint(mode, code, tmp_path,
+                                                                                                capsys):
+    """Iteration 3's gradient is NaN, its loss finite, MoE and MTP auxiliary losses in the backward too: megatron-core
+    DDP's check of each gradient bucket (on with --check-for-nan-in-loss-and-grad, as Megatron-LM's training.py:1989)
+    stops the run before the optimizer step. In disabled mode one line names the iteration and the run ends with code
+    1; under validate_results megatron-core reruns the step, finds the NaN again and stops with its code 16. Either way
+    nothing of iteration 3 is saved: the newest checkpoint is iteration 2's."""
+    import train
+
+    def forward_step(state, data_iterator, model):
+        output, loss_func = train.forward_step(state, data_iterator, model)
+        return (_NaNGradient.apply(output) if state.train_state.step == 2 else output), loss_func
+
+    save = tmp_path / "ckpt"
+    cfg = _cfg(tmp_path, *MOE_MTP, "--train-iters", "5", "--log-interval", "1", "--eval-iters", "0",
+               "--save", str(save), "--save-interval", "1", "--rerun-mode", mode)
+    state = train.pretrain(cfg, forward_step)
+    out = capsys.readouterr().out
+    assert state.exit_code == code and state.train_state.step == 2
+    assert [l[0] for l in log_lines(out)] == [1, 2] and "grad norm: nan" not in out
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert sorted(p.name for p in save.glob("iter_*")) == ["iter_0000001", "iter_0000002"]
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "found NaN in local grad norm for bucket #0" in errors[0] \
+        and "at iteration 3 on rank 0" in errors[0], errors
+
+
+def test_a_nan_gradient_on_one_rank_stops_every_rank_with_one_line(tmp_path):
+    """Two data-parallel ranks, rank 0's gradient NaN at iteration 3 (tests/scripts/nan_gradient.py): rank 0's bucket
+    check finds it before the reduce, and both ranks stop before the optimizer step (not rank 0 alone, which would
+    leave rank 1 waiting), rank 0 saying so in the only error line; the newest checkpoint is iteration 2's."""
+    save = tmp_path / "ckpt"
+    proc = torchrun([*TINY, *MOE_MTP, "--mock-data", "--num-workers", "0", "--train-iters", "5", "--eval-iters", "0",
+                     "--global-batch-size", "4", "--save", str(save), "--save-interval", "1",
+                     "--data-cache-path", str(tmp_path / "cache")], script="tests/scripts/nan_gradient.py", timeout=180)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("error: found NaN in local grad norm for bucket #0") \
+        and "at iteration 3 on rank 0;" in errors[0], errors
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert sorted(p.name for p in save.glob("iter_*")) == ["iter_0000001", "iter_0000002"]

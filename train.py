@@ -158,6 +158,9 @@ def pretrain(config: ConfigContainer, forward_step_func: Optional[Callable] = No
                                                        non_loss_data_func=non_loss_data_func)
             # an async save in flight is published before the run ends
             state.checkpoint_manager.finalize_async_saves(state, blocking=True, terminate=True)
+        except BaseException:  # a failed run publishes nothing more, and leaves no writer behind
+            checkpoint.abort_async_save(state)
+            raise
         finally:
             _finish_train(state)
             # The model, optimizer and iterators hold the run's process groups in reference cycles, and a destroyed
@@ -206,56 +209,72 @@ def setup(cfg: ConfigContainer):
     # acceptance rate is this run's.
     MTPLossLoggingHelper.tracker.clear()
     state = GlobalState(cfg)
-    state.checkpoint_manager  # made now: a custom manager class that cannot be used fails before the model
-    if state.writers is not None:  # opened now, as Megatron does: a tracker that cannot start fails before the model
-        print(f"> writing metrics to {', '.join(type(w).__name__ for w in state.writers.writers)}", flush=True)
-    tokenizer = state.tokenizer = data.build_tokenizer(cfg)
-    m = cfg.model
-    vocab_size = data.embedding_rows(tokenizer)
-    cfg.padded_vocab_size = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, m.tensor_model_parallel_size)
-    if metrics.is_rank_0():
-        config_lib.print_config(cfg)
-    if cfg.train.exit_signal_handler:
-        state.signal_handler = DistributedSignalHandler(signal.Signals[cfg.train.exit_signal])
-    profiling.start_memory_history_recording(cfg.profiling)  # before the model, so its allocations are in the history
-    model = build_model(cfg, vocab_size)
-    if parallel_state.get_data_parallel_rank() == 0:
-        print(f" > number of parameters on (tensor, pipeline) model parallel rank "
-              f"({parallel_state.get_tensor_model_parallel_rank()}, {parallel_state.get_pipeline_model_parallel_rank()}):"
-              f" {sum(p.numel() for chunk in model for p in chunk.parameters())}", flush=True)
-    ck = cfg.checkpoint
-    if cfg.peft.peft != "none":
-        # In this order: the base weights into the bare model, then the adapters (all else frozen), then DDP
-        # and the optimizer, which see the adapters only.
-        checkpoint.load_checkpoint(state, model, None, None, ck.pretrained_checkpoint, finetune=True)
-        peft.apply_peft(cfg, model)
-        trainable, total = peft.parameter_counts(model)
-        cfg.trainable_fraction = trainable / total
-        state.trainable_summary = peft.trainable_summary(trainable, total)
-        print_rank_0(f" > {cfg.peft.peft}: {state.trainable_summary}, adapters of rank "
-                     f"{cfg.peft.lora_dim} on {', '.join(cfg.peft.lora_target_modules)}")
-    model = wrap_model(cfg, model)
-    optimizer = build_optimizer(cfg, model, state.timers)
-    if cfg.optimizer.optimizer not in ("adam", "sgd"):  # megatron-core's split between Muon (say) and Adam, said once
-        print_rank_0(who_updates_what(model, optimizer))
-    scheduler = build_scheduler(cfg, optimizer)
+    try:  # what setup opens (the metric writers, the signal handler) is closed if it fails
+        state.checkpoint_manager  # made now: a custom manager class that cannot be used fails before the model
+        # The writers open now, as Megatron's do: a tracker that cannot start fails before the model
+        if state.writers is not None:
+            print(f"> writing metrics to {', '.join(type(w).__name__ for w in state.writers.writers)}", flush=True)
+        tokenizer = state.tokenizer = data.build_tokenizer(cfg)
+        m = cfg.model
+        vocab_size = data.embedding_rows(tokenizer)
+        cfg.padded_vocab_size = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by,
+                                                  m.tensor_model_parallel_size)
+        if metrics.is_rank_0():
+            config_lib.print_config(cfg)
+        if cfg.train.exit_signal_handler:
+            state.signal_handler = DistributedSignalHandler(signal.Signals[cfg.train.exit_signal])
+        profiling.start_memory_history_recording(cfg.profiling)  # before the model: its allocations in the history
+        model = build_model(cfg, vocab_size)
+        if parallel_state.get_data_parallel_rank() == 0:
+            print(f" > number of parameters on (tensor, pipeline) model parallel rank "
+                  f"({parallel_state.get_tensor_model_parallel_rank()}, "
+                  f"{parallel_state.get_pipeline_model_parallel_rank()}): "
+                  f"{sum(p.numel() for chunk in model for p in chunk.parameters())}", flush=True)
+        ck = cfg.checkpoint
+        if cfg.peft.peft != "none":
+            # In this order: the base weights into the bare model, then the adapters (all else frozen), then DDP
+            # and the optimizer, which see the adapters only.
+            checkpoint.load_checkpoint(state, model, None, None, ck.pretrained_checkpoint, finetune=True)
+            peft.apply_peft(cfg, model)
+            trainable, total = peft.parameter_counts(model)
+            cfg.trainable_fraction = trainable / total
+            state.trainable_summary = peft.trainable_summary(trainable, total)
+            print_rank_0(f" > {cfg.peft.peft}: {state.trainable_summary}, adapters of rank "
+                         f"{cfg.peft.lora_dim} on {', '.join(cfg.peft.lora_target_modules)}")
+        model = wrap_model(cfg, model)
+        optimizer = build_optimizer(cfg, model, state.timers)
+        if cfg.optimizer.optimizer not in ("adam", "sgd"):  # megatron-core's split between Muon (say) and Adam
+            print_rank_0(who_updates_what(model, optimizer))
+        scheduler = build_scheduler(cfg, optimizer)
 
-    # Resume this run's own checkpoint if --load holds one; otherwise start from pretrained weights if given.
-    state.checkpoint_manager.load(checkpoint.CheckpointLoadContext(state, model, optimizer, scheduler))
-    state.start_step = state.train_state.step
-    report_restart(cfg, state.start_step)
-    state.num_microbatches_calculator.update(state.train_state.consumed_train_samples, consistency_check=True)
-    state.start_floating_point_operations = state.train_state.floating_point_operations_so_far
-    state.floating_point_operations_at_last_log = state.start_floating_point_operations
-    if ck.save:
-        metrics.append_to_progress_log(ck.save, "Starting job", cfg.world_size)
-    iterators = data.build_data_iterators(cfg, tokenizer, state.train_state)
-    ts = state.train_state
-    ts.do_train = iterators[0] is not None and cfg.train.train_iters > 0  # what train_state.pt records
-    ts.do_valid, ts.do_test = (it is not None and cfg.train.eval_iters > 0 for it in iterators[1:])
-    iterators = [one_iterator_per_chunk(it, len(model)) for it in iterators]
-    iterators[0] = attach_rerun_state_machine(state, iterators[0])
-    return state, model, optimizer, scheduler, iterators
+        # Resume this run's own checkpoint if --load holds one; otherwise start from pretrained weights if given.
+        state.checkpoint_manager.load(checkpoint.CheckpointLoadContext(state, model, optimizer, scheduler))
+        state.start_step = state.train_state.step
+        report_restart(cfg, state.start_step)
+        state.num_microbatches_calculator.update(state.train_state.consumed_train_samples, consistency_check=True)
+        state.start_floating_point_operations = state.train_state.floating_point_operations_so_far
+        state.floating_point_operations_at_last_log = state.start_floating_point_operations
+        if ck.save:
+            metrics.append_to_progress_log(ck.save, "Starting job", cfg.world_size)
+        iterators = data.build_data_iterators(cfg, tokenizer, state.train_state)
+        ts = state.train_state
+        ts.do_train = iterators[0] is not None and cfg.train.train_iters > 0  # what train_state.pt records
+        ts.do_valid, ts.do_test = (it is not None and cfg.train.eval_iters > 0 for it in iterators[1:])
+        iterators = [one_iterator_per_chunk(it, len(model)) for it in iterators]
+        iterators[0] = attach_rerun_state_machine(state, iterators[0])
+        return state, model, optimizer, scheduler, iterators
+    except BaseException:
+        _close_what_setup_opened(state)
+        raise
+
+
+def _close_what_setup_opened(state: GlobalState) -> None:
+    """The metric writers (flushed) and the signal handler (the previous one back), at the end of a run or of a failed
+    setup."""
+    if state._writers is not None:
+        state._writers.close()
+    if state.signal_handler is not None:
+        state.signal_handler.release()
 
 
 def report_restart(cfg: ConfigContainer, step: int) -> None:
@@ -544,10 +563,7 @@ def _dummy_train_step(global_state: GlobalState, train_data_iterator) -> None:
 
 def _finish_train(global_state: GlobalState) -> None:
     """Flush and close what the run opened; leave the process able to start another run."""
-    if global_state._writers is not None:
-        global_state._writers.close()
-    if global_state.signal_handler is not None:
-        global_state.signal_handler.release()
+    _close_what_setup_opened(global_state)
     mcore_rerun.destroy_rerun_state_machine()
     mcore_config.set_experimental_flag(False)  # megatron-core's default
     checkpoint.restore_write_results_queue()  # megatron-core's async writer's, as it was before the run

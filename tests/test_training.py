@@ -369,3 +369,57 @@ def test_a_nan_gradient_on_one_rank_stops_every_rank_with_one_line(tmp_path):
         and "at iteration 3 on rank 0;" in errors[0], errors
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert sorted(p.name for p in save.glob("iter_*")) == ["iter_0000001", "iter_0000002"]
+
+
+def _event_writer_threads() -> int:
+    """TensorBoard's event-file writer threads alive in this process (one per open SummaryWriter)."""
+    import threading
+
+    return sum(type(t).__name__ == "_AsyncWriterThread" for t in threading.enumerate())
+
+
+def test_a_setup_that_fails_closes_the_metric_writers_it_opened(tmp_path):
+    """The writers and the --exit-signal-handler's handler are set up before the model; a checkpoint that cannot be
+    loaded fails setup after them: the TensorBoard writer is closed (its thread ended, its events flushed), and the
+    signal's previous handler is back, not left to the process."""
+    import signal
+
+    import checkpoint
+    import train
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("5")  # no iter_0000005
+    cfg = _cfg(tmp_path, "--train-iters", "2", "--load", str(tmp_path / "ckpt"), "--tensorboard-dir", str(tmp_path / "tb"),
+               "--exit-signal-handler", "--exit-signal", "SIGUSR2")
+    threads, handler = _event_writer_threads(), signal.getsignal(signal.SIGUSR2)
+    with pytest.raises(checkpoint.CheckpointError, match="names iteration 5"):
+        train.pretrain(cfg)
+    assert list((tmp_path / "tb").iterdir()), "the writer was opened"
+    assert _event_writer_threads() == threads and signal.getsignal(signal.SIGUSR2) is handler
+
+
+def test_a_run_that_raises_stops_its_async_checkpoint_writer_and_publishes_nothing_more(tmp_path):
+    """--async-save (torch_dist: megatron-core writes each save from a process of its own on a CPU), a save every
+    iteration, and a forward step that raises at iteration 3, while iteration 2's save is being written (scheduled
+    just before; iteration 2's forward step waited for iteration 1's to finish first): pretrain ends with the
+    exception, the writer stopped (killed) and reaped rather than left running or as a zombie, and the tracker still
+    on iteration 1."""
+    import psutil
+
+    import train
+
+    in_flight = []
+
+    def forward_step(state, data_iterator, model):
+        if state.train_state.step == 2:
+            in_flight.extend(call.async_caller.process for call in state.async_calls_queue.async_calls)
+            raise RuntimeError("injected at iteration 3")
+        return train.forward_step(state, data_iterator, model)
+
+    save = tmp_path / "ckpt"
+    cfg = _cfg(tmp_path, "--train-iters", "4", "--eval-iters", "0", "--save", str(save), "--save-interval", "1",
+               "--async-save")
+    with pytest.raises(RuntimeError, match="injected at iteration 3"):
+        train.pretrain(cfg, forward_step)
+    assert len(in_flight) == 1 and not psutil.pid_exists(in_flight[0].pid)  # read before anything waits for it
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "1"

@@ -686,6 +686,26 @@ def close_async_save(state) -> None:
     state.async_calls_queue = None
 
 
+def abort_async_save(state) -> None:
+    """When the run fails: stop the writers of the save in flight and publish nothing, with no collective (the other
+    ranks may be anywhere), as Megatron-LM's in-process restart aborts its worker (training/async_utils.py:157-161).
+    The tracker stays on the last published checkpoint. A writer process (megatron-core's, one per save on a CPU,
+    or the persistent worker on a GPU) is killed and reaped; a writer thread (the torch format's) cannot be killed,
+    and is waited for."""
+    queue, state.async_calls_queue = state.async_calls_queue, None
+    if isinstance(queue, ThreadAsyncQueue):
+        if queue.active is not None:
+            queue.active[0].join()
+        return
+    for call in getattr(queue, "async_calls", ()):
+        process = getattr(call.async_caller, "process", None)
+        call.async_caller.close(abort=True)  # kills it (async_utils.py:318-343, 490-513)
+        if process is not None:
+            process.join()
+    if queue is not None:
+        queue.close(abort=True)
+
+
 def prune_old_checkpoints(save: str, latest: int, keep: int) -> None:
     """Delete all but the newest `keep` iter_* directories, only after `latest` is published. Each is
     first renamed out of the iter_* namespace, so a kill mid-delete never leaves a half checkpoint that

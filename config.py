@@ -452,7 +452,10 @@ class TrainingConfig(mcore_training.TrainingConfig):
     """Bridge's TrainingConfig: megatron-core's (megatron.training.config), plus Bridge's own fields."""
 
     check_for_nan_in_loss_and_grad: bool = arg(
-        True, "Stop the run when the loss is NaN or Inf.", flag="--no-check-for-nan-in-loss-and-grad"
+        True, "Stop the run before the optimizer step when the loss or a gradient (megatron-core DDP checks each bucket "
+              "before the data-parallel reduce) is NaN or Inf, saving nothing of that iteration. Off: the step applies "
+              "it, the weights turn NaN and training and saving go on (--fp16's dynamic loss scaling skips such steps "
+              "instead, and turns the check off).", flag="--no-check-for-nan-in-loss-and-grad"
     )
     check_optimizer_step_success: bool = arg(
         True, "After each optimizer step, agree across model-parallel ranks whether it succeeded (a step that "

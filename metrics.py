@@ -537,6 +537,7 @@ class Scalar:
     fmt: str = ".6E"
     is_loss: bool = False
     by_samples: bool = True  # the "<tag> vs samples" twin (Megatron-LM writes none for the MoE losses)
+    every_iteration: bool = False  # a loss summed on skipped iterations too (the MoE and MTP losses: accumulate_losses)
 
 
 def step_report(loss_dict: dict, learning_rate, decoupled_learning_rate, batch_size: int, loss_scale: float,
@@ -554,9 +555,9 @@ def step_report(loss_dict: dict, learning_rate, decoupled_learning_rate, batch_s
         Scalar("global batch size", "batch-size", batch_size, "5d"),
         *(Scalar(key, key, value, is_loss=True) for key, value in loss_dict.items()),
         *(Scalar("" if key.startswith("moe/") else key, key, value, is_loss=not key.startswith("moe/"),
-                 by_samples=False) for key, value in (moe_losses or {}).items()),
-        *(Scalar(key if key.endswith(" loss") else "", key, value, is_loss=key.endswith(" loss"), by_samples=False)
-          for key, value in (mtp_metrics or {}).items()),
+                 by_samples=False, every_iteration=True) for key, value in (moe_losses or {}).items()),
+        *(Scalar(key if key.endswith(" loss") else "", key, value, is_loss=key.endswith(" loss"), by_samples=False,
+                 every_iteration=True) for key, value in (mtp_metrics or {}).items()),
         Scalar("loss scale", "loss-scale", loss_scale, ".1f"),
         Scalar("grad norm", "grad-norm", grad_norm, ".3f"),
         Scalar("num zeros", "num-zeros", num_zeros_in_grad, ".1f"),
@@ -643,9 +644,8 @@ def log_step(report: list, total_loss_dict: dict, report_memory_flag: bool, skip
     that are asked for) to TensorBoard and the trackers; every --log-interval print Megatron's log line on the last
     rank. Returns report_memory_flag (True until the first memory report has been printed).
 
-    Each loss is summed over the interval's iterations that were not skipped and divided by their number. A NaN or
-    Inf loss counts as a nan iteration and is left out of the sum, but its iteration stays in the divisor. What walks all parameters (norms, per-layer gradient
-    norms) runs only when its flag asks."""
+    Losses are summed over the interval and divided by the iterations that advanced (accumulate_losses). What walks
+    all parameters (norms, per-layer gradient norms) runs only when its flag asks."""
     config = global_state.cfg
     ts, lg = global_state.train_state, config.logger
     accumulate_losses(report, total_loss_dict, skipped_iter)
@@ -657,8 +657,10 @@ def log_step(report: list, total_loss_dict: dict, report_memory_flag: bool, skip
 
 
 def accumulate_losses(report: list, total_loss_dict: dict, skipped_iter: int) -> None:
-    """Sum each loss over the interval's iterations; count advanced, skipped and NaN iterations. One host sync
-    per iteration for the NaN count."""
+    """Megatron-LM's interval sums (training.py:2597-2617, 2782-2802): the loss functions' losses over the iterations
+    that advanced, and a skipped iteration with a NaN or Inf one counted as a nan iteration; the MoE and MTP losses
+    over every iteration, skipped ones too (megatron-core's trackers add them to the sums either way). The log line
+    divides every sum by the iterations that advanced. One host sync per iteration."""
     total_loss_dict[ADVANCED] = total_loss_dict.get(ADVANCED, 0) + (0 if skipped_iter else 1)
     total_loss_dict[SKIPPED] = total_loss_dict.get(SKIPPED, 0) + skipped_iter
     got_nan = False
@@ -666,10 +668,10 @@ def accumulate_losses(report: list, total_loss_dict: dict, skipped_iter: int) ->
         if not scalar.is_loss:
             continue
         v = float(scalar.value)
-        if not math.isfinite(v):
-            got_nan = True
-        elif not skipped_iter:
+        if scalar.every_iteration or not skipped_iter:
             total_loss_dict[scalar.label] = total_loss_dict.get(scalar.label, 0.0) + v
+        else:
+            got_nan = got_nan or not math.isfinite(v)
     total_loss_dict[NAN] = total_loss_dict.get(NAN, 0) + int(got_nan)
 
 
@@ -740,7 +742,9 @@ def print_log_line(report: list, total_loss_dict: dict, report_memory_flag: bool
     advanced = max(1, total_loss_dict[ADVANCED])
     for scalar in report:
         value = total_loss_dict.get(scalar.label, 0.0) / advanced if scalar.is_loss else scalar.value
-        if scalar.label and (value is not None) and not (scalar.is_loss and scalar.label not in total_loss_dict):
+        # a loss's interval average is shown when it is >= 0, as Megatron-LM's (training.py:2881): NaN is left out
+        shown = scalar.label in total_loss_dict and value >= 0.0 if scalar.is_loss else value is not None
+        if scalar.label and shown:
             line += f" {scalar.label}: {value:{scalar.fmt}} |"
     if global_state.trainable_summary:  # PEFT
         line += f" {global_state.trainable_summary} |"
@@ -1172,7 +1176,10 @@ def compute_throughputs_and_append_to_progress_log(state, num_floating_point_ope
     job_seconds = time.time() - state.start_time
     job = (num_floating_point_operations_so_far - state.start_floating_point_operations) / (
         max(job_seconds, 1e-9) * 10**12 * cfg.world_size)
-    start_time, start_flops = get_start_time_from_progress_log(cfg)
+    try:
+        start_time, start_flops = get_start_time_from_progress_log(cfg)
+    except (FileNotFoundError, ValueError):  # no job start logged (setup logs it; a loop of one's own may not): this job
+        start_time, start_flops = datetime.fromtimestamp(state.start_time), state.start_floating_point_operations
     elapsed = max((datetime.now() - start_time).total_seconds(), 1e-9)
     cumulative = (num_floating_point_operations_so_far - start_flops) / (elapsed * 10**12 * cfg.world_size)
     tokens = ts.consumed_train_samples * cfg.model.seq_length

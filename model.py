@@ -525,9 +525,9 @@ def megatron_ddp_config(cfg) -> DistributedDataParallelConfig:
         check_for_large_grads=cfg.ddp.check_for_large_grads,
         num_distributed_optimizer_instances=cfg.ddp.num_distributed_optimizer_instances,
         param_name_patterns_for_fp32_local_accumulation=tuple(cfg.ddp.param_name_patterns_for_fp32_local_accumulation),
-        # Off: train_step stops on a NaN or Inf loss with one line and no checkpoint; megatron DDP's own check
-        # would raise from inside the backward pass instead.
-        check_for_nan_in_grad=False,
+        # Each gradient bucket checked for NaN and Inf before the data-parallel reduce, as Megatron-LM sets it
+        # (training.py:1989; param_and_grad_buffer.py:339-374, 649); RerunStateMachine.validate_result says who acts.
+        check_for_nan_in_grad=cfg.train.check_for_nan_in_loss_and_grad,
     )
     config.finalize()
     return config
@@ -799,15 +799,29 @@ def build_rerun_state_machine(cfg) -> "RerunStateMachine":
 
 class RerunStateMachine(mcore_rerun.RerunStateMachine):
     """megatron-core's RerunStateMachine (the state transitions, the comparisons, error injection, the
-    spiky-loss window are all its own), with one change: report_determinism_stats prints its statistics on the
-    log every --log-interval iterations. megatron-core's own report (rerun_state_machine.py:996) goes to its
-    logger at INFO, every REPORTING_INTERVAL_ITERATIONS, whatever the run's log interval (it crashed on 0.16.1,
-    reading Caller fields its Caller lacked; fixed in 0.17).
+    spiky-loss window are all its own), with two changes: report_determinism_stats prints its statistics on the
+    log every --log-interval iterations (megatron-core's own report, rerun_state_machine.py:996, goes to its
+    logger at INFO, every REPORTING_INTERVAL_ITERATIONS, whatever the run's log interval; it crashed on 0.16.1,
+    reading Caller fields its Caller lacked; fixed in 0.17), and a fatal result it
+    would not act on is kept for the step to stop on (validate_result).
     """
 
     def __init__(self, *, report_interval: int, **kwargs):
         super().__init__(**kwargs)
         self.report_interval = report_interval
+        self.unhandled_rejection = None  # the message of the step's first fatal result nobody else stops on
+
+    def validate_result(self, result, rejection_func, message, comparison_func=None, tolerance=0.0, fatal=True):
+        """A fatal rejection (DDP's NaN/Inf gradient check) that megatron-core would not stop on cleanly is kept in
+        `unhandled_rejection`, for train_step to stop every rank before the optimizer step: in disabled mode it
+        raises from inside the backward pass (rerun_state_machine.py:519-536), where the other ranks would wait in
+        the data-parallel reduce; report_determinism_stats only measures, and validate_results skips a job's first
+        iteration (rerun_state_machine.py:591-594). validate_results acts on the others itself: the rerun."""
+        acts = self.mode == mcore_rerun.RerunMode.VALIDATE_RESULTS and self.first_iteration_complete
+        if fatal and not acts and self.unhandled_rejection is None and rejection_func(result):
+            self.unhandled_rejection = message
+        if not fatal or self.mode != mcore_rerun.RerunMode.DISABLED:
+            super().validate_result(result, rejection_func, message, comparison_func, tolerance, fatal)
 
     def _maybe_report_stats(self):
         """Relative differences between each validated result and its rerun, over all ranks; rank 0 keeps

@@ -158,6 +158,9 @@ def pretrain(config: ConfigContainer, forward_step_func: Optional[Callable] = No
                                                        non_loss_data_func=non_loss_data_func)
             # an async save in flight is published before the run ends
             state.checkpoint_manager.finalize_async_saves(state, blocking=True, terminate=True)
+        except BaseException:  # a failed run publishes nothing more, and leaves no writer behind
+            checkpoint.abort_async_save(state)
+            raise
         finally:
             _finish_train(state)
             # The model, optimizer and iterators hold the run's process groups in reference cycles, and a destroyed
@@ -207,57 +210,72 @@ def setup(cfg: ConfigContainer):
     # acceptance rate is this run's.
     MTPLossLoggingHelper.tracker.clear()
     state = GlobalState(cfg)
-    # Who saves and loads: checkpoint.py's manager, or checkpoint.custom_manager_class's (checked before the model).
-    state.checkpoint_manager = checkpoint.create_checkpoint_manager(cfg.checkpoint)
-    if state.writers is not None:  # opened now, as Megatron does: a tracker that cannot start fails before the model
-        print(f"> writing metrics to {', '.join(type(w).__name__ for w in state.writers.writers)}", flush=True)
-    tokenizer = state.tokenizer = data.build_tokenizer(cfg)
-    m = cfg.model
-    vocab_size = data.embedding_rows(tokenizer)
-    cfg.padded_vocab_size = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, m.tensor_model_parallel_size)
-    if metrics.is_rank_0():
-        config_lib.print_config(cfg)
-    if cfg.train.exit_signal_handler:
-        state.signal_handler = DistributedSignalHandler(cfg.train.exit_signal)
-    profiling.start_memory_history_recording(cfg.profiling)  # before the model, so its allocations are in the history
-    model = build_model(cfg, vocab_size)
-    if parallel_state.get_data_parallel_rank() == 0:
-        print(f" > number of parameters on (tensor, pipeline) model parallel rank "
-              f"({parallel_state.get_tensor_model_parallel_rank()}, {parallel_state.get_pipeline_model_parallel_rank()}):"
-              f" {sum(p.numel() for chunk in model for p in chunk.parameters())}", flush=True)
-    ck = cfg.checkpoint
-    if cfg.peft.peft != "none":
-        # In this order: the base weights into the bare model, then the adapters (all else frozen), then DDP
-        # and the optimizer, which see the adapters only.
-        checkpoint.load_checkpoint(state, model, None, None, ck.pretrained_checkpoint, finetune=True)
-        peft.apply_peft(cfg, model)
-        trainable, total = peft.parameter_counts(model)
-        cfg.trainable_fraction = trainable / total
-        state.trainable_summary = peft.trainable_summary(trainable, total)
-        print_rank_0(f" > {cfg.peft.peft}: {state.trainable_summary}, adapters of rank "
-                     f"{cfg.peft.lora_dim} on {', '.join(cfg.peft.lora_target_modules)}")
-    model = wrap_model(cfg, model)
-    optimizer = build_optimizer(cfg, model, state.timers)
-    if cfg.optimizer.optimizer not in ("adam", "sgd"):  # megatron-core's split between Muon (say) and Adam, said once
-        print_rank_0(who_updates_what(model, optimizer))
-    scheduler = build_scheduler(cfg, optimizer)
+    try:  # what setup opens (the metric writers, the signal handler) is closed if it fails
+        state.checkpoint_manager  # made now: a custom manager class that cannot be used fails before the model
+        # The writers open now, as Megatron's do: a tracker that cannot start fails before the model
+        if state.writers is not None:
+            print(f"> writing metrics to {', '.join(type(w).__name__ for w in state.writers.writers)}", flush=True)
+        tokenizer = state.tokenizer = data.build_tokenizer(cfg)
+        m = cfg.model
+        vocab_size = data.embedding_rows(tokenizer)
+        cfg.padded_vocab_size = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by,
+                                                  m.tensor_model_parallel_size)
+        if metrics.is_rank_0():
+            config_lib.print_config(cfg)
+        if cfg.train.exit_signal_handler:
+            state.signal_handler = DistributedSignalHandler(cfg.train.exit_signal)
+        profiling.start_memory_history_recording(cfg.profiling)  # before the model: its allocations in the history
+        model = build_model(cfg, vocab_size)
+        if parallel_state.get_data_parallel_rank() == 0:
+            print(f" > number of parameters on (tensor, pipeline) model parallel rank "
+                  f"({parallel_state.get_tensor_model_parallel_rank()}, "
+                  f"{parallel_state.get_pipeline_model_parallel_rank()}): "
+                  f"{sum(p.numel() for chunk in model for p in chunk.parameters())}", flush=True)
+        ck = cfg.checkpoint
+        if cfg.peft.peft != "none":
+            # In this order: the base weights into the bare model, then the adapters (all else frozen), then DDP
+            # and the optimizer, which see the adapters only.
+            checkpoint.load_checkpoint(state, model, None, None, ck.pretrained_checkpoint, finetune=True)
+            peft.apply_peft(cfg, model)
+            trainable, total = peft.parameter_counts(model)
+            cfg.trainable_fraction = trainable / total
+            state.trainable_summary = peft.trainable_summary(trainable, total)
+            print_rank_0(f" > {cfg.peft.peft}: {state.trainable_summary}, adapters of rank "
+                         f"{cfg.peft.lora_dim} on {', '.join(cfg.peft.lora_target_modules)}")
+        model = wrap_model(cfg, model)
+        optimizer = build_optimizer(cfg, model, state.timers)
+        if cfg.optimizer.optimizer not in ("adam", "sgd"):  # megatron-core's split between Muon (say) and Adam
+            print_rank_0(who_updates_what(model, optimizer))
+        scheduler = build_scheduler(cfg, optimizer)
 
-    # Resume this run's own checkpoint if --load holds one; otherwise start from pretrained weights if given.
-    state.checkpoint_manager.load(checkpoint.CheckpointLoadContext(state, model, optimizer, scheduler))
-    state.start_step = state.train_state.step
-    report_restart(cfg, state.start_step)
-    state.num_microbatches_calculator.update(state.train_state.consumed_train_samples, consistency_check=True)
-    state.start_floating_point_operations = state.train_state.floating_point_operations_so_far
-    state.floating_point_operations_at_last_log = state.start_floating_point_operations
-    if ck.save:
-        metrics.append_to_progress_log(ck.save, "Starting job", cfg.world_size)
-    iterators = data.build_data_iterators(cfg, tokenizer, state.train_state)
-    ts = state.train_state
-    ts.do_train = iterators[0] is not None and cfg.train.train_iters > 0  # what train_state.pt records
-    ts.do_valid, ts.do_test = (it is not None and cfg.validation.eval_iters > 0 for it in iterators[1:])
-    iterators = [one_iterator_per_chunk(it, len(model)) for it in iterators]
-    iterators[0] = attach_rerun_state_machine(state, iterators[0])
-    return state, model, optimizer, scheduler, iterators
+        # Resume this run's own checkpoint if --load holds one; otherwise start from pretrained weights if given.
+        state.checkpoint_manager.load(checkpoint.CheckpointLoadContext(state, model, optimizer, scheduler))
+        state.start_step = state.train_state.step
+        report_restart(cfg, state.start_step)
+        state.num_microbatches_calculator.update(state.train_state.consumed_train_samples, consistency_check=True)
+        state.start_floating_point_operations = state.train_state.floating_point_operations_so_far
+        state.floating_point_operations_at_last_log = state.start_floating_point_operations
+        if ck.save:
+            metrics.append_to_progress_log(ck.save, "Starting job", cfg.world_size)
+        iterators = data.build_data_iterators(cfg, tokenizer, state.train_state)
+        ts = state.train_state
+        ts.do_train = iterators[0] is not None and cfg.train.train_iters > 0  # what train_state.pt records
+        ts.do_valid, ts.do_test = (it is not None and cfg.validation.eval_iters > 0 for it in iterators[1:])
+        iterators = [one_iterator_per_chunk(it, len(model)) for it in iterators]
+        iterators[0] = attach_rerun_state_machine(state, iterators[0])
+        return state, model, optimizer, scheduler, iterators
+    except BaseException:
+        _close_what_setup_opened(state)
+        raise
+
+
+def _close_what_setup_opened(state: GlobalState) -> None:
+    """The metric writers (flushed) and the signal handler (the previous one back), at the end of a run or of a failed
+    setup."""
+    if state._writers is not None:
+        state._writers.close()
+    if state.signal_handler is not None:
+        state.signal_handler.release()
 
 
 def report_restart(cfg: ConfigContainer, step: int) -> None:
@@ -367,7 +385,8 @@ def one_iterator_per_chunk(iterator, num_chunks: int):
 
 class GlobalState:
     """Everything a run carries, passed explicitly (no process-global state): the config, the progress,
-    the timers, the metric writers (created on first use, on the last rank only), the signal handler."""
+    the timers, the metric writers (created on first use, on the last rank only), the checkpoint manager (created on
+    first use), the signal handler. A loop of one's own may make it directly and call the loop's functions on it."""
 
     def __init__(self, cfg: ConfigContainer):
         self.cfg = cfg
@@ -383,7 +402,7 @@ class GlobalState:
         self.exit_code: Optional[int] = None  # set when the loop stops early (signal, interval, NaN)
         self.last_saved_step: Optional[int] = None  # the newest checkpoint this job wrote or resumed: not saved twice
         self.async_calls_queue = None  # --async-save: the checkpoint writes in flight (checkpoint.py)
-        self.checkpoint_manager = None  # who saves and loads (checkpoint.create_checkpoint_manager, in setup)
+        self._checkpoint_manager = None
         self.straggler_timer = metrics.StragglerTimer(cfg.straggler.log_straggler)
         self.rerun_state_machine = None  # megatron-core's RerunStateMachine, set at setup
         self._writers = None
@@ -407,6 +426,18 @@ class GlobalState:
         if self._writers is None:
             self._writers = metrics.build_writers(self.cfg)
         return self._writers
+
+    @property
+    def checkpoint_manager(self):
+        """Who saves and loads: checkpoint.py's manager or checkpoint.custom_manager_class's, made on first use (setup
+        makes it before the model, so a bad class fails early; a loop of one's own gets it at its first save)."""
+        if self._checkpoint_manager is None:
+            self._checkpoint_manager = checkpoint.create_checkpoint_manager(self.cfg.checkpoint)
+        return self._checkpoint_manager
+
+    @checkpoint_manager.setter
+    def checkpoint_manager(self, manager) -> None:
+        self._checkpoint_manager = manager
 
     @property
     def tensorboard_logger(self):
@@ -533,10 +564,7 @@ def _dummy_train_step(global_state: GlobalState, train_data_iterator) -> None:
 
 def _finish_train(global_state: GlobalState) -> None:
     """Flush and close what the run opened; leave the process able to start another run."""
-    if global_state._writers is not None:
-        global_state._writers.close()
-    if global_state.signal_handler is not None:
-        global_state.signal_handler.release()
+    _close_what_setup_opened(global_state)
     mcore_rerun.destroy_rerun_state_machine()
     mcore_config.set_experimental_flag(False)  # megatron-core's default
     checkpoint.restore_write_results_queue()  # megatron-core's async writer's, as it was before the run
@@ -730,6 +758,9 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
     if should_exit:  # validate_results mode: a rejected result, rerun and attributed; no update
         report_rerun_verdict(global_state, exit_code)
         return TrainStepResult({}, 1, should_checkpoint, should_exit, exit_code, None, None)
+    loss_dict = reduce_losses(losses) if parallel_state.is_pipeline_last_stage() else {}
+    if cfg.train.check_for_nan_in_loss_and_grad and nonfinite_on_any_rank(global_state, loss_dict):
+        return TrainStepResult({}, 1, False, True, 1, None, None)  # no update: nothing poisoned to save
     nvtx_range_push("optimizer")
     timers("optimizer", log_level=1).start(barrier=False)
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
@@ -745,18 +776,26 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
     skipped_iter = 0 if update_successful else 1
     if update_successful:
         scheduler.step(increment=global_state.current_global_batch_size)
+    return TrainStepResult(loss_dict, skipped_iter, False, False, 0, grad_norm, num_zeros_in_grad)
 
-    loss_dict = reduce_losses(losses) if parallel_state.is_pipeline_last_stage() else {}
-    should_exit, exit_code = False, 0
-    if cfg.train.check_for_nan_in_loss_and_grad:
-        bad = [k for k, v in loss_dict.items() if not math.isfinite(float(v))]
-        if cfg.model.pipeline_model_parallel_size > 1:  # only the last stage knows the loss
-            bad = ["loss"] if any_rank(bool(bad)) else []
-        if bad:
-            print_rank_last(f"error: {', '.join(bad)} is NaN or Inf at iteration {global_state.train_state.step + 1}; "
-                            f"stopping without saving a checkpoint (lower --lr, raise --clip-grad or check the data)")
-            should_exit, exit_code = True, 1
-    return TrainStepResult(loss_dict, skipped_iter, False, should_exit, exit_code, grad_norm, num_zeros_in_grad)
+
+def nonfinite_on_any_rank(global_state: GlobalState, loss_dict: dict) -> bool:
+    """--check-for-nan-in-loss-and-grad, before the optimizer step: whether any rank has a NaN or Inf reduced loss
+    (only the last stage knows the loss, and a scalar report is each rank's own) or gradient (megatron-core DDP's
+    bucket check, which the rerun state machine keeps: model.RerunStateMachine.validate_result). Every rank learns
+    it; the first rank that saw one says what (the loss first), in one line."""
+    machine = global_state.rerun_state_machine
+    seen = [f"{key} is NaN or Inf" for key, value in loss_dict.items() if not math.isfinite(float(value))]
+    seen += [machine.unhandled_rejection] if machine.unhandled_rejection else []
+    machine.unhandled_rejection = None
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    first = torch.tensor([rank if seen else world_size], device=device.current())
+    torch.distributed.all_reduce(first, op=torch.distributed.ReduceOp.MIN)
+    if first.item() == rank:
+        print(f"error: {seen[0]} at iteration {global_state.train_state.step + 1} on rank {rank}; stopping "
+              f"before the optimizer step, without saving this iteration: the newest checkpoint is the last good one "
+              f"(lower --lr, raise --clip-grad or check the data)", flush=True)
+    return first.item() < world_size
 
 
 class TrainStepResult(NamedTuple):
@@ -772,10 +811,10 @@ class TrainStepResult(NamedTuple):
 
 
 def reduce_losses(losses_per_microbatch: list) -> dict:
-    """Reduce the loss functions' reports over microbatches and data-parallel ranks (Bridge train_step).
+    """Reduce the loss functions' reports (Bridge train_step, train.py:993-996; Megatron-LM's train_step and evaluate).
 
-    `[sum, count]` pairs: summed over microbatches and ranks, then sum / count (token-weighted mean).
-    Scalars (the legacy pattern): averaged over microbatches and ranks.
+    `[sum, count]` pairs: summed over microbatches and data-parallel ranks, then sum / count (token-weighted mean).
+    Scalars (the legacy pattern): this rank's mean over its microbatches (the last rank's is what the log prints).
     """
     if not losses_per_microbatch:
         return {}
@@ -788,9 +827,7 @@ def reduce_losses(losses_per_microbatch: list) -> dict:
             torch.distributed.all_reduce(total, group=group)
             reduced[key] = total[0] / total[1]
         else:
-            mean = torch.cat(values).mean()
-            torch.distributed.all_reduce(mean, group=group)
-            reduced[key] = mean / torch.distributed.get_world_size(group)
+            reduced[key] = torch.cat(values).mean()
     return reduced
 
 
@@ -900,8 +937,9 @@ def report_rerun_verdict(global_state: GlobalState, exit_code: int) -> None:
     if call is None:  # the fault was on another rank, which reports it
         return
     injected = f", injected by --error-injection-rate {r.error_injection_rate}" if r.error_injection_rate else ""
+    value = "grad norm" if "grad" in call.caller.message else "loss"  # DDP's gradient check, or the loss function's
     what = (f"error: {call.caller.message} at iteration {machine.current_iteration} on rank "
-            f"{torch.distributed.get_rank()} (loss {float(machine.initial_result):.6g}{injected})")
+            f"{torch.distributed.get_rank()} ({value} {float(machine.initial_result):.6g}{injected})")
     if exit_code == mcore_rerun.EXIT_CODE_RESUME_TO_DISAMBIGUATE:
         verdict = ("the rerun of the step reproduced it, so it is no transient hardware fault: look at the data, the "
                    "learning rate or the numerics (lower --lr, raise --clip-grad)")

@@ -165,3 +165,18 @@ def test_non_loss_data_pattern(single_rank_groups):
     collected, grad = _run(loss_func, forward_only=True, collect=True)
     assert collected == [{"masked": [1.0, 2.0, 3.0, 4.0]}, {"masked": [10.0, 0.0, 0.0, 0.0]}]
     assert grad is None  # forward only: nothing backpropagated
+
+
+def test_scalar_reports_are_each_ranks_mean_over_its_microbatches(tmp_path):
+    """Two data-parallel ranks of two microbatches each, whose loss function reports 10 x rank + the microbatch's
+    place: the log line and the validation block (printed by the last rank, rank 1) show rank 1's mean, 10.5, as
+    Megatron-LM's train_step and evaluate average a scalar over the microbatches only (training.py's `numel() == 1`
+    branches), not over the ranks (5.5)."""
+    from conftest import TINY, torchrun
+
+    proc = torchrun([*TINY, "--mock-data", "--num-workers", "0", "--train-iters", "2", "--global-batch-size", "8",
+                     "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
+                     "--data-cache-path", str(tmp_path / "cache")], script="tests/scripts/scalar_loss_reports.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("| rank report: 1.050000E+01 |") == 2, proc.stdout[-3000:]
+    assert "| rank report value: 1.050000E+01 |" in proc.stdout  # the validation block

@@ -328,3 +328,63 @@ def test_the_params_norm_counts_a_parameter_reduced_outside_the_data_parallel_gr
     model = torch.nn.Module()
     model.weight = param
     assert metrics.calc_params_l2_norm([model]) == pytest.approx(5.0, rel=2 ** -23)  # fp32: one rounding of sqrt(25)
+
+
+def test_the_log_lines_interval_averages_under_fp16_skips_are_megatron_lms(tmp_path, capsys):
+    """fp16 from a loss scale of 2^19, whose first steps overflow and are skipped, and a NaN loss at iteration 6 (its
+    gradients NaN: skipped too), with MoE and MTP losses; log lines every 4 iterations. As Megatron-LM's training_log
+    (training.py:2597-2617, 2782-2802, 2876-2883): the lm loss summed over the iterations that advanced, the MoE and
+    MTP losses over all of them (megatron-core's trackers add them either way), each sum divided by the iterations
+    advanced, and only a skipped iteration's NaN loss counted as a nan iteration. The sums are of the float32 values
+    TensorBoard holds, added in the same order as metrics.accumulate_losses adds them: the printed figures are
+    equal, digit for digit."""
+    import train
+    from conftest import TINY, tensorboard_scalars
+    from test_training import MOE_MTP
+
+    def forward_step(state, data_iterator, model):
+        output, loss_func = train.forward_step(state, data_iterator, model)
+        return (output * float("nan") if state.train_state.step == 5 else output), loss_func
+
+    cfg = config.parse_args([*TINY, *MOE_MTP, "--mock-data", "--num-workers", "0", "--eval-iters", "0",
+                             "--data-cache-path", str(tmp_path / "cache"), "--fp16", "--initial-loss-scale", str(2 ** 19),
+                             "--train-iters", "8", "--log-interval", "4", "--tensorboard-dir", str(tmp_path / "tb")],
+                            world_size=1, gpu=False)
+    train.pretrain(cfg, forward_step)
+    out = capsys.readouterr().out
+    tb = tensorboard_scalars(tmp_path / "tb")
+    # A skipped step leaves the scheduler where it was: its learning rate is the one before (0 before any step).
+    lr = {0: 0.0, **tb["learning-rate"]}
+    skipped = {it: lr[it] == lr[it - 1] for it in range(1, 9)}
+    assert skipped[1] and skipped[6] and not skipped[8], list(skipped.values())
+    for end in (4, 8):
+        interval = range(end - 3, end + 1)
+        advanced = max(1, sum(not skipped[it] for it in interval))
+        line = next(line for line in out.splitlines() if f" iteration {end:8d}/" in line)
+        expected = {name: sum(tb[name][it] for it in interval) / advanced
+                    for name in ("load_balancing_loss", "mtp_1 loss")}
+        if not all(skipped[it] for it in interval):
+            expected["lm loss"] = sum(tb["lm loss"][it] for it in interval if not skipped[it]) / advanced
+        for name, value in expected.items():
+            assert f"| {name}: {value:.6E} |" in line, (name, line)
+        assert f"| number of skipped iterations: {sum(skipped[it] for it in interval):3d} |" in line
+        assert f"| number of nan iterations: {int(end == 8):3d} |" in line  # iteration 6's NaN loss
+
+
+def test_a_nan_loss_on_an_iteration_that_advanced_is_no_nan_iteration(tmp_path, capsys):
+    """With the NaN check off, iteration 2's loss NaN and its step taken (fp32: nothing skips it): as Megatron-LM's
+    training_log, the NaN goes into the interval's sum, whose average is then left off the line (training.py:2881),
+    and it is no nan iteration (those are counted on skipped iterations only, training.py:2610-2616)."""
+    import train
+    from conftest import TINY
+
+    def forward_step(state, data_iterator, model):
+        output, loss_func = train.forward_step(state, data_iterator, model)
+        return (output * float("nan") if state.train_state.step == 1 else output), loss_func
+
+    cfg = config.parse_args([*TINY, "--mock-data", "--num-workers", "0", "--eval-iters", "0", "--train-iters", "2",
+                             "--data-cache-path", str(tmp_path / "cache"), "--log-interval", "2",
+                             "--no-check-for-nan-in-loss-and-grad"], world_size=1, gpu=False)
+    train.pretrain(cfg, forward_step)
+    line = next(line for line in capsys.readouterr().out.splitlines() if " iteration        2/" in line)
+    assert "lm loss" not in line and "| number of skipped iterations:   0 | number of nan iterations:   0 |" in line

@@ -263,3 +263,163 @@ def test_a_run_leaves_no_polling_gloo_threads_behind(tmp_path, extra):
                     "--data-cache-path", str(tmp_path / "cache"), *extra])
         counts.append(_gloo_io_threads())
     assert counts[1] == counts[0], counts
+
+
+def test_the_seeds_exit_decisions_save_on_a_global_state_made_directly(single_rank_groups, tmp_path, capsys):
+    """A loop of one's own: GlobalState(cfg) made outside setup() and the seed's checkpoint_and_decide_exit and
+    save_checkpoint_and_time called as its signatures say. The checkpoint manager is made on first use, as the
+    metric writers are: each decision saves a loadable checkpoint of its iteration."""
+    import signal
+
+    import checkpoint
+    import train
+    from test_optimizer import build
+
+    save = tmp_path / "ckpt"
+    cfg = _cfg(tmp_path, "--save", str(save), "--save-interval", "2", "--exit-interval", "3")
+    model, optimizer, scheduler = build(cfg)
+    state = train.GlobalState(cfg)
+    ts = state.train_state
+
+    def decide(step):
+        ts.step = step
+        return train.checkpoint_and_decide_exit(state, model, optimizer, scheduler, 0.0, None, None)
+
+    def newest():
+        return int((save / "latest_checkpointed_iteration.txt").read_text())
+
+    assert not decide(2) and newest() == 2  # --save-interval: saved, goes on
+    assert decide(3) and newest() == 3 and state.exit_code == 0  # --exit-interval: saved, stops
+    cfg.train.exit_interval, cfg.train.exit_duration_in_mins = None, 1.0
+    state.start_time -= 61  # --exit-duration-in-mins elapsed
+    assert decide(5) and newest() == 5
+    cfg.train.exit_duration_in_mins = None
+    state.signal_handler = train.DistributedSignalHandler(signal.SIGUSR1)
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)  # --exit-signal-handler's signal
+        assert decide(7) and newest() == 7
+    finally:
+        state.signal_handler.release()
+    ts.step = 8
+    train.save_checkpoint_and_time(state, model, optimizer, scheduler, 0.0)
+    assert newest() == 8 and state.last_saved_step == 8
+    out = capsys.readouterr().out
+    assert [int(s) for s in re.findall(r"successfully saved checkpoint from iteration +(\d+)", out)] == [2, 3, 5, 7, 8]
+    fresh = train.GlobalState(cfg)
+    checkpoint.load_checkpoint(fresh, model, optimizer, scheduler, str(save))
+    assert fresh.train_state.step == 8
+
+
+class _NaNGradient(torch.autograd.Function):
+    """The identity forward; a NaN gradient backward: a finite loss whose gradient is NaN."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+# MoE layers whose load-balancing loss and a multi-token prediction layer whose loss join the lm loss in the backward
+MOE_MTP = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48", "--moe-aux-loss-coeff", "1e-2",
+           "--mtp-num-layers", "1"]
+
+
+@pytest.mark.parametrize("mode, code", [("disabled", 1), ("validate_results", 16)])
+def test_a_nan_gradient_under_a_finite_loss_stops_before_the_step_with_the_last_good_checkpoint(mode, code, tmp_path,
+                                                                                                capsys):
+    """Iteration 3's gradient is NaN, its loss finite, MoE and MTP auxiliary losses in the backward too: megatron-core
+    DDP's check of each gradient bucket (on with --check-for-nan-in-loss-and-grad, as Megatron-LM's training.py:1989)
+    stops the run before the optimizer step. In disabled mode one line names the iteration and the run ends with code
+    1; under validate_results megatron-core reruns the step, finds the NaN again and stops with its code 16. Either way
+    nothing of iteration 3 is saved: the newest checkpoint is iteration 2's."""
+    import train
+
+    def forward_step(state, data_iterator, model):
+        output, loss_func = train.forward_step(state, data_iterator, model)
+        return (_NaNGradient.apply(output) if state.train_state.step == 2 else output), loss_func
+
+    save = tmp_path / "ckpt"
+    cfg = _cfg(tmp_path, *MOE_MTP, "--train-iters", "5", "--log-interval", "1", "--eval-iters", "0",
+               "--save", str(save), "--save-interval", "1", "--rerun-mode", mode)
+    state = train.pretrain(cfg, forward_step)
+    out = capsys.readouterr().out
+    assert state.exit_code == code and state.train_state.step == 2
+    assert [l[0] for l in log_lines(out)] == [1, 2] and "grad norm: nan" not in out
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert sorted(p.name for p in save.glob("iter_*")) == ["iter_0000001", "iter_0000002"]
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "found NaN in local grad norm for bucket #0" in errors[0] \
+        and "at iteration 3 on rank 0" in errors[0], errors
+
+
+def test_a_nan_gradient_on_one_rank_stops_every_rank_with_one_line(tmp_path):
+    """Two data-parallel ranks, rank 0's gradient NaN at iteration 3 (tests/scripts/nan_gradient.py): rank 0's bucket
+    check finds it before the reduce, and both ranks stop before the optimizer step (not rank 0 alone, which would
+    leave rank 1 waiting), rank 0 saying so in the only error line; the newest checkpoint is iteration 2's."""
+    save = tmp_path / "ckpt"
+    proc = torchrun([*TINY, *MOE_MTP, "--mock-data", "--num-workers", "0", "--train-iters", "5", "--eval-iters", "0",
+                     "--global-batch-size", "4", "--save", str(save), "--save-interval", "1",
+                     "--data-cache-path", str(tmp_path / "cache")], script="tests/scripts/nan_gradient.py", timeout=180)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("error: found NaN in local grad norm for bucket #0") \
+        and "at iteration 3 on rank 0;" in errors[0], errors
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert sorted(p.name for p in save.glob("iter_*")) == ["iter_0000001", "iter_0000002"]
+
+
+def _event_writer_threads() -> int:
+    """TensorBoard's event-file writer threads alive in this process (one per open SummaryWriter)."""
+    import threading
+
+    return sum(type(t).__name__ == "_AsyncWriterThread" for t in threading.enumerate())
+
+
+def test_a_setup_that_fails_closes_the_metric_writers_it_opened(tmp_path):
+    """The writers and the --exit-signal-handler's handler are set up before the model; a checkpoint that cannot be
+    loaded fails setup after them: the TensorBoard writer is closed (its thread ended, its events flushed), and the
+    signal's previous handler is back, not left to the process."""
+    import signal
+
+    import checkpoint
+    import train
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("5")  # no iter_0000005
+    cfg = _cfg(tmp_path, "--train-iters", "2", "--load", str(tmp_path / "ckpt"), "--tensorboard-dir", str(tmp_path / "tb"),
+               "--exit-signal-handler", "--exit-signal", "SIGUSR2")
+    threads, handler = _event_writer_threads(), signal.getsignal(signal.SIGUSR2)
+    with pytest.raises(checkpoint.CheckpointError, match="names iteration 5"):
+        train.pretrain(cfg)
+    assert list((tmp_path / "tb").iterdir()), "the writer was opened"
+    assert _event_writer_threads() == threads and signal.getsignal(signal.SIGUSR2) is handler
+
+
+def test_a_run_that_raises_stops_its_async_checkpoint_writer_and_publishes_nothing_more(tmp_path):
+    """--async-save (torch_dist: megatron-core writes each save from a process of its own on a CPU), a save every
+    iteration, and a forward step that raises at iteration 3, while iteration 2's save is being written (scheduled
+    just before; iteration 2's forward step waited for iteration 1's to finish first): pretrain ends with the
+    exception, the writer stopped (killed) and reaped rather than left running or as a zombie, and the tracker still
+    on iteration 1."""
+    import psutil
+
+    import train
+
+    in_flight = []
+
+    def forward_step(state, data_iterator, model):
+        if state.train_state.step == 2:
+            in_flight.extend(call.async_caller.process for call in state.async_calls_queue.async_calls)
+            raise RuntimeError("injected at iteration 3")
+        return train.forward_step(state, data_iterator, model)
+
+    save = tmp_path / "ckpt"
+    cfg = _cfg(tmp_path, "--train-iters", "4", "--eval-iters", "0", "--save", str(save), "--save-interval", "1",
+               "--async-save")
+    with pytest.raises(RuntimeError, match="injected at iteration 3"):
+        train.pretrain(cfg, forward_step)
+    assert len(in_flight) == 1 and not psutil.pid_exists(in_flight[0].pid)  # read before anything waits for it
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "1"

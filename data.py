@@ -628,16 +628,18 @@ class MegatronPaddedBatchSampler(MegatronPretrainingSampler):
 
 
 class MegatronPretrainingRandomSampler:
-    """The cyclic sampler: each epoch a fresh permutation (seeded by seed + epoch), each DP rank
-    drawing from its own contiguous bucket (`data_sharding`), or without it every rank taking its stride of one
-    permutation of the whole dataset (Megatron-LM's data_samplers.py); resumes mid-epoch from `consumed_samples`."""
+    """The cyclic sampler: each epoch a fresh permutation seeded by the epoch number alone, as Megatron-LM's and
+    Bridge's (megatron/training/datasets/data_samplers.py:374,381; Bridge's data/samplers.py:491,498): the same order
+    whatever --seed, and for the training, validation and test sets alike. Each DP rank draws from its own contiguous
+    bucket (`data_sharding`), or without it every rank takes its stride of one permutation of the whole dataset;
+    resumes mid-epoch from `consumed_samples`."""
 
-    def __init__(self, total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size, seed,
+    def __init__(self, total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size,
                  data_sharding: bool = True):
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
-        self.rank, self.size, self.seed = data_parallel_rank, data_parallel_size, seed
+        self.rank, self.size = data_parallel_rank, data_parallel_size
         self.data_sharding = data_sharding
         self.step = micro_batch_size * data_parallel_size
         self.last_batch_size = total_samples % self.step
@@ -651,7 +653,7 @@ class MegatronPretrainingRandomSampler:
             epoch = self.consumed_samples // active_total
             offset = self.consumed_samples % active_total
             g = torch.Generator()
-            g.manual_seed(self.seed + epoch)  # its own generator: the global RNG state is never touched
+            g.manual_seed(epoch)  # its own generator: the global RNG state is never touched
             if self.data_sharding:
                 bucket_size = (self.total_samples // self.step) * self.micro_batch_size
                 order = (torch.randperm(bucket_size, generator=g) + self.rank * bucket_size).tolist()[offset // self.size:]
@@ -728,7 +730,7 @@ def build_data_loader(dataset, consumed_samples: int, cfg, seed_offset: int = 0)
     mbs = cfg.train.micro_batch_size
     if cfg.dataset.dataloader_type == "cyclic":
         sampler = MegatronPretrainingRandomSampler(len(dataset), consumed_samples, mbs, dp_rank, dp_size,
-                                                   cfg.rng.seed + seed_offset, getattr(cfg.dataset, "data_sharding", True))
+                                                   getattr(cfg.dataset, "data_sharding", True))
     elif cfg.dataset.dataloader_type == "batch":
         total = max(train_valid_test_num_samples(cfg)) + consumed_samples  # examples repeat as epochs
         sampler = MegatronPaddedBatchSampler(dataset.lengths, consumed_samples, mbs, dp_rank, dp_size,

@@ -1,5 +1,6 @@
 """data.py: preprocessing real text into megatron-core indexed datasets, training on a blend, bad input."""
 
+import itertools
 import json
 import os
 import subprocess
@@ -224,7 +225,7 @@ def test_cyclic_sampler_reshuffles_each_epoch_and_resumes_mid_epoch():
     from data import MegatronPretrainingRandomSampler
 
     def draw(consumed, n_batches, rank=0, size=1):
-        it = iter(MegatronPretrainingRandomSampler(20, consumed, 2, rank, size, seed=7))
+        it = iter(MegatronPretrainingRandomSampler(20, consumed, 2, rank, size))
         return [i for _ in range(n_batches) for i in next(it)]
 
     first_epoch, second_epoch = draw(0, 10), draw(20, 10)
@@ -232,6 +233,21 @@ def test_cyclic_sampler_reshuffles_each_epoch_and_resumes_mid_epoch():
     assert draw(8, 6) == draw(0, 10)[8:]  # resuming after 8 samples continues the same permutation
     two_ranks = draw(0, 5, rank=0, size=2) + draw(0, 5, rank=1, size=2)
     assert sorted(two_ranks) == list(range(20))  # ranks split the epoch without overlap
+
+
+@pytest.mark.parametrize("sharding", [True, False], ids=["data_sharding", "no_data_sharding"])
+def test_cyclic_sampler_shuffles_as_megatron_lm(sharding):
+    """The first two epochs' order, on each of 2 data-parallel ranks, from the start and from mid-epoch, is that of
+    Megatron-LM's own sampler for the same arguments (its seed is the epoch alone; --seed changes nothing)."""
+    from data import MegatronPretrainingRandomSampler
+    from megatron.training.datasets.data_samplers import MegatronPretrainingRandomSampler as Theirs
+
+    total, mbs, size = 23, 2, 2  # 23 % (2 x 2) = 3: the dropped tail too
+    for rank, consumed in itertools.product(range(size), (0, 8)):
+        ours = iter(MegatronPretrainingRandomSampler(total, consumed, mbs, rank, size, sharding))
+        theirs = Theirs(None, total, consumed, mbs, rank, size, sharding)
+        expected = list(theirs) + list(theirs)  # each pass over theirs is one epoch, from where the last one ended
+        assert [next(ours) for _ in expected] == expected, (rank, consumed)
 
 
 def test_document_resets_reach_megatron_core(prefixes, tmp_path):

@@ -250,6 +250,39 @@ def test_cyclic_sampler_shuffles_as_megatron_lm(sharding):
         assert [next(ours) for _ in expected] == expected, (rank, consumed)
 
 
+class _Call:
+    """What a crafted pickle holds: a call, run when the file is read (here open(path, "w"), which makes the file)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def test_a_packed_sequence_file_is_read_without_running_its_pickle(tmp_path):
+    """Bridge's packed-sequence file is np.save of a list of dicts (pickled objects): its lists, dicts and numpy
+    numbers read back as saved; a file whose pickle names a callable is one line, and the call never runs."""
+    import numpy as np
+
+    import data
+
+    elements = [{"input_ids": [5, 6, 7], "loss_mask": [False, True, True], "seq_start_id": [0]},
+                {"input_ids": np.array([8, 9], dtype=np.int64), "loss_mask": [np.int64(0), np.int64(1)],
+                 "seq_start_id": np.array([0])}]
+    good = tmp_path / "packed.npy"
+    np.save(good, elements)
+    assert data.read_bridge_packed(str(good), 4) == [([5, 6, 7], [0, 0, 1], [3]), ([8, 9], [0, 0], [2])]
+
+    ran = tmp_path / "ran"
+    crafted = tmp_path / "crafted.npy"
+    np.save(crafted, [dict(elements[0], note=_Call(str(ran)))])
+    with pytest.raises(config.ConfigError) as e:
+        data.read_bridge_packed(str(crafted), 4)
+    assert not ran.exists()
+    assert str(e.value).startswith(f"{crafted}: its pickled objects call ") and "\n" not in str(e.value), e.value
+
+
 def test_document_resets_reach_megatron_core(prefixes, tmp_path):
     """--reset-position-ids / --reset-attention-mask / --eod-mask-loss shape the samples at each end-of-document."""
     import data

@@ -23,7 +23,8 @@ model's shape and the tokenizer before any weight.
 
 A checkpoint is complete or invisible: every rank writes its files, all ranks meet at a barrier, and
 only then does rank 0 write the two `latest_*` files (each written aside and renamed into place).
-A process killed mid-save leaves the tracker pointing at the previous complete checkpoint.
+A process killed mid-save leaves the tracker pointing at the previous complete checkpoint. An iteration saved again
+(--ckpt-step below the tracker) is written beside the old one, which is swapped out only once the new one is complete.
 
 Trust: a torch_dist checkpoint's metadata (`.metadata`, the common state) is read by PyTorch's and megatron-core's
 distributed checkpointing with `pickle`, which can run code: load only checkpoints you trust. Every other
@@ -32,6 +33,7 @@ file here is read with `torch.load(weights_only=True)`.
 
 import argparse
 import copy
+import ctypes
 import dataclasses
 import functools
 import importlib
@@ -360,16 +362,20 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
     cfg, ts = state.cfg, state.train_state
     ck = cfg.checkpoint
     rank = torch.distributed.get_rank()
-    directory = iter_dir(ck.save, ts.step)
+    final = iter_dir(ck.save, ts.step)
     if ck.async_save:  # one checkpoint in flight at a time: bounded memory, ordered trackers
         maybe_finalize_async_save(state, blocking=True)
+    # This step may be saved there already (--ckpt-step below the tracker, or a --save holding a later run): perhaps
+    # the very one the tracker names. The new one is then written beside it and swapped in once complete (_publish).
+    directory = final + REPLACEMENT if any_rank(rank == 0 and os.path.isdir(final)) else final
     if rank == 0:
-        if os.path.isdir(directory):  # left by an earlier, unpublished attempt at this step
+        if os.path.isdir(directory):  # left by an earlier, unpublished attempt
             shutil.rmtree(directory)
         os.makedirs(directory)
     torch.distributed.barrier()
     # What the tracker files will say is fixed now: training moves on while an async save is written.
-    publish = functools.partial(_publish, cfg, state.tokenizer, ts.state_dict(), directory, announce=ck.async_save)
+    publish = functools.partial(_publish, cfg, state.tokenizer, ts.state_dict(), directory, final,
+                                announce=ck.async_save)
     common = common_state(cfg, ts)
 
     if ck.ckpt_format == "torch_dist":
@@ -394,7 +400,7 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
                                               content_metadata=metadata, async_strategy=ck.async_strategy)
             request.add_finalize_fn(publish)
             _async_queue(state).schedule_async_request(request)
-            return directory
+            return final
         dist_checkpointing.save(sharded, directory, strategy, content_metadata=metadata)
         files = []
     else:
@@ -414,12 +420,12 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
         if ck.async_save:
             # Training will change the weights in place: the writer gets a copy taken now.
             _async_queue(state).schedule([(_snapshot(obj), path) for obj, path in files], publish)
-            return directory
+            return final
     for obj, path in files:
         _atomic_save(obj, path)
     torch.distributed.barrier()  # every rank's files are on disk
     publish()
-    return directory
+    return final
 
 
 def _model_keys(model: list, state_dict_of) -> dict:
@@ -574,23 +580,50 @@ def load_optimizer_state(optimizer, saved) -> None:
         optimizer._synchronize_steps()
 
 
-def _publish(cfg, tokenizer, train_state: dict, directory: str, announce: bool = False) -> None:
-    """Called on every rank once every rank's files are written: rank 0 adds the run's description and
-    then the two tracker files (the checkpoint becomes visible), prunes, and all ranks meet again."""
+def _publish(cfg, tokenizer, train_state: dict, directory: str, final: str, announce: bool = False) -> None:
+    """Called on every rank once every rank's files are written: rank 0 adds the run's description, puts the
+    checkpoint in its place (`final`; swapped with the one there, which is deleted only after the tracker), then
+    writes the two tracker files (the checkpoint becomes visible), prunes, and all ranks meet again."""
     ck = cfg.checkpoint
     if torch.distributed.get_rank() == 0:
         _atomic_write_text(config_lib.to_yaml(cfg), os.path.join(directory, "run_config.yaml"))
         save_tokenizer(tokenizer, directory)
         _atomic_save(train_state, os.path.join(directory, "train_state.pt"))
+        if directory != final:
+            _exchange(directory, final)  # `final` holds the new checkpoint, `directory` the one it replaces
         _atomic_save(train_state, os.path.join(ck.save, LATEST_TRAIN_STATE))
         step = int(train_state["step"])
         _atomic_write_text(str(step), os.path.join(ck.save, TRACKER))  # published: last write
+        if directory != final:
+            shutil.rmtree(directory)
         if ck.most_recent_k > 0:
             prune_old_checkpoints(ck.save, step, ck.most_recent_k)
         if announce:  # an async save: its completion is news (a sync save is reported by the caller)
-            print(f" successfully saved checkpoint from iteration {step:7d} to {directory} (async)",
+            print(f" successfully saved checkpoint from iteration {step:7d} to {final} (async)",
                   flush=True)
     torch.distributed.barrier()
+
+
+REPLACEMENT = ".replacement"  # iter_N.replacement: a new checkpoint of step N, written while iter_N stays in place
+
+
+def _exchange(a: str, b: str) -> None:
+    """Swap two directories' names in one step (Linux's renameat2 with RENAME_EXCHANGE), so that a process killed at
+    any moment leaves each name holding a whole checkpoint. Where the C library or the filesystem cannot, three
+    renames, between which `b` is missing for a moment."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+            return
+    except AttributeError:  # no renameat2: not Linux, or glibc before 2.28
+        pass
+    aside = b + ".replaced"
+    os.rename(b, aside)
+    os.rename(a, b)
+    os.rename(aside, a)
+
+
+AT_FDCWD, RENAME_EXCHANGE = -100, 2  # linux/fcntl.h, linux/fs.h
 
 
 # --------------------------------------------------------------------------------------------------

@@ -13,8 +13,8 @@ Names and signatures follow Megatron Bridge's `training.checkpointing` and `trai
                                        `checkpoint_version` 3.0 and FLOPs (megatron-core <= 0.16 wrote it to
                                        common.pt, still read); each (PP, TP) rank's RNG states are the
                                        `rng_state` object
-        torch format:                  mp_rank_00/model_optim_rng.pt, one per tensor/pipeline rank, with the same
-                                       keys as Megatron-LM's
+        torch format:                  mp_rank_00/model_optim_rng.pt, one per tensor/pipeline/expert rank
+                                       (mp_rank_TT[_PPP][_EEE]), with Megatron-LM's names and keys
       latest_train_state.pt            copy of the newest train_state.pt
       latest_checkpointed_iteration.txt
 
@@ -102,10 +102,34 @@ def iter_dir(save: str, iteration: int) -> str:
 
 
 def _mp_file(directory: str) -> str:
-    """Megatron's legacy torch layout: mp_rank_TT (plus _PPP with pipeline parallelism)."""
-    tp, pp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
-    name = f"mp_rank_{tp:02d}" if parallel_state.get_pipeline_model_parallel_world_size() == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
+    """This rank's file in Megatron-LM's torch format (checkpointing.py:224-239): mp_rank_TT, plus _PPP with pipeline
+    parallelism, plus _EEE with expert parallelism."""
+    ps = parallel_state
+    name = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}"
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        name += f"_{ps.get_pipeline_model_parallel_rank():03d}"
+    if ps.get_expert_model_parallel_world_size() > 1:
+        name += f"_{ps.get_expert_model_parallel_rank():03d}"
     return os.path.join(directory, name, "model_optim_rng.pt")
+
+
+# What a torch-format file's tensors depend on besides the model: the parallel sizes of the ranks that saved it.
+TORCH_LAYOUT = {"tensor_model_parallel_size": "TP", "pipeline_model_parallel_size": "PP",
+                "expert_model_parallel_size": "EP", "expert_tensor_parallel_size": "expert TP"}
+
+
+def check_torch_layout(cfg, directory: str, settings: dict) -> None:
+    """A torch-format checkpoint holds each rank's shards as that rank held them, so it loads only at the parallel
+    sizes that saved it (Megatron-LM compares TP and PP likewise, checkpointing.py:184-186): other ones are one line
+    naming both, before any weight. `settings`: the saving run's (saved_settings)."""
+    def sizes(get):
+        tp = get("tensor_model_parallel_size") or 1
+        return ", ".join(f"{name} {get(k) or (tp if name == 'expert TP' else 1)}" for k, name in TORCH_LAYOUT.items())
+
+    saved, ours = sizes(settings.get), sizes(lambda k: getattr(cfg.model, k))
+    if saved != ours:
+        raise CheckpointError(f"{directory}: saved in the torch format at {saved}, and this run has {ours}; pass the "
+                              f"saving run's sizes (the torch format does not reshard; --ckpt-format torch_dist does)")
 
 
 def _atomic_save(obj, path: str) -> None:
@@ -405,9 +429,10 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
         files = []
     else:
         files = []
-        if parallel_state.get_data_parallel_rank() == 0:
-            # Data-parallel replicas hold identical weights, optimizer and RNG states: one file per TP/PP rank,
-            # with Megatron-LM's keys.
+        # One file per tensor, pipeline and expert rank, with Megatron-LM's keys, written as Megatron-LM writes it
+        # (checkpointing.py:733-741): by data-parallel rank 0 or expert-data-parallel rank 0, between them one rank
+        # of each such file (replicas hold identical weights, optimizer and RNG states).
+        if parallel_state.get_data_parallel_rank() == 0 or parallel_state.get_expert_data_parallel_rank() == 0:
             payload = {**_model_keys(model, lambda chunk: unwrap(chunk).state_dict()), **common}
             if scheduler is not None:
                 payload["opt_param_scheduler"] = scheduler.state_dict()
@@ -997,7 +1022,7 @@ def _read_common(directory: str, saved_format: str) -> dict:
     form: megatron-core's `load_common_state_dict` reads both), or this rank's torch-format file (the whole of it:
     it is small next to the model)."""
     if saved_format == "torch":
-        return _load(_mp_file(directory), "model and optimizer of this tensor/pipeline rank")
+        return _load(_mp_file(directory), "model and optimizer of this tensor/pipeline/expert rank")
     path = common_file(directory)
     if not os.path.isfile(os.path.join(directory, ".metadata")):
         raise CheckpointError(f"{os.path.join(directory, '.metadata')}: missing; the checkpoint is incomplete — load "
@@ -1129,8 +1154,14 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
     if saved_format != ck.ckpt_format:
         raise CheckpointError(f"{directory}: saved in {saved_format} format but this run uses --ckpt-format "
                               f"{ck.ckpt_format}; pass --ckpt-format {saved_format}")
+    if saved_format == "torch" and not os.path.isfile(_mp_file(directory)):  # saved at other sizes? another rank's says
+        first = min(n for n in os.listdir(directory) if n.startswith("mp_rank_"))
+        other = _load(os.path.join(directory, first, "model_optim_rng.pt"), "a rank's model and optimizer")
+        check_torch_layout(cfg, directory, vars(other.get("args", argparse.Namespace())))
     common = _read_common(directory, saved_format)
     settings, where = saved_settings(directory, common)
+    if saved_format == "torch":
+        check_torch_layout(cfg, directory, settings)
     check_tokenizer(getattr(state, "tokenizer", None), directory, common)  # first: another tokenizer pads another vocabulary
     check_saved_model(cfg, directory, common, settings, where, finetune)
     # --no-load-optim skips the optimizer and its schedule, --finetune everything but the weights.

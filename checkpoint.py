@@ -13,8 +13,8 @@ Names and signatures follow Megatron Bridge's `training.checkpointing` and `trai
                                        `checkpoint_version` 3.0 and FLOPs (megatron-core <= 0.16 wrote it to
                                        common.pt, still read); each (PP, TP) rank's RNG states are the
                                        `rng_state` object
-        torch format:                  mp_rank_00/model_optim_rng.pt, one per tensor/pipeline rank, with the same
-                                       keys as Megatron-LM's
+        torch format:                  mp_rank_00/model_optim_rng.pt, one per tensor/pipeline/expert rank
+                                       (mp_rank_TT[_PPP][_EEE]), with Megatron-LM's names and keys
       latest_train_state.pt            copy of the newest train_state.pt
       latest_checkpointed_iteration.txt
       progress.txt                     Megatron-LM's progress log: a line per job start and per save (metrics.py)
@@ -24,8 +24,9 @@ model's shape and the tokenizer before any weight.
 
 A checkpoint is complete or invisible: every rank writes its files, all ranks meet at a barrier, and
 only then does rank 0 write the two `latest_*` files (each written aside and renamed into place).
-A process killed mid-save leaves the tracker pointing at the previous complete checkpoint. progress.txt is
-appended afterwards, not atomically: a kill there may leave its last line cut short.
+A process killed mid-save leaves the tracker pointing at the previous complete checkpoint. An iteration saved again
+(--ckpt-step below the tracker) is written beside the old one, which is swapped out only once the new one is
+complete. progress.txt is appended afterwards, not atomically: a kill there may leave its last line cut short.
 
 Trust: a torch_dist checkpoint's metadata (`.metadata`, the common state) is read by PyTorch's and megatron-core's
 distributed checkpointing with `pickle`, which can run code: load only checkpoints you trust. Every other
@@ -34,6 +35,7 @@ file here is read with `torch.load(weights_only=True)`.
 
 import argparse
 import copy
+import ctypes
 import dataclasses
 import functools
 import importlib
@@ -102,10 +104,34 @@ def iter_dir(save: str, iteration: int) -> str:
 
 
 def _mp_file(directory: str) -> str:
-    """Megatron's legacy torch layout: mp_rank_TT (plus _PPP with pipeline parallelism)."""
-    tp, pp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
-    name = f"mp_rank_{tp:02d}" if parallel_state.get_pipeline_model_parallel_world_size() == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
+    """This rank's file in Megatron-LM's torch format (checkpointing.py:224-239): mp_rank_TT, plus _PPP with pipeline
+    parallelism, plus _EEE with expert parallelism."""
+    ps = parallel_state
+    name = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}"
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        name += f"_{ps.get_pipeline_model_parallel_rank():03d}"
+    if ps.get_expert_model_parallel_world_size() > 1:
+        name += f"_{ps.get_expert_model_parallel_rank():03d}"
     return os.path.join(directory, name, "model_optim_rng.pt")
+
+
+# What a torch-format file's tensors depend on besides the model: the parallel sizes of the ranks that saved it.
+TORCH_LAYOUT = {"tensor_model_parallel_size": "TP", "pipeline_model_parallel_size": "PP",
+                "expert_model_parallel_size": "EP", "expert_tensor_parallel_size": "expert TP"}
+
+
+def check_torch_layout(cfg, directory: str, settings: dict) -> None:
+    """A torch-format checkpoint holds each rank's shards as that rank held them, so it loads only at the parallel
+    sizes that saved it (Megatron-LM compares TP and PP likewise, checkpointing.py:184-186): other ones are one line
+    naming both, before any weight. `settings`: the saving run's (saved_settings)."""
+    def sizes(get):
+        tp = get("tensor_model_parallel_size") or 1
+        return ", ".join(f"{name} {get(k) or (tp if name == 'expert TP' else 1)}" for k, name in TORCH_LAYOUT.items())
+
+    saved, ours = sizes(settings.get), sizes(lambda k: getattr(cfg.model, k))
+    if saved != ours:
+        raise CheckpointError(f"{directory}: saved in the torch format at {saved}, and this run has {ours}; pass the "
+                              f"saving run's sizes (the torch format does not reshard; --ckpt-format torch_dist does)")
 
 
 def _atomic_save(obj, path: str) -> None:
@@ -362,16 +388,20 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
     cfg, ts = state.cfg, state.train_state
     ck = cfg.checkpoint
     rank = torch.distributed.get_rank()
-    directory = iter_dir(ck.save, ts.step)
+    final = iter_dir(ck.save, ts.step)
     if ck.async_save:  # one checkpoint in flight at a time: bounded memory, ordered trackers
         maybe_finalize_async_save(state, blocking=True)
+    # This step may be saved there already (--ckpt-step below the tracker, or a --save holding a later run): perhaps
+    # the very one the tracker names. The new one is then written beside it and swapped in once complete (_publish).
+    directory = final + REPLACEMENT if any_rank(rank == 0 and os.path.isdir(final)) else final
     if rank == 0:
-        if os.path.isdir(directory):  # left by an earlier, unpublished attempt at this step
+        if os.path.isdir(directory):  # left by an earlier, unpublished attempt
             shutil.rmtree(directory)
         os.makedirs(directory)
     torch.distributed.barrier()
     # What the tracker files will say is fixed now: training moves on while an async save is written.
-    publish = functools.partial(_publish, cfg, state.tokenizer, ts.state_dict(), directory, announce=ck.async_save)
+    publish = functools.partial(_publish, cfg, state.tokenizer, ts.state_dict(), directory, final,
+                                announce=ck.async_save)
     common = common_state(cfg, ts)
 
     if ck.ckpt_format == "torch_dist":
@@ -396,14 +426,15 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
                                               content_metadata=metadata, async_strategy=ck.async_strategy)
             request.add_finalize_fn(publish)
             _async_queue(state).schedule_async_request(request)
-            return directory
+            return final
         dist_checkpointing.save(sharded, directory, strategy, content_metadata=metadata)
         files = []
     else:
         files = []
-        if parallel_state.get_data_parallel_rank() == 0:
-            # Data-parallel replicas hold identical weights, optimizer and RNG states: one file per TP/PP rank,
-            # with Megatron-LM's keys.
+        # One file per tensor, pipeline and expert rank, with Megatron-LM's keys, written as Megatron-LM writes it
+        # (checkpointing.py:733-741): by data-parallel rank 0 or expert-data-parallel rank 0, between them one rank
+        # of each such file (replicas hold identical weights, optimizer and RNG states).
+        if parallel_state.get_data_parallel_rank() == 0 or parallel_state.get_expert_data_parallel_rank() == 0:
             payload = {**_model_keys(model, lambda chunk: unwrap(chunk).state_dict()), **common}
             if scheduler is not None:
                 payload["opt_param_scheduler"] = scheduler.state_dict()
@@ -416,12 +447,12 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
         if ck.async_save:
             # Training will change the weights in place: the writer gets a copy taken now.
             _async_queue(state).schedule([(_snapshot(obj), path) for obj, path in files], publish)
-            return directory
+            return final
     for obj, path in files:
         _atomic_save(obj, path)
     torch.distributed.barrier()  # every rank's files are on disk
     publish()
-    return directory
+    return final
 
 
 def _model_keys(model: list, state_dict_of) -> dict:
@@ -576,23 +607,50 @@ def load_optimizer_state(optimizer, saved) -> None:
         optimizer._synchronize_steps()
 
 
-def _publish(cfg, tokenizer, train_state: dict, directory: str, announce: bool = False) -> None:
-    """Called on every rank once every rank's files are written: rank 0 adds the run's description and
-    then the two tracker files (the checkpoint becomes visible), prunes, and all ranks meet again."""
+def _publish(cfg, tokenizer, train_state: dict, directory: str, final: str, announce: bool = False) -> None:
+    """Called on every rank once every rank's files are written: rank 0 adds the run's description, puts the
+    checkpoint in its place (`final`; swapped with the one there, which is deleted only after the tracker), then
+    writes the two tracker files (the checkpoint becomes visible), prunes, and all ranks meet again."""
     ck = cfg.checkpoint
     if torch.distributed.get_rank() == 0:
         _atomic_write_text(config_lib.to_yaml(cfg), os.path.join(directory, "run_config.yaml"))
         save_tokenizer(tokenizer, directory)
         _atomic_save(train_state, os.path.join(directory, "train_state.pt"))
+        if directory != final:
+            _exchange(directory, final)  # `final` holds the new checkpoint, `directory` the one it replaces
         _atomic_save(train_state, os.path.join(ck.save, LATEST_TRAIN_STATE))
         step = int(train_state["step"])
         _atomic_write_text(str(step), os.path.join(ck.save, TRACKER))  # published: last write
+        if directory != final:
+            shutil.rmtree(directory)
         if ck.most_recent_k > 0:
             prune_old_checkpoints(ck.save, step, ck.most_recent_k)
         if announce:  # an async save: its completion is news (a sync save is reported by the caller)
-            print(f" successfully saved checkpoint from iteration {step:7d} to {directory} (async)",
+            print(f" successfully saved checkpoint from iteration {step:7d} to {final} (async)",
                   flush=True)
     torch.distributed.barrier()
+
+
+REPLACEMENT = ".replacement"  # iter_N.replacement: a new checkpoint of step N, written while iter_N stays in place
+
+
+def _exchange(a: str, b: str) -> None:
+    """Swap two directories' names in one step (Linux's renameat2 with RENAME_EXCHANGE), so that a process killed at
+    any moment leaves each name holding a whole checkpoint. Where the C library or the filesystem cannot, three
+    renames, between which `b` is missing for a moment."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+            return
+    except AttributeError:  # no renameat2: not Linux, or glibc before 2.28
+        pass
+    aside = b + ".replaced"
+    os.rename(b, aside)
+    os.rename(a, b)
+    os.rename(aside, a)
+
+
+AT_FDCWD, RENAME_EXCHANGE = -100, 2  # linux/fcntl.h, linux/fs.h
 
 
 # --------------------------------------------------------------------------------------------------
@@ -986,7 +1044,7 @@ def _read_common(directory: str, saved_format: str) -> dict:
     form: megatron-core's `load_common_state_dict` reads both), or this rank's torch-format file (the whole of it:
     it is small next to the model)."""
     if saved_format == "torch":
-        return _load(_mp_file(directory), "model and optimizer of this tensor/pipeline rank")
+        return _load(_mp_file(directory), "model and optimizer of this tensor/pipeline/expert rank")
     path = common_file(directory)
     if not os.path.isfile(os.path.join(directory, ".metadata")):
         raise CheckpointError(f"{os.path.join(directory, '.metadata')}: missing; the checkpoint is incomplete — load "
@@ -1118,8 +1176,14 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
     if saved_format != ck.ckpt_format:
         raise CheckpointError(f"{directory}: saved in {saved_format} format but this run uses --ckpt-format "
                               f"{ck.ckpt_format}; pass --ckpt-format {saved_format}")
+    if saved_format == "torch" and not os.path.isfile(_mp_file(directory)):  # saved at other sizes? another rank's says
+        first = min(n for n in os.listdir(directory) if n.startswith("mp_rank_"))
+        other = _load(os.path.join(directory, first, "model_optim_rng.pt"), "a rank's model and optimizer")
+        check_torch_layout(cfg, directory, vars(other.get("args", argparse.Namespace())))
     common = _read_common(directory, saved_format)
     settings, where = saved_settings(directory, common)
+    if saved_format == "torch":
+        check_torch_layout(cfg, directory, settings)
     check_tokenizer(getattr(state, "tokenizer", None), directory, common)  # first: another tokenizer pads another vocabulary
     check_saved_model(cfg, directory, common, settings, where, finetune)
     # --no-load-optim skips the optimizer and its schedule, --finetune everything but the weights.

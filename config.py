@@ -2532,6 +2532,13 @@ def check_checkpointing(cfg: ConfigContainer) -> None:
     require(c.ckpt_format == "torch_dist" or not o.use_distributed_optimizer,
             "--ckpt-format torch keeps one copy of the optimizer per tensor/pipeline rank, but --use-distributed-optimizer "
             "shards it over data-parallel ranks; use --ckpt-format torch_dist")
+    # Megatron-LM's torch format names its files by tensor, pipeline and expert rank (mp_rank_TT_PPP_EEE): the experts'
+    # tensor-parallel rank must follow from the tensor-parallel one
+    tp, etp = cfg.model.tensor_model_parallel_size, cfg.model.expert_tensor_parallel_size
+    require(c.ckpt_format != "torch" or not cfg.model.num_experts or tp % etp == 0,
+            f"--ckpt-format torch names its files by tensor, pipeline and expert rank, but --expert-tensor-parallel-size "
+            f"{etp} splits the experts over ranks those names do not tell apart (it must divide "
+            f"--tensor-model-parallel-size {tp}); use --ckpt-format torch_dist")
     require(not c.async_save or c.save, "--async-save writes checkpoints in the background but --no-save saves nothing; "
                                         "drop one")
     require(not c.strict_fsdp_dtensor_load, "checkpoint.strict_fsdp_dtensor_load: there is no FSDP and no fsdp_dtensor "

@@ -15,6 +15,7 @@ import functools
 import json
 import multiprocessing.util  # its exit hook registered before this module's (see _shut_down_workers)
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -564,6 +565,39 @@ def build_sft_datasets(cfg, tokenizer) -> list:
     return datasets
 
 
+# What np.save of lists, dicts and numbers pickles into an object array: numpy's array, dtype and scalar rebuilders
+# (numpy 2 names its module numpy._core). Anything else in such a file is code, not data.
+NPY_DATA_GLOBALS = {(core, name) for core in ("numpy._core.multiarray", "numpy.core.multiarray")
+                    for name in ("_reconstruct", "scalar")} | {("numpy", "ndarray"), ("numpy", "dtype")}
+
+
+class _DataOnlyUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) not in NPY_DATA_GLOBALS:
+            raise pickle.UnpicklingError(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+def load_npy_data(path: str) -> np.ndarray:
+    """np.load of a .npy file, where an object array (Bridge's packed sequences: np.save of a list of dicts) is
+    unpickled with numpy's rebuilders only. np.load(allow_pickle=True) would call whatever a crafted file names, on
+    every rank; such a file is one line here instead."""
+    fmt = np.lib.format
+    with open(path, "rb") as fh:
+        try:
+            version = fmt.read_magic(fh)
+            _, _, dtype = (fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0)(fh)
+        except ValueError as e:
+            raise ConfigError(f"{path}: not a .npy file ({e})") from None
+        if not dtype.hasobject:
+            return np.load(path, allow_pickle=False)
+        try:
+            return _DataOnlyUnpickler(fh).load()
+        except pickle.UnpicklingError as e:
+            raise ConfigError(f"{path}: its pickled objects call {e}, which is not numpy data: a file crafted so runs "
+                              f"code when read; write it again with Bridge's packing, from data you trust") from None
+
+
 def read_bridge_packed(path: str, seq_length: int) -> list:
     """Bridge's packed-sequence file (`np.save` of a list of {"input_ids", "loss_mask", "seq_start_id"}, its
     packing/algorithms.py fill_packing_strategy) as SFTDataset items: (ids, mask, example lengths).
@@ -571,7 +605,7 @@ def read_bridge_packed(path: str, seq_length: int) -> list:
     Bridge's loss_mask is aligned to the inputs (position i: is the token after it learnt?); SFTDataset's to the
     tokens (is token i learnt?): shifted by one within each example, so every target is the one Bridge trains."""
     items = []
-    for n, element in enumerate(np.load(path, allow_pickle=True)):
+    for n, element in enumerate(load_npy_data(path)):
         ids, bridge_mask, starts = list(element["input_ids"]), list(element["loss_mask"]), list(element["seq_start_id"])
         if len(ids) > seq_length + 1:
             raise ConfigError(f"{path}: packed sequence {n} holds {len(ids)} tokens, more than --seq-length "
@@ -628,16 +662,18 @@ class MegatronPaddedBatchSampler(MegatronPretrainingSampler):
 
 
 class MegatronPretrainingRandomSampler:
-    """The cyclic sampler: each epoch a fresh permutation (seeded by seed + epoch), each DP rank
-    drawing from its own contiguous bucket (`data_sharding`), or without it every rank taking its stride of one
-    permutation of the whole dataset (Megatron-LM's data_samplers.py); resumes mid-epoch from `consumed_samples`."""
+    """The cyclic sampler: each epoch a fresh permutation seeded by the epoch number alone, as Megatron-LM's and
+    Bridge's (megatron/training/datasets/data_samplers.py:374,381; Bridge's data/samplers.py:491,498): the same order
+    whatever --seed, and for the training, validation and test sets alike. Each DP rank draws from its own contiguous
+    bucket (`data_sharding`), or without it every rank takes its stride of one permutation of the whole dataset;
+    resumes mid-epoch from `consumed_samples`."""
 
-    def __init__(self, total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size, seed,
+    def __init__(self, total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size,
                  data_sharding: bool = True):
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
-        self.rank, self.size, self.seed = data_parallel_rank, data_parallel_size, seed
+        self.rank, self.size = data_parallel_rank, data_parallel_size
         self.data_sharding = data_sharding
         self.step = micro_batch_size * data_parallel_size
         self.last_batch_size = total_samples % self.step
@@ -651,7 +687,7 @@ class MegatronPretrainingRandomSampler:
             epoch = self.consumed_samples // active_total
             offset = self.consumed_samples % active_total
             g = torch.Generator()
-            g.manual_seed(self.seed + epoch)  # its own generator: the global RNG state is never touched
+            g.manual_seed(epoch)  # its own generator: the global RNG state is never touched
             if self.data_sharding:
                 bucket_size = (self.total_samples // self.step) * self.micro_batch_size
                 order = (torch.randperm(bucket_size, generator=g) + self.rank * bucket_size).tolist()[offset // self.size:]
@@ -728,7 +764,7 @@ def build_data_loader(dataset, consumed_samples: int, cfg, seed_offset: int = 0)
     mbs = cfg.train.micro_batch_size
     if cfg.dataset.dataloader_type == "cyclic":
         sampler = MegatronPretrainingRandomSampler(len(dataset), consumed_samples, mbs, dp_rank, dp_size,
-                                                   cfg.rng.seed + seed_offset, getattr(cfg.dataset, "data_sharding", True))
+                                                   getattr(cfg.dataset, "data_sharding", True))
     elif cfg.dataset.dataloader_type == "batch":
         total = max(train_valid_test_num_samples(cfg)) + consumed_samples  # examples repeat as epochs
         sampler = MegatronPaddedBatchSampler(dataset.lengths, consumed_samples, mbs, dp_rank, dp_size,

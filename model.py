@@ -434,9 +434,16 @@ def wrap_model(cfg, model: list) -> list:
 
         tag_params_for_buffer_routing(model)
         dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        # The layout fixes the buckets, so it takes the bucket size megatron-core's DDP would settle on, resolved as
+        # Megatron-LM resolves it first (training.py:1552-1567): --ddp-bucket-size or max(40M, 1M x DP x CP)
+        # parameters with --overlap-grad-reduce, one bucket without; and one bucket for the chunks after the first
+        # and on the pipeline stages after the first (training.py:1857-1866).
+        size = (ddp_config.bucket_size or max(40_000_000, 1_000_000 * dp)) if ddp_config.overlap_grad_reduce else None
+        later_stage = parallel_state.get_pipeline_model_parallel_rank() > 0
         layouts = [LayerWiseDistributedOptimizer.compute_full_param_layout(
-            [p for p in m.parameters() if p.requires_grad], ddp_config.bucket_size, dp, ddp_config,
-            expert_data_parallel_world_size=parallel_state.get_expert_data_parallel_world_size()) for m in model]
+            [p for p in m.parameters() if p.requires_grad], None if i > 0 or later_stage else size, dp, ddp_config,
+            expert_data_parallel_world_size=parallel_state.get_expert_data_parallel_world_size())
+            for i, m in enumerate(model)]
     # Only the first chunk overlaps its reduce in buckets: the others' gradients are ready together at the end.
     model = [DistributedDataParallel(config=unwrap(m).config, ddp_config=ddp_config, module=m, disable_bucketing=i > 0,
                                      full_param_layout=layouts[i])

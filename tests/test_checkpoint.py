@@ -494,6 +494,38 @@ def test_kill_9_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, mode,
     assert (ck / "latest_checkpointed_iteration.txt").read_text() == str(published + 2)
 
 
+def test_saving_an_iteration_again_never_leaves_it_missing(tmp_path, capsys):
+    """--ckpt-step 2 below the tracker's 3, saving into the same directory: iteration 3, the one the tracker names, is
+    saved again. Done, the new one has taken its place and nothing is left aside; killed with -9 in the middle of
+    it, --load still finds a whole iteration 3 (the old one was deleted first, and the tracker named nothing)."""
+    import train
+
+    ck = tmp_path / "ck"
+    args = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "64",
+            "--micro-batch-size", "1", "--global-batch-size", "2", "--mock-data", "--eval-iters", "0",
+            "--num-workers", "0", "--save", str(ck), "--save-interval", "1", "--log-interval", "1",
+            "--data-cache-path", str(tmp_path / "cache")]
+    train.pretrain(config.parse_args([*args, "--train-iters", "3"], world_size=1, gpu=False))
+    again = ["--load", str(ck), "--ckpt-step", "2", "--override-opt-param-scheduler"]
+    _continued_here([*args, "--train-iters", "3", "--lr", "1e-3"], capsys, *again)
+    assert (ck / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert dist_checkpointing.load_common_state_dict(str(ck / "iter_0000003"))["args"].lr == 1e-3  # the new one
+    assert sorted(n for n in os.listdir(ck) if n.startswith("iter_")) == [f"iter_000000{i}" for i in (1, 2, 3)]
+
+    def saving_3_again():
+        return (ck / "iter_0000003.replacement").exists() or not (ck / "iter_0000003" / "train_state.pt").exists()
+
+    proc = _launch([*args, "--train-iters", "3000", *again], tmp_path / "log")
+    try:
+        caught = _wait_for(saving_3_again)
+    finally:
+        _kill_9(proc)
+    assert caught, (tmp_path / "log").read_text()[-2000:]
+    resumed = _continued_here([*args, "--train-iters", "4"], capsys, "--load", str(ck),
+                              "--override-opt-param-scheduler")
+    assert "at iteration 3" in resumed and [line[0] for line in log_lines(resumed)] == [4]
+
+
 # --- --async-save ------------------------------------------------------------------------------------------
 
 

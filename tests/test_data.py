@@ -1,5 +1,6 @@
 """data.py: preprocessing real text into megatron-core indexed datasets, training on a blend, bad input."""
 
+import itertools
 import json
 import os
 import subprocess
@@ -224,7 +225,7 @@ def test_cyclic_sampler_reshuffles_each_epoch_and_resumes_mid_epoch():
     from data import MegatronPretrainingRandomSampler
 
     def draw(consumed, n_batches, rank=0, size=1):
-        it = iter(MegatronPretrainingRandomSampler(20, consumed, 2, rank, size, seed=7))
+        it = iter(MegatronPretrainingRandomSampler(20, consumed, 2, rank, size))
         return [i for _ in range(n_batches) for i in next(it)]
 
     first_epoch, second_epoch = draw(0, 10), draw(20, 10)
@@ -232,6 +233,54 @@ def test_cyclic_sampler_reshuffles_each_epoch_and_resumes_mid_epoch():
     assert draw(8, 6) == draw(0, 10)[8:]  # resuming after 8 samples continues the same permutation
     two_ranks = draw(0, 5, rank=0, size=2) + draw(0, 5, rank=1, size=2)
     assert sorted(two_ranks) == list(range(20))  # ranks split the epoch without overlap
+
+
+@pytest.mark.parametrize("sharding", [True, False], ids=["data_sharding", "no_data_sharding"])
+def test_cyclic_sampler_shuffles_as_megatron_lm(sharding):
+    """The first two epochs' order, on each of 2 data-parallel ranks, from the start and from mid-epoch, is that of
+    Megatron-LM's own sampler for the same arguments (its seed is the epoch alone; --seed changes nothing)."""
+    from data import MegatronPretrainingRandomSampler
+    from megatron.training.datasets.data_samplers import MegatronPretrainingRandomSampler as Theirs
+
+    total, mbs, size = 23, 2, 2  # 23 % (2 x 2) = 3: the dropped tail too
+    for rank, consumed in itertools.product(range(size), (0, 8)):
+        ours = iter(MegatronPretrainingRandomSampler(total, consumed, mbs, rank, size, sharding))
+        theirs = Theirs(None, total, consumed, mbs, rank, size, sharding)
+        expected = list(theirs) + list(theirs)  # each pass over theirs is one epoch, from where the last one ended
+        assert [next(ours) for _ in expected] == expected, (rank, consumed)
+
+
+class _Call:
+    """What a crafted pickle holds: a call, run when the file is read (here open(path, "w"), which makes the file)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def test_a_packed_sequence_file_is_read_without_running_its_pickle(tmp_path):
+    """Bridge's packed-sequence file is np.save of a list of dicts (pickled objects): its lists, dicts and numpy
+    numbers read back as saved; a file whose pickle names a callable is one line, and the call never runs."""
+    import numpy as np
+
+    import data
+
+    elements = [{"input_ids": [5, 6, 7], "loss_mask": [False, True, True], "seq_start_id": [0]},
+                {"input_ids": np.array([8, 9], dtype=np.int64), "loss_mask": [np.int64(0), np.int64(1)],
+                 "seq_start_id": np.array([0])}]
+    good = tmp_path / "packed.npy"
+    np.save(good, elements)
+    assert data.read_bridge_packed(str(good), 4) == [([5, 6, 7], [0, 0, 1], [3]), ([8, 9], [0, 0], [2])]
+
+    ran = tmp_path / "ran"
+    crafted = tmp_path / "crafted.npy"
+    np.save(crafted, [dict(elements[0], note=_Call(str(ran)))])
+    with pytest.raises(config.ConfigError) as e:
+        data.read_bridge_packed(str(crafted), 4)
+    assert not ran.exists()
+    assert str(e.value).startswith(f"{crafted}: its pickled objects call ") and "\n" not in str(e.value), e.value
 
 
 def test_document_resets_reach_megatron_core(prefixes, tmp_path):

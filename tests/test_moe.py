@@ -8,6 +8,7 @@ lm loss, auxiliary losses, grad norm and params norm at every iteration. Checkpo
 the weights reshard on load; the optimizer state does not (megatron-core keeps the experts a ChainedOptimizer of
 their own at EP > 1 only), which is one line naming --no-load-optim."""
 
+import os
 import re
 
 import pytest
@@ -408,3 +409,74 @@ def test_fp16_loss_scale_crosses_expert_parallel_sizes(runs):
     assert sorted(second) == [7, 8, 9]
     assert float(first[6][0]) < 2.0 ** 32  # the scale came down from its start: a restart would show
     assert [second[it] for it in (7, 8, 9)] == [first[it] for it in (7, 8, 9)]
+
+
+# --ckpt-format torch: Megatron-LM's files, one per tensor, pipeline and expert rank, under each layout it can save.
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1",
+          "--make-vocab-size-divisible-by", "64"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+TORCH_LAYOUTS = {  # (ranks, flags, the files of a checkpoint: mp_rank_TT, then _PPP with PP > 1, then _EEE with EP > 1)
+    "ep2": (2, EP2, ["mp_rank_00_000", "mp_rank_00_001"]),
+    "tp2_sp": (2, TP2_SP, ["mp_rank_00", "mp_rank_01"]),
+    "pp2": (2, PP2, ["mp_rank_00_000", "mp_rank_00_001"]),
+    # tensor rank 0 holds expert rank 0's experts, tensor rank 1 expert rank 1's; ranks 2-3 are their replicas
+    "tp2_sp_ep2": (4, [*TP2_SP, *EP2], ["mp_rank_00_000", "mp_rank_01_001"]),
+    "ep2_pp2": (4, [*EP2, *PP2], ["mp_rank_00_000_000", "mp_rank_00_000_001", "mp_rank_00_001_000", "mp_rank_00_001_001"]),
+}
+
+
+def torch_format(runs, name):
+    """A layout from scratch to 4 saving at 2 in the torch format, and its resume from that checkpoint."""
+    nproc, flags, _ = TORCH_LAYOUTS[name]
+    return (runs(name, nproc, *flags, *runs.saving(name, 2)),
+            runs.resume(name + "_resumed", nproc, name, 2, *flags))
+
+
+@pytest.fixture(scope="module")
+def torch_runs(tmp_path_factory, warm_torchrun):
+    runs = Launches(tmp_path_factory.mktemp("moe_torch"), [*FLAGS, "--ckpt-format", "torch", "--exit-interval", "4"],
+                    METRICS[:3], warm_torchrun)
+    with runs.together():
+        for nproc in (2, 4):
+            for name in [name for name, (n, _, _) in TORCH_LAYOUTS.items() if n == nproc]:
+                torch_format(runs, name)
+    return runs
+
+
+@pytest.mark.parametrize("name", list(TORCH_LAYOUTS))
+def test_the_torch_format_saves_every_layout_as_megatron_lm_and_resumes_bitwise(torch_runs, name):
+    """Each rank's file named and written as Megatron-LM names and writes it (checkpointing.py:224-239, 733-741): at
+    EP=2 each expert rank's experts and their Adam state are in a file of their own (they were in none: rank 1's were
+    lost and on resume rank 1 took rank 0's). Resumed from 2, the run is the straight run bit for bit."""
+    straight, resumed = torch_format(torch_runs, name)
+    assert resumed["iterations"] == [3, 4]
+    assert_bitwise(resumed, straight, [3, 4], METRICS[:3])
+    saved = torch_runs.ckpt(name) + "/iter_0000002"
+    assert sorted(n for n in os.listdir(saved) if n.startswith("mp_rank_")) == TORCH_LAYOUTS[name][2]
+
+
+@pytest.mark.parametrize("name, saved", [
+    ("ep2", "TP 1, PP 1, EP 2, expert TP 1"),  # this rank's file (mp_rank_00) is not there: another's names the sizes
+    ("tp2_sp", "TP 2, PP 1, EP 1, expert TP 1"),  # it is there, tensor rank 0's shards of a TP=2 model
+])
+def test_a_torch_format_checkpoint_at_other_parallel_sizes_is_one_line(torch_runs, name, saved):
+    """One rank loading a 2-rank torch-format checkpoint: one line naming both layouts, before any weight."""
+    import checkpoint
+    import config
+    import train
+
+    torch_format(torch_runs, name)
+    cfg = config.parse_args([*FLAGS, "--ckpt-format", "torch", "--load", torch_runs.ckpt(name), "--ckpt-step", "2",
+                             "--data-cache-path", str(torch_runs.out / "cache"), "--no-tensorboard"],
+                            world_size=1, gpu=False)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        train.pretrain(cfg)
+    assert f"saved in the torch format at {saved}, and this run has TP 1, PP 1, EP 1, expert TP 1; pass the saving " \
+        "run's sizes" in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_layout_the_torch_format_cannot_name_is_one_line(capsys):
+    """Experts split over more tensor-parallel ranks than the dense layers (a GPU layout): the files' names
+    (tensor, pipeline, expert rank) cannot tell the expert shards apart, and Megatron-LM would write two into one."""
+    assert "--expert-tensor-parallel-size 2 splits the experts over ranks those names do not tell apart" in config_error(
+        [*FLAGS, "--ckpt-format", "torch", "--expert-tensor-parallel-size", "2"], capsys, world_size=2, gpu=True)

@@ -319,6 +319,44 @@ def test_a_tensor_parallel_moe_checkpoints_optimizer_on_one_rank_is_one_line(v3,
            "one optimizer for all parameters (EP 1, TP 1, expert TP 1" in str(e.value) and "--no-load-optim" in str(e.value)
 
 
+LAYER_WISE = [*FLAGS, *DP2_BF16, "--use-distributed-optimizer"]
+
+
+@pytest.mark.parametrize("flags, buckets", [
+    (["--ddp-bucket-size", "20000"], [1, 1]),  # no --overlap-grad-reduce: one bucket, whatever the size
+    (["--overlap-grad-reduce", "--ddp-bucket-size", "20000"], [1, 4]),  # 102,400 matrix parameters in 20,000s
+    (["--overlap-grad-reduce", "--hidden-size", "1024", "--num-layers", "4"], [1, 2]),  # 50.4M in 40M and the rest
+], ids=["no_overlap", "overlap_20000", "overlap_default_40M"])
+def test_the_layer_wise_optimizers_buckets_are_sized_as_megatron_lm_sizes_them(single_rank_groups, flags, buckets):
+    """The layer-wise optimizer's DDP layout fixes the gradient buckets, so it takes the bucket size Megatron-LM
+    resolves (training.py:1552-1567): --ddp-bucket-size, or at least 40M parameters, with --overlap-grad-reduce, and
+    none without. Buckets of megatron-core's DDP on one rank: [Adam's buffer, Muon's matrices]."""
+    import config
+    from model import build_model, set_random_seed, wrap_model
+
+    cfg = config.parse_args([*LAYER_WISE, *flags], world_size=1, gpu=False)
+    set_random_seed(0)
+    model = wrap_model(cfg, build_model(cfg, vocab_size=128))
+    assert [len(b.buckets) for b in model[0].buffers] == buckets
+
+
+def test_the_layer_wise_optimizer_buckets_the_first_chunk_of_the_first_stage_only(tmp_path):
+    """Pipeline stages after the first, and the model chunks after the first, reduce their gradients in one bucket
+    (Megatron-LM's training.py:1857-1866): PP=2 with two virtual stages a rank, overlapped 20,000-parameter buckets.
+    (Untied embeddings: tied ones would put the shared embedding in a bucket of its own on both stages.)"""
+    import json
+
+    from conftest import torchrun
+
+    proc = torchrun([str(tmp_path), *LAYER_WISE, "--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                     "--num-layers-per-virtual-pipeline-stage", "1", "--overlap-grad-reduce", "--ddp-bucket-size",
+                     "20000", "--untie-embeddings-and-output-weights", "--data-cache-path", str(tmp_path / "cache")],
+                    script="tests/scripts/ddp_buckets.py")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    # each rank: [chunk 0's buffers' bucket counts, chunk 1's]; a buffer is Adam's, then Muon's matrices
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)] == [[[1, 2], [1, 1]], [[1, 1], [1, 1]]]
+
+
 def test_lion_and_soap_train_through_the_same_path():
     """The other emerging optimizers megatron-core builds from the package: the loss falls over 6 steps."""
     for name in ("lion", "soap"):

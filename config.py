@@ -48,7 +48,14 @@ if sys.version_info < (3, 12):
 
 import device  # noqa: E402,F401  first: it quiets megatron-core's import-time notices of its CPU fallbacks
 from megatron.training import config as mcore_training  # noqa: E402  megatron-core's training sections: Bridge's bases
-from megatron.training.argument_utils import ArgumentGroupFactory  # noqa: E402
+from megatron.training.argument_utils import ArgumentGroupFactory, TypeInferenceError  # noqa: E402
+from megatron.core import distributed as mcore_distributed, optimizer as mcore_optimizer  # noqa: E402
+
+MCORE_BASES = (mcore_training.TrainingConfig, mcore_training.ValidationConfig, mcore_training.SchedulerConfig,
+               mcore_training.LoggerConfig, mcore_training.CheckpointConfig, mcore_training.DistributedInitConfig,
+               mcore_training.RNGConfig, mcore_training.ProfilingConfig, mcore_training.StragglerDetectionConfig,
+               mcore_training.RerunStateMachineConfig, mcore_optimizer.OptimizerConfig,
+               mcore_distributed.DistributedDataParallelConfig)
 
 
 class ConfigError(ValueError):
@@ -71,6 +78,11 @@ def arg(default: Any, help: str, *, flag: Optional[str] = None, choices=None, cl
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
 
+
+# Megatron-LM's --optimizer choices of its emerging optimizers (arguments.py, core_v0.19.0), built by megatron-core's
+# own path (optimizer/emerging_optimizers.py) from the `emerging-optimizers` package. dist_muon is Megatron-LM's
+# deprecated name for muon with --use-distributed-optimizer (megatron-core's layer-wise distributed optimizer).
+MEGATRON_LM_EMERGING_OPTIMIZERS = ["muon", "dist_muon", "lion", "soap", "adaptive_muon"]
 
 # megatron-core's fields this trainer acts on, by section, each with a flag generated from megatron-core's dataclass:
 # its name, type, default and docstring, by megatron-core's own ArgumentGroupFactory, as Megatron-LM 0.19's
@@ -95,11 +107,20 @@ MCORE_FLAGS = {
     "profiling": "use_nsys_profiler use_pytorch_profiler profile_step_start profile_step_end profile_ranks "
                  "pytorch_profiler_collect_shapes pytorch_profiler_collect_callstack record_shapes "
                  "record_memory_history memory_snapshot_path nvtx_ranges",
-    "straggler": "log_straggler straggler_minmax_count disable_straggler_on_startup",
+    "straggler": "log_straggler straggler_minmax_count",
     "rerun_state_machine": "error_injection_rate error_injection_type check_for_spiky_loss",
+    "optimizer": "optimizer lr min_lr decoupled_lr decoupled_min_lr weight_decay adam_beta1 adam_beta2 adam_eps "
+                 "sgd_momentum clip_grad use_distributed_optimizer loss_scale initial_loss_scale min_loss_scale "
+                 "loss_scale_window hysteresis muon_momentum muon_split_qkv muon_nesterov muon_scale_mode "
+                 "muon_fp32_matmul_prec muon_coefficient_type muon_num_ns_steps muon_tp_mode muon_extra_scale_factor "
+                 "muon_scalar_optimizer lion_beta1 lion_beta2",
+    "ddp": "overlap_grad_reduce overlap_param_gather bucket_size pad_buckets_for_high_nccl_busbw average_in_collective "
+           "check_for_large_grads num_distributed_optimizer_instances param_name_patterns_for_fp32_local_accumulation",
 }
 # megatron-core's fields this trainer acts on without a flag (Megatron-LM has none either): YAML only.
 MCORE_YAML_ONLY = {"rerun_state_machine": "check_for_nan_in_loss",
+                   # derived by validate() from the other settings (the distributed optimizer's, the NaN check's)
+                   "ddp": "use_distributed_optimizer grad_reduce_in_fp32 check_for_nan_in_grad",
                    "validation": "eval_global_batch_size eval_micro_batch_size",
                    "dist": "local_rank"}  # megatron-core's default reads $LOCAL_RANK, which differs between ranks
 # Where this trainer's flag for a megatron-core field differs from the generated one, and why. `bounds`: the interval
@@ -118,6 +139,31 @@ MCORE_FLAG_CHANGES = {
     # (a traceback) on a wrong name.
     "train.exit_signal": dict(type=str, choices=None),
     "rng.seed": dict(bounds="[0, 2147483647]"),  # numpy refuses negative seeds and seeds from 2**32
+    # Megatron-LM's choices and names (arguments.py, core_v0.19.0), where megatron-core's field is a plain str or its
+    # name is not the flag's; the bounds are what torch's optimizers assert.
+    "optimizer.optimizer": dict(choices=["adam", "sgd", "signsgd", *MEGATRON_LM_EMERGING_OPTIMIZERS]),
+    "optimizer.weight_decay": dict(bounds="[0, inf)"),
+    "optimizer.adam_beta1": dict(bounds="[0, 1)"),
+    "optimizer.adam_beta2": dict(bounds="[0, 1)"),
+    "optimizer.adam_eps": dict(bounds="[0, inf)"),
+    "optimizer.sgd_momentum": dict(bounds="[0, inf)"),
+    "optimizer.decoupled_lr": dict(bounds="(0, inf)"),
+    "optimizer.decoupled_min_lr": dict(bounds="[0, inf)"),
+    "optimizer.muon_momentum": dict(bounds="[0, 1)"),
+    "optimizer.muon_split_qkv": dict(flags=["--muon-no-split-qkv"]),
+    "optimizer.muon_scale_mode": dict(choices=["spectral", "unit_rms_norm", "shape_scaling"]),
+    "optimizer.muon_fp32_matmul_prec": dict(choices=["low", "medium", "high"]),
+    "optimizer.muon_coefficient_type": dict(choices=["simple", "quintic", "polar_express", "cans", "aol", "deepseekv4"]),
+    "optimizer.muon_num_ns_steps": dict(bounds="(0, inf)"),
+    "optimizer.muon_tp_mode": dict(choices=["blockwise", "duplicated", "distributed"]),
+    "optimizer.muon_scalar_optimizer": dict(choices=["adam", "lion"]),
+    "optimizer.lion_beta1": dict(bounds="[0, 1)"),
+    "optimizer.lion_beta2": dict(bounds="[0, 1)"),
+    "ddp.bucket_size": dict(flags=["--ddp-bucket-size"], bounds="(0, inf)"),
+    "ddp.pad_buckets_for_high_nccl_busbw": dict(flags=["--ddp-pad-buckets-for-high-nccl-busbw"]),
+    "ddp.average_in_collective": dict(flags=["--ddp-average-in-collective"]),
+    "ddp.param_name_patterns_for_fp32_local_accumulation": dict(
+        flags=["--ddp-param-name-patterns-for-fp32-local-accumulation"], type=str, nargs="+"),
 }
 # This trainer's defaults where they differ from megatron-core's dataclass, on purpose, each with its reason.
 DEFAULTS = {
@@ -128,7 +174,26 @@ DEFAULTS = {
     "logger.tensorboard_dir": ("runs", "TensorBoard files by default, git-ignored (`tensorboard --logdir runs`)"),
     "checkpoint.save": ("checkpoints", "a run leaves a checkpoint by default; generate.py reads it by default"),
     "dist.distributed_backend": (None, "derived from the machine: nccl with a GPU, gloo without"),
+    "optimizer.lr": (1e-3, "megatron-core has none (Megatron-LM asks for it); AdamW's customary rate"),
+    "optimizer.min_lr": (0.0, "Megatron-LM's default; megatron-core has none"),
+    "optimizer.muon_momentum": (0.9, "Megatron-LM's default (arguments.py, core_v0.19.0); megatron-core's is 0.95"),
+    "ddp.grad_reduce_in_fp32": (None, "derived from the precision, as Megatron-LM: fp32 with --bf16, else the "
+                                      "parameters' dtype"),
 }
+
+
+def settings_of(section: str, sub) -> list:
+    """The fields of a section that are settings of this trainer: its own, and megatron-core's that it acts on (with
+    the ones validate() derives)."""
+    acted_on = set(_names(MCORE_FLAGS, section) + _names(MCORE_YAML_ONLY, section))
+    return [f.name for f in dataclasses.fields(sub) if "help" in f.metadata or f.name in acted_on or not f.init
+            or not isinstance(sub, MCORE_BASES)]
+
+
+def flag_of(section: str, f) -> str:
+    """A field's (first) flag: arg()'s, MCORE_FLAG_CHANGES', or its name's."""
+    changed = MCORE_FLAG_CHANGES.get(f"{section}.{f.name}", {}).get("flags")
+    return f.metadata.get("flag") or (changed[0] if changed else "--" + f.name.replace("_", "-"))
 
 
 def section_default(cls, section: str):
@@ -471,19 +536,6 @@ class TrainingConfig(mcore_training.TrainingConfig):
 
 
 @dataclass
-class SchedulerConfig(mcore_training.SchedulerConfig):
-    """Bridge's SchedulerConfig: megatron-core's (megatron.training.config); validate() fills in its step counts, all
-    in samples, as megatron-core's OptimizerParamScheduler counts them."""
-
-    decoupled_lr: Optional[float] = arg(
-        None, "Peak learning rate of the input embedding and the output layer (their own schedule, from "
-              "--decoupled-lr to --decoupled-min-lr); megatron-core's decoupled_lr.", bounds="(0, inf)")
-    decoupled_min_lr: Optional[float] = arg(
-        None, "Learning rate of the input embedding and output layer at the end of the decay (with --decoupled-lr). "
-              "Default: --min-lr.", bounds="[0, inf)")
-
-
-@dataclass
 class LoggerConfig(mcore_training.LoggerConfig):
     """Bridge's LoggerConfig: megatron-core's (megatron.training.config), plus Bridge's trackers and switches."""
 
@@ -572,109 +624,53 @@ class RerunStateMachineConfig(mcore_training.RerunStateMachineConfig):
         10.0, "Factor for detecting spiky loss: a loss this many times the largest observed over the sample window.")
 
 
+@dataclass
+class StragglerDetectionConfig(mcore_training.StragglerDetectionConfig):
+    """Bridge's StragglerDetectionConfig: megatron-core's (megatron.training.config), plus Bridge's switch."""
+
+    enable_straggler_on_startup: bool = arg(
+        True, "With --log-straggler: report from the first iteration. Megatron-LM's --disable-straggler-on-startup waits "
+              "for its controller port (--straggler-ctrlr-port) to turn the report on; there is no such port here, so "
+              "only True.", flag="--disable-straggler-on-startup")
+
+
 # megatron-core's sections that Bridge takes as they are.
+SchedulerConfig = mcore_training.SchedulerConfig  # validate() fills in its step counts (in samples)
 RNGConfig = mcore_training.RNGConfig
 ProfilingConfig = mcore_training.ProfilingConfig
-StragglerDetectionConfig = mcore_training.StragglerDetectionConfig
 ValidationConfig = mcore_training.ValidationConfig
 
 
-# Megatron-LM's --optimizer choices of its emerging optimizers (arguments.py, core_v0.19.0), built by megatron-core's
-# own path (optimizer/emerging_optimizers.py) from the `emerging-optimizers` package. dist_muon is Megatron-LM's
-# deprecated name for muon with --use-distributed-optimizer (megatron-core's layer-wise distributed optimizer).
-MEGATRON_LM_EMERGING_OPTIMIZERS = ["muon", "dist_muon", "lion", "soap", "adaptive_muon"]
 
 
 @dataclass
-class OptimizerConfig:
-    """The optimizer (Megatron's OptimizerConfig): Adam or SGD, clipping, loss scaling."""
+class OptimizerConfig(mcore_optimizer.OptimizerConfig):
+    """Bridge's OptimizerConfig: megatron-core's, with its post-init (checks, derived fields) deferred to finalize(), so
+    that settings may change after construction. model.py hands megatron-core a copy with what the model decides
+    (precision, timers) filled in."""
 
-    optimizer: str = arg("adam", "Optimizer: adam, sgd, signsgd (sign-SGD with momentum: docs/fork.md), or one of "
-                                 "Megatron-LM's emerging optimizers (muon, adaptive_muon, soap, lion; the "
-                                 "`emerging-optimizers` package): Muon orthogonalizes the update of each "
-                                 "2-D weight, and megatron-core gives the embeddings, the output layer, biases and norms "
-                                 "to --muon-scalar-optimizer.",
-                         choices=["adam", "sgd", "signsgd", *MEGATRON_LM_EMERGING_OPTIMIZERS])
-    lr: float = arg(1e-3, "Peak learning rate.")
-    min_lr: float = arg(0.0, "Learning rate at the end of the decay.")
-    weight_decay: float = arg(0.01, "Decoupled weight decay (not applied to biases and 1-D parameters).", bounds="[0, inf)")
-    adam_beta1: float = arg(0.9, "Adam beta1.", bounds="[0, 1)")
-    adam_beta2: float = arg(0.999, "Adam beta2.", bounds="[0, 1)")
-    adam_eps: float = arg(1e-8, "Adam epsilon.", bounds="[0, inf)")
-    sgd_momentum: float = arg(0.9, "SGD momentum.", bounds="[0, inf)")
-    clip_grad: float = arg(1.0, "Clip gradients to this global L2 norm. 0 disables clipping.")
-    use_distributed_optimizer: bool = arg(False, "Shard the optimizer state and fp32 main weights over data-parallel ranks "
-                                            "(megatron-core's DistributedOptimizer).")
-    loss_scale: Optional[float] = arg(None, "Static loss scale for --fp16. Default: dynamic loss scaling.")
-    initial_loss_scale: float = arg(2.0**32, "Initial dynamic loss scale for --fp16.")
-    min_loss_scale: float = arg(1.0, "Minimum dynamic loss scale for --fp16.")
-    loss_scale_window: float = arg(1000, "Iterations without overflow before the dynamic loss scale grows.")
-    hysteresis: int = arg(2, "Overflows tolerated before the dynamic loss scale shrinks.")
-    # Muon and the other emerging optimizers (Megatron-LM core_v0.19.0's flags and defaults, arguments.py:2518-2554;
-    # megatron-core's OptimizerConfig fields of the same names).
-    muon_momentum: float = arg(0.9, "Muon's momentum (Megatron-LM's default; megatron-core's own is 0.95).",
-                               bounds="[0, 1)")
-    muon_split_qkv: bool = arg(True, "Orthogonalize the query, key and value parts of the fused QKV weight separately.",
-                               flag="--muon-no-split-qkv")
-    muon_nesterov: bool = arg(False, "Nesterov momentum for Muon.")
-    muon_scale_mode: str = arg("spectral", "How Muon scales the orthogonalized update by the weight's shape.",
-                               choices=["spectral", "unit_rms_norm", "shape_scaling"])
-    muon_fp32_matmul_prec: str = arg("medium", "Precision of the fp32 matmuls of the Newton-Schulz iteration.",
-                                     choices=["low", "medium", "high"])
-    muon_coefficient_type: str = arg("quintic", "The Newton-Schulz iteration's coefficients.",
-                                     choices=["simple", "quintic", "polar_express", "cans", "aol", "deepseekv4"])
-    muon_num_ns_steps: int = arg(5, "Newton-Schulz iterations per Muon step.", bounds="(0, inf)")
-    muon_tp_mode: str = arg("blockwise", "Muon under tensor parallelism: blockwise orthogonalizes each rank's shard on "
-                                         "its own (not the one-process update); duplicated gathers the whole matrix; "
-                                         "distributed orthogonalizes it across the ranks.",
-                            choices=["blockwise", "duplicated", "distributed"])
-    muon_extra_scale_factor: float = arg(1.0, "A factor on Muon's update.")
-    muon_scalar_optimizer: str = arg("adam", "The optimizer of what Muon does not update (embeddings, output layer, "
-                                             "biases, norms).", choices=["adam", "lion"])
-    lion_beta1: float = arg(0.95, "Lion beta1 (--muon-scalar-optimizer lion).", bounds="[0, 1)")
-    lion_beta2: float = arg(0.98, "Lion beta2 (--muon-scalar-optimizer lion).", bounds="[0, 1)")
+    def __post_init__(self) -> None:
+        pass  # deferred: see finalize()
+
+    def finalize(self) -> None:
+        super().__post_init__()
 
 
 @dataclass
-class DistributedDataParallelConfig:
-    """Data-parallel gradient and parameter communication (megatron-core's DistributedDataParallelConfig).
+class DistributedDataParallelConfig(mcore_distributed.DistributedDataParallelConfig):
+    """Bridge's DistributedDataParallelConfig: megatron-core's, with its post-init deferred to finalize() (as the
+    optimizer's), plus Megatron-LM's two flags that decide grad_reduce_in_fp32."""
 
-    model.py builds megatron-core's config from these fields and calls its deferred post-init, finalize()."""
+    def __post_init__(self) -> None:
+        pass  # deferred: see finalize()
 
-    overlap_grad_reduce: bool = arg(
-        False, "Overlap the gradient reduce-scatter/all-reduce with the backward pass (megatron-core DDP's buckets).")
-    overlap_param_gather: bool = arg(
-        False, "With --use-distributed-optimizer: overlap the parameter all-gather with the next forward pass "
-               "(forward pre-hooks).")
-    use_distributed_optimizer: bool = arg(
-        False, "Kept in sync with --use-distributed-optimizer: either turns both on.", cli=False)
-    grad_reduce_in_fp32: Optional[bool] = arg(
-        None, "Accumulate and reduce gradients in fp32. Default, as Megatron-LM: on with --bf16 (off with "
-              "--grad-reduce-in-bf16), off otherwise (--fp16 reduces in fp16; fp32 gradients are fp32 anyway) unless "
-              "--accumulate-allreduce-grads-in-fp32.", cli=False)
+    def finalize(self) -> None:
+        super().__post_init__()
+
     accumulate_allreduce_grads_in_fp32: bool = arg(
         False, "Accumulate and reduce gradients in fp32 (megatron-core DDP's grad_reduce_in_fp32), e.g. with --fp16. "
                "Implied by --bf16.")
     grad_reduce_in_bf16: bool = arg(False, "With --bf16: accumulate and reduce gradients in bf16 instead of fp32.")
-    # Megatron-LM's --ddp-* flags and its other megatron-core DistributedDataParallelConfig fields.
-    ddp_bucket_size: Optional[int] = arg(
-        None, "With --overlap-grad-reduce: parameters per gradient-reduction bucket. Default: megatron-core's, "
-              "max(40M, 1M x data-parallel size).", bounds="(0, inf)")
-    ddp_pad_buckets_for_high_nccl_busbw: bool = arg(
-        False, "Pad each bucket to a multiple of 2^16 elements (NCCL's bus bandwidth at large data-parallel sizes).")
-    ddp_average_in_collective: bool = arg(
-        False, "Average the gradients in the data-parallel collective (ReduceOp.AVG) instead of scaling them by "
-               "1/data-parallel size before a sum.")
-    check_for_large_grads: bool = arg(
-        False, "Before each reduction, check each bucket's local gradient norm against 10 times the largest of its "
-               "first 100 (megatron-core DDP's check, reported through the rerun state machine).")
-    num_distributed_optimizer_instances: int = arg(
-        1, "Megatron-LM's partial distributed optimizer: copies of the distributed optimizer across the data-parallel "
-           "ranks. Only 1 here (more needs process groups this trainer does not create).")
-    param_name_patterns_for_fp32_local_accumulation: list[str] = arg(
-        [], "fnmatch patterns of parameter names whose gradients megatron-core's DDP accumulates locally in fp32 (the "
-            "buffer stays in the gradient dtype for the reduction); 'all' matches every parameter. Only meaningful "
-            "with --bf16 or --fp16.", flag="--ddp-param-name-patterns-for-fp32-local-accumulation")
 
 
 @dataclass(frozen=True)
@@ -706,8 +702,8 @@ class OptimizerConfigOverrideProvider:
         no_wd = [name for chunk in chunks for name, p in chunk.named_parameters()
                  if name.endswith(".bias") or p.ndim == 1]
         overrides = {ParamKey(name=tuple(no_wd)): ParamGroupOverride(wd_mult=0.0)} if no_wd else {}
-        s = context.scheduler_config
-        if getattr(s, "decoupled_lr", None) is not None:
+        s = context.optimizer_config
+        if s.decoupled_lr is not None:
             # megatron-core marks the word embeddings and the output layer with is_embedding_or_output_parameter.
             decoupled = ParamGroupOverride(max_lr=s.decoupled_lr)
             if s.decoupled_min_lr is not None:
@@ -1070,7 +1066,7 @@ class ConfigContainer:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainingConfig = field(default_factory=lambda: section_default(TrainingConfig, "train"))
     validation: ValidationConfig = field(default_factory=lambda: section_default(ValidationConfig, "validation"))
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    optimizer: OptimizerConfig = field(default_factory=lambda: section_default(OptimizerConfig, "optimizer"))
     scheduler: SchedulerConfig = field(default_factory=lambda: section_default(SchedulerConfig, "scheduler"))
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
@@ -1078,7 +1074,8 @@ class ConfigContainer:
     checkpoint: CheckpointConfig = field(default_factory=lambda: section_default(CheckpointConfig, "checkpoint"))
     dist: DistributedInitConfig = field(default_factory=lambda: section_default(DistributedInitConfig, "dist"))
     rng: RNGConfig = field(default_factory=RNGConfig)
-    ddp: DistributedDataParallelConfig = field(default_factory=DistributedDataParallelConfig)
+    ddp: DistributedDataParallelConfig = field(default_factory=lambda: section_default(DistributedDataParallelConfig,
+                                                                                        "ddp"))
     optimizer_config_override_provider: OptimizerConfigOverrideProvider = field(
         default_factory=OptimizerConfigOverrideProvider, metadata={"section": False})  # code, not settings
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
@@ -1104,9 +1101,18 @@ class ConfigContainer:
     derived: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self, dict_factory=lambda items: {k: v.name if isinstance(v, enum.Enum) else v
-                                                                   for k, v in items})  # a signal by its name
-        d.pop("derived")  # said in the sections themselves
+        """The settings, section by section: of megatron-core's classes, the fields this trainer acts on (the others
+        hold their defaults, which check_mcore_fields ensures); a signal by its name."""
+        def plain(value):
+            return value.name if isinstance(value, enum.Enum) else dataclasses.asdict(value) if \
+                dataclasses.is_dataclass(value) else list(value) if isinstance(value, tuple) else value
+        d = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in SECTIONS and dataclasses.is_dataclass(value):
+                d[f.name] = {name: plain(getattr(value, name)) for name in settings_of(f.name, value)}
+            elif f.name != "derived":  # said in the sections themselves
+                d[f.name] = plain(value)
         d["logger"]["comet_api_key"] = None  # a secret: kept out of run_config.yaml and the trackers' copies
         return d
 
@@ -1188,7 +1194,10 @@ def _field_meta(section: str, f, hints: dict, factory) -> Optional[dict]:
         return meta if meta["cli"] else None
     if f.name not in _names(MCORE_FLAGS, section):
         return None
-    kwargs = factory._build_argparse_kwargs_from_field(f)
+    try:
+        kwargs = factory._build_argparse_kwargs_from_field(f)
+    except TypeInferenceError:  # a type argparse has no form for (a tuple): MCORE_FLAG_CHANGES gives it
+        kwargs = dict(arg_names=[factory._format_arg_name(f.name)], help=factory.field_docstrings.get(f.name, ""))
     meta = dict(flags=kwargs.pop("arg_names"), help=kwargs.get("help", ""), choices=kwargs.get("choices"),
                 bounds=None, off=None, derived=False, cli=True, nargs=kwargs.get("nargs"), action=kwargs.get("action"),
                 type=kwargs.get("type"))
@@ -1253,7 +1262,7 @@ def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
         elif isinstance(tp, tuple) or meta.get("nargs"):  # a list of values
             nargs = meta.get("nargs") or "+"
             group.add_argument(*flags, dest=dest, nargs=nargs, type=tp[1] if isinstance(tp, tuple) else tp,
-                               metavar=f.name.upper().split("_")[-1], help=meta["help"] + " (default: %s)" % default)
+                               metavar=f.name.upper().split("_")[-1], help=meta["help"] + " (default: %s)" % (default,))
         else:
             group.add_argument(*flags, dest=dest, type=tp, choices=meta["choices"],
                                metavar=None if meta["choices"] else f.name.upper(),
@@ -1275,7 +1284,11 @@ def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
 # Bridge's names (its GPTModelProvider's TransformerConfig fields) for settings this config names as Megatron-LM's flag.
 BRIDGE_SETTING_NAMES = {("model", "num_moe_experts"): "num_experts"}
 # Settings of a run_config.yaml written before the sections were megatron-core's, under their names now.
-FORMER_NAMES = {("straggler", "enable_straggler_on_startup"): ("disable_straggler_on_startup", lambda on: not on)}
+FORMER_NAMES = {("ddp", "ddp_bucket_size"): ("bucket_size", None),
+               ("ddp", "ddp_pad_buckets_for_high_nccl_busbw"): ("pad_buckets_for_high_nccl_busbw", None),
+               ("ddp", "ddp_average_in_collective"): ("average_in_collective", None),
+               ("scheduler", "decoupled_lr"): ("optimizer.decoupled_lr", None),
+               ("scheduler", "decoupled_min_lr"): ("optimizer.decoupled_min_lr", None)}
 
 
 def apply_overrides(cfg: ConfigContainer, overrides: dict, source: str) -> None:
@@ -1302,7 +1315,12 @@ def apply_overrides(cfg: ConfigContainer, overrides: dict, source: str) -> None:
             key = key.replace("-", "_")
             key = BRIDGE_SETTING_NAMES.get((section, key), key)
             if (section, key) in FORMER_NAMES:
-                key, value = FORMER_NAMES[section, key][0], FORMER_NAMES[section, key][1](value)
+                key, convert = FORMER_NAMES[section, key]
+                value = convert(value) if convert else value
+                if "." in key:  # a setting that moved to another section
+                    other, key = key.split(".")
+                    setattr(getattr(cfg, other), key, value)
+                    continue
             if key not in names:
                 raise ConfigError(f"{source}: '{section}' has no setting '{key}' (see --help for the {section} group)")
             setattr(sub, key, value)
@@ -1432,6 +1450,17 @@ def derive_value(cfg: ConfigContainer, setting: str, value: Any, why: str) -> No
     cfg.derived[setting] = (value, why)
 
 
+def require_finalizes(section) -> None:
+    """megatron-core's post-init of a section (its finalize()), whose refusal (an assertion or a ValueError) becomes
+    the run's one line."""
+    refusal = None
+    try:
+        section.finalize()
+    except (AssertionError, ValueError) as e:
+        refusal = str(e).splitlines()[0] if str(e) else repr(e)
+    require(refusal is None, f"megatron-core's {type(section).__name__} refuses these settings: {refusal}")
+
+
 def require(condition: Any, message: str) -> None:
     """A check: when the condition does not hold, the run stops before any work with this one-line message."""
     if not condition:
@@ -1501,7 +1530,7 @@ def check_bounds(cfg: ConfigContainer) -> None:
             low, high, low_in, high_in = _interval(spec)
             inside = isinstance(value, (int, float)) and (low <= value if low_in else low < value) and (
                 value <= high if high_in else value < high)
-            flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+            flag = flag_of(section, f)
             require(inside, f"{flag} {value!r} is out of range: it must lie in {spec}")
 
 
@@ -2116,6 +2145,9 @@ def derive_optimizer_and_schedule(cfg: ConfigContainer) -> None:
     Also: the weight-decay schedule's ends from --weight-decay, and the distributed optimizer in both configs
     (_validate_and_sync_distributed_optimizer_settings).
     """
+    # Each gradient bucket checked for NaN and Inf before the data-parallel reduce, as Megatron-LM sets it
+    derive_value(cfg, "ddp.check_for_nan_in_grad", cfg.train.check_for_nan_in_loss_and_grad,
+                 "--check-for-nan-in-loss-and-grad, as Megatron-LM's training.py:1989")
     t, s, o = cfg.train, cfg.scheduler, cfg.optimizer
     gbs = t.global_batch_size
     if t.train_samples is None:
@@ -2194,17 +2226,20 @@ def check_emerging_optimizer(cfg: ConfigContainer) -> None:
 def check_optimizer_and_schedule(cfg: ConfigContainer) -> None:
     """The optimizer's numbers, the learning-rate schedule and megatron-core DDP's settings."""
     o, s, d = cfg.optimizer, cfg.scheduler, cfg.ddp
+    # What megatron-core's own post-init refuses, in one line.
+    require_finalizes(dataclasses.replace(o, bf16=cfg.model.bf16, fp16=cfg.model.fp16))
+    require_finalizes(dataclasses.replace(d, grad_reduce_in_fp32=bool(d.grad_reduce_in_fp32)))
     if o.optimizer in MEGATRON_LM_EMERGING_OPTIMIZERS:
         check_emerging_optimizer(cfg)
     require(o.lr > 0, f"--lr must be positive, got {o.lr}")
     require(0 <= o.min_lr <= o.lr, f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}")
     require(o.clip_grad >= 0, f"--clip-grad must be non-negative, got {o.clip_grad}")
-    require(s.decoupled_min_lr is None or s.decoupled_lr is not None,
+    require(o.decoupled_min_lr is None or o.decoupled_lr is not None,
             "--decoupled-min-lr ends the schedule of --decoupled-lr; add --decoupled-lr or drop it")
-    if s.decoupled_lr is not None:
-        low = o.min_lr if s.decoupled_min_lr is None else s.decoupled_min_lr
-        require(low <= s.decoupled_lr, f"--decoupled-lr {s.decoupled_lr} is below its minimum {low} "
-                                       f"({'--min-lr' if s.decoupled_min_lr is None else '--decoupled-min-lr'}); give "
+    if o.decoupled_lr is not None:
+        low = o.min_lr if o.decoupled_min_lr is None else o.decoupled_min_lr
+        require(low <= o.decoupled_lr, f"--decoupled-lr {o.decoupled_lr} is below its minimum {low} "
+                                       f"({'--min-lr' if o.decoupled_min_lr is None else '--decoupled-min-lr'}); give "
                                        f"--decoupled-min-lr at most --decoupled-lr")
     require(not (s.override_opt_param_scheduler and s.use_checkpoint_opt_param_scheduler),
             "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are exclusive")
@@ -2225,7 +2260,7 @@ def check_optimizer_and_schedule(cfg: ConfigContainer) -> None:
     require(d.num_distributed_optimizer_instances == 1,
             f"--num-distributed-optimizer-instances {d.num_distributed_optimizer_instances}: partial distributed "
             f"optimizers need process groups this trainer does not create; use 1 (or drop it)")
-    require(not (d.ddp_average_in_collective and cfg.model.calculate_per_token_loss),
+    require(not (d.average_in_collective and cfg.model.calculate_per_token_loss),
             "--ddp-average-in-collective averages over data-parallel ranks, but --calculate-per-token-loss sums and "
             "divides by the tokens (megatron-core refuses both); drop one")
 
@@ -2564,10 +2599,10 @@ def nvrx_async_unusable() -> Optional[str]:
 
 def derive_checkpointing(cfg: ConfigContainer) -> None:
     c = cfg.checkpoint
-    try:
-        c.finalize()  # megatron-core's post-init: its checks, and async_strategy mcore without --async-save
-    except AssertionError as e:
-        raise ConfigError(f"checkpoint: {e}")
+    done = dataclasses.replace(c)
+    require_finalizes(done)  # megatron-core's post-init: its checks, and async_strategy mcore without --async-save
+    for f in dataclasses.fields(c):
+        derive_value(cfg, f"checkpoint.{f.name}", getattr(done, f.name), "megatron-core's CheckpointConfig post-init")
     if c.async_save and c.async_strategy == "nvrx":
         why = nvrx_async_unusable()
         if why:  # the seed's fallback
@@ -2793,7 +2828,7 @@ def check_callbacks(cfg: ConfigContainer) -> None:
     require(t.manual_gc_interval >= 0, f"--manual-gc-interval must be non-negative, got {t.manual_gc_interval}")
     require(st.straggler_minmax_count >= 1, f"--straggler-minmax-count must be at least 1, got "
                                             f"{st.straggler_minmax_count}")
-    require(not (st.disable_straggler_on_startup and st.log_straggler),
+    require(st.enable_straggler_on_startup or not st.log_straggler,
             "--disable-straggler-on-startup waits for Megatron-LM's straggler controller (--straggler-ctrlr-port) to "
             "turn the report on, and there is none here: drop it (or --log-straggler)")
     dist = cfg.dist
@@ -2899,7 +2934,7 @@ def _setting_flag(cfg: ConfigContainer, section: str, name: str) -> Optional[str
     if f is None or getattr(sub, name) == (f.default_factory() if f.default is dataclasses.MISSING else f.default):
         return None
     value = getattr(sub, name)
-    flag = f.metadata.get("flag") or "--" + name.replace("_", "-")
+    flag = flag_of(section, f)
     return flag if isinstance(value, bool) else f"{flag} {value}"
 
 
@@ -3137,5 +3172,5 @@ INERT_SETTINGS = {
     ("model", "fp32_residual_connection"): lambda cfg: not (cfg.model.bf16 or cfg.model.fp16),
     ("model", "attention_softmax_in_fp32"): lambda cfg: not (_own_core_attention(cfg) and (cfg.model.bf16 or cfg.model.fp16)),
     ("model", "apply_query_key_layer_scaling"): lambda cfg: cfg.model.transformer_impl != "transformer_engine" and not _own_core_attention(cfg),
-    ("ddp", "ddp_bucket_size"): lambda cfg: not cfg.ddp.overlap_grad_reduce,  # megatron-core: one bucket without overlap
+    ("ddp", "bucket_size"): lambda cfg: not cfg.ddp.overlap_grad_reduce,  # megatron-core: one bucket without overlap
 }

@@ -41,10 +41,8 @@ from config import moe_layers, transformer_config_extras
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core import rerun_state_machine as mcore_rerun
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
-from megatron.core.distributed import DistributedDataParallelConfig as MegatronDDPConfig
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
-from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func as mcore_get_forward_backward_func
 from megatron.core.transformer import MegatronModule, MLATransformerConfig, TransformerConfig
@@ -458,50 +456,16 @@ def wrap_model(cfg, model: list) -> list:
 # --------------------------------------------------------------------------------------------------
 
 
-class OptimizerConfig(MegatronOptimizerConfig):
-    """megatron-core's OptimizerConfig with its post-init deferred to finalize(): fields
-    can be set one by one after construction, and the checks and derived fields run once, when finalized."""
-
-    def __post_init__(self) -> None:
-        pass  # deferred: see finalize()
-
-    def finalize(self) -> None:
-        """Run megatron-core's post-init on the current field values (checks, derived fields)."""
-        super().__post_init__()
-
-
-class DistributedDataParallelConfig(MegatronDDPConfig):
-    """megatron-core's DistributedDataParallelConfig with its post-init deferred to finalize()."""
-
-    def __post_init__(self) -> None:
-        pass  # deferred: see finalize()
-
-    def finalize(self) -> None:
-        """Run megatron-core's post-init on the current field values."""
-        super().__post_init__()
-
-
-# The emerging optimizers' settings: config.py's fields are megatron-core's OptimizerConfig fields of the same names.
-MUON_FIELDS = ("muon_momentum", "muon_split_qkv", "muon_nesterov", "muon_scale_mode", "muon_fp32_matmul_prec",
-               "muon_coefficient_type", "muon_num_ns_steps", "muon_tp_mode", "muon_extra_scale_factor",
-               "muon_scalar_optimizer", "lion_beta1", "lion_beta2")
-
-
-def megatron_optimizer_config(cfg, timers=None) -> OptimizerConfig:
-    """megatron-core's optimizer config from config.py's flags, finalized. `timers` (the run's) time the
-    optimizer's inner phases at --timing-log-level 1 and 2."""
-    o, m = cfg.optimizer, cfg.model
-    config = OptimizerConfig(
-        optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, sgd_momentum=o.sgd_momentum,
-        clip_grad=o.clip_grad, bf16=m.bf16, fp16=m.fp16,
+def megatron_optimizer_config(cfg, timers=None):
+    """The optimizer section, a megatron-core OptimizerConfig, with what the model decides filled in (its precision,
+    the DDP's parameter gather, the run's timers, which time the optimizer's inner phases at --timing-log-level 1
+    and 2), finalized."""
+    m = cfg.model
+    config = dataclasses.replace(
+        cfg.optimizer, bf16=m.bf16, fp16=m.fp16,
         params_dtype=torch.bfloat16 if m.bf16 else torch.float16 if m.fp16 else torch.float32,
-        loss_scale=o.loss_scale, initial_loss_scale=o.initial_loss_scale, min_loss_scale=o.min_loss_scale,
-        loss_scale_window=o.loss_scale_window, hysteresis=o.hysteresis,
-        use_distributed_optimizer=o.use_distributed_optimizer, overlap_param_gather=cfg.ddp.overlap_param_gather,
-        log_num_zeros_in_grad=cfg.logger.log_num_zeros_in_grad, timers=timers,
-        **{name: getattr(o, name) for name in MUON_FIELDS},
-    )
+        overlap_param_gather=cfg.ddp.overlap_param_gather, log_num_zeros_in_grad=cfg.logger.log_num_zeros_in_grad,
+        timers=timers)
     if layer_wise(cfg):  # Megatron-LM's arguments.py:1679-1681: the distributed optimizer of an emerging one
         config.use_distributed_optimizer, config.use_layer_wise_distributed_optimizer = False, True
     config.finalize()
@@ -517,25 +481,17 @@ def layer_wise(cfg) -> bool:
     return cfg.optimizer.optimizer in MEGATRON_LM_EMERGING_OPTIMIZERS and cfg.optimizer.use_distributed_optimizer
 
 
-def megatron_ddp_config(cfg) -> DistributedDataParallelConfig:
-    """megatron-core's DDP config from config.py's flags, finalized."""
-    config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=(cfg.model.bf16 or cfg.model.fp16) if cfg.ddp.grad_reduce_in_fp32 is None
-        else cfg.ddp.grad_reduce_in_fp32,
-        overlap_grad_reduce=cfg.ddp.overlap_grad_reduce,
-        overlap_param_gather=cfg.ddp.overlap_param_gather,
-        use_distributed_optimizer=cfg.ddp.use_distributed_optimizer,
-        # The --ddp-* flags; a bucket size without --overlap-grad-reduce is dropped by megatron-core's DDP.
-        bucket_size=cfg.ddp.ddp_bucket_size,
-        pad_buckets_for_high_nccl_busbw=cfg.ddp.ddp_pad_buckets_for_high_nccl_busbw,
-        average_in_collective=cfg.ddp.ddp_average_in_collective,
-        check_for_large_grads=cfg.ddp.check_for_large_grads,
-        num_distributed_optimizer_instances=cfg.ddp.num_distributed_optimizer_instances,
-        param_name_patterns_for_fp32_local_accumulation=tuple(cfg.ddp.param_name_patterns_for_fp32_local_accumulation),
-        # Each gradient bucket checked for NaN and Inf before the data-parallel reduce, as Megatron-LM sets it
-        # (training.py:1989; param_and_grad_buffer.py:339-374, 649); RerunStateMachine.validate_result says who acts.
-        check_for_nan_in_grad=cfg.train.check_for_nan_in_loss_and_grad,
-    )
+def megatron_ddp_config(cfg):
+    """The ddp section, a megatron-core DistributedDataParallelConfig, finalized. validate() has derived its gradient
+    dtype (grad_reduce_in_fp32), its distributed optimizer and its NaN check (check_for_nan_in_grad: each gradient
+    bucket checked for NaN and Inf before the data-parallel reduce, as Megatron-LM sets it from
+    --check-for-nan-in-loss-and-grad, training.py:1989; param_and_grad_buffer.py:339-374, 649;
+    RerunStateMachine.validate_result says who acts)."""
+    m = cfg.model
+    config = dataclasses.replace(cfg.ddp, grad_reduce_in_fp32=(m.bf16 or m.fp16) if cfg.ddp.grad_reduce_in_fp32 is None
+                                 else cfg.ddp.grad_reduce_in_fp32,
+                                 param_name_patterns_for_fp32_local_accumulation=tuple(
+                                     cfg.ddp.param_name_patterns_for_fp32_local_accumulation))
     config.finalize()
     return config
 

@@ -535,7 +535,7 @@ def logged_learning_rates(cfg, optimizer) -> tuple:
     groups = optimizer.param_groups
     canonical = get_canonical_lr_for_logging(groups)
     decoupled = next((g["lr"] for g in groups if not g.get("default_config", True)), None)
-    return (groups[0]["lr"] if canonical is None else canonical), (decoupled if cfg.scheduler.decoupled_lr else None)
+    return (groups[0]["lr"] if canonical is None else canonical), (decoupled if cfg.optimizer.decoupled_lr else None)
 
 
 def _should_skip_and_handle_iteration(global_state: GlobalState, train_data_iterator) -> bool:

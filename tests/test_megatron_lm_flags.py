@@ -115,7 +115,8 @@ def test_llama3_8b_fp8_script_validates_without_its_fp8_lines(tmp_path, capsys, 
     assert m.bf16 and cfg.ddp.grad_reduce_in_fp32 is False  # --grad-reduce-in-bf16
     assert cfg.ddp.use_distributed_optimizer and cfg.ddp.overlap_grad_reduce and cfg.ddp.overlap_param_gather
     assert (cfg.data_parallel_size, t.global_batch_size, t.train_iters) == (8, 16, 20)
-    assert (s.lr_decay_steps, s.lr_warmup_steps, s.decoupled_lr, s.decoupled_min_lr) == (319, 16, 5e-4, 4.5e-5)
+    assert (s.lr_decay_steps, s.lr_warmup_steps) == (319, 16)
+    assert (cfg.optimizer.decoupled_lr, cfg.optimizer.decoupled_min_lr) == (5e-4, 4.5e-5)
     assert d.mock_data and d.split == "99,1,0" and cfg.tokenizer.vocab_size == 1024
     assert cfg.profiling.use_nsys_profiler and t.empty_unused_memory_level == 1
     inert = [line for line in printed_config(cfg).splitlines() if line.startswith(" inert here")]

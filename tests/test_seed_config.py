@@ -120,7 +120,6 @@ def test_each_named_difference_is_a_field_of_the_page():
 
 import json  # noqa: E402
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from conftest import TINY, config_error, log_lines, tensorboard_scalars, train_here  # noqa: E402

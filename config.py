@@ -864,6 +864,9 @@ class TokenizerConfig:
         None, "HuggingFaceTokenizer: a local tokenizer.json, or a directory holding one (needs `pip install tokenizers`).")
     vocab_file: Optional[str] = arg(None, "GPT2BPETokenizer's vocab.json (refused: convert it, see --tokenizer-type).")
     merge_file: Optional[str] = arg(None, "GPT2BPETokenizer's merges.txt (refused: convert it, see --tokenizer-type).")
+    tokenizer_hf_no_include_special_tokens: bool = arg(
+        False, "HuggingFaceTokenizer: leave out the tokens its post-processor adds to each text (LLaMA's <s>), which "
+        "Megatron-LM 0.19 includes by default, in its preprocessing, training data and prompts alike.")
     tiktoken_pattern: Optional[str] = arg(None, "TikTokenizer's pre-tokenization pattern; Megatron-LM ignores it for "
                                                 "other tokenizers, and so it is inert here.", choices=["v1", "v2"])
 

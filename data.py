@@ -82,11 +82,16 @@ class NullTokenizer:
 
 class HuggingFaceTokenizer:
     """A HuggingFace `tokenizers` tokenizer from a local tokenizer.json (nothing is downloaded). Its
-    end-of-document token is the first of the usual names it knows, or a new id past its vocabulary."""
+    end-of-document token is the first of the usual names it knows, or a new id past its vocabulary.
+
+    A text's ids include what its post-processor adds (LLaMA's <s>) unless include_special_tokens is False, as
+    megatron-core 0.19's HuggingFaceTokenizer.text_to_ids (tokenizers/text/libraries/huggingface_tokenizer.py:41,
+    262-268) and so Megatron-LM's preprocess_data.py, training and generation (--tokenizer-hf-no-include-special-tokens,
+    megatron/core/tokenizers/utils/build_tokenizer.py:76)."""
 
     EOD_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, include_special_tokens: bool = True):
         import hashlib
 
         try:
@@ -104,9 +109,12 @@ class HuggingFaceTokenizer:
         self.pad = self.vocab_size
         digest = hashlib.sha256(open(self.file, "rb").read()).hexdigest()[:16]
         self.unique_identifiers = {"class": "HuggingFaceTokenizer", "sha256": digest, "vocab_size": self.vocab_size}
+        self.include_special_tokens = include_special_tokens
+        if self._tokenizer.post_processor is not None:  # only there does the choice change a text's ids
+            self.unique_identifiers["include_special_tokens"] = include_special_tokens
 
     def tokenize(self, text: str) -> list:
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        return self._tokenizer.encode(text, add_special_tokens=self.include_special_tokens).ids
 
     def detokenize(self, ids) -> str:
         return self._tokenizer.decode([int(i) for i in ids if int(i) != self.eod and int(i) < self.vocab_size])
@@ -122,7 +130,7 @@ def build_tokenizer(cfg):
     if tk.tokenizer_type == "HuggingFaceTokenizer":
         if tk.tokenizer_model == builtin_bpe_path(cfg):
             train_builtin_bpe(tk.tokenizer_model)
-        tokenizer = HuggingFaceTokenizer(tk.tokenizer_model)
+        tokenizer = HuggingFaceTokenizer(tk.tokenizer_model, not tk.tokenizer_hf_no_include_special_tokens)
     else:
         tokenizer = NullTokenizer(tk.vocab_size) if tk.tokenizer_type == "NullTokenizer" else ByteTokenizer()
     if getattr(cfg.dataset, "fim_data", False):
@@ -165,7 +173,8 @@ def builtin_corpus_prefix(cfg, tokenizer) -> str:
     (one dataset per tokenizer file)."""
     cache = builtin_corpus_cache(cfg)
     name = "pydoc_topics" if isinstance(tokenizer, ByteTokenizer) else \
-        f"pydoc_topics_{tokenizer.unique_identifiers['sha256']}"
+        f"pydoc_topics_{tokenizer.unique_identifiers['sha256']}" + \
+        ("_special" if tokenizer.unique_identifiers.get("include_special_tokens") else "")  # caches of before had none
     prefix = os.path.join(cache, f"{name}_text_document")
     if torch.distributed.get_rank() == 0 and not os.path.exists(prefix + ".idx"):
         write_indexed_dataset(builtin_corpus_paragraphs(), tokenizer, prefix)
@@ -314,7 +323,8 @@ def token_id_of(tokenizer, text: str, flag: str) -> int:
     named = getattr(tokenizer, "_tokenizer", None)
     if named is not None and named.token_to_id(text) is not None:
         return named.token_to_id(text)
-    ids = tokenizer.tokenize(text)
+    # Without the post-processor's tokens: Megatron-LM looks a sentinel up as a token (fim_dataset.py:76).
+    ids = named.encode(text, add_special_tokens=False).ids if named is not None else tokenizer.tokenize(text)
     if len(ids) != 1:
         raise ConfigError(f"{flag} {text!r} is {len(ids)} tokens for this tokenizer; it must be exactly one token")
     return ids[0]
@@ -977,13 +987,16 @@ def main(argv=None) -> int:
     p.add_argument("--tokenizer-type", default="ByteTokenizer", choices=["ByteTokenizer", "HuggingFaceTokenizer"],
                    help="tokenizer (default: ByteTokenizer)")
     p.add_argument("--tokenizer-model", help="HuggingFaceTokenizer: a local tokenizer.json or its directory")
+    p.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true",
+                   help="HuggingFaceTokenizer: leave out the tokens its post-processor adds (LLaMA's <s>), which "
+                        "Megatron-LM 0.19 writes by default")
     p.add_argument("--append-eod", action="store_true", help="end each document with the end-of-document token")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     p.add_argument("--log-interval", type=float, default=5.0, help="seconds between progress lines")
     args = parser.parse_args(argv)
     try:
-        tokenizer = HuggingFaceTokenizer(args.tokenizer_model or "") if args.tokenizer_type == "HuggingFaceTokenizer" \
-            else ByteTokenizer()
+        tokenizer = HuggingFaceTokenizer(args.tokenizer_model or "", not args.tokenizer_hf_no_include_special_tokens) \
+            if args.tokenizer_type == "HuggingFaceTokenizer" else ByteTokenizer()
         stats = preprocess(args.input, args.output_prefix, args.json_keys, tokenizer, args.append_eod,
                            args.workers, args.log_interval)
     except ConfigError as e:

@@ -65,7 +65,7 @@ MEGATRON_LM_INERT_FLAGS = [
         ("--legacy-tokenizer", None), ("--tokenizer-hf-use-fast", None),
         ("--tiktoken-num-special-tokens", int), ("--tiktoken-special-tokens", "*"),
         ("--tokenizer-sentencepiece-legacy", None), ("--sft-tokenizer-prompt-format", str),
-        ("--tokenizer-hf-no-use-fast", None), ("--tokenizer-hf-no-include-special-tokens", None),  # as encoded here
+        ("--tokenizer-hf-no-use-fast", None),
         ("--no-tokenizer-sentencepiece-ignore-extra-whitespaces", None),
         ("--disable-tokenizer-sentencepiece-ignore-extra-whitespaces", None), ("--chat-template", str))),
     ("a logging setting of Megatron-LM's", (
@@ -246,8 +246,9 @@ MEGATRON_LM_REFUSED_FLAGS = [
      "(as megatron-core 0.16's) and pads past the vocabulary; drop it"),
     (("--tokenizer-metadata", "--tokenizer-special-tokens"), "is not read by the tokenizers here (HuggingFaceTokenizer: "
                                                              "put special tokens in its tokenizer.json)"),
-    (("--tokenizer-hf-include-special-tokens",), "is not supported: the HuggingFace tokenizer here encodes without "
-                                                 "adding special tokens; drop it"),
+    (("--tokenizer-hf-include-special-tokens",), "is Megatron-LM 0.16's: 0.19, and this trainer, include special "
+                                                 "tokens by default (--tokenizer-hf-no-include-special-tokens leaves "
+                                                 "them out); drop it"),
     (("--lazy-mpu-init",), "is for programs that call Megatron-LM's initialize_megatron themselves; drop it"),
     (("--fake-process-group",), "(training without collectives, for benchmarks) is not supported; drop it"),
     (("--spec",), "is not supported: this trainer builds its own layer spec from --transformer-impl, --normalization, "

@@ -801,14 +801,23 @@ def param_is_not_shared(param) -> bool:
     return not getattr(param, "shared", False)
 
 
+def _not_tp_duplicate(p) -> bool:
+    """Whether this rank counts a parameter that tensor parallelism may copy (norms, row-parallel biases): on rank 0
+    of its tensor-parallel group, the expert one for an expert's (Megatron-LM common_utils.py:124-126), so that with
+    expert TP 1 every rank's expert linear_fc2 biases count, not only tensor-parallel rank 0's."""
+    return tensor_parallel.param_is_not_tensor_parallel_duplicate(
+        p, parallel_state.get_tensor_model_parallel_group(check_initialized=False),
+        parallel_state.get_expert_tensor_parallel_group(check_initialized=False))
+
+
 def _counted_params(model):
     """(name, param) of every parameter counted once across the model-parallel group: not shared, and
-    for tensor-parallel duplicates (norms, row-parallel biases) only on tensor-parallel rank 0."""
+    tensor-parallel duplicates only once (_not_tp_duplicate)."""
 
     model = model if isinstance(model, list) else [model]
     for chunk in model:
         for name, p in chunk.named_parameters():
-            if param_is_not_shared(p) and tensor_parallel.param_is_not_tensor_parallel_duplicate(p):
+            if param_is_not_shared(p) and _not_tp_duplicate(p):
                 yield name, p
 
 
@@ -832,8 +841,9 @@ def calc_params_l2_norm(model, model_config=None, use_megatron_fsdp: bool = Fals
                         force_create_fp32_copy: bool = False) -> float:
     """L2 norm of all parameters of the model, over every rank's shard.
 
-    Each parameter counted once (see _counted_params); the fp32 main copy where the
-    megatron optimizer keeps one (`param.main_param`) unless force_create_fp32_copy. Dense parameters: main copies
+    Each parameter counted once (see _counted_params); under bf16 the fp32 main copy where the megatron optimizer
+    keeps one (`param.main_param`) unless force_create_fp32_copy, and otherwise (fp16 too) the weights as they are,
+    as Megatron-LM's _get_param_data (common_utils.py:63-77). Dense parameters: main copies
     sharded by the distributed optimizer (`main_param_sharded`) summed over the data-parallel group, then the squares
     summed over the model-parallel group (tensor and pipeline). MoE experts' parameters: their shards summed over the
     expert data-parallel group (which the distributed optimizer shards them over), then the squares over the expert
@@ -842,10 +852,12 @@ def calc_params_l2_norm(model, model_config=None, use_megatron_fsdp: bool = Fals
 
     params = {False: ([], []), True: ([], [])}  # expert? -> (whole, sharded)
     any_sharded = False
+    model = model if isinstance(model, list) else [model]
+    bf16 = getattr(model_config or unwrap_config(model[0]), "bf16", False)
     for _, p in _counted_params(model):
         whole, sharded = params[_is_expert(p)]
         main = getattr(p, "main_param", None)
-        if force_create_fp32_copy:
+        if force_create_fp32_copy or not bf16:
             whole.append(p.detach().float())
         elif getattr(p, "main_param_sharded", False):
             # The distributed optimizer's fp32 shard of this parameter on this rank, or None when all of it
@@ -937,7 +949,7 @@ def report_l2_norm_grad(model) -> dict:
             break
         squares = torch.stack([
             _grad_of(p).float().pow(2).sum()
-            if _grad_of(p) is not None and tensor_parallel.param_is_not_tensor_parallel_duplicate(p)
+            if _grad_of(p) is not None and _not_tp_duplicate(p)
             else torch.zeros((), device=p.device) for _, p in part] or [torch.zeros((), device=device.current())])
         if not expert:
             squares = _sum_over(squares, parallel_state.get_tensor_model_parallel_group())

@@ -95,20 +95,51 @@ def test_preprocess_bad_input_is_one_line(tmp_path, content, args, message, caps
 
 
 @pytest.mark.parametrize("append_eod", [False, True])
-def test_preprocess_is_byte_identical_to_megatron_lms(tmp_path, append_eod, capsys):
+@pytest.mark.parametrize("tokenizer, flags, fixture", [
+    ("tokenizer", [], "megatron_lm"),
+    ("tokenizer_bos", [], "megatron_lm_bos"),  # its post-processor prepends <s>: Megatron-LM 0.19 writes it
+    ("tokenizer_bos", ["--tokenizer-hf-no-include-special-tokens"], "megatron_lm")])
+def test_preprocess_is_byte_identical_to_megatron_lms(tmp_path, append_eod, tokenizer, flags, fixture, capsys):
     """The .bin/.idx that Megatron-LM's own tools/preprocess_data.py wrote (tests/fixtures/preprocess/README.md),
     with a HuggingFace tokenizer, from plain texts, a sentence list with an empty element, an empty text and an
-    empty list: data.py preprocess writes the same bytes."""
+    empty list: data.py preprocess writes the same bytes, the tokens a post-processor adds included unless
+    --tokenizer-hf-no-include-special-tokens (then the plain tokenizer's bytes, as Megatron-LM writes them)."""
     import data
 
     fixtures = os.path.join(ROOT, "tests", "fixtures", "preprocess")
     argv = ["preprocess", "--input", os.path.join(fixtures, "input.jsonl"), "--output-prefix", str(tmp_path / "ours"),
-            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", os.path.join(fixtures, "tokenizer")]
+            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", os.path.join(fixtures, tokenizer), *flags]
     assert data.main(argv + (["--append-eod"] if append_eod else [])) == 0, capsys.readouterr().err
-    theirs = os.path.join(fixtures, "megatron_lm_eod" if append_eod else "megatron_lm")
+    theirs = os.path.join(fixtures, fixture + ("_eod" if append_eod else ""))
     for suffix in ("_text_document.bin", "_text_document.idx"):
         with open(str(tmp_path / "ours") + suffix, "rb") as ours, open(theirs + suffix, "rb") as mlm:
             assert ours.read() == mlm.read(), suffix
+
+
+@pytest.mark.parametrize("flags", [[], ["--tokenizer-hf-no-include-special-tokens"]])
+def test_training_tokenizes_text_as_megatron_cores_huggingface_tokenizer(flags):
+    """Where text is tokenized at training time (the --sft examples, generate.py's prompt, the built-in corpus), the
+    ids are megatron-core 0.19's HuggingFaceTokenizer's, built by its own build_tokenizer from the same flags: the
+    post-processor's <s> first unless --tokenizer-hf-no-include-special-tokens."""
+    import argparse
+
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+    from megatron.training.arguments import _add_tokenizer_args
+
+    import data
+
+    model = os.path.join(ROOT, "tests", "fixtures", "preprocess", "tokenizer_bos")
+    ours = data.build_tokenizer(config.parse_args(["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", model,
+                                                   *flags], world_size=1, gpu=False))
+    args = _add_tokenizer_args(argparse.ArgumentParser()).parse_args(
+        ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", model, *flags])
+    args.rank, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size = 1, 128, 1  # as preprocess_data.py
+    theirs = build_tokenizer(args)
+    prompt, response = "Python is an easy", " to learn language."
+    assert ours.tokenize(prompt) == theirs.tokenize(prompt)
+    assert (ours.tokenize(prompt)[0] == 300) == (not flags)  # <s>
+    ids, mask = data.sft_example({"prompt": prompt, "response": response}, ours, "x")
+    assert ids == theirs.tokenize(prompt) + theirs.tokenize(response) + [ours.eod]
 
 
 @pytest.mark.parametrize("append_eod", [False, True])

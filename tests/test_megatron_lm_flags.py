@@ -1053,7 +1053,7 @@ REFUSED = [
     ("--fim-eod-token", "is not supported: FIM samples end with the tokenizer's end-of-document token"),
     ("--padded-vocab-size", "is not supported: the vocabulary is padded from the tokenizer's size"),
     ("--tokenizer-metadata", "is not read by the tokenizers here"), ("--tokenizer-special-tokens", "is not read by"),
-    ("--tokenizer-hf-include-special-tokens", "is not supported: the HuggingFace tokenizer here encodes without"),
+    ("--tokenizer-hf-include-special-tokens", "is Megatron-LM 0.16's: 0.19, and this trainer, include special"),
     ("--lazy-mpu-init", "is for programs that call Megatron-LM's initialize_megatron"),
     ("--fake-process-group", "(training without collectives, for benchmarks) is not supported"),
     ("--spec", "is not supported: this trainer builds its own layer spec"),

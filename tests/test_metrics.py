@@ -291,6 +291,17 @@ def test_model_parallel_reductions_over_two_ranks():
         "rank 1: max=3.0 none=None and=False norm_tp2_equals_tp1=True dist_opt_norm_equals_plain=True"], lines
 
 
+def test_params_norm_as_megatron_lms():
+    """--log-params-norm (tests/scripts/params_norm.py): at TP=2 with EP=2 and expert TP 1, Megatron-LM's own
+    calc_params_l2_norm's figure (rank 1's expert linear_fc2 biases counted); under fp16 the norm of the fp16 weights,
+    bitwise, not of the fp32 main copies (Megatron-LM reads those under bf16 only, common_utils.py:63-77)."""
+    proc = torchrun([], nproc=2, script="tests/scripts/params_norm.py")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = sorted(l.split(" (")[0] for l in proc.stdout.splitlines() if l.startswith("rank"))
+    assert lines == [f"rank {r}: {check}" for r in (0, 1) for check in (
+        "fp16_weights=True mains_differ=True", "moe_tp2_ep2_same=True")], proc.stdout
+
+
 def test_peft_flops_count_frozen_weights_without_their_weight_gradient():
     """Frozen GEMMs: forward + input gradient (2 of 3); core attention as before; adapters in full (3 x 2 x dim x
     (in + out) per token and layer). Written out for --lora-dim 8 on the four default targets."""

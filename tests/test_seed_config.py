@@ -116,7 +116,6 @@ def test_each_named_difference_is_a_field_of_the_page():
 
 import json  # noqa: E402
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from conftest import TINY, config_error, log_lines, tensorboard_scalars, train_here  # noqa: E402
@@ -282,29 +281,19 @@ def test_a_finetuning_dataset_root_in_bridges_layout(tmp_path, capsys):
 
 
 def test_bridges_packed_sequence_file_gives_the_packed_samples(tmp_path):
-    """packed_sequence_specs: a file in the format of Bridge's packer (packing/algorithms.py: the examples'
-    input_ids end to end, a loss mask aligned to the inputs, each example's start) gives the samples that packing
-    the same examples here gives, target for target."""
+    """packed_sequence_specs: a file that Bridge 0.6.2's own packer wrote (tests/fixtures/packed/make_bridge_packed.py:
+    its create_hist, create_packing_strategy and fill_packing_strategy; the examples end to end, a loss mask rolled
+    onto the labels, each example's start) gives the samples that packing the same examples, in the bins Bridge
+    chose, gives here, target for target."""
     import data
 
     tokenizer = data.ByteTokenizer()
     records = [{"prompt": "ab", "response": "cd"}, {"prompt": "efg", "response": "h"}, {"prompt": "ijklm", "response": "no"}]
     examples = [data.sft_example(r, tokenizer, "test") for r in records]
-    seq_length = 12  # the first two (5 + 5 tokens) fit a sequence of 12 + 1; the third (8) starts the next
-    packed = data.SFTDataset(examples, tokenizer, seq_length, pack=True)
-    assert [pieces for _, _, pieces in packed.items] == [[5, 5], [8]]
-
-    def bridge_element(group):  # Bridge: loss_mask[i] = i >= answer_start_idx - 1, within each example
-        element = {"input_ids": [], "loss_mask": [], "seq_start_id": []}
-        for ids, mask in group:
-            answer_start = mask.index(1)
-            element["seq_start_id"].append(len(element["input_ids"]))
-            element["input_ids"] += ids
-            element["loss_mask"] += [i >= answer_start - 1 for i in range(len(ids))]
-        return element
-
-    path = tmp_path / "packed_train.npy"
-    np.save(path, [bridge_element(examples[:2]), bridge_element(examples[2:])])
+    seq_length = 12  # Bridge's first_fit_shuffle put the third (8 tokens) and the second (5) in one bin, the first alone
+    packed = data.SFTDataset([examples[2], examples[1], examples[0]], tokenizer, seq_length, pack=True)
+    assert [pieces for _, _, pieces in packed.items] == [[8, 5], [5]]
+    path = os.path.join(ROOT, "tests", "fixtures", "packed", "bridge_packed_train.npy")
     settings = yaml_file(tmp_path, f"dataset:\n  sft: true\n  packed_sequence_specs:\n    packed_train_data_path: "
                                    f"{path}\n    packed_sequence_size: {seq_length}\n")
     train_data = tmp_path / "unused.jsonl"

@@ -111,6 +111,46 @@ warnings.filterwarnings("ignore", message=r"full scope is deprecated")  # a Tran
 if importlib.util.find_spec("transformer_engine") is None:  # megatron-core reads an absent one's version as 0.0.0
     warnings.filterwarnings("ignore", message=r"Only transformer-engine>=1.7.0 supports MoE experts")
 
+# megatron-core's and torch's notices about calls this project makes on purpose, none of them about the user's run
+# (tests/test_generate.py: the quick start's and generate.py's stderr hold no notice of theirs). Python warnings:
+NOT_THE_USERS = [
+    # get_megatron_optimizer imports MimoModel for an isinstance check (megatron/core/optimizer/__init__.py:1019);
+    # no MIMO model is built here.
+    (UserWarning, r"MimoModelConfig is experimental"),
+    # megatron-core reads a checkpoint without collectives on purpose, each rank its own shards (no_dist=True at
+    # megatron/core/dist_checkpointing/serialization.py:229-230 and strategies/torch.py:979-989); torch warns even
+    # when asked so (torch/distributed/checkpoint/state_dict_loader.py:158-163), and at the reader passed second by
+    # position, as strategies/torch.py:981 does (torch/distributed/checkpoint/utils.py:463-464).
+    (UserWarning, r"torch.distributed is disabled, unavailable or uninitialized"),
+    (UserWarning, r"The argument order of load has been changed"),
+    # megatron-core 0.19.2's collectives (megatron/core/tensor_parallel/mappings.py:12-13,
+    # megatron/core/distributed/param_and_grad_buffer.py:50-51), which torch 2.13 renamed
+    # (torch/distributed/distributed_c10d.py:4399-4403,4948-4952).
+    (FutureWarning, r"`torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"),
+    # torch_dist checkpoints are built of torch's ShardedTensor (megatron/core/dist_checkpointing/strategies/torch.py:233).
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),
+]
+if not torch.cuda.is_available():  # a CUDA setting, which a CPU run has nothing to gain from
+    NOT_THE_USERS.append((UserWarning, r"When using sequence parallelism it is recommended to set the environment "
+                                       r"variable CUDA_DEVICE_MAX_CONNECTIONS"))
+for category, message in NOT_THE_USERS:
+    warnings.filterwarnings("ignore", message=message, category=category)
+# ... and megatron-core's log records, by logger: the start of the message left out.
+NOT_THE_USERS_RECORDS = {
+    # Megatron-LM's pretrain_gpt.py and Bridge build GPTModel too; docs/model.md says why and what HybridModel changes.
+    "megatron.core.models.gpt.gpt_model": "GPTModel IS DEPRECATED",
+    # The default mode, in which the machine does nothing; the printed config names the mode.
+    "megatron.core.rerun_state_machine": "RerunStateMachine initialized in mode RerunMode.DISABLED",
+    # Every synchronous save runs megatron-core's async path as "mcore", asked or not
+    # (megatron/core/dist_checkpointing/strategies/torch.py:725-728); an --async-save that falls back to mcore is
+    # named in the printed config (config.py).
+    "megatron.core.dist_checkpointing.strategies.torch": "MCore's async save is deprecated",
+    # --mock-data without --data-cache-path: synthetic indexes, rebuilt in moments, need no cache.
+    "megatron.core.datasets.gpt_dataset": "Unable to save MockGPTDataset indexes because path_to_cache is None",
+}
+for name, start in NOT_THE_USERS_RECORDS.items():
+    logging.getLogger(name).addFilter(lambda record, start=start: not record.getMessage().startswith(start))
+
 
 def _import_cpp_extension_quietly() -> None:
     """megatron-core imports torch.utils.cpp_extension, which looks for CUDA once, at its import: a CUDA build of

@@ -83,8 +83,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 if __name__ == "__main__":
     ARGS = parse_args(sys.argv[1:])  # before the heavy imports below, as train.py
 
-import warnings
-
 import torch
 import yaml
 
@@ -100,9 +98,6 @@ import checkpoint
 import data
 from checkpoint import TrainState
 from model import initialize_distributed  # (the same process groups as training)
-
-# torch's deprecation notices from inside megatron-core's checkpoint loading: not the user's to act on.
-warnings.filterwarnings("ignore", category=FutureWarning, module=r"(megatron|torch|device)")
 
 # --------------------------------------------------------------------------------------------------
 # The model of a checkpoint, for inference

@@ -29,6 +29,7 @@ import random
 import re
 import time
 import uuid
+import warnings
 from datetime import timedelta
 from typing import Optional
 
@@ -423,14 +424,20 @@ def wrap_model(cfg, model: list) -> list:
     if cfg.model.bf16 or cfg.model.fp16:
         model = [Float16Module(m.config, m) for m in model]
     ddp_config = megatron_ddp_config(cfg)
-    layouts = [None] * len(model)  # megatron-core's DDP lays out the distributed optimizer's buffers itself
-    if layer_wise(cfg):
-        # What Megatron-LM's wrap_model_chunks_with_ddp does (megatron/training/training.py:1635-1682): each
-        # parameter tagged with its optimizer, and the layer-wise buffers laid out so no matrix straddles two ranks.
-        from megatron.core.optimizer.layer_wise_optimizer import (LayerWiseDistributedOptimizer,
-                                                                  tag_params_for_buffer_routing)
+    layouts = [None] * len(model)  # without a distributed optimizer, none
+    if ddp_config.use_distributed_optimizer:
+        # What Megatron-LM's wrap_model_chunks_with_ddp does (megatron/training/training.py:1635-1682): the layout of
+        # the distributed optimizer's buffers comes from the optimizer's class; megatron-core's DDP asks its callers
+        # for it, else computes it with a warning (megatron/core/distributed/distributed_data_parallel.py:132-139).
+        # The layer-wise one tags each parameter with its optimizer and lays out its buffers so no matrix straddles
+        # two ranks.
+        if layer_wise(cfg):
+            from megatron.core.optimizer.layer_wise_optimizer import (
+                LayerWiseDistributedOptimizer as Optimizer, tag_params_for_buffer_routing)
 
-        tag_params_for_buffer_routing(model)
+            tag_params_for_buffer_routing(model)
+        else:
+            from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as Optimizer
         dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
         # The layout fixes the buckets, so it takes the bucket size megatron-core's DDP would settle on, resolved as
         # Megatron-LM resolves it first (training.py:1552-1567): --ddp-bucket-size or max(40M, 1M x DP x CP)
@@ -438,7 +445,7 @@ def wrap_model(cfg, model: list) -> list:
         # and on the pipeline stages after the first (training.py:1857-1866).
         size = (ddp_config.bucket_size or max(40_000_000, 1_000_000 * dp)) if ddp_config.overlap_grad_reduce else None
         later_stage = parallel_state.get_pipeline_model_parallel_rank() > 0
-        layouts = [LayerWiseDistributedOptimizer.compute_full_param_layout(
+        layouts = [Optimizer.compute_full_param_layout(
             [p for p in m.parameters() if p.requires_grad], None if i > 0 or later_stage else size, dp, ddp_config,
             expert_data_parallel_world_size=parallel_state.get_expert_data_parallel_world_size())
             for i, m in enumerate(model)]
@@ -808,7 +815,11 @@ def zero_grad(model: list, optimizer) -> None:
     """Clear gradients before a step: megatron DDP keeps them in its own buffers, the optimizer in `.grad`."""
     for m in model:
         m.zero_grad_buffer()
-    optimizer.zero_grad()
+    with warnings.catch_warnings():
+        # megatron-core's distributed optimizer clears `.grad` of its shards too, views that are not leaves, and
+        # torch warns at each (megatron/core/optimizer/distrib_optimizer.py:2581 says so); Megatron-LM prints it.
+        warnings.filterwarnings("ignore", message=r"The .grad attribute of a Tensor that is not a leaf Tensor")
+        optimizer.zero_grad()
 
 
 def initialize_distributed(cfg) -> None:

@@ -18,6 +18,8 @@ import glob
 import importlib.util
 import os
 import re
+import shutil
+import subprocess
 
 import pytest
 
@@ -255,6 +257,25 @@ def test_the_readmes_test_command_is_what_ci_runs():
     assert f"\n{ci}\n" in read("README.md")
     assert "python3.12 -m venv .venv && . .venv/bin/activate && pip install -r requirements.txt && " \
            "torchrun --nproc-per-node 2 train.py" in read("README.md")
+
+
+def test_python_version_names_the_readmes_python_and_pyenv_finds_it_in_the_clone():
+    """.python-version names the Python of the README's install line. Where pyenv manages the Pythons and has a 3.12,
+    `python3.12` runs in the clone whatever version is selected elsewhere (without the file, pyenv's shim answers
+    "pyenv: python3.12: command not found" when another one is)."""
+    pyenv = shutil.which("pyenv")
+    root = pyenv and subprocess.run([pyenv, "root"], capture_output=True, text=True).stdout.strip()
+    if root and glob.glob(os.path.join(root, "versions", "3.12*")):
+        # As in a fresh shell: no PYENV_VERSION (it overrides the file), no virtual environment (pyenv-virtualenv
+        # answers with its python3.12).
+        env = {k: v for k, v in os.environ.items() if k not in ("PYENV_VERSION", "VIRTUAL_ENV")}
+        env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep)
+                                      if not os.path.isfile(os.path.join(p, "activate")))
+        proc = subprocess.run([pyenv, "exec", "python3.12", "--version"], cwd=ROOT, env=env, capture_output=True,
+                              text=True)
+        assert proc.returncode == 0 and proc.stdout.startswith("Python 3.12."), proc.stderr
+    assert read(".python-version") == "3.12\n"
+    assert "\npython3.12 -m venv .venv && " in read("README.md")
 
 
 def test_the_checks_catch_what_they_are_for():

@@ -232,6 +232,42 @@ def test_megatron_engine_pieces_are_in_use(single_rank_groups):
         assert isinstance(inner.grad_scaler, DynamicGradScaler) == ("--fp16" in flags)
 
 
+def test_the_distributed_optimizers_layout_is_the_one_megatron_core_would_compute_and_nothing_warns(
+        single_rank_groups, caplog):
+    """wrap_model hands megatron-core's DDP the distributed optimizer's buffer layout, as Megatron-LM does, so DDP does
+    not warn that it computes one itself; the layout is the one it would compute (one bucket, and several under
+    --overlap-grad-reduce). Clearing the gradients warns nothing either."""
+    import warnings
+
+    from megatron.core.distributed import DistributedDataParallel
+
+    import config
+    from model import build_model, build_optimizer, megatron_ddp_config, wrap_model, zero_grad
+
+    def by_name(layout, module) -> dict:
+        names = {p: n for n, p in module.named_parameters()}
+        return {key: (sorted((names[p], index) for p, index in part.param_index_map.items()), part.bucket_indices,
+                      part.per_bucket_numel_unpadded, part.num_optimizer_shards)
+                for key, part in layout.layouts.items()}
+
+    for flags in ([], ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"]):
+        cfg = config.parse_args([*TINY, "--use-distributed-optimizer", *flags], world_size=1, gpu=False)
+        caplog.clear()
+        model = wrap_model(cfg, build_model(cfg, 100))
+        assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+        theirs = DistributedDataParallel(config=model[0].module.config, ddp_config=megatron_ddp_config(cfg),
+                                         module=build_model(cfg, 100)[0])
+        assert "full_param_layout not provided" in caplog.text  # what it says when left to compute it
+        ours = by_name(model[0].full_param_layout, model[0].module)
+        assert ours == by_name(theirs.full_param_layout, theirs.module)
+        assert (len(next(iter(ours.values()))[1]) > 1) == bool(flags)  # the bucket boundaries: [(start, end), ...]
+        optimizer = build_optimizer(cfg, model)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            zero_grad(model, optimizer)
+        assert not said, [str(w.message) for w in said]
+
+
 def _batch_on_rank(rank: int, port: int, tp: int, cp: int, shapes) -> None:
     """One rank of a 2-rank gloo world with TP x CP = 2: the sequence length train.get_batch hands the model."""
     import os

@@ -14,7 +14,7 @@ import torch
 
 import yaml
 
-from conftest import LLAMA_FLAGS, TINY
+from conftest import LLAMA_FLAGS, TINY, torchrun
 
 
 def one_process_world_ends():
@@ -397,12 +397,13 @@ def test_expert_parallelism_a_checkpoint_or_the_ranks_cannot_take_is_one_line(ll
             m.sequence_parallel) == (1, 2, 1, False)
 
 
-def test_quick_start_outputs_feed_generate_with_no_flag_under_tensor_parallelism(tmp_path, monkeypatch, warm_torchrun):
+def test_quick_start_outputs_feed_generate_with_no_flag_under_tensor_parallelism(tmp_path, monkeypatch):
     """The quick start's configuration (config.QUICK_START: its own BPE tokenizer of the built-in corpus), shrunk, in
     an empty folder and with no output flag: the tokenizer is trained on first use and reads the corpus back exactly;
     a checkpoint in checkpoints/ that carries it, TensorBoard files in runs/; then `generate.py --prompt` (2 ranks,
     tensor-parallel) there reads it and writes what a one-process greedy loop writes. Another tokenizer file is one
-    line naming both vocabularies."""
+    line naming both vocabularies. Both are fresh torchrun jobs, as a user starts them: their stderr holds no notice
+    of megatron-core's or torch's (device.NOT_THE_USERS), the training's nothing, generate.py's its one line."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -419,7 +420,8 @@ def test_quick_start_outputs_feed_generate_with_no_flag_under_tensor_parallelism
     assert (cfg.checkpoint.save, cfg.logger.tensorboard_dir) == ("checkpoints", "runs")
     bpe = tmp_path / "cache" / "pydoc_topics_bpe2048" / "tokenizer.json"
     assert cfg.tokenizer.tokenizer_model == str(bpe) and not bpe.exists()  # derived, trained at setup
-    train.pretrain(cfg)
+    proc = torchrun([*config.QUICK_START, *shrunk], cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
     tokenizer = data.HuggingFaceTokenizer(str(bpe))
     assert tokenizer.vocab_size == 2048 and tokenizer.eod == tokenizer._tokenizer.token_to_id("<|endoftext|>")
     paragraphs = data.builtin_corpus_paragraphs()[:200]
@@ -445,14 +447,15 @@ def test_quick_start_outputs_feed_generate_with_no_flag_under_tensor_parallelism
         train.pretrain(wrong)
     assert "\n" not in str(e.value)
 
-    proc = warm_torchrun(["--prompt", "The Python", "--greedy", "--max-new-tokens", "40"], script="generate.py", cwd=tmp_path)
+    proc = torchrun(["--prompt", "The Python", "--greedy", "--max-new-tokens", "40"], script="generate.py", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [" loaded checkpoint checkpoints/iter_0000020 at iteration 0 (weights only), "
+                                        "trained for 20 iterations"]
     model, tokenizer, cfg = generate.load_model("checkpoints")
     assert cfg.model.tensor_model_parallel_size == 1 and os.path.samefile(tokenizer.file, saved)  # the checkpoint's copy
     new = generate.generate(model, tokenizer, tokenizer.tokenize("The Python"), max_new_tokens=40)
     assert proc.stdout == "The Python" + tokenizer.detokenize(new) + "\n"
-    assert len(new) > 0 and "loaded checkpoint" in proc.stderr
-    assert "iter_0000020 at iteration 0 (weights only), trained for 20 iterations" in proc.stderr  # the real one
+    assert len(new) > 0
 
 
 

@@ -1508,6 +1508,20 @@ def check(cfg: ConfigContainer) -> None:
     check_deterministic_mode(cfg)
     check_callbacks(cfg)
     check_services(cfg)
+    check_transformer_config(cfg)  # last: megatron-core's own refusals of what passed the checks above
+
+
+def check_transformer_config(cfg: ConfigContainer) -> None:
+    """megatron-core's TransformerConfig, built as model.py builds it: what its __post_init__ refuses (and the checks
+    above do not say first, in this trainer's words) is the run's one line, before any process group."""
+    import model  # the engine's module: imported only once every check above has passed
+
+    refusal = None
+    try:
+        model.transformer_config(cfg)
+    except (AssertionError, ValueError) as e:
+        refusal = str(e).splitlines()[0] if str(e) else repr(e)
+    require(refusal is None, f"megatron-core's TransformerConfig refuses these settings: {refusal}")
 
 
 def max_data_workers() -> int:

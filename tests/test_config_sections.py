@@ -41,3 +41,46 @@ def test_a_run_config_yaml_written_before_the_move_still_loads():
     t = written["train"]
     assert differ == {"validation.eval_iters": (None, t["eval_iters"]), "validation.eval_interval": (None, t["eval_interval"]),
                       "validation.skip_train": (None, t["skip_train"]), "checkpoint.async_strategy": ("nvrx", "mcore")}
+
+
+def test_every_section_is_an_instance_of_the_class_the_seed_names_as_its_base():
+    """The seed page's `Bases:` of each section (and the container's rng and validation, megatron-core's own)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.training import config as mcore
+
+    cfg = config.ConfigContainer()
+    bases = {"train": mcore.TrainingConfig, "validation": mcore.ValidationConfig, "scheduler": mcore.SchedulerConfig,
+             "logger": mcore.LoggerConfig, "checkpoint": mcore.CheckpointConfig, "rng": mcore.RNGConfig,
+             "dist": mcore.DistributedInitConfig, "profiling": mcore.ProfilingConfig,
+             "straggler": mcore.StragglerDetectionConfig, "rerun_state_machine": mcore.RerunStateMachineConfig,
+             "optimizer": OptimizerConfig, "ddp": DistributedDataParallelConfig}
+    assert {s: type(getattr(cfg, s)).__mro__[:3] for s, base in bases.items()
+            if not isinstance(getattr(cfg, s), base)} == {}
+    assert type(cfg.rng) is mcore.RNGConfig and type(cfg.validation) is mcore.ValidationConfig
+
+
+def test_megatron_cores_own_refusals_are_one_line():
+    """What megatron-core's post-inits refuse (and no check of this trainer says first) stops validation in one line:
+    an optimizer setting megatron-core's OptimizerConfig refuses, a model megatron-core's TransformerConfig refuses
+    (set after validation, as a script would, where the flags' own checks do not see it)."""
+    import copy
+
+    import pytest
+
+    base = config.parse_args(["--train-iters", "5"], world_size=1, gpu=False)
+    cfg = copy.deepcopy(base)
+    cfg.model.recompute_granularity = "full"  # without a recompute method
+    with pytest.raises(config.ConfigError, match="^megatron-core's TransformerConfig refuses these settings: Using "
+                                                 "recompute_granularity: full so recompute_method must be"):
+        config.check_transformer_config(cfg)
+    cfg = copy.deepcopy(base)
+    cfg.optimizer.use_precision_aware_optimizer = True  # a megatron-core field this trainer does not act on
+    with pytest.raises(config.ConfigError, match="^optimizer.use_precision_aware_optimizer True is not supported"):
+        config.check_mcore_fields(cfg)
+    cfg = copy.deepcopy(base)
+    cfg.optimizer.optimizer = "sgd"
+    cfg.optimizer.use_precision_aware_optimizer = True
+    with pytest.raises(config.ConfigError, match="^megatron-core's OptimizerConfig refuses these settings: "
+                                                 "--use-precision-aware-optimizer only supported with adam"):
+        config.require_finalizes(cfg.optimizer)

@@ -54,7 +54,7 @@ from megatron.core import distributed as mcore_distributed, optimizer as mcore_o
 MCORE_BASES = (mcore_training.TrainingConfig, mcore_training.ValidationConfig, mcore_training.SchedulerConfig,
                mcore_training.LoggerConfig, mcore_training.CheckpointConfig, mcore_training.DistributedInitConfig,
                mcore_training.RNGConfig, mcore_training.ProfilingConfig, mcore_training.StragglerDetectionConfig,
-               mcore_training.RerunStateMachineConfig, mcore_optimizer.OptimizerConfig,
+               mcore_training.RerunStateMachineConfig, mcore_training.TokenizerConfig, mcore_optimizer.OptimizerConfig,
                mcore_distributed.DistributedDataParallelConfig)
 
 
@@ -84,6 +84,12 @@ def arg(default: Any, help: str, *, flag: Optional[str] = None, choices=None, cl
 # deprecated name for muon with --use-distributed-optimizer (megatron-core's layer-wise distributed optimizer).
 MEGATRON_LM_EMERGING_OPTIMIZERS = ["muon", "dist_muon", "lion", "soap", "adaptive_muon"]
 
+# Megatron-LM's --tokenizer-type choices with no tokenizer here: accepted by the parser, refused by validation.
+MEGATRON_LM_TOKENIZERS = ["GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer",
+                          "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer", "MultimodalTokenizer",
+                          "NullMultimodalTokenizer", "SFTTokenizer"]
+
+
 # megatron-core's fields this trainer acts on, by section, each with a flag generated from megatron-core's dataclass:
 # its name, type, default and docstring, by megatron-core's own ArgumentGroupFactory, as Megatron-LM 0.19's
 # arguments.py makes its flags. Every other field of megatron-core's classes keeps its default (check_mcore_fields
@@ -109,6 +115,8 @@ MCORE_FLAGS = {
                  "record_memory_history memory_snapshot_path nvtx_ranges",
     "straggler": "log_straggler straggler_minmax_count",
     "rerun_state_machine": "error_injection_rate error_injection_type check_for_spiky_loss",
+    "tokenizer": "tokenizer_type vocab_size tokenizer_model vocab_file merge_file tokenizer_hf_no_include_special_tokens "
+                 "tiktoken_pattern",
     "optimizer": "optimizer lr min_lr decoupled_lr decoupled_min_lr weight_decay adam_beta1 adam_beta2 adam_eps "
                  "sgd_momentum clip_grad use_distributed_optimizer loss_scale initial_loss_scale min_loss_scale "
                  "loss_scale_window hysteresis muon_momentum muon_split_qkv muon_nesterov muon_scale_mode "
@@ -139,6 +147,10 @@ MCORE_FLAG_CHANGES = {
     # (a traceback) on a wrong name.
     "train.exit_signal": dict(type=str, choices=None),
     "rng.seed": dict(bounds="[0, 2147483647]"),  # numpy refuses negative seeds and seeds from 2**32
+    # This trainer's ByteTokenizer beside megatron-core's HuggingFace and Null ones; Megatron-LM's other types are
+    # accepted and refused with what to use instead (check_tokenizer).
+    "tokenizer.tokenizer_type": dict(choices=["ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer",
+                                              *MEGATRON_LM_TOKENIZERS]),
     # Megatron-LM's choices and names (arguments.py, core_v0.19.0), where megatron-core's field is a plain str or its
     # name is not the flag's; the bounds are what torch's optimizers assert.
     "optimizer.optimizer": dict(choices=["adam", "sgd", "signsgd", *MEGATRON_LM_EMERGING_OPTIMIZERS]),
@@ -174,6 +186,7 @@ DEFAULTS = {
     "logger.tensorboard_dir": ("runs", "TensorBoard files by default, git-ignored (`tensorboard --logdir runs`)"),
     "checkpoint.save": ("checkpoints", "a run leaves a checkpoint by default; generate.py reads it by default"),
     "dist.distributed_backend": (None, "derived from the machine: nccl with a GPU, gloo without"),
+    "tokenizer.tokenizer_type": ("ByteTokenizer", "UTF-8 bytes: a model trains on any text with no tokenizer file"),
     "optimizer.lr": (1e-3, "megatron-core has none (Megatron-LM asks for it); AdamW's customary rate"),
     "optimizer.min_lr": (0.0, "Megatron-LM's default; megatron-core has none"),
     "optimizer.muon_momentum": (0.9, "Megatron-LM's default (arguments.py, core_v0.19.0); megatron-core's is 0.95"),
@@ -842,33 +855,8 @@ class DatasetProvider(abc.ABC):
         """Return (train, validation, test) datasets; any may be None."""
 
 
-# Megatron-LM's --tokenizer-type choices with no tokenizer here: accepted by the parser, refused by validation.
-MEGATRON_LM_TOKENIZERS = ["GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer",
-                          "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer", "MultimodalTokenizer",
-                          "NullMultimodalTokenizer", "SFTTokenizer"]
 
-
-@dataclass
-class TokenizerConfig:
-    """How text becomes token ids."""
-
-    tokenizer_type: str = arg(
-        "ByteTokenizer",
-        "ByteTokenizer: UTF-8 bytes, 256 ids + end-of-document. NullTokenizer: ids given as-is, --vocab-size ids + "
-        "end-of-document. HuggingFaceTokenizer: a tokenizer.json. Megatron-LM's other types are accepted and refused "
-        "with what to use instead.",
-        choices=["ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer", *MEGATRON_LM_TOKENIZERS],
-    )
-    vocab_size: Optional[int] = arg(None, "Vocabulary size of the NullTokenizer.")
-    tokenizer_model: Optional[str] = arg(
-        None, "HuggingFaceTokenizer: a local tokenizer.json, or a directory holding one (needs `pip install tokenizers`).")
-    vocab_file: Optional[str] = arg(None, "GPT2BPETokenizer's vocab.json (refused: convert it, see --tokenizer-type).")
-    merge_file: Optional[str] = arg(None, "GPT2BPETokenizer's merges.txt (refused: convert it, see --tokenizer-type).")
-    tokenizer_hf_no_include_special_tokens: bool = arg(
-        False, "HuggingFaceTokenizer: leave out the tokens its post-processor adds to each text (LLaMA's <s>), which "
-        "Megatron-LM 0.19 includes by default, in its preprocessing, training data and prompts alike.")
-    tiktoken_pattern: Optional[str] = arg(None, "TikTokenizer's pre-tokenization pattern; Megatron-LM ignores it for "
-                                                "other tokenizers, and so it is inert here.", choices=["v1", "v2"])
+TokenizerConfig = mcore_training.TokenizerConfig  # megatron-core's, as it is; the types this trainer reads below
 
 
 
@@ -1072,7 +1060,7 @@ class ConfigContainer:
     optimizer: OptimizerConfig = field(default_factory=lambda: section_default(OptimizerConfig, "optimizer"))
     scheduler: SchedulerConfig = field(default_factory=lambda: section_default(SchedulerConfig, "scheduler"))
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    tokenizer: TokenizerConfig = field(default_factory=lambda: section_default(TokenizerConfig, "tokenizer"))
     logger: LoggerConfig = field(default_factory=lambda: section_default(LoggerConfig, "logger"))
     checkpoint: CheckpointConfig = field(default_factory=lambda: section_default(CheckpointConfig, "checkpoint"))
     dist: DistributedInitConfig = field(default_factory=lambda: section_default(DistributedInitConfig, "dist"))

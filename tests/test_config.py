@@ -180,12 +180,12 @@ def test_yaml_unknown_setting_is_named(tmp_path, capsys):
     assert "'model' has no setting 'num_layerz'" in capsys.readouterr().err
 
 
-# train.py as a user runs it, reporting whether its engine (model.py, megatron-core's model and optimizer machinery)
-# was imported before it exited: config.py imports megatron-core's config classes (and torch with them), but a bad
-# flag or --help answers before any model, process group or dataset exists.
+# train.py as a user runs it, reporting whether a process group existed when it exited: config.py imports
+# megatron-core's config classes (and torch with them), but a bad flag or --help answers before any process group,
+# model or dataset exists.
 _CLI = ("import runpy, sys\nfor argv in %r:\n    sys.argv = ['train.py'] + argv\n"
         "    try:\n        runpy.run_path('train.py', run_name='__main__')\n"
-        "    except SystemExit as e:\n        print('exit', e.code, 'engine imported:', 'model' in sys.modules, flush=True)\n"
+        "    except SystemExit as e:\n        print('exit', e.code, 'process group:', sys.modules['torch.distributed'].is_initialized(), flush=True)\n"
         "        print('END', file=sys.stderr, flush=True)\n")
 
 
@@ -197,10 +197,10 @@ def _run_cli(*argvs):
     return run.stdout, run.stderr.split("END\n")[:-1]
 
 
-def test_help_and_errors_answer_before_the_engine_loads():
+def test_help_and_errors_answer_before_any_process_group():
     out, errs = _run_cli(["--help"], ["--num-attention-heads", "3"])
-    assert "--num-layers" in out and "exit 0 engine imported: False" in out
-    assert "exit 2 engine imported: False" in out
+    assert "--num-layers" in out and "exit 0 process group: False" in out
+    assert "exit 2 process group: False" in out
     assert errs[1].strip().startswith("train.py: error: --num-attention-heads 3 does not divide")
     assert "Traceback" not in errs[1]
 
@@ -225,10 +225,10 @@ OUT_OF_RANGE = [  # each once crashed with a traceback after the model was built
 ]
 
 
-def test_out_of_range_numbers_stop_before_the_engine_loads():
-    """train.py as a user runs it, each hostile value in turn: a one-line error and exit 2, no model built."""
+def test_out_of_range_numbers_stop_before_any_process_group():
+    """train.py as a user runs it, each hostile value in turn: a one-line error and exit 2, before any process group."""
     out, errs = _run_cli(*[argv for argv, _ in OUT_OF_RANGE])
-    assert out.splitlines() == ["exit 2 engine imported: False"] * len(OUT_OF_RANGE), out
+    assert out.splitlines() == ["exit 2 process group: False"] * len(OUT_OF_RANGE), out
     for err, (argv, message) in zip(errs, OUT_OF_RANGE):
         assert err.startswith(f"train.py: error: {message}") and err.count("\n") == 1, (argv, err)
 

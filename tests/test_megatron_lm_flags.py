@@ -128,14 +128,14 @@ def test_llama3_8b_fp8_script_validates_without_its_fp8_lines(tmp_path, capsys, 
     assert "--fp8-format hybrid: this trainer does not drive transformer-engine's FP8" in err
 
 
-def test_llama3_8b_fp8_script_stops_before_the_engine_loads(tmp_path):
-    """train.py as a user runs it with the whole script: one line, exit 2, before its engine (model.py) is imported."""
+def test_llama3_8b_fp8_script_stops_before_any_process_group(tmp_path):
+    """train.py as a user runs it with the whole script: one line, exit 2, before any process group."""
     code = ("import runpy, sys; sys.argv = ['train.py'] + sys.argv[1:]\n"
             "try:\n    runpy.run_path('train.py', run_name='__main__')\n"
-            "except SystemExit as e:\n    print('exit', e.code, 'engine imported:', 'model' in sys.modules)\n")
+            "except SystemExit as e:\n    print('exit', e.code, 'process group:', sys.modules['torch.distributed'].is_initialized())\n")
     run = subprocess.run([sys.executable, "-c", code, *script_flags(LLAMA3_FP8, tmp_path)], cwd=ROOT, text=True,
                          capture_output=True, env=dict(os.environ, WORLD_SIZE="8"), timeout=120)
-    assert run.stdout.strip() == "exit 2 engine imported: False", (run.stdout, run.stderr)
+    assert run.stdout.strip() == "exit 2 process group: False", (run.stdout, run.stderr)
     assert run.stderr.startswith("train.py: error: --fp8-format hybrid") and run.stderr.count("\n") == 1
 
 

@@ -2696,43 +2696,6 @@ def machine_memory_bytes(cfg: ConfigContainer) -> Optional[int]:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def model_parameters(m: ModelConfig, padded_vocab: int) -> int:
-    """The GPT's weights (biases left out: a lower bound): per layer the attention's Q, K, V and output projections,
-    two norms, and the MLP (two input matrices when gated), or in an MoE layer (--moe-layer-freq) the router, every
-    expert's MLP (--num-experts x --moe-ffn-hidden-size) and the shared experts'; the embedding, a learned position
-    table, an untied output layer."""
-    return int(sum(rank_share_of_parameters(m, padded_vocab, whole=True).values()))
-
-
-def rank_share_of_parameters(m: ModelConfig, padded_vocab: int, whole: bool = False) -> dict:
-    """{part: parameters} of one rank's share of the model megatron-core builds, on average over the pipeline
-    stages (the largest stage holds at least that): the attention, dense MLPs, shared experts, embedding and output
-    layer split over tensor-parallel ranks; the routed experts over expert-parallel x expert-tensor-parallel ranks
-    (each EP rank holds num_experts / EP of them); norms and routers whole on every rank. `whole`: the model, unsplit."""
-    tp = 1 if whole else m.tensor_model_parallel_size
-    ep = 1 if whole else m.expert_model_parallel_size * (m.expert_tensor_parallel_size or m.tensor_model_parallel_size)
-    pp = 1 if whole else m.pipeline_model_parallel_size
-    h, q, kv = m.hidden_size, m.num_attention_heads * m.kv_channels, m.num_query_groups * m.kv_channels
-    inputs = 2 if m.swiglu or m.quick_geglu else 1  # a gated MLP's two input matrices
-
-    def mlp(ffn):
-        return h * ffn * inputs + ffn * h
-
-    moe = moe_layers(m)
-    experts = m.num_experts or 0
-    parts = {
-        "attention": m.num_layers * (h * (q + 2 * kv) + q * h) / tp,
-        "norms": m.num_layers * 4 * h,
-        "dense MLPs": (len(moe) - sum(moe)) * mlp(m.ffn_hidden_size) / tp,
-        "routers": sum(moe) * h * experts,
-        "experts": sum(moe) * experts * mlp(m.moe_ffn_hidden_size or m.ffn_hidden_size) / ep,
-        "shared experts": sum(moe) * mlp(m.moe_shared_expert_intermediate_size or 0) / tp,
-        "embedding and output layer": padded_vocab * h * (2 if m.untie_embeddings_and_output_weights else 1) / tp,
-        "positions": m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0,
-    }
-    return {part: n / pp for part, n in parts.items()}
-
-
 def _gb(n: float) -> str:
     return f"{n / 1e9:,.1f} GB"
 
@@ -2741,34 +2704,33 @@ def check_fits_in_memory(cfg: ConfigContainer) -> None:
     """A run whose model or dataset index cannot fit is refused before anything is built (else the allocator or
     megatron-core's dataset builder dies with a traceback): by train.py's command line before its imports, and by
     every run's setup (train.setup, generate.load_model, hf.py's import); not by validation, as a config may
-    describe a model larger than this machine. Lower bounds, so a run that fits is never refused:
-    the weights, gradients and Adam state (Megatron-LM's bytes per parameter: 16 in fp32, 18 in mixed precision,
-    the optimizer's part sharded by --use-distributed-optimizer) of each rank's share of the model, one
-    microbatch's logits and layer inputs; and megatron-core's sample index, 16 bytes per sample (its sample-to-
-    document pairs and its shuffle)."""
-    m, t, o = cfg.model, cfg.train, cfg.optimizer
+    describe a model larger than this machine. Lower bounds, so a run that fits is never refused: the weights,
+    gradients and optimizer state of the theoretical memory report (metrics.parameters_per_stage and
+    weight_and_optimizer_bytes, after Bridge's theoretical_memory_utils: 16 bytes a parameter in fp32, 18 in mixed
+    precision, the optimizer's part sharded by --use-distributed-optimizer), one microbatch's logits and layer inputs
+    (metrics.activation_floor); and megatron-core's sample index, 16 bytes per sample (its sample-to-document pairs
+    and its shuffle)."""
+    import metrics  # the theoretical memory's own count (imported here: metrics imports this module)
+
+    m, t = cfg.model, cfg.train
     total = machine_memory_bytes(cfg)
     if total is None or None in (m.kv_channels, m.num_query_groups, m.ffn_hidden_size, m.max_position_embeddings):
         return
-    tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
-    divisible = m.make_vocab_size_divisible_by * tp
+    divisible = m.make_vocab_size_divisible_by * m.tensor_model_parallel_size
     vocab = {"ByteTokenizer": 257, "NullTokenizer": (cfg.tokenizer.vocab_size or 0) + 1}.get(cfg.tokenizer.tokenizer_type, 1)
     padded_vocab = -(-vocab // divisible) * divisible
-    params = model_parameters(m, padded_vocab)
-    share = sum(rank_share_of_parameters(m, padded_vocab).values())  # what one rank builds
-    half = m.bf16 or m.fp16
-    shards = cfg.data_parallel_size * cp if o.use_distributed_optimizer else 1
     # A run that trains holds weights, gradients and the optimizer's state; one that does not (generate.py, hf.py's
     # import: --train-iters 0) only the weights.
     trains = t.train_iters != 0 and not cfg.validation.skip_train
-    per_param = ((6 if half else 8) + ((12 if half else 8) if o.optimizer == "adam" else 4) / shards if trains
-                 else 2 if half else 4)
-    activations = (m.seq_length // cp) * t.micro_batch_size * (padded_vocab // tp + 2 * m.hidden_size * m.num_layers // pp) * 4
+    _, params, stages = metrics.parameters_per_stage(cfg, padded_vocab)
+    per_stage = metrics.weight_and_optimizer_bytes(cfg, stages, cfg.trainable_fraction if trains else 0)
     ranks = 1 if cfg.use_gpu else int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
-    need = ranks * (share * per_param + activations)
+    # One GPU holds the most loaded stage (the report's figure); a CPU's RAM every rank here, of every stage.
+    weights = max(per_stage) if cfg.use_gpu else ranks * sum(per_stage) / len(per_stage)
+    need = weights + ranks * metrics.activation_floor(cfg, padded_vocab)
     require(need <= total,
             f"the model needs at least {_gb(need)} for its weights"
-            + (", gradients, optimizer state" if trains else "") + f" and one microbatch's activations ({params:,} "
+            + (", gradients, optimizer state" if trains else "") + f" and one microbatch's activations ({params:,.0f} "
             f"parameters: --num-layers {m.num_layers}, --hidden-size {m.hidden_size}, --ffn-hidden-size {m.ffn_hidden_size}, " + (f"--num-experts {m.num_experts} x --moe-ffn-hidden-size "
             f"{m.moe_ffn_hidden_size} over --expert-model-parallel-size {m.expert_model_parallel_size}, "
             if m.num_experts else "") + f"a vocabulary padded to {padded_vocab:,} rows by "

@@ -976,7 +976,8 @@ def _grad_of(p):
 
 
 # --------------------------------------------------------------------------------------------------
-# Theoretical memory (Megatron-LM theoretical_memory_usage.py; Korthikanti et al. 2022)
+# Theoretical memory (Bridge's theoretical_memory_utils, the seed page; Megatron-LM theoretical_memory_usage.py;
+# Korthikanti et al. 2022). One count for the report and config.py's check_fits_in_memory.
 # --------------------------------------------------------------------------------------------------
 
 NUM_BYTES_IN_MEGABYTE = 1024 * 1024
@@ -1009,12 +1010,12 @@ def bytes_per_parameter(config, expert: bool = False) -> tuple:
 def layer_parameters(m) -> list:
     """(non-expert, expert) parameters of each transformer layer, biases left out: 2h^2 x (attention (1 + groups/
     heads) x q-projection/h + 2/h for the two norms; multi-latent attention's own count, mla_attention_parameters,
-    under --multi-latent-attention), and the MLP: 2h x ffn (x 3/2 for SwiGLU) in a dense layer; in
+    under --multi-latent-attention), and the MLP: 2h x ffn (x 3/2 gated: --swiglu, --quick-geglu) in a dense layer; in
     an MoE layer the router (experts x h) and the shared experts beside it, and the experts, 2h x
     moe-ffn x experts (x 3/2), apart (Megatron-LM's theoretical_memory_usage.py, with the router megatron-core
     builds)."""
     h = m.hidden_size
-    gated = 3 / 2 if m.swiglu else 1
+    gated = 3 / 2 if m.swiglu or m.quick_geglu else 1  # both build megatron-core's gated linear unit (model.py)
     if m.multi_latent_attention:  # the latents' norms are built with --qk-layernorm only
         norms = (1 if m.normalization == "RMSNorm" else 2) if m.qk_layernorm else 0
         attention = mla_attention_parameters(m, norms=norms) + 4 * h
@@ -1027,22 +1028,21 @@ def layer_parameters(m) -> list:
     return [moe if is_moe else (dense, 0) for is_moe in config_moe_layers(m)]
 
 
-def compute_weight_and_optimizer_memory(config, verbose: bool = False) -> float:
-    """Bytes of weights, gradients and optimizer state on the most loaded shard.
+def parameters_per_stage(config, padded_vocab: int) -> tuple:
+    """(parameters in the transformer layers, in the whole model, [(non-expert, expert) parameters of one rank of
+    each pipeline stage]): the one parameter count, of the theoretical memory report and of config.py's fit check.
 
     Parameters: each layer's (layer_parameters) plus the final norm, plus the h x vocab embedding (twice if
-    untied), plus multi-token prediction's modules on the last stage. The most loaded shard is the pipeline stage with the most bytes (its layers, uneven with
-    --decoder-first/last-pipeline-num-layers; the embedding on the first, the output layer on the last), its
+    untied), plus multi-token prediction's modules on the last stage. A stage holds its layers (uneven with
+    --decoder-first/last-pipeline-num-layers), the embedding on the first, the output layer on the last; its
     non-expert parameters split over tensor parallelism, its MoE experts over expert x expert-tensor parallelism.
-    Bytes per parameter: bytes_per_parameter(), frozen weights (PEFT, `config.trainable_fraction`) at the weight's
-    bytes only.
+    Biases and a learned position table are left out, as Bridge's theoretical_memory_utils leaves them: a lower bound.
     """
-
     m = config.model
     h = m.hidden_size
     layers = layer_parameters(m)
     final_norm = 2 * h
-    embedding = h * config.padded_vocab_size
+    embedding = h * padded_vocab
     untied = m.untie_embeddings_and_output_weights
     in_layers = sum(a + b for a, b in layers) + final_norm
     total = in_layers + (2 if untied else 1) * embedding
@@ -1064,14 +1064,30 @@ def compute_weight_and_optimizer_memory(config, verbose: bool = False) -> float:
         stages[-1] = [stages[-1][0] + mtp[0], stages[-1][1] + mtp[1]]
         in_layers, total = in_layers + sum(mtp), total + sum(mtp)
     experts_split = m.expert_model_parallel_size * (m.expert_tensor_parallel_size or 1)
-    shards = [(dense / m.tensor_model_parallel_size, expert / experts_split) for dense, expert in stages]
-    trainable, frozen = bytes_per_parameter(config)
-    expert_trainable, _ = bytes_per_parameter(config, expert=True)
+    tp = m.tensor_model_parallel_size
+    return in_layers, total, [(dense / tp, expert / experts_split) for dense, expert in stages]
+
+
+def weight_and_optimizer_bytes(config, stages: list, trainable: float) -> list:
+    """Bytes of weights, gradients and optimizer state on one rank of each pipeline stage (`stages` from
+    parameters_per_stage): bytes_per_parameter() for the `trainable` fraction of the parameters, the weight's bytes
+    alone for the frozen rest (PEFT's base weights; all of them in a run that does not train)."""
+    trainable_bytes, frozen = bytes_per_parameter(config)
+    expert_bytes, _ = bytes_per_parameter(config, expert=True)
+    return [dense * (trainable * trainable_bytes + (1 - trainable) * frozen)
+            + expert * (trainable * expert_bytes + (1 - trainable) * frozen) for dense, expert in stages]
+
+
+def compute_weight_and_optimizer_memory(config, verbose: bool = False) -> float:
+    """Bytes of weights, gradients and optimizer state on the most loaded shard (Bridge's theoretical_memory_utils,
+    the seed page): the pipeline stage with the most bytes (weight_and_optimizer_bytes of parameters_per_stage),
+    frozen weights as `config.trainable_fraction` says."""
+    in_layers, total, shards = parameters_per_stage(config, config.padded_vocab_size)
     share = config.trainable_fraction
-    per_stage = [dense * (share * trainable + (1 - share) * frozen) + expert * (share * expert_trainable + (1 - share) * frozen)
-                 for dense, expert in shards]
+    per_stage = weight_and_optimizer_bytes(config, shards, share)
     most_loaded = sum(shards[per_stage.index(max(per_stage))])
     if verbose:
+        trainable, _ = bytes_per_parameter(config)
         print_rank_0(f" > number of parameters in transformer layers: {in_layers / 1e6:.2f}M, in embeddings: "
                      f"{(total - in_layers) / 1e6:.2f}M, total: {total / 1e6:.2f}M; most loaded shard: "
                      f"{most_loaded / 1e6:.2f}M, {trainable:.2f} bytes per trainable parameter"
@@ -1133,6 +1149,15 @@ def compute_activation_memory(config, num_microbatches, verbose: bool = False) -
                      f"{in_flight} microbatches in flight" + (f", interleaving penalty {1 + (pp - 1) / (pp * vp):.2f}"
                                                                  if vp else ""))
     return activation
+
+
+def activation_floor(config, padded_vocab: int) -> float:
+    """Bytes of activations a rank surely holds, whatever its attention kernel, recomputation and schedule: one
+    microbatch's fp32 logits (its vocabulary share) and, per layer of its stage, 2h values a token. Far below
+    compute_activation_memory, which assumes what a kernel keeps: config.py's fit check refuses only what cannot fit."""
+    m, t = config.model, config.train
+    tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+    return (m.seq_length // cp) * t.micro_batch_size * (padded_vocab // tp + 2 * m.hidden_size * m.num_layers // pp) * 4
 
 
 def report_theoretical_memory(config, num_microbatches=None, verbose: bool = False) -> None:

@@ -2,6 +2,7 @@
 
 These tests import neither torch nor megatron-core: that is part of what they prove."""
 
+import math
 import os
 import re
 import subprocess
@@ -216,8 +217,8 @@ OUT_OF_RANGE = [  # each once crashed with a traceback after the model was built
     (["--num-workers", "999999999999"], "--num-workers 999999999999 would fork more DataLoader processes"),
     # sizes that validation accepts one by one but no machine holds: once 128 TB asked of the allocator, a traceback
     (["--make-vocab-size-divisible-by", "999999999999"], "the model needs at least 8,192,000.1 GB for its weights"),
-    (["--seq-length", "999999999"], "the model needs at least 43,008.1 GB"),
-    (["--micro-batch-size", "999999999"], "the model needs at least 2,490,368.1 GB"),
+    (["--seq-length", "999999999"], "the model needs at least 38,912.1 GB"),
+    (["--micro-batch-size", "999999999"], "the model needs at least 2,490,368.0 GB"),
     # ... and sample counts whose dataset index no machine holds (megatron-core's builder died with a traceback)
     (["--train-iters", "999999999999"], "4,400,000,000,036 samples (3,999,999,999,996 to train: --train-iters "
                                         "999999999999 x --global-batch-size 4; --eval-iters 10"),
@@ -270,11 +271,13 @@ def test_the_fit_counts_the_experts_each_rank_builds(capsys):
     experts = 2 * 512 * 2 * 8192 * 32768
     assert experts < params < experts * 1.01, err
     assert "--num-experts 512 x --moe-ffn-hidden-size 32768 over --expert-model-parallel-size 1" in err
-    m = config.parse_args(flags, world_size=1, gpu=False).model  # a config alone: accepted
-    whole = config.rank_share_of_parameters(m, 512, whole=True)
-    m.expert_model_parallel_size, m.expert_tensor_parallel_size = 8, 1
-    share = config.rank_share_of_parameters(m, 512)
-    assert share["experts"] == whole["experts"] / 8 and share["attention"] == whole["attention"]
+    import metrics
+
+    cfg = config.parse_args(flags, world_size=1, gpu=False)  # a config alone: accepted
+    [(dense, experts)] = metrics.parameters_per_stage(cfg, 512)[2]  # one stage's (non-expert, expert) on a rank
+    cfg.model.expert_model_parallel_size, cfg.model.expert_tensor_parallel_size = 8, 1
+    [(dense_ep8, experts_ep8)] = metrics.parameters_per_stage(cfg, 512)[2]
+    assert experts_ep8 == experts / 8 and dense_ep8 == dense
 
 
 def test_a_config_larger_than_this_machine_is_accepted_and_its_run_refused(capsys):
@@ -289,7 +292,7 @@ def test_a_config_larger_than_this_machine_is_accepted_and_its_run_refused(capsy
              "--tokenizer-type", "NullTokenizer", "--vocab-size", "128255", "--make-vocab-size-divisible-by", "128",
              "--seq-length", "8192", "--global-batch-size", "8", "--bf16"]
     cfg = config.parse_args(flags, world_size=1, gpu=False)
-    params = config.model_parameters(cfg.model, 128256)
+    params = metrics.parameters_per_stage(cfg, 128256)[1]
     assert 70.5e9 < params < 70.6e9  # 70.55 B, LLaMA-3 70B's count (its 8192 x 128256 embeddings untied)
     assert metrics.num_floating_point_operations(cfg, 1, 128256) > 6 * params * 8192  # 6 N per token, and attention
     err = config_error(flags, capsys, run=True)
@@ -307,6 +310,41 @@ def test_a_run_that_does_not_train_needs_room_for_its_weights_alone():
     config.check_fits_in_memory(config.config_from_flags([*flags, "--train-iters", "0"], world_size=1, gpu=False))
     with pytest.raises(config.ConfigError, match="for its weights, gradients, optimizer state and one microbatch"):
         config.check_fits_in_memory(config.config_from_flags(flags, world_size=1, gpu=False))
+
+
+def test_the_fit_check_and_the_theoretical_memory_report_are_one_count(capsys):
+    """The fit check refuses a run exactly when the theoretical memory report's weights and optimizer state (the most
+    loaded shard; one stage, one rank here) and the activation floor exceed this machine's RAM, and names the report's
+    parameter count. bf16 with SGD: 14 bytes a parameter (16-bit weight, fp32 gradient, fp32 main copy, momentum);
+    the largest hidden size that fits is accepted, the next refused."""
+    import metrics
+
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    def cfg_of(hidden):
+        return config.config_from_flags(
+            ["--mock-data", "--num-layers", "2", "--hidden-size", str(hidden), "--num-attention-heads", "4", "--bf16",
+             "--optimizer", "sgd", "--position-embedding-type", "rope", "--tokenizer-type", "NullTokenizer",
+             "--vocab-size", "1000", "--seq-length", "64", "--micro-batch-size", "1", "--global-batch-size", "1",
+             "--train-iters", "1"], world_size=1, gpu=False)
+
+    def report(hidden):  # what the report prints at setup, where the tokenizer's 1,001 rows are padded to 1,024
+        cfg = cfg_of(hidden)
+        cfg.padded_vocab_size = 1024
+        return metrics.compute_weight_and_optimizer_memory(cfg, verbose=True) + metrics.activation_floor(cfg, 1024)
+
+    hidden = int(math.sqrt(ram / (14 * 24))) // 64 * 64  # 2 layers of 12 h^2 parameters at 14 bytes ~ RAM
+    while report(hidden) > ram:
+        hidden -= 64
+    while report(hidden + 64) <= ram:
+        hidden += 64
+    config.check_fits_in_memory(cfg_of(hidden))
+    with pytest.raises(config.ConfigError, match="for its weights, gradients, optimizer state") as refused:
+        config.check_fits_in_memory(cfg_of(hidden + 64))
+    report(hidden + 64)
+    printed = re.findall(r"total: ([\d.]+)M", capsys.readouterr().out)[-1]  # the report's count, in millions
+    named = int(re.search(r"\(([\d,]+) parameters", str(refused.value))[1].replace(",", ""))
+    assert f"{named / 1e6:.2f}" == printed
 
 
 # --- scheduler lengths, compatibility checks, determinism, the config summary, NVIDIA service configs -----------

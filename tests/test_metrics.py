@@ -141,7 +141,8 @@ def test_parameter_count_of_the_memory_estimate_matches_the_built_model(single_r
     is exactly megatron-core's GPTModel's."""
     from model import build_model
 
-    for flags in (["--swiglu", "--num-query-groups", "2"], ["--untie-embeddings-and-output-weights"]):
+    for flags in (["--swiglu", "--num-query-groups", "2"], ["--untie-embeddings-and-output-weights"],
+                  ["--quick-geglu"]):  # gated as --swiglu
         cfg = _cfg("--num-layers", "3", "--hidden-size", "128", "--num-attention-heads", "4", "--disable-bias-linear",
                    "--position-embedding-type", "rope", *flags)
         model = build_model(cfg, 384)

@@ -689,7 +689,7 @@ class DistributedDataParallelConfig(mcore_distributed.DistributedDataParallelCon
 @dataclass(frozen=True)
 class OptimizerConfigOverrideProviderContext:
     """What an OptimizerConfigOverrideProvider sees: the scheduler config, megatron-core's
-    optimizer config (model.OptimizerConfig) and the model chunks, as the optimizer will group them."""
+    optimizer config (the optimizer section, a megatron-core OptimizerConfig) and the model chunks, as the optimizer will group them."""
 
     scheduler_config: Any
     optimizer_config: Any

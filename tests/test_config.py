@@ -1,6 +1,5 @@
-"""config.py: flags generated from the dataclasses, YAML under flags, and every validation error as one line.
-
-These tests import neither torch nor megatron-core: that is part of what they prove."""
+"""config.py: flags generated from the dataclasses, YAML under flags, and every validation error as one line, before
+any process group."""
 
 import math
 import os

@@ -40,7 +40,12 @@ def adaptive_resumed(runs):
                        "adaptive_muon", "--muon-tp-mode", "duplicated")
 
 
-DP2_BF16 = ["--bf16"]  # megatron-core builds its layer-wise distributed optimizer for bf16 only (config.py says so)
+# megatron-core builds its layer-wise distributed optimizer for bf16 only (config.py says so). Without gradient
+# clipping: its coefficient (megatron-core's clip_grads.py:179) divides by the gradient norm, whose sum of squares the
+# layer-wise optimizer groups by rank (layer_wise_optimizer.py:807-813), so a last-bit difference in it rescales
+# every gradient, the fp32 main weights part in their last bits, and a bf16 copy rounds to its neighbour (2^-8
+# relative), which compounds: no tolerance argued from the sums holds, and 2^-8 passed an update 0.5% too large.
+DP2_BF16 = ["--bf16", "--clip-grad", "0"]
 
 
 def dp2(runs, *flags, name="dp2_bf16"):
@@ -195,10 +200,12 @@ def test_muons_distributed_optimizer_is_megatron_cores_layer_wise_one(runs):
     said = [line for line in sharded["stdout"].splitlines() if " updates " in line]
     assert said[0].startswith(" > TensorParallelMuon updates ") and said[1].startswith(" > AdamW updates ")
     assert all("sharded over the data-parallel ranks" in line for line in said), said
-    # bf16 weights from fp32 main weights: the two runs sum the gradients in another order (an all-reduce, a
-    # reduce-scatter), so a main weight may differ in its last fp32 bits and its bf16 copy round to the neighbouring
-    # value: at most bf16's unit roundoff, 2^-8, relative.
-    assert_same(sharded, plain, range(1, 7), METRICS, rel=2 ** -8)
+    # The same arithmetic: at DP=2 the all-reduce and the reduce-scatter each add the same two addends (the gradient
+    # bits are the same), each matrix's Muon step runs whole on one rank as on each rank of the plain run, and Adam's
+    # step is elementwise on a shard as on the whole tensor; so the losses are the same bit for bit. The gradient
+    # norm is printed from the same gradients, its sum of squares grouped by rank: REORDERED.
+    assert_bitwise(sharded, plain, range(1, 7), ["lm loss"])
+    assert_same(sharded, plain, range(1, 7), ["grad-norm"], rel=REORDERED)
     resumed = layer_wise_resumed(runs)
     assert resumed["iterations"] == [4, 5, 6]
     assert_bitwise(resumed, sharded, [4, 5, 6], METRICS)

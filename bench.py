@@ -12,6 +12,8 @@ Names here are this project's own.
     python bench.py parallel [train.py flags]                            # SP and CP per iteration vs TP=2, 2 processes
     python bench.py moe [train.py flags]                                 # MoE vs dense, EP=2, vs Megatron-LM's
     python bench.py v3 [train.py flags]                                  # MLA+MoE+MTP, Adam vs Muon, vs Megatron-LM's
+    python bench.py small [--rounds 3] [--iters N]                       # train.py vs a plain PyTorch loop, small GPTs
+    python bench.py profile STACKS --rate HZ --iterations N              # py-spy's stacks of a run, split by part
 
 Benchmarks report; the tests never assert on timings.
 """
@@ -23,7 +25,96 @@ import sys
 import tempfile
 import time
 
-import config as config_lib
+
+# --------------------------------------------------------------------------------------------------
+# bench.py small's other side: a plain PyTorch loop. It runs in its own process (`bench.py _plain`), before anything
+# of the project (and so megatron-core) is imported below.
+# --------------------------------------------------------------------------------------------------
+
+
+def plain_loop(argv) -> None:
+    """train.py's default GPT (learned positions, LayerNorm, biases, GELU MLP of 4h, tied embeddings, causal SDPA, no
+    dropout) in plain PyTorch, trained nanoGPT's way: random windows of the same .bin train.py reads, cross-entropy,
+    clipping at 1.0, torch's fused AdamW with no decay on biases and norms (megatron-core's groups), train.py's
+    warm-up and cosine schedule. Prints the log lines bench_small times, train.py's markers at the same points."""
+    import argparse
+    import math
+
+    import numpy as np
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    p = argparse.ArgumentParser()
+    for name in ("layers", "hidden", "heads", "seq", "batch", "vocab", "iters", "warmup", "log_interval"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, required=True)
+    p.add_argument("--lr", type=float, required=True)
+    p.add_argument("--min-lr", type=float, required=True)
+    p.add_argument("--data", required=True)
+    a = p.parse_args(argv)
+    torch.manual_seed(1234)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(a.hidden), nn.LayerNorm(a.hidden)
+            self.qkv, self.proj = nn.Linear(a.hidden, 3 * a.hidden), nn.Linear(a.hidden, a.hidden)
+            self.fc1, self.fc2 = nn.Linear(a.hidden, 4 * a.hidden), nn.Linear(4 * a.hidden, a.hidden)
+
+        def forward(self, x):
+            b, s, h = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, a.heads, h // a.heads).permute(2, 0, 3, 1, 4)
+            x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h))
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(a.vocab, a.hidden), nn.Embedding(a.seq, a.hidden)
+            self.blocks, self.ln_f = nn.ModuleList(Block() for _ in range(a.layers)), nn.LayerNorm(a.hidden)
+            for name, w in self.named_parameters():
+                if w.dim() == 2:
+                    scaled = name.endswith(("proj.weight", "fc2.weight"))  # megatron-core's output_layer_init_method
+                    nn.init.normal_(w, std=0.02 / math.sqrt(2 * a.layers) if scaled else 0.02)
+                elif not name.startswith("ln") and ".ln" not in name:
+                    nn.init.zeros_(w)
+
+        def forward(self, tokens, labels):
+            x = self.wte(tokens) + self.wpe.weight[: tokens.shape[1]]
+            for block in self.blocks:
+                x = block(x)
+            logits = self.ln_f(x) @ self.wte.weight.t()
+            return F.cross_entropy(logits.view(-1, a.vocab), labels.reshape(-1))
+
+    model = GPT()
+    params = list(model.parameters())
+    groups = [dict(params=[w for w in params if w.dim() > 1], weight_decay=0.01),
+              dict(params=[w for w in params if w.dim() == 1], weight_decay=0.0)]
+    optimizer = torch.optim.AdamW(groups, lr=a.lr, fused=True)
+    tokens = np.memmap(a.data + ".bin", dtype=np.uint16, mode="r")  # megatron-core's dtype for a vocabulary < 65500
+    print(f" > number of parameters: {sum(w.numel() for w in params)}", flush=True)
+    print(f" training from iteration 0 to {a.iters} ...", flush=True)
+    for it in range(1, a.iters + 1):
+        cosine = 0.5 * (1 + math.cos(math.pi * (it - a.warmup) / (a.iters - a.warmup)))
+        lr = a.lr * it / a.warmup if it <= a.warmup else a.min_lr + (a.lr - a.min_lr) * cosine
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        starts = np.random.randint(0, len(tokens) - a.seq - 1, a.batch)
+        window = torch.from_numpy(np.stack([tokens[s:s + a.seq + 1] for s in starts]).astype(np.int64))
+        loss = model(window[:, :-1], window[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if it % a.log_interval == 0:
+            print(f" iteration {it:8d}/{a.iters:8d} | lm loss: {loss.item():.6E} |", flush=True)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["_plain"]:
+    plain_loop(sys.argv[2:])
+    sys.exit(0)
+
+import config as config_lib  # noqa: E402 (after the plain loop, which must not import megatron-core)
 
 
 def _dir_bytes(path: str) -> int:
@@ -719,6 +810,166 @@ def _rows(bench: str, setup: str, best: dict, reference: str, called: str) -> li
         rows.append(("", "", "Megatron-LM", "not run", "set MEGATRON_LM to a core_v0.19.0 checkout"))
     return rows
 
+# bench.py small: (layers, hidden, heads, seq, batch, vocab, iterations). nanoGPT's CPU configuration (its README's
+# `--device=cpu` line: shakespeare_char's 65 characters, no dropout) and the 4 x 256 GPT of `overhead` and `parallel`.
+SMALL = {"nanoGPT CPU": (4, 128, 4, 64, 12, 65, 200), "4x256": (4, 256, 4, 256, 8, 8192, 40)}
+
+
+def _small_run(cmd: list) -> tuple:
+    """(start-up s, s per iteration, parameter count) of one run of train.py or the plain loop, both read the same way
+    from outside: each stdout line stamped as it arrives. Start-up: launch to the line before the first iteration
+    (imports, process group, model, optimizer, data); per iteration: between the first log line (the warm-up before
+    it) and the last, so logging, a data-loading stall and any per-step sync count as they do for a user."""
+    import re
+    import subprocess
+
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    lines = [(time.perf_counter(), line) for line in proc.stdout]
+    if proc.wait():
+        said = [line for _, line in lines if "error" in line.lower()] or [line for _, line in lines[-30:]]
+        sys.exit(f"bench.py small: {' '.join(cmd[:3])} failed:\n{''.join(said)}")
+    start = next(t for t, line in lines if line.startswith(" training from iteration"))
+    iters = [(int(m.group(1)), t) for t, line in lines if (m := re.search(r" iteration +(\d+)/ *\d+ \|", line))]
+    (i0, t_first), (i1, t_last) = iters[0], iters[-1]
+    params = int(re.search(r" > number of parameters[^:]*: (\d+)\n", "".join(line for _, line in lines)).group(1))
+    return start - t0, (t_last - t_first) / (i1 - i0), params
+
+
+def small_runs(shape: tuple, work: str) -> dict:
+    """{"plain PyTorch loop": command, "train.py": command} for one SMALL shape, their tokens written under `work`:
+    random ids in a megatron-core indexed dataset, which train.py reads through GPTDataset and the plain loop through
+    numpy, as nanoGPT reads its .bin."""
+    import numpy as np
+
+    import data
+
+    layers, hidden, heads, seq, batch, vocab, iters = shape
+    corpus, rng = os.path.join(work, f"{vocab}.jsonl"), np.random.default_rng(0)
+    with open(corpus, "w") as fh:
+        for _ in range(200):
+            fh.write(json.dumps({"text": " ".join(map(str, rng.integers(0, vocab - 1, 5000).tolist()))}) + "\n")
+    prefix = data.preprocess(corpus, os.path.join(work, str(vocab)), ["text"], data.NullTokenizer(vocab), True,
+                             log_interval=1e9)["text"]["prefix"]
+    log, lr, min_lr, warmup = min(10, iters // 2), 1e-3, 1e-4, min(10, iters // 2)
+    ours = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"), "--num-layers", layers,
+            "--hidden-size", hidden, "--num-attention-heads", heads, "--seq-length", seq, "--max-position-embeddings",
+            seq, "--micro-batch-size", batch, "--global-batch-size", batch, "--hidden-dropout", 0,
+            "--attention-dropout", 0, "--tokenizer-type", "NullTokenizer", "--vocab-size", vocab, "--data-path", prefix,
+            "--split", "100,0,0", "--data-cache-path", os.path.join(work, "cache"), "--train-iters", iters,
+            "--log-interval", log,
+            "--eval-iters", 0, "--no-save", "--no-tensorboard", "--lr", lr, "--min-lr", min_lr, "--lr-decay-style",
+            "cosine", "--lr-warmup-iters", warmup]
+    plain = [os.path.abspath(__file__), "_plain", "--layers", layers, "--hidden", hidden, "--heads", heads, "--seq",
+             seq, "--batch", batch, "--vocab", -(-vocab // 128) * 128,  # train.py's --make-vocab-size-divisible-by 128
+             "--iters", iters, "--warmup", warmup, "--log-interval", log, "--lr", lr, "--min-lr", min_lr, "--data",
+             prefix]
+    return {"plain PyTorch loop": [sys.executable, *map(str, plain)], "train.py": [sys.executable, *map(str, ours)]}
+
+
+def bench_small(argv) -> list:
+    """train.py beside the plain PyTorch loop (plain_loop) on the same GPT, optimizer and tokens (small_runs), at
+    nanoGPT's CPU shape and at 4 x 256: 3 alternating rounds of fresh processes (`--rounds N`), the best of each
+    side's time per iteration and start-up; `--iters N` for N iterations at both shapes."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="bench.py small")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--iters", type=int, help="iterations at both shapes (default: SMALL's)")
+    a, rows = p.parse_args(argv), []
+    with tempfile.TemporaryDirectory() as work:
+        for shape, (*dims, iters) in SMALL.items():
+            iters = a.iters or iters
+            runs = small_runs((*dims, iters), work)
+            seen = {name: [] for name in runs}
+            for _ in range(a.rounds):
+                for name, cmd in runs.items():
+                    seen[name].append(_small_run(cmd))
+            if len({params for runs_ in seen.values() for *_, params in runs_}) != 1:
+                sys.exit(f"bench.py small: {shape}: the two models differ: {seen}")
+            (plain_s, plain_t), (ours_s, ours_t) = ((min(s for s, _, _ in r), min(t for _, t, _ in r))
+                                                    for r in seen.values())
+            layers, hidden, heads, seq, batch, vocab = dims
+            setup = (f"{shape}: {layers}x{hidden}, seq {seq}, batch {batch}, vocab {vocab}, {iters} its, best of "
+                     f"{a.rounds}")
+            rows += [("small" if not rows else "", setup, "plain PyTorch loop", f"{1000 * plain_t:.1f} ms/it",
+                      f"start-up {plain_s:.1f} s"),
+                     ("", "", "train.py", f"{1000 * ours_t:.1f} ms/it",
+                      f"{ours_t / plain_t:.2f}x the plain loop; start-up {ours_s:.1f} s"),
+                     ("", "", "rounds (plain / train.py: ms/it, s to start)",
+                      " ".join(f"{1000 * p[1]:.0f}/{1000 * o[1]:.0f}" for p, o in zip(*seen.values())),
+                      " ".join(f"{p[0]:.1f}/{o[0]:.1f}" for p, o in zip(*seen.values())))]
+    return rows
+
+
+# bench.py profile: where a run's main-thread time goes, from py-spy's raw stacks (`py-spy record --idle --threads -f
+# raw`). A sample goes to the first part one of whose patterns is in one of its frames ("function (file:line)"); the
+# loop's parts take the samples under train.py's `train`, the start-up's the others. Order matters: a gradient hook
+# runs inside the backward, an import inside the model build. The shim's own dispatch is a sample whose innermost
+# frame is CudaOnCpu.__torch_function__ off the line that calls the op (the op counts where its caller does).
+LOOP_PARTS = [("the shim's own dispatch", ["CudaOnCpu.__torch_function__"]),
+              ("gradient norm and clipping", ["clip_grads.py", "get_grad_norm"]),
+              ("optimizer step", ["core/optimizer/", "torch/optim/"]),
+              ("DDP hooks and buffers", ["distributed_data_parallel.py", "param_and_grad_buffer.py",
+                                         "finalize_model_grads"]),
+              ("rerun state machine", ["rerun_state_machine.py"]),
+              ("batch path", ["get_batch (", "torch/utils/data/", "(data.py:"]),
+              ("logging and timers", ["(metrics.py:", "timers.py"]),
+              ("backward", ["backward_step (", "_autograd_backward (", "torch/autograd/"]),
+              ("forward", ["forward_step ("]),
+              ("the rest of the loop", [""])]
+STARTUP_PARTS = [("imports", ["_find_and_load ("]), ("configuration", ["parse_args ("]),
+                 ("process groups", ["init_process_group (", "initialize_model_parallel (",
+                                     "initialize_distributed ("]),
+                 ("model build", ["build_model (", "wrap_model ("]), ("optimizer build", ["build_optimizer ("]),
+                 ("dataset build", ["build_datasets (", "build_data_loader ("]),
+                 ("the rest (checkpoint load, exit)", [""])]
+
+
+def bench_profile(argv) -> list:
+    """python bench.py profile STACKS --rate HZ --iterations N: STACKS from `py-spy record -r HZ --idle --threads -f
+    raw -o STACKS -- python train.py ... --train-iters N`. Each part's ms per iteration (the loop) or s (start-up)."""
+    import collections
+    import inspect
+
+    import device
+
+    import argparse
+
+    p = argparse.ArgumentParser(prog="bench.py profile")
+    p.add_argument("stacks")
+    p.add_argument("--rate", type=float, required=True, help="py-spy's -r")
+    p.add_argument("--iterations", type=int, required=True, help="the run's --train-iters")
+    a = p.parse_args(argv)
+    path, rate, iters = a.stacks, a.rate, a.iterations
+    lines, start = inspect.getsourcelines(device.CudaOnCpu.__torch_function__)
+    call = f"(device.py:{start + [line.strip() for line in lines].index('return func(*args, **kwargs)')})"
+    seen = {"loop": collections.Counter(), "start-up": collections.Counter()}
+    with open(path) as fh:
+        for line in fh:
+            stack, count = line.rsplit(" ", 1)
+            frames = stack.split(";")
+            if len(frames) < 2 or not frames[0].endswith("MainThread"):
+                continue  # DataLoader feeders and other threads, mostly idle
+            if frames[-1].startswith("CudaOnCpu.__torch_function__") and frames[-1].endswith(call):
+                frames.pop()  # the op itself
+            loop = any(f.startswith("train (train.py:") for f in frames)
+            parts = LOOP_PARTS if loop else STARTUP_PARTS
+            name = next(name for name, patterns in parts
+                        if any(frames[-1].startswith(p) if p.startswith("CudaOnCpu") else any(p in f for f in frames)
+                               for p in patterns))
+            seen["loop" if loop else "start-up"][name] += int(count)
+    total = {k: sum(c.values()) for k, c in seen.items()}
+    rows = [("profile", f"{path}: {iters} iterations, {rate:g} Hz", "one iteration",
+             f"{1000 * total['loop'] / rate / iters:.1f} ms", "")]
+    rows += [("", "", f"  {name}", f"{1000 * seen['loop'][name] / rate / iters:.1f} ms",
+              f"{100 * seen['loop'][name] / total['loop']:.1f}%") for name, _ in LOOP_PARTS]
+    rows += [("", "", "start-up and exit", f"{total['start-up'] / rate:.2f} s", "")]
+    rows += [("", "", f"  {name}", f"{seen['start-up'][name] / rate:.2f} s",
+              f"{100 * seen['start-up'][name] / total['start-up']:.1f}%") for name, _ in STARTUP_PARTS]
+    return rows
+
 
 def print_table(rows) -> None:
     header = ("benchmark", "setup", "what", "time", "rate")
@@ -730,7 +981,8 @@ def print_table(rows) -> None:
 if __name__ == "__main__":
     benches = {"checkpoint": bench_checkpoint, "logging": bench_logging, "data": bench_data,
                "overhead": bench_overhead, "ladder": bench_ladder, "hotpath": bench_hotpath,
-               "generate": bench_generate, "parallel": bench_parallel, "moe": bench_moe, "v3": bench_v3}
+               "generate": bench_generate, "parallel": bench_parallel, "moe": bench_moe, "v3": bench_v3,
+               "small": bench_small, "profile": bench_profile}
     name = sys.argv[1] if len(sys.argv) > 1 else "checkpoint"
     import device
 

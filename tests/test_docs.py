@@ -29,7 +29,8 @@ PAGES = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.pat
 MODULES = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "*.py")))
 # Flags of tools other than the project's and torchrun's that the pages show in a command.
 EXTERNAL_FLAGS = {"--index-url": "pip", "--logdir": "tensorboard", "--capture-range": "nsys",
-                  "--capture-range-end": "nsys", "--durations": "pytest"}
+                  "--capture-range-end": "nsys", "--durations": "pytest", "--nonblocking": "py-spy", "--idle": "py-spy",
+                  "--threads": "py-spy"}
 # `module.name` spans that are not the project's: transformers' module path of DeepSeek-V3's layer 61.
 NOT_OURS = {"model.layers"}
 

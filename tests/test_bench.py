@@ -1,0 +1,16 @@
+"""bench.py small compares like with like: its plain PyTorch loop trains a GPT of train.py's very shape, and both
+runs are read the same way from outside (the benchmark's figures themselves are never asserted on)."""
+
+import bench
+
+SHAPE = (2, 64, 4, 32, 2, 100, 4)  # layers, hidden, heads, seq, batch, vocab (train.py pads it to 128), iterations
+
+
+def test_small_runs_train_py_and_a_plain_loop_of_the_same_gpt(tmp_path):
+    runs = bench.small_runs(SHAPE, str(tmp_path))
+    seen = {name: bench._small_run(cmd) for name, cmd in runs.items()}
+    (plain_start, plain_it, plain_params), (ours_start, ours_it, ours_params) = seen.values()
+    # 2 layers x (two norms 4 x 64, QKV 64 x 192 + 192, projection 64 x 64 + 64, MLP 2 x 64 x 256 + 256 + 64), word
+    # embeddings 128 x 64 (tied to the output), positions 32 x 64, final norm 2 x 64
+    assert plain_params == ours_params == 2 * 49984 + 8192 + 2048 + 128
+    assert 0 < plain_start and 0 < ours_start and 0 < plain_it and 0 < ours_it

@@ -147,6 +147,7 @@ MCORE_FLAG_CHANGES = {
     # (a traceback) on a wrong name.
     "train.exit_signal": dict(type=str, choices=None),
     "rng.seed": dict(bounds="[0, 2147483647]"),  # numpy refuses negative seeds and seeds from 2**32
+    "train.rampup_batch_size": dict(nargs="+"),  # any count, so that check_rampup's one line names the three numbers
     # This trainer's ByteTokenizer beside megatron-core's HuggingFace and Null ones; Megatron-LM's other types are
     # accepted and refused with what to use instead (check_tokenizer).
     "tokenizer.tokenizer_type": dict(choices=["ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer",

@@ -477,7 +477,7 @@ def test_a_data_worker_dies_with_its_rank():
     import data
 
     loader = torch.utils.data.DataLoader(_DeathSignal(), num_workers=1,
-                                         worker_init_fn=functools.partial(data.data_worker_init, "SIGTERM"))
+                                         worker_init_fn=functools.partial(data.data_worker_init, signal.SIGTERM))
     batches = iter(loader)
     try:
         assert next(batches).tolist() == [signal.SIGKILL]

@@ -178,7 +178,7 @@ def test_finalize_runs_megatron_cores_post_init_when_asked():
     # megatron-core checks at construction; the deferred configs accept any field values until finalize().
     with pytest.raises(AssertionError):
         CoreOptimizerConfig(main_grads_dtype=torch.bfloat16)
-    c = model.OptimizerConfig(main_grads_dtype=torch.bfloat16)
+    c = config.OptimizerConfig(main_grads_dtype=torch.bfloat16)
     assert not hasattr(c, "use_precision_aware_optimizer_no_fp8_or_ds_fp8")  # derived field: not yet computed
     with pytest.raises(AssertionError, match="main_grads_dtype can only be fp32"):
         c.finalize()
@@ -188,7 +188,7 @@ def test_finalize_runs_megatron_cores_post_init_when_asked():
 
     with pytest.raises(AssertionError):
         CoreDDPConfig(reuse_grad_buf_for_mxfp8_param_ag=True)
-    d = model.DistributedDataParallelConfig(reuse_grad_buf_for_mxfp8_param_ag=True)
+    d = config.DistributedDataParallelConfig(reuse_grad_buf_for_mxfp8_param_ag=True)
     with pytest.raises(AssertionError, match="Reuse grad buffer only when keeping params in MXFP8"):
         d.finalize()
     d.fp8_param_gather = True

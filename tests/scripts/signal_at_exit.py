@@ -18,7 +18,7 @@ import train  # noqa: E402
 
 signal.signal(signal.SIGTERM, train._raise_job_signal)
 loader = torch.utils.data.DataLoader(range(8), num_workers=2,
-                                     worker_init_fn=functools.partial(data.data_worker_init, "SIGTERM"))
+                                     worker_init_fn=functools.partial(data.data_worker_init, signal.SIGTERM))
 batches = iter(loader)
 next(batches)
 

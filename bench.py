@@ -330,8 +330,12 @@ def train_py_run(cfg, warmup: int = 3) -> dict:
 
     def stamped(*args, **kwargs):
         stamps.append(time.perf_counter())
-        if len(stamps) == 1:
+        if len(stamps) == 1:  # the model is alive here; train.pretrain empties it at the end
             seen["memory"] = torch.cuda.memory_allocated() if cfg.use_gpu else psutil.Process().memory_info().rss
+            params = [p for chunk in seen["model"] for p in chunk.parameters()]
+            states = [t for st in seen["optimizer"].optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
+            seen["weight_bytes"] = (_tensor_bytes(params) + _tensor_bytes([p.grad for p in params])
+                                    + _tensor_bytes(states))
         return original_log(*args, **kwargs)
 
     def counted(cfg_, model, timers=None):
@@ -493,22 +497,23 @@ def _one_size(argv) -> dict:
     flops = metrics.num_floating_point_operations(cfg, cfg.train.global_batch_size, cfg.padded_vocab_size)
     tflops = metrics.throughput_tflops_per_device(flops, run["seconds"], cfg.world_size)
     mfu = metrics.mfu(tflops, metrics.peak_tflops(metrics.device_name(), "bf16" if cfg.model.bf16 else "fp32"))
-    model, optimizer = run["model"], run["optimizer"]
-    if cfg.use_gpu:
-        weights = run["memory"]  # CUDA allocated after the first step: weights, grads, main params, moments
-    else:
-        params = [p for chunk in model for p in chunk.parameters()]
-        states = [t for st in optimizer.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
-        weights = _tensor_bytes(params) + _tensor_bytes([p.grad for p in params]) + _tensor_bytes(states)
-    from megatron.core import parallel_state
+    # CUDA allocated after the first step (weights, grads, main params, moments), or the tensors' bytes on a CPU
+    weights = run["memory"] if cfg.use_gpu else run["weight_bytes"]
+    from megatron.core.transformer.module import Float16Module
 
-    train.initialize_distributed(cfg)  # the run tore its groups down; the model's layers need them
+    import model as model_py
+
+    # The run's model was emptied when it ended: the activations are measured on a fresh one of the same shape.
+    train.initialize_distributed(cfg)
     try:
-        activations = saved_activation_bytes(model[0], cfg)
+        model_py.set_random_seed(cfg.rng.seed)  # megatron-core's RNG tracker: weight init and dropout on a GPU
+        fresh = model_py.build_model(cfg, cfg.padded_vocab_size)[0]
+        if cfg.model.bf16 or cfg.model.fp16:
+            fresh = Float16Module(fresh.config, fresh)
+        activations = saved_activation_bytes(fresh, cfg)
     finally:
         train.destroy_distributed()
     rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline  # ru_maxrss: KiB on Linux
-    del parallel_state
     mb = metrics.NUM_BYTES_IN_MEGABYTE
     return dict(params=run["params"], seconds=run["seconds"],
                 tokens_per_s=cfg.train.global_batch_size * cfg.model.seq_length / run["seconds"], tflops=tflops, mfu=mfu,

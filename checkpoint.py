@@ -1089,7 +1089,7 @@ SHAPE = {
     "swiglu": lambda cfg: cfg.model.swiglu,
     "qk_layernorm": lambda cfg: cfg.model.qk_layernorm,
     "untie_embeddings_and_output_weights": lambda cfg: cfg.model.untie_embeddings_and_output_weights,
-    "num_experts": lambda cfg: cfg.model.num_experts or 0,  # 0: a dense model (Megatron-LM's None)
+    "num_experts": lambda cfg: cfg.model.num_moe_experts or 0,  # 0: a dense model (Megatron-LM's None)
     "moe_ffn_hidden_size": lambda cfg: cfg.model.moe_ffn_hidden_size,
     "moe_shared_expert_intermediate_size": lambda cfg: cfg.model.moe_shared_expert_intermediate_size or 0,
 }
@@ -1208,7 +1208,7 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
     saved_split, split = experts_apart(settings), experts_apart(dict(
         expert_model_parallel_size=m.expert_model_parallel_size, tensor_model_parallel_size=m.tensor_model_parallel_size,
         expert_tensor_parallel_size=m.expert_tensor_parallel_size))
-    crossing = load_optim and m.num_experts and saved_split != split
+    crossing = load_optim and m.num_moe_experts and saved_split != split
     if crossing and load_metadata(cfg, directory).get("distrib_optim_sharding_type") == "fully_reshardable":
         crossing = False  # each parameter's state kept whole, by name: load_optimizer_state regroups it
     if crossing:

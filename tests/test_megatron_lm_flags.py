@@ -108,7 +108,7 @@ def test_llama3_8b_fp8_script_validates_without_its_fp8_lines(tmp_path, capsys, 
     and each means what it means in Megatron-LM (or is named once as inert)."""
     cfg = config.config_from_flags(script_flags(LLAMA3_FP8, tmp_path, drop=("--fp8-",)), world_size=8, gpu=True)
     m, t, s, d = cfg.model, cfg.train, cfg.scheduler, cfg.dataset
-    assert m.transformer_impl == "transformer_engine" and m.apply_layernorm_1p and m.attention_backend == "fused"
+    assert m.transformer_impl == "transformer_engine" and m.layernorm_zero_centered_gamma and m.attention_backend == "fused"
     assert (m.num_attention_heads, m.num_query_groups, m.kv_channels, m.ffn_hidden_size) == (4, 1, 16, 224)
     assert m.swiglu and not m.add_bias_linear and m.untie_embeddings_and_output_weights and m.rotary_base == 1000000
     assert m.calculate_per_token_loss and m.cross_entropy_loss_fusion and not m.sequence_parallel  # TP 1: nothing to split

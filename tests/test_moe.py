@@ -225,7 +225,7 @@ def test_generate_splits_the_experts_or_the_matrices_and_samples_as_one_process(
     finally:
         parallel_state.destroy_model_parallel()
         torch.distributed.destroy_process_group()
-    assert cfg.model.num_experts == 4 and samples[0] != samples[1]
+    assert cfg.model.num_moe_experts == 4 and samples[0] != samples[1]
     texts = []
     for sample in samples:
         out = io.StringIO()
@@ -361,7 +361,7 @@ def test_bridges_moe_settings_in_yaml_are_the_flags(tmp_path):
                                        "true\n  expert_model_parallel_size: 2\n  moe_token_dispatcher_type: alltoall\n")
     cfg = config.parse_args([*TINY, "--config-file", str(tmp_path / "moe.yaml")], world_size=2, gpu=False)
     m = cfg.model
-    assert (m.num_experts, m.moe_router_topk, m.expert_model_parallel_size, m.moe_token_dispatcher_type) == \
+    assert (m.num_moe_experts, m.moe_router_topk, m.expert_model_parallel_size, m.moe_token_dispatcher_type) == \
         (8, 1, 2, "alltoall")
     assert config.transformer_config_extras(cfg)["num_moe_experts"] == 8
 

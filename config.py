@@ -1460,6 +1460,10 @@ def check_bounds(cfg: ConfigContainer) -> None:
 def derive_model_sizes(cfg: ConfigContainer) -> None:
     """kv-channels, query groups, the MLP size and the position table, from the sizes given."""
     m = cfg.model
+    # A run_config.yaml saved once the model was built holds megatron-core's types (finalize()): a list of one as its item
+    for name in ("cp_comm_type", "moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        if getattr(m, name) is not None and not isinstance(getattr(m, name), list):
+            derive_value(cfg, f"model.{name}", [getattr(m, name)], "a list, as its flag gives it")
     if m.kv_channels is None and m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads == 0:
         derive_value(cfg, "model.kv_channels", m.hidden_size // m.num_attention_heads,
                      "--hidden-size / --num-attention-heads")
@@ -1799,8 +1803,9 @@ def check_multi_token_prediction(cfg: ConfigContainer) -> None:
 
 
 def check_moe(cfg: ConfigContainer) -> None:
-    """The MoE settings, as Megatron-LM's validate_args and megatron-core's TransformerConfig and MoE layers would
-    refuse them, and what needs a GPU: each a one-line error before anything is built."""
+    """The MoE settings megatron-core's TransformerConfig does not check (check_transformer_config runs its checks: the
+    router's score function, groups and capacity) and that its MoE layers would refuse later, and what needs a GPU:
+    each a one-line error before anything is built."""
     m = cfg.model
     ep, etp, tp, pp = (m.expert_model_parallel_size, m.expert_tensor_parallel_size, m.tensor_model_parallel_size,
                        m.pipeline_model_parallel_size)
@@ -1828,21 +1833,9 @@ def check_moe(cfg: ConfigContainer) -> None:
     require(kinds and not bad, f"--moe-router-load-balancing-type {' '.join(bad or kinds)}: expected {', '.join(known)}")
     require(len(coeffs) == len(kinds), f"--moe-aux-loss-coeff gives {len(coeffs)} values for {len(kinds)} "
                                        f"--moe-router-load-balancing-type types; give one per type")
-    require(k > 1 or m.moe_router_score_function != "softmax" or m.moe_router_pre_softmax or kinds == ["sinkhorn"],
-            "--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax (a softmax over one expert has no "
-            "gradient)")
-    require(not m.moe_router_enable_expert_bias or m.moe_router_score_function == "sigmoid",
-            "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
     g, gk = m.moe_router_num_groups, m.moe_router_group_topk
-    require(not gk or g, "--moe-router-group-topk needs --moe-router-num-groups")
     require(not g or (n % g == 0 and (gk or 0) <= g),
             f"--moe-router-num-groups {g} must divide --num-experts {n}, and --moe-router-group-topk {gk} be at most it")
-    if m.moe_expert_capacity_factor is not None:
-        require(all(t in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none") for t in kinds),
-                "--moe-expert-capacity-factor works with the aux_loss, seq_aux_loss, global_aux_loss or none "
-                "balancing types, not sinkhorn")
-    require(not m.moe_pad_expert_input_to_capacity or m.moe_expert_capacity_factor is not None,
-            "--moe-pad-expert-input-to-capacity pads to a capacity: add --moe-expert-capacity-factor")
     require(not m.moe_shared_expert_overlap or m.moe_shared_expert_intermediate_size,
             "--moe-shared-expert-overlap overlaps the shared experts: add --moe-shared-expert-intermediate-size")
     require(not m.moe_shared_expert_overlap or m.moe_token_dispatcher_type in ("alltoall", "allgather"),
@@ -2813,7 +2806,7 @@ def _setting_flag(cfg: ConfigContainer, section: str, name: str) -> Optional[str
     """The flag (with its value, for a non-switch) of a setting that differs from its default; None if it does not."""
     sub = getattr(cfg, section)
     f = next((f for f in dataclasses.fields(sub) if f.name == name), None)
-    if f is None or getattr(sub, name) == (f.default_factory() if f.default is dataclasses.MISSING else f.default):
+    if f is None or getattr(sub, name) == getattr(section_default(type(sub), section), name):  # DEFAULTS' or the class's
         return None
     value = getattr(sub, name)
     flag = flag_of(section, f)

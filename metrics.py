@@ -570,7 +570,7 @@ def moe_loss_names(m) -> list:
     load-balancing type, and z_loss with --moe-z-loss-coeff. With one type Megatron-LM tests the names as substrings of it, so
     seq_aux_loss also shows load_balancing_loss (0: no layer adds to it); kept, for the same log line."""
     kinds = m.moe_router_load_balancing_type
-    kind = kinds[0] if len(kinds) == 1 else kinds
+    kind = kinds if isinstance(kinds, str) else kinds[0] if len(kinds) == 1 else kinds  # a str once finalized
     names = [name for key, name in (("aux_loss", "load_balancing_loss"), ("seq_aux_loss", "seq_load_balancing_loss"),
                                     ("global_aux_loss", "global_load_balancing_loss")) if key in kind]
     return names + (["z_loss"] if m.moe_z_loss_coeff is not None else [])

@@ -813,7 +813,7 @@ class GPTDatasetConfig(mcore_gpt_dataset.GPTDatasetConfig, DataSourceConfig):
 
 @dataclass
 class MockGPTDatasetConfig(GPTDatasetConfig):
-    """Modifies GPTDatasetConfig to enforce necessary options for creating a mock dataset (megatron-core's)."""
+    """Modifies GPTDatasetConfig to enforce necessary options for creating a mock dataset: megatron-core's MockGPTDataset."""
 
     mock: bool = field(default=True, init=False)
 

@@ -274,10 +274,11 @@ def megatron_lm_args(cfg, ts) -> argparse.Namespace:
     the counters are the progress; `--use-checkpoint-args` reads the rest). Every setting is under its flag's
     name, as Megatron-LM's argparse names it (`--no-save-rng` is no_save_rng = not save_rng), plus the sizes it
     derives."""
-    args = {}
+    args, defaults = {}, config_lib.ConfigContainer()
     for section, f, meta in config_lib._cli_fields():
         flag = meta["flag"]
-        value = getattr(getattr(cfg, section), f.name)
+        # a FinetuningDatasetConfig (a DataloaderConfig, as Bridge's) has no pretraining data settings: their defaults
+        value = getattr(getattr(cfg, section), f.name, getattr(getattr(defaults, section), f.name))
         dest = flag[2:].replace("-", "_")
         if dest.startswith("no_") and not f.name.startswith("no_") and isinstance(value, bool):
             value = not value

@@ -52,6 +52,8 @@ import device  # noqa: E402,F401  first: it quiets megatron-core's import-time n
 from megatron.training import config as mcore_training  # noqa: E402  megatron-core's training sections: Bridge's bases
 from megatron.training.argument_utils import ArgumentGroupFactory, TypeInferenceError  # noqa: E402
 from megatron.core import distributed as mcore_distributed, optimizer as mcore_optimizer  # noqa: E402
+from megatron.core.datasets import gpt_dataset as mcore_gpt_dataset  # noqa: E402
+from megatron.core.datasets.utils import get_blend_from_list  # noqa: E402
 from megatron.core.transformer import MLATransformerConfig, TransformerConfig  # noqa: E402
 from megatron.core.transformer.enums import AttnBackend  # noqa: E402
 
@@ -59,7 +61,7 @@ MCORE_BASES = (mcore_training.TrainingConfig, mcore_training.ValidationConfig, m
                mcore_training.LoggerConfig, mcore_training.CheckpointConfig, mcore_training.DistributedInitConfig,
                mcore_training.RNGConfig, mcore_training.ProfilingConfig, mcore_training.StragglerDetectionConfig,
                mcore_training.RerunStateMachineConfig, mcore_training.TokenizerConfig, mcore_optimizer.OptimizerConfig,
-               mcore_distributed.DistributedDataParallelConfig, TransformerConfig)
+               mcore_distributed.DistributedDataParallelConfig, mcore_gpt_dataset.GPTDatasetConfig, TransformerConfig)
 
 
 class ConfigError(ValueError):
@@ -149,16 +151,20 @@ MCORE_FLAGS = {
              "expert_model_parallel_size expert_tensor_parallel_size",
     "ddp": "overlap_grad_reduce overlap_param_gather bucket_size pad_buckets_for_high_nccl_busbw average_in_collective "
            "check_for_large_grads num_distributed_optimizer_instances param_name_patterns_for_fp32_local_accumulation",
+    "dataset": "split path_to_cache mock reset_position_ids reset_attention_mask eod_mask_loss mmap_bin_files "
+               "create_attention_mask",
 }
 # megatron-core's fields this trainer acts on without a flag (Megatron-LM has none either): YAML only.
 MCORE_YAML_ONLY = {"rerun_state_machine": "check_for_nan_in_loss",
                    # derived by validate() from the other settings (the distributed optimizer's, the NaN check's)
                    "ddp": "use_distributed_optimizer grad_reduce_in_fp32 check_for_nan_in_grad",
                    "validation": "eval_global_batch_size eval_micro_batch_size",
-                   "dist": "local_rank",
+                   "scheduler": "lr_decay_steps lr_warmup_steps wd_incr_steps wsd_decay_steps",  # in samples
+                   "dataset": "blend blend_per_split random_seed sequence_length",  # paths, --seed, --seq-length
+                   "dist": "local_rank",  # megatron-core's default reads $LOCAL_RANK, which differs between ranks
                    # derived by validate(): the virtual stages and the p2p mode (the model section's finalize() sets
                    # the fields megatron-core takes as objects: the activation, the dtypes, the initialisation)
-                   "model": "virtual_pipeline_model_parallel_size batch_p2p_comm"}  # megatron-core's default reads $LOCAL_RANK, which differs between ranks
+                   "model": "virtual_pipeline_model_parallel_size batch_p2p_comm"}
 # Where this trainer's flag for a megatron-core field differs from the generated one, and why. `bounds`: the interval
 # a number must lie in (validate checks it first); `off`: a second flag that unsets the setting.
 MCORE_FLAG_CHANGES = {
@@ -260,6 +266,12 @@ MCORE_FLAG_CHANGES = {
     "ddp.average_in_collective": dict(flags=["--ddp-average-in-collective"]),
     "ddp.param_name_patterns_for_fp32_local_accumulation": dict(
         flags=["--ddp-param-name-patterns-for-fp32-local-accumulation"], type=str, nargs="+"),
+    "dataset.path_to_cache": dict(flags=["--data-cache-path"]),
+    "dataset.mock": dict(flags=["--mock-data"], help="Train on megatron-core's synthetic MockGPTDataset."),
+    "dataset.create_attention_mask": dict(flags=["--no-create-attention-mask-in-dataloader"]),
+    # megatron-core's None defaults would make them --no-* switches
+    **{f"dataset.{name}": dict(flags=["--" + name.replace("_", "-")])
+       for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")},
 }
 # This trainer's defaults where they differ from megatron-core's dataclass, on purpose, each with its reason.
 DEFAULTS = {
@@ -293,6 +305,10 @@ DEFAULTS = {
     "optimizer.muon_momentum": (0.9, "Megatron-LM's default (arguments.py, core_v0.19.0); megatron-core's is 0.95"),
     "ddp.grad_reduce_in_fp32": (None, "derived from the precision, as Megatron-LM: fp32 with --bf16, else the "
                                       "parameters' dtype"),
+    "dataset.split": ("969,30,1", "Megatron-LM's when --data-path comes without --split (arguments.py validate_args)"),
+    "dataset.reset_position_ids": (False, "Megatron-LM's; megatron-core's None must be set"),
+    "dataset.reset_attention_mask": (False, "Megatron-LM's; megatron-core's None must be set"),
+    "dataset.eod_mask_loss": (False, "Megatron-LM's; megatron-core's None must be set"),
 }
 
 
@@ -300,7 +316,7 @@ def settings_of(section: str, sub) -> list:
     """The fields of a section that are settings of this trainer: its own, and megatron-core's that it acts on (with
     the ones validate() derives)."""
     acted_on = set(_names(MCORE_FLAGS, section) + _names(MCORE_YAML_ONLY, section))
-    return [f.name for f in dataclasses.fields(sub) if "help" in f.metadata or f.name in acted_on or not f.init
+    return [f.name for f in dataclasses.fields(sub) if "help" in f.metadata or f.name in acted_on
             or not isinstance(sub, MCORE_BASES)]
 
 
@@ -566,8 +582,6 @@ ProfilingConfig = mcore_training.ProfilingConfig
 ValidationConfig = mcore_training.ValidationConfig
 
 
-
-
 @dataclass
 class OptimizerConfig(mcore_optimizer.OptimizerConfig):
     """Bridge's OptimizerConfig: megatron-core's, with its post-init (checks, derived fields) deferred to finalize(), so
@@ -637,9 +651,7 @@ class OptimizerConfigOverrideProvider:
         return overrides or None
 
 
-
-
-@dataclass
+@dataclass(kw_only=True)
 class DataloaderConfig:
     """How batches are drawn: the base of the dataset configs."""
 
@@ -661,33 +673,31 @@ class DataloaderConfig:
               "no code of the model's.")
 
 
-@dataclass
-class DatasetConfig(DataloaderConfig):
-    """Where the tokens come from (Megatron's GPTDatasetConfig and DataloaderConfig)."""
+@dataclass(kw_only=True)
+class DataSourceConfig(DataloaderConfig):
+    """Where the tokens come from, in Megatron-LM's data flags that megatron-core's GPTDatasetConfig has no field for:
+    the data paths (validation makes them its blend) and finetuning's JSONL."""
 
     data_path: Optional[list[str]] = arg(
-        None, "Indexed dataset prefixes (PREFIX.bin/.idx), optionally weighted: '0.7 A 0.3 B'. Default: a built-in corpus."
-    )
-    split: str = arg("969,30,1", "Train/validation/test proportions of --data-path.")
+        None, "CLI-friendly alternative to blend: indexed dataset prefixes (PREFIX.bin/.idx), optionally weighted "
+              "('0.7 A 0.3 B'), as Megatron-LM's --data-path. Default: a built-in corpus.")
     train_data_path: Optional[list[str]] = arg(None, "Indexed dataset prefixes for training only (instead of --split).")
     valid_data_path: Optional[list[str]] = arg(None, "Indexed dataset prefixes for validation only.")
     test_data_path: Optional[list[str]] = arg(None, "Indexed dataset prefixes for testing only.")
-    mock_data: bool = arg(False, "Train on megatron-core's synthetic MockGPTDataset.")
-    data_cache_path: Optional[str] = arg(None, "Directory for the dataset index caches (and the built-in corpus).")
     sft: bool = arg(False, "Finetuning data: the data paths are JSONL files of prompt/response pairs (or a 'messages' "
                            "list); the loss covers the responses only.")
     sft_pack_sequences: bool = arg(False, "With --sft: pack several examples into each sequence (positions and "
                                           "attention restart at each example).")
-    reset_position_ids: bool = arg(False, "Restart position ids after each end-of-document token.")
-    reset_attention_mask: bool = arg(False, "Do not attend across end-of-document tokens.")
-    eod_mask_loss: bool = arg(False, "Exclude end-of-document tokens from the loss.")
-    mmap_bin_files: bool = arg(
-        True, "Megatron-LM's switch to read the .bin files instead of memory-mapping them: the same tokens either way; "
-              "inert here.", flag="--no-mmap-bin-files")
-    create_attention_mask_in_dataloader: bool = arg(
-        True, "Megatron-LM's switch to build no attention mask in the dataloader (causal attention without one). "
-              "Here a mask is built only for --reset-attention-mask, so alone it is inert.",
-        flag="--no-create-attention-mask-in-dataloader")
+
+
+@dataclass
+class GPTDatasetConfig(mcore_gpt_dataset.GPTDatasetConfig, DataSourceConfig):
+    """Megatron Core GPTDatasetConfig with deferred post-init (Bridge's), so that validation derives blend (from the
+    data paths), sequence_length and random_seed first; data.py hands megatron-core's dataset builder a finalized copy
+    with the tokenizer (and the built-in corpus's blend)."""
+
+    random_seed: Optional[int] = None  # megatron-core requires both; derived from --seed and --seq-length
+    sequence_length: Optional[int] = None
     # Fill-in-the-Middle (Megatron-LM's GPTFIMDataset flags; Bridge's GPTFIMDatasetConfig).
     fim_data: bool = arg(False, "Fill-in-the-Middle samples: cut documents into prefix/middle/suffix and reorder them "
                                 "around sentinel tokens (PSM or SPM), so the model learns to infill.")
@@ -703,21 +713,27 @@ class DatasetConfig(DataloaderConfig):
     fim_suffix_token: str = arg("<fim_suffix>", "FIM suffix sentinel.")
     fim_pad_token: str = arg("<fim_pad>", "FIM padding token, masked from the loss (Byte/NullTokenizer: their pad id).")
 
+    def __post_init__(self) -> None:
+        pass  # deferred: see finalize()
 
-GPTDatasetConfig = DatasetConfig  # Bridge's name: indexed .bin/.idx datasets (or the built-in corpus)
-
-
-@dataclass
-class MockGPTDatasetConfig(DatasetConfig):
-    """Bridge's MockGPTDatasetConfig: megatron-core's synthetic MockGPTDataset (DatasetConfig, mock_data on)."""
-
-    mock_data: bool = arg(True, "Train on megatron-core's synthetic MockGPTDataset.")
+    def finalize(self) -> None:
+        """megatron-core's post-init, as Bridge's finalize: its checks, the split matrix, mock without a blend; not
+        GPTDatasetConfig's own, whose token dtype (from the tokenizer) only per-dataset sequence counts would read."""
+        super(mcore_gpt_dataset.GPTDatasetConfig, self).__post_init__()
 
 
 @dataclass
-class FinetuningDatasetConfig(DatasetConfig):
-    """Bridge's FinetuningDatasetConfig: JSONL prompt/response data, loss on the responses (DatasetConfig, sft on)."""
+class MockGPTDatasetConfig(GPTDatasetConfig):
+    """Modifies GPTDatasetConfig to enforce necessary options for creating a mock dataset: megatron-core's MockGPTDataset."""
 
+    mock: bool = field(default=True, init=False)
+
+
+@dataclass(kw_only=True)
+class FinetuningDatasetConfig(DataSourceConfig):
+    """Configuration specific to finetuning datasets, inheriting from DataloaderConfig: JSONL prompt/response pairs."""
+
+    split: str = arg("969,30,1", "Train/validation/test proportions of --data-path.")
     sft: bool = arg(True, "Finetuning data: JSONL files of prompt/response pairs; the loss covers the responses only.")
     dataset_root: Optional[str] = arg(
         None, "A directory laid out as Bridge's: training.jsonl, validation.jsonl, test.jsonl (instead of the data "
@@ -737,7 +753,7 @@ class FinetuningDatasetConfig(DatasetConfig):
     do_test: bool = arg(True, "Build the test split.", cli=False)
 
 
-FINETUNING_ONLY = {f.name for f in dataclasses.fields(FinetuningDatasetConfig)} - {f.name for f in dataclasses.fields(DatasetConfig)}
+FINETUNING_ONLY = {f.name for f in dataclasses.fields(FinetuningDatasetConfig)} - {f.name for f in dataclasses.fields(GPTDatasetConfig)}
 
 
 @dataclass
@@ -767,22 +783,7 @@ class DatasetProvider(abc.ABC):
         """Return (train, validation, test) datasets; any may be None."""
 
 
-
 TokenizerConfig = mcore_training.TokenizerConfig  # megatron-core's, as it is; the types this trainer reads below
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 @dataclass
@@ -891,8 +892,6 @@ class TensorInspectConfig:
     init_training_step: int = arg(0, "Initial step of the inspector. Default: --ckpt-step.", cli=False)
 
 
-
-
 @dataclass
 class MixedPrecisionConfig:
     """Bridge's MixedPrecisionConfig: in YAML a recipe name (`bf16_mixed`, `fp16_mixed`) or these fields. Thin:
@@ -971,7 +970,7 @@ class ConfigContainer:
     validation: ValidationConfig = field(default_factory=lambda: section_default(ValidationConfig, "validation"))
     optimizer: OptimizerConfig = field(default_factory=lambda: section_default(OptimizerConfig, "optimizer"))
     scheduler: SchedulerConfig = field(default_factory=lambda: section_default(SchedulerConfig, "scheduler"))
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    dataset: GPTDatasetConfig = field(default_factory=lambda: section_default(GPTDatasetConfig, "dataset"))
     tokenizer: TokenizerConfig = field(default_factory=lambda: section_default(TokenizerConfig, "tokenizer"))
     logger: LoggerConfig = field(default_factory=lambda: section_default(LoggerConfig, "logger"))
     checkpoint: CheckpointConfig = field(default_factory=lambda: section_default(CheckpointConfig, "checkpoint"))
@@ -1008,7 +1007,7 @@ class ConfigContainer:
         hold their defaults, which check_mcore_fields ensures); a signal by its name."""
         def plain(value):
             return value.name if isinstance(value, enum.Enum) else dataclasses.asdict(value) if \
-                dataclasses.is_dataclass(value) else list(value) if isinstance(value, tuple) else value
+                dataclasses.is_dataclass(value) else [plain(v) for v in value] if isinstance(value, (tuple, list)) else value
         d = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -1196,7 +1195,9 @@ FORMER_NAMES = {("ddp", "ddp_bucket_size"): ("bucket_size", None),
                ("model", "fp8_format"): ("fp8", None),
                ("model", "apply_layernorm_1p"): ("layernorm_zero_centered_gamma", None),
                ("scheduler", "decoupled_lr"): ("optimizer.decoupled_lr", None),
-               ("scheduler", "decoupled_min_lr"): ("optimizer.decoupled_min_lr", None)}
+               ("scheduler", "decoupled_min_lr"): ("optimizer.decoupled_min_lr", None),
+               ("dataset", "mock_data"): ("mock", None), ("dataset", "data_cache_path"): ("path_to_cache", None),
+               ("dataset", "create_attention_mask_in_dataloader"): ("create_attention_mask", None)}
 
 
 def apply_overrides(cfg: ConfigContainer, overrides: dict, source: str) -> None:
@@ -1214,10 +1215,10 @@ def apply_overrides(cfg: ConfigContainer, overrides: dict, source: str) -> None:
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: section '{section}' must be a mapping of settings")
         sub = getattr(cfg, section)
-        if section == "dataset" and type(sub) is DatasetConfig and set(values) & FINETUNING_ONLY:
-            # A finetuning dataset's own settings (dataset_root, do_test, ...) make the section Bridge's
-            # FinetuningDatasetConfig, keeping what was set before.
-            sub = cfg.dataset = FinetuningDatasetConfig(**{**dataclasses.asdict(sub), "sft": True})
+        if section == "dataset" and type(sub) is GPTDatasetConfig and set(values) & FINETUNING_ONLY:
+            # A finetuning dataset's own settings (dataset_root, ...) make it one, keeping what was set before.
+            sub = cfg.dataset = FinetuningDatasetConfig(**{f.name: getattr(sub, f.name) for f in dataclasses.fields(
+                FinetuningDatasetConfig) if f.name != "sft" and hasattr(sub, f.name)})
         names = {f.name for f in dataclasses.fields(sub)}
         for key, value in values.items():
             key = key.replace("-", "_")
@@ -1228,6 +1229,9 @@ def apply_overrides(cfg: ConfigContainer, overrides: dict, source: str) -> None:
                     other, key = key.split(".")
                     setattr(getattr(cfg, other), key, value)
                     continue
+            if key not in names and isinstance(sub, FinetuningDatasetConfig) and \
+                    value == getattr(section_default(GPTDatasetConfig, "dataset"), key, object()):
+                continue  # a pretraining setting at its default: a FinetuningDatasetConfig's YAML held them all before
             if key not in names:
                 raise ConfigError(f"{source}: '{section}' has no setting '{key}' (see --help for the {section} group)")
             setattr(sub, key, value)
@@ -1250,8 +1254,6 @@ def parse_args(argv: Optional[list] = None, world_size: Optional[int] = None, gp
         return cfg
     except ConfigError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
-
-
 
 
 def config_from_flags(argv: list, world_size: Optional[int] = None, gpu: Optional[bool] = None,
@@ -1425,11 +1427,6 @@ def check_transformer_config(cfg: ConfigContainer) -> None:
     except (AssertionError, ValueError, NotImplementedError) as e:
         refusal = str(e).splitlines()[0] if str(e) else repr(e)
     require(refusal is None, f"megatron-core's TransformerConfig refuses these settings: {refusal}")
-
-
-def max_data_workers() -> int:
-    """The most DataLoader workers per rank accepted: 4 per CPU core (at least 8)."""
-    return max(8, 4 * (os.cpu_count() or 1))
 
 
 def _interval(spec: str) -> tuple:
@@ -2204,21 +2201,10 @@ def check_schedule_lengths(cfg: ConfigContainer) -> None:
 # -- data and the tokenizer ------------------------------------------------------------------------
 
 
-def parse_data_path(paths: list) -> tuple:
-    """'0.7 A 0.3 B' or 'A B' -> (prefixes, weights or None), as Megatron-LM's --data-path."""
-    paths = [str(p) for p in paths for p in str(p).split()]
-    if len(paths) == 1:
-        return paths, None
-    try:
-        weights = [float(w) for w in paths[0::2]]
-    except ValueError:
-        return paths, None
-    prefixes = paths[1::2]
-    require(len(weights) == len(prefixes),
-            f"--data-path {' '.join(paths)}: weights and prefixes must alternate ('0.7 A 0.3 B')")
-    require(all(w >= 0 for w in weights) and sum(weights) > 0,
-            f"--data-path {' '.join(paths)}: weights must be non-negative and not all zero")
-    return prefixes, weights
+def blend_of(paths) -> Optional[tuple]:
+    """A data path ('0.7 A 0.3 B', or prefixes; one string or many) as megatron-core's blend: get_blend_from_list."""
+    words = [word for path in ([paths] if isinstance(paths, str) else paths or []) for word in str(path).split()]
+    return get_blend_from_list(words) if words else None
 
 
 def derive_data(cfg: ConfigContainer) -> None:
@@ -2229,11 +2215,21 @@ def derive_data(cfg: ConfigContainer) -> None:
             if wanted and not getattr(d, setting):
                 derive_value(cfg, f"dataset.{setting}", [os.path.join(str(d.dataset_root), f"{name}.jsonl")],
                              "dataset.dataset_root")
-    if isinstance(d, DataloaderConfig):
-        if d.pin_memory and not cfg.use_gpu:
-            derive_value(cfg, "dataset.pin_memory", False, "no GPU: page-locked memory speeds up copies to one")
-        if d.persistent_workers and d.num_workers == 0:
-            derive_value(cfg, "dataset.persistent_workers", False, "--num-workers 0: no workers to keep")
+    if isinstance(d, GPTDatasetConfig):  # megatron-core's settings that Megatron-LM's flags imply
+        split_paths = [d.train_data_path, d.valid_data_path, d.test_data_path]
+        if any(split_paths) and not d.sft:
+            derive_value(cfg, "dataset.blend_per_split", [blend_of(p) for p in split_paths], "--train/valid/test-data-path")
+            derive_value(cfg, "dataset.split", None, "megatron-core takes no split with per-split paths")
+        elif d.data_path and not d.sft:
+            derive_value(cfg, "dataset.blend", blend_of(d.data_path), "--data-path")
+        derive_value(cfg, "dataset.sequence_length", cfg.model.seq_length, "--seq-length")
+        derive_value(cfg, "dataset.random_seed", cfg.rng.seed, "--seed")
+        if d.create_attention_mask and not d.reset_attention_mask:
+            derive_value(cfg, "dataset.create_attention_mask", False, "causal attention needs none")
+    if d.pin_memory and not cfg.use_gpu:
+        derive_value(cfg, "dataset.pin_memory", False, "no GPU: page-locked memory speeds up copies to one")
+    if d.persistent_workers and d.num_workers == 0:
+        derive_value(cfg, "dataset.persistent_workers", False, "--num-workers 0: no workers to keep")
     if d.dataloader_type is None:
         derive_value(cfg, "dataset.dataloader_type", "batch" if d.sft else "single",
                      "--sft pads each global batch" if d.sft else "one pass in order")
@@ -2257,12 +2253,12 @@ BUILTIN_BPE_VOCAB = 2048
 def uses_builtin_corpus(cfg: ConfigContainer) -> bool:
     """No data given: the run trains on the built-in corpus (data.builtin_corpus_prefix)."""
     d = cfg.dataset
-    return not (d.mock_data or d.data_path or d.train_data_path or d.valid_data_path or d.test_data_path or d.sft)
+    return isinstance(d, GPTDatasetConfig) and not (d.mock or d.sft or d.blend or d.blend_per_split)  # once derived
 
 
 def builtin_corpus_cache(cfg: ConfigContainer) -> str:
     """Where the built-in corpus's datasets and tokenizer are kept: --data-cache-path, else ~/.cache/train-py."""
-    return cfg.dataset.data_cache_path or os.path.join(os.path.expanduser("~"), ".cache", "train-py")
+    return getattr(cfg.dataset, "path_to_cache", None) or os.path.join(os.path.expanduser("~"), ".cache", "train-py")
 
 
 def builtin_bpe_path(cfg: ConfigContainer) -> str:
@@ -2272,13 +2268,13 @@ def builtin_bpe_path(cfg: ConfigContainer) -> str:
 
 def check_data(cfg: ConfigContainer) -> None:
     d = cfg.dataset
-    split_paths = [d.train_data_path, d.valid_data_path, d.test_data_path]
-    require(not (d.mock_data and (d.data_path or any(split_paths))),
+    split_paths, mock = [d.train_data_path, d.valid_data_path, d.test_data_path], getattr(d, "mock", False)
+    require(not (mock and (d.data_path or any(split_paths))),
             "--mock-data and --data-path/--train-data-path are exclusive; drop one")
     require(not (d.data_path and any(split_paths)),
             "--data-path and --train/valid/test-data-path are exclusive; use --split with --data-path")
     try:
-        parts = [float(x) for x in d.split.replace("/", ",").split(",")]
+        parts = [float(x) for x in (d.split or "1").replace("/", ",").split(",")]  # None: the per-split paths'
     except ValueError:
         raise ConfigError(f"--split {d.split}: expected comma-separated numbers like 969,30,1") from None
     require(len(parts) <= 3 and all(p >= 0 for p in parts) and sum(parts) > 0,
@@ -2287,20 +2283,22 @@ def check_data(cfg: ConfigContainer) -> None:
     require(not d.sft_pack_sequences or d.sft, "--sft-pack-sequences needs --sft")
     require(not d.sft or d.data_path or d.train_data_path,
             "--sft needs --data-path (or --train-data-path): JSONL files of prompt/response pairs")
-    require(not (d.sft and d.mock_data), "--sft reads JSONL files: give --data-path (or --train-data-path), not --mock-data")
+    require(not (d.sft and mock), "--sft reads JSONL files: give --data-path (or --train-data-path), not --mock-data")
     require(d.num_workers >= 0, f"--num-workers must be non-negative, got {d.num_workers}")
     check_finetuning_dataset(cfg)
-    if isinstance(d, DataloaderConfig):
-        require(d.drop_last, "dataset.drop_last False would give a short last batch; every step here takes a whole "
-                             "global batch (Megatron's samplers drop it): drop the setting")
-        require(d.data_sharding or d.dataloader_type == "cyclic",
-                "--no-data-sharding changes how the cyclic loader shuffles; give --dataloader-type cyclic, or drop it")
-    most = max_data_workers()  # each worker is a forked process; thousands would exhaust the machine first
+    require(d.drop_last, "dataset.drop_last False would give a short last batch; every step here takes a whole "
+                         "global batch (Megatron's samplers drop it): drop the setting")
+    require(d.data_sharding or d.dataloader_type == "cyclic",
+            "--no-data-sharding changes how the cyclic loader shuffles; give --dataloader-type cyclic, or drop it")
+    most = max(8, 4 * (os.cpu_count() or 1))  # each worker a forked process: thousands would exhaust the machine
     require(d.num_workers <= most, f"--num-workers {d.num_workers} would fork more DataLoader processes per rank than 4 "
                                    f"per CPU core here; use at most {most}")
     for flag, paths in (("--data-path", d.data_path), ("--train-data-path", d.train_data_path),
                         ("--valid-data-path", d.valid_data_path), ("--test-data-path", d.test_data_path)):
-        for prefix in parse_data_path(paths)[0] if paths else ():
+        prefixes, weights = blend_of(paths) or ([], None)
+        require(not weights or (min(weights) >= 0 and sum(weights) > 0),
+                f"{flag}: the weights {weights} must be non-negative and not all zero")
+        for prefix in prefixes:
             if d.sft:
                 require(os.path.isfile(prefix),
                         f"{flag}: {prefix} not found; with --sft give JSONL files of prompt/response pairs")
@@ -2309,9 +2307,10 @@ def check_data(cfg: ConfigContainer) -> None:
                 require(os.path.isfile(prefix + ext),
                         f"{flag}: {prefix}{ext} not found; give the prefix of an indexed dataset (PREFIX.bin and "
                         f"PREFIX.idx, e.g. from `python data.py preprocess`)")
-    require(getattr(d, "create_attention_mask_in_dataloader", True) or not d.reset_attention_mask,
-            "--reset-attention-mask is an attention mask the dataloader builds, and "
-            "--no-create-attention-mask-in-dataloader builds none; drop one")
+    if isinstance(d, GPTDatasetConfig):
+        require(d.create_attention_mask or not d.reset_attention_mask, "--reset-attention-mask is an attention mask "
+                "the dataloader builds, and --no-create-attention-mask-in-dataloader builds none; drop one")
+        require_finalizes(dataclasses.replace(d))  # on a copy: data.py finalizes the section's, with the tokenizer
     check_tokenizer(cfg)
     require(not uses_builtin_corpus(cfg) or cfg.tokenizer.tokenizer_type in ("ByteTokenizer", "HuggingFaceTokenizer"),
             "the built-in corpus is text; use --tokenizer-type ByteTokenizer or HuggingFaceTokenizer, or give "
@@ -2389,13 +2388,13 @@ def check_megatron_lm_tokenizer(tk: TokenizerConfig) -> None:
 def check_fim(cfg: ConfigContainer) -> None:
     """--fim-* settings: FIM needs real data and its sentinel tokens."""
     d = cfg.dataset
-    if not d.fim_data:
+    if not getattr(d, "fim_data", False):  # a FinetuningDatasetConfig has no FIM settings
         given = [f.name for f in dataclasses.fields(d) if f.name.startswith("fim_") and getattr(d, f.name) != f.default]
         require(not given, f"--{given[0].replace('_', '-') if given else ''} is a Fill-in-the-Middle setting; add "
                            f"--fim-data")
         return
-    require(not (d.mock_data or d.sft), f"--fim-data reorders pretraining documents; it does not apply to "
-                                        f"{'--mock-data' if d.mock_data else '--sft'}")
+    require(not (d.mock or d.sft), f"--fim-data reorders pretraining documents; it does not apply to "
+                                   f"{'--mock-data' if d.mock else '--sft'}")
     for flag, rate in (("--fim-rate", d.fim_rate), ("--fim-spm-rate", d.fim_spm_rate),
                        ("--fim-fragment-rate", d.fim_fragment_rate)):
         require(rate is None or 0.0 <= rate <= 1.0, f"{flag} is a probability; give a value in [0, 1], got {rate}")
@@ -2982,8 +2981,7 @@ INERT_SETTINGS = {
     ("model", "attention_backend"): lambda cfg: (backend(cfg.model.attention_backend).name in ("flash", "fused", "unfused")
                                                  and cfg.model.transformer_impl != "transformer_engine"),
     ("train", "empty_unused_memory_level"): None,
-    ("dataset", "mmap_bin_files"): None,
-    ("dataset", "create_attention_mask_in_dataloader"): None,
+    ("dataset", "create_attention_mask"): lambda cfg: "dataset.create_attention_mask" not in cfg.derived,
     ("tokenizer", "tiktoken_pattern"): None,
     # rope without multi-latent attention: what dense attention uses (yarn is refused there)
     ("model", "rope_type"): lambda cfg: not cfg.model.multi_latent_attention,

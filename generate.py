@@ -149,7 +149,7 @@ def inference_config(directory: str, world_size: int, expert_parallel: int = 1) 
     m.transformer_impl = "local"
     if cfg.tokenizer.tokenizer_type == "HuggingFaceTokenizer":  # the copy that travels with the weights
         cfg.tokenizer.tokenizer_model = os.path.join(directory, "tokenizer", "tokenizer.json")
-    cfg.dataset.mock_data = True  # no data is read; this only spares the data checks
+    cfg.dataset.mock = True  # no data is read; this only spares the data checks
     cfg.train.train_iters = 0  # nor trained: the memory check counts the weights alone
     cfg.checkpoint.save = cfg.logger.tensorboard_dir = None
     return config_lib.validate(cfg, world_size=world_size)

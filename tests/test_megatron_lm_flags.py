@@ -118,11 +118,11 @@ def test_llama3_8b_fp8_script_validates_without_its_fp8_lines(tmp_path, capsys, 
     assert (cfg.data_parallel_size, t.global_batch_size, t.train_iters) == (8, 16, 20)
     assert (s.lr_decay_steps, s.lr_warmup_steps) == (319, 16)
     assert (cfg.optimizer.decoupled_lr, cfg.optimizer.decoupled_min_lr) == (5e-4, 4.5e-5)
-    assert d.mock_data and d.split == "99,1,0" and cfg.tokenizer.vocab_size == 1024
+    assert d.mock and d.split == "99,1,0" and cfg.tokenizer.vocab_size == 1024
     assert cfg.profiling.use_nsys_profiler and t.empty_unused_memory_level == 1
     inert = [line for line in printed_config(cfg).splitlines() if line.startswith(" inert here")]
     assert inert == [" inert here (Megatron-LM placement, memory, logging and deprecated switches with no effect in this "
-                     "trainer): --use-mcore-models --empty-unused-memory-level 1 --no-mmap-bin-files "
+                     "trainer): --use-mcore-models --empty-unused-memory-level 1 "
                      "--no-create-attention-mask-in-dataloader --tiktoken-pattern v2"]
     # With its FP8 lines and transformer-engine installed: still one line, this trainer does not drive FP8.
     err = config_error(script_flags(LLAMA3_FP8, tmp_path), capsys, world_size=8, gpu=True)
@@ -256,8 +256,10 @@ def test_the_gpt2_bpe_conversion_the_error_gives_makes_a_tokenizer_json_that_run
 def test_inert_switches_are_named_once_and_only_where_they_are_inert(with_te):
     fused = ["--no-persist-layer-norm", "--no-rope-fusion"]
     other = ["--use-mcore-models", "--attention-backend", "flash", "--empty-unused-memory-level", "2",
-             "--no-mmap-bin-files", "--no-create-attention-mask-in-dataloader", "--tiktoken-pattern", "v1"]
-    cfg = config.parse_args([*fused, *other], world_size=1, gpu=False)  # local layers: SDPA picks its own kernel
+             "--no-create-attention-mask-in-dataloader", "--tiktoken-pattern", "v1"]
+    # local layers: SDPA picks its own kernel; --no-mmap-bin-files is megatron-core's mmap_bin_files, which its indexed
+    # datasets read: not inert
+    cfg = config.parse_args([*fused, *other, "--no-mmap-bin-files"], world_size=1, gpu=False)
     lines = [line for line in printed_config(cfg).splitlines() if line.startswith(" inert here")]
     assert lines == [" inert here (fused GPU kernels the local layers never use): --no-persist-layer-norm --no-rope-fusion",
                      " inert here (Megatron-LM placement, memory, logging and deprecated switches with no effect in this "

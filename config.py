@@ -368,7 +368,7 @@ class GPTModelProvider(MLATransformerConfig):
         MLATransformerConfig's with --multi-latent-attention, else TransformerConfig's (MLATransformerConfig's own
         refuse what only MLA has). Once, when the model is built (model.transformer_config): validation tries it on a
         copy (check_transformer_config), so that the settings stay as given until then."""
-        if self.finalized:
+        if getattr(self, "finalized", False):  # set below: an attribute, not a setting (run_config.yaml has none)
             return
         import torch
         import torch.nn.functional as F
@@ -401,7 +401,6 @@ class GPTModelProvider(MLATransformerConfig):
         (MLATransformerConfig if self.multi_latent_attention else TransformerConfig).__post_init__(self)
         self.finalized = True
 
-    finalized: bool = field(default=False, init=False, repr=False)  # finalize() ran
     seq_length: int = arg(256, "Sequence length of a training sample, in tokens.")
     max_position_embeddings: Optional[int] = arg(
         None, "Size of the learned position-embedding table. Default: --seq-length.")

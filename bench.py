@@ -660,7 +660,7 @@ def _generate_rows(argv, caches, label="generate") -> list:
     torch.distributed.destroy_process_group()
     first = tokens["generate.py, KV cache"]
     m, rows = cfg.model, []
-    shape = f"{m.num_layers}x{m.hidden_size}" + (f", {m.num_experts} experts top-{m.moe_router_topk}" if m.num_experts
+    shape = f"{m.num_layers}x{m.hidden_size}" + (f", {m.num_moe_experts} experts top-{m.moe_router_topk}" if m.num_moe_experts
                                                  else "")
     for what, (prefill, total) in best.items():
         decode = (total - prefill) / (new - 1)

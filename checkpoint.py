@@ -274,10 +274,11 @@ def megatron_lm_args(cfg, ts) -> argparse.Namespace:
     the counters are the progress; `--use-checkpoint-args` reads the rest). Every setting is under its flag's
     name, as Megatron-LM's argparse names it (`--no-save-rng` is no_save_rng = not save_rng), plus the sizes it
     derives."""
-    args = {}
+    args, defaults = {}, config_lib.ConfigContainer()
     for section, f, meta in config_lib._cli_fields():
         flag = meta["flag"]
-        value = getattr(getattr(cfg, section), f.name)
+        # a FinetuningDatasetConfig (a DataloaderConfig, as Bridge's) has no pretraining data settings: their defaults
+        value = getattr(getattr(cfg, section), f.name, getattr(getattr(defaults, section), f.name))
         dest = flag[2:].replace("-", "_")
         if dest.startswith("no_") and not f.name.startswith("no_") and isinstance(value, bool):
             value = not value
@@ -1089,7 +1090,7 @@ SHAPE = {
     "swiglu": lambda cfg: cfg.model.swiglu,
     "qk_layernorm": lambda cfg: cfg.model.qk_layernorm,
     "untie_embeddings_and_output_weights": lambda cfg: cfg.model.untie_embeddings_and_output_weights,
-    "num_experts": lambda cfg: cfg.model.num_experts or 0,  # 0: a dense model (Megatron-LM's None)
+    "num_experts": lambda cfg: cfg.model.num_moe_experts or 0,  # 0: a dense model (Megatron-LM's None)
     "moe_ffn_hidden_size": lambda cfg: cfg.model.moe_ffn_hidden_size,
     "moe_shared_expert_intermediate_size": lambda cfg: cfg.model.moe_shared_expert_intermediate_size or 0,
 }
@@ -1208,7 +1209,7 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
     saved_split, split = experts_apart(settings), experts_apart(dict(
         expert_model_parallel_size=m.expert_model_parallel_size, tensor_model_parallel_size=m.tensor_model_parallel_size,
         expert_tensor_parallel_size=m.expert_tensor_parallel_size))
-    crossing = load_optim and m.num_experts and saved_split != split
+    crossing = load_optim and m.num_moe_experts and saved_split != split
     if crossing and load_metadata(cfg, directory).get("distrib_optim_sharding_type") == "fully_reshardable":
         crossing = False  # each parameter's state kept whole, by name: load_optimizer_state regroups it
     if crossing:

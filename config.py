@@ -22,8 +22,10 @@ from __future__ import annotations
 import abc
 import argparse
 import ast
+import copy
 import dataclasses
 import enum
+import functools
 import glob
 import importlib
 import importlib.util
@@ -50,12 +52,16 @@ import device  # noqa: E402,F401  first: it quiets megatron-core's import-time n
 from megatron.training import config as mcore_training  # noqa: E402  megatron-core's training sections: Bridge's bases
 from megatron.training.argument_utils import ArgumentGroupFactory, TypeInferenceError  # noqa: E402
 from megatron.core import distributed as mcore_distributed, optimizer as mcore_optimizer  # noqa: E402
+from megatron.core.datasets import gpt_dataset as mcore_gpt_dataset  # noqa: E402
+from megatron.core.datasets.utils import get_blend_from_list  # noqa: E402
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig  # noqa: E402
+from megatron.core.transformer.enums import AttnBackend  # noqa: E402
 
 MCORE_BASES = (mcore_training.TrainingConfig, mcore_training.ValidationConfig, mcore_training.SchedulerConfig,
                mcore_training.LoggerConfig, mcore_training.CheckpointConfig, mcore_training.DistributedInitConfig,
                mcore_training.RNGConfig, mcore_training.ProfilingConfig, mcore_training.StragglerDetectionConfig,
                mcore_training.RerunStateMachineConfig, mcore_training.TokenizerConfig, mcore_optimizer.OptimizerConfig,
-               mcore_distributed.DistributedDataParallelConfig)
+               mcore_distributed.DistributedDataParallelConfig, mcore_gpt_dataset.GPTDatasetConfig, TransformerConfig)
 
 
 class ConfigError(ValueError):
@@ -122,15 +128,43 @@ MCORE_FLAGS = {
                  "loss_scale_window hysteresis muon_momentum muon_split_qkv muon_nesterov muon_scale_mode "
                  "muon_fp32_matmul_prec muon_coefficient_type muon_num_ns_steps muon_tp_mode muon_extra_scale_factor "
                  "muon_scalar_optimizer lion_beta1 lion_beta2",
+    "model": "num_layers hidden_size ffn_hidden_size num_attention_heads num_query_groups kv_channels hidden_dropout "
+             "attention_dropout init_method_std rotary_base rotary_percent normalization layernorm_epsilon "
+             "add_bias_linear transformer_impl attention_backend tensor_model_parallel_size "
+             "pipeline_model_parallel_size num_layers_in_first_pipeline_stage num_layers_in_last_pipeline_stage "
+             "overlap_p2p_comm overlap_p2p_comm_warmup_flush context_parallel_size sequence_parallel bf16 fp16 "
+             "recompute_granularity recompute_method recompute_num_layers deterministic_mode cross_entropy_loss_fusion "
+             "cp_comm_type hierarchical_context_parallel_sizes use_cpu_initialization calculate_per_token_loss "
+             "layernorm_zero_centered_gamma add_qkv_bias qk_layernorm qk_l2_norm attention_softmax_in_fp32 "
+             "apply_query_key_layer_scaling fp32_residual_connection glu_linear_offset activation_func_clamp_value "
+             "rotary_interleaved no_rope_freq rope_type multi_latent_attention q_lora_rank kv_lora_rank qk_head_dim "
+             "qk_pos_emb_head_dim v_head_dim rotary_scaling_factor mscale mscale_all_dim mtp_num_layers "
+             "mtp_loss_scaling_factor embedding_init_method_std perform_initialization window_size "
+             "window_attn_skip_freq softmax_type attention_output_gate disable_bf16_reduced_precision_matmul fp8 "
+             "fp8_recipe fp8_margin fp8_amax_history_len fp8_amax_compute_algo num_moe_experts moe_layer_freq "
+             "moe_ffn_hidden_size moe_router_topk moe_router_load_balancing_type moe_aux_loss_coeff moe_z_loss_coeff "
+             "moe_router_score_function moe_router_enable_expert_bias moe_router_bias_update_rate "
+             "moe_router_pre_softmax moe_router_topk_scaling_factor moe_router_num_groups moe_router_group_topk "
+             "moe_router_dtype moe_input_jitter_eps moe_token_dispatcher_type moe_expert_capacity_factor "
+             "moe_pad_expert_input_to_capacity moe_token_drop_policy moe_shared_expert_intermediate_size "
+             "moe_shared_expert_overlap moe_per_layer_logging moe_grouped_gemm moe_permute_fusion moe_router_fusion "
+             "expert_model_parallel_size expert_tensor_parallel_size",
     "ddp": "overlap_grad_reduce overlap_param_gather bucket_size pad_buckets_for_high_nccl_busbw average_in_collective "
            "check_for_large_grads num_distributed_optimizer_instances param_name_patterns_for_fp32_local_accumulation",
+    "dataset": "split path_to_cache mock reset_position_ids reset_attention_mask eod_mask_loss mmap_bin_files "
+               "create_attention_mask",
 }
 # megatron-core's fields this trainer acts on without a flag (Megatron-LM has none either): YAML only.
 MCORE_YAML_ONLY = {"rerun_state_machine": "check_for_nan_in_loss",
                    # derived by validate() from the other settings (the distributed optimizer's, the NaN check's)
                    "ddp": "use_distributed_optimizer grad_reduce_in_fp32 check_for_nan_in_grad",
                    "validation": "eval_global_batch_size eval_micro_batch_size",
-                   "dist": "local_rank"}  # megatron-core's default reads $LOCAL_RANK, which differs between ranks
+                   "scheduler": "lr_decay_steps lr_warmup_steps wd_incr_steps wsd_decay_steps",  # in samples
+                   "dataset": "blend blend_per_split random_seed sequence_length",  # paths, --seed, --seq-length
+                   "dist": "local_rank",  # megatron-core's default reads $LOCAL_RANK, which differs between ranks
+                   # derived by validate(): the virtual stages and the p2p mode (the model section's finalize() sets
+                   # the fields megatron-core takes as objects: the activation, the dtypes, the initialisation)
+                   "model": "virtual_pipeline_model_parallel_size batch_p2p_comm"}
 # Where this trainer's flag for a megatron-core field differs from the generated one, and why. `bounds`: the interval
 # a number must lie in (validate checks it first); `off`: a second flag that unsets the setting.
 MCORE_FLAG_CHANGES = {
@@ -172,14 +206,92 @@ MCORE_FLAG_CHANGES = {
     "optimizer.muon_scalar_optimizer": dict(choices=["adam", "lion"]),
     "optimizer.lion_beta1": dict(bounds="[0, 1)"),
     "optimizer.lion_beta2": dict(bounds="[0, 1)"),
+    # The model: Megatron-LM's spellings, choices and types (arguments.py, core_v0.19.0) where the dataclass's differ,
+    # the intervals megatron-core or torch demand; per-layer patterns and lists are read as Megatron-LM writes them and
+    # made megatron-core's types by derive_transformer_config.
+    "model.ffn_hidden_size": dict(bounds="(0, inf)"),
+    "model.kv_channels": dict(bounds="(0, inf)"),
+    "model.init_method_std": dict(bounds="[0, inf)"),
+    "model.rotary_base": dict(type=int, bounds="(0, inf)"),
+    "model.rotary_percent": dict(bounds="(0, 1]"),
+    "model.normalization": dict(choices=["LayerNorm", "RMSNorm"]),
+    "model.layernorm_epsilon": dict(bounds="[0, inf)"),
+    "model.transformer_impl": dict(choices=["local", "transformer_engine"]),
+    "model.attention_backend": dict(type=str, choices=[b.name for b in AttnBackend]),
+    "model.num_layers_in_first_pipeline_stage": dict(flags=["--decoder-first-pipeline-num-layers"], bounds="[0, inf)"),
+    "model.num_layers_in_last_pipeline_stage": dict(flags=["--decoder-last-pipeline-num-layers"], bounds="[0, inf)"),
+    "model.overlap_p2p_comm": dict(flags=["--no-overlap-p2p-communication"]),
+    "model.overlap_p2p_comm_warmup_flush": dict(flags=["--overlap-p2p-communication-warmup-flush"]),
+    "model.recompute_num_layers": dict(bounds="(0, inf)"),
+    "model.cp_comm_type": dict(type=str, nargs="+"),
+    "model.activation_func_clamp_value": dict(bounds="(0, inf)"),
+    "model.no_rope_freq": dict(type=str),
+    "model.rope_type": dict(choices=["rope", "yarn"]),
+    # switches whose default here (DEFAULTS) is the dataclass's opposite: Megatron-LM's switch on
+    "model.attention_softmax_in_fp32": dict(flags=["--attention-softmax-in-fp32"]),
+    "model.multi_latent_attention": dict(flags=["--multi-latent-attention"]),
+    "model.q_lora_rank": dict(bounds="[1, inf)"),
+    "model.kv_lora_rank": dict(bounds="[1, inf)"),
+    "model.qk_head_dim": dict(bounds="[1, inf)"),
+    "model.qk_pos_emb_head_dim": dict(bounds="[2, inf)"),
+    "model.v_head_dim": dict(bounds="[1, inf)"),
+    "model.rotary_scaling_factor": dict(bounds="(0, inf)"),
+    "model.mtp_num_layers": dict(bounds="[1, inf)"),
+    "model.mtp_loss_scaling_factor": dict(bounds="[0, inf)"),
+    "model.embedding_init_method_std": dict(bounds="[0, inf)"),
+    "model.window_size": dict(type=str),
+    "model.window_attn_skip_freq": dict(type=str),
+    "model.softmax_type": dict(choices=["vanilla", "off-by-one", "learnable"]),
+    "model.fp8_recipe": dict(choices=["delayed", "tensorwise", "mxfp8", "blockwise", "custom"]),
+    "model.fp8_amax_compute_algo": dict(choices=["most_recent", "max"]),
+    "model.num_moe_experts": dict(flags=["--num-experts"]),
+    "model.moe_layer_freq": dict(type=str),
+    "model.moe_ffn_hidden_size": dict(bounds="(0, inf)"),
+    "model.moe_router_topk": dict(bounds="(0, inf)"),
+    "model.moe_router_load_balancing_type": dict(type=str, nargs="+"),
+    "model.moe_aux_loss_coeff": dict(type=float, nargs="+"),
+    "model.moe_z_loss_coeff": dict(bounds="[0, inf)"),
+    "model.moe_router_score_function": dict(choices=["softmax", "sigmoid"]),
+    "model.moe_router_bias_update_rate": dict(bounds="[0, inf)"),
+    "model.moe_router_topk_scaling_factor": dict(bounds="(0, inf)"),
+    "model.moe_router_num_groups": dict(bounds="(0, inf)"),
+    "model.moe_router_group_topk": dict(bounds="(0, inf)"),
+    "model.moe_input_jitter_eps": dict(bounds="[0, inf)"),
+    "model.moe_token_dispatcher_type": dict(choices=["allgather", "alltoall", "flex"]),
+    "model.moe_expert_capacity_factor": dict(bounds="(0, inf)"),
+    "model.moe_token_drop_policy": dict(choices=["probs", "position"]),
+    "model.moe_shared_expert_intermediate_size": dict(bounds="(0, inf)"),
     "ddp.bucket_size": dict(flags=["--ddp-bucket-size"], bounds="(0, inf)"),
     "ddp.pad_buckets_for_high_nccl_busbw": dict(flags=["--ddp-pad-buckets-for-high-nccl-busbw"]),
     "ddp.average_in_collective": dict(flags=["--ddp-average-in-collective"]),
     "ddp.param_name_patterns_for_fp32_local_accumulation": dict(
         flags=["--ddp-param-name-patterns-for-fp32-local-accumulation"], type=str, nargs="+"),
+    "dataset.path_to_cache": dict(flags=["--data-cache-path"]),
+    "dataset.mock": dict(flags=["--mock-data"], help="Train on megatron-core's synthetic MockGPTDataset."),
+    "dataset.create_attention_mask": dict(flags=["--no-create-attention-mask-in-dataloader"]),
+    # megatron-core's None defaults would make them --no-* switches
+    **{f"dataset.{name}": dict(flags=["--" + name.replace("_", "-")])
+       for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")},
 }
 # This trainer's defaults where they differ from megatron-core's dataclass, on purpose, each with its reason.
 DEFAULTS = {
+    "model.num_layers": (4, "megatron-core has none (Megatron-LM asks for it); a model a laptop trains in minutes"),
+    "model.hidden_size": (256, "megatron-core has none (Megatron-LM asks for it); a model a laptop trains"),
+    "model.num_attention_heads": (4, "megatron-core has none (Megatron-LM asks for it); 64-wide heads"),
+    "model.normalization": ("LayerNorm", "Megatron-LM's default (MLATransformerConfig's is RMSNorm)"),
+    "model.transformer_impl": (None, "derived from the machine: transformer_engine with a GPU and it installed, else "
+                                     "megatron-core's local layers"),
+    "model.overlap_p2p_comm": (True, "Megatron-LM's default (with virtual stages; derived off without them)"),
+    "model.attention_softmax_in_fp32": (False, "Megatron-LM's default (a store_true flag); megatron-core's is on"),
+    "model.rope_type": (None, "Megatron-LM's default: derived, yarn under --multi-latent-attention, else rope"),
+    "model.multi_latent_attention": (False, "a plain GPT (MLATransformerConfig's default is MLA)"),
+    "model.q_lora_rank": (None, "Megatron-LM's default: the queries are one full projection"),
+    "model.kv_lora_rank": (32, "Megatron-LM's default (MLATransformerConfig's is 512)"),
+    "model.rotary_scaling_factor": (1.0, "Megatron-LM's default (MLATransformerConfig's is 40)"),
+    "model.moe_router_load_balancing_type": (["aux_loss"], "Megatron-LM's: a list, one type per coefficient "
+                                                            "(finalize() gives megatron-core a list of one as its item)"),
+    "model.moe_aux_loss_coeff": ([0.0], "Megatron-LM's: a list, one coefficient per load-balancing type"),
+    "model.rotary_base": (10000, "Megatron-LM's integer default (MLATransformerConfig's float)"),
     "train.micro_batch_size": (4, "megatron-core has none (Megatron-LM asks for it); a batch a laptop trains"),
     "validation.eval_iters": (10, "a short evaluation of the small models this trainer runs first (Megatron-LM: 100)"),
     "validation.eval_interval": (100, "an evaluation within the quick start's 300 iterations (Megatron-LM: 1000)"),
@@ -193,6 +305,10 @@ DEFAULTS = {
     "optimizer.muon_momentum": (0.9, "Megatron-LM's default (arguments.py, core_v0.19.0); megatron-core's is 0.95"),
     "ddp.grad_reduce_in_fp32": (None, "derived from the precision, as Megatron-LM: fp32 with --bf16, else the "
                                       "parameters' dtype"),
+    "dataset.split": ("969,30,1", "Megatron-LM's when --data-path comes without --split (arguments.py validate_args)"),
+    "dataset.reset_position_ids": (False, "Megatron-LM's; megatron-core's None must be set"),
+    "dataset.reset_attention_mask": (False, "Megatron-LM's; megatron-core's None must be set"),
+    "dataset.eod_mask_loss": (False, "Megatron-LM's; megatron-core's None must be set"),
 }
 
 
@@ -200,14 +316,18 @@ def settings_of(section: str, sub) -> list:
     """The fields of a section that are settings of this trainer: its own, and megatron-core's that it acts on (with
     the ones validate() derives)."""
     acted_on = set(_names(MCORE_FLAGS, section) + _names(MCORE_YAML_ONLY, section))
-    return [f.name for f in dataclasses.fields(sub) if "help" in f.metadata or f.name in acted_on or not f.init
+    return [f.name for f in dataclasses.fields(sub) if "help" in f.metadata or f.name in acted_on
             or not isinstance(sub, MCORE_BASES)]
 
 
 def flag_of(section: str, f) -> str:
-    """A field's (first) flag: arg()'s, MCORE_FLAG_CHANGES', or its name's."""
+    """A field's (first) flag, the field given by itself or by name: arg()'s, MCORE_FLAG_CHANGES', megatron-core's
+    own (argparse_meta), or its name's."""
+    if isinstance(f, str):
+        f = next(x for x in dataclasses.fields(type(getattr(ConfigContainer(), section))) if x.name == f)
     changed = MCORE_FLAG_CHANGES.get(f"{section}.{f.name}", {}).get("flags")
-    return f.metadata.get("flag") or (changed[0] if changed else "--" + f.name.replace("_", "-"))
+    names = f.metadata.get("argparse_meta", {}).get("arg_names")
+    return f.metadata.get("flag") or (changed or names or ["--" + f.name.replace("_", "-")])[0]
 
 
 def section_default(cls, section: str):
@@ -225,116 +345,99 @@ def _names(table: dict, section: str) -> list:
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class ModelConfig:
-    """The GPT: sizes, architecture choices, parallelism and precision (Megatron's TransformerConfig)."""
+def backend(value) -> AttnBackend:
+    """--attention-backend's value (a name from a flag or YAML) as megatron-core's AttnBackend."""
+    return AttnBackend[value] if isinstance(value, str) else value
 
-    num_layers: int = arg(4, "Number of transformer layers.")
-    hidden_size: int = arg(256, "Transformer hidden size.")
-    ffn_hidden_size: Optional[int] = arg(
-        None, "MLP hidden size. Default: 4 x hidden size, or 2/3 of that rounded down to a multiple of 64 with --swiglu.",
-        bounds="(0, inf)")
-    num_attention_heads: int = arg(4, "Number of attention heads.")
-    num_query_groups: Optional[int] = arg(
-        None, "Number of key/value head groups for grouped-query attention. Default: one per head (plain multi-head)."
-    )
-    kv_channels: Optional[int] = arg(None, "Projection size per attention head. Default: hidden size / heads.",
-                                      bounds="(0, inf)")
+
+@dataclass
+class GPTModelProvider(MLATransformerConfig):
+    """The model section: megatron-core's TransformerConfig itself, which model.py hands megatron-core as it is, with
+    the GPT's own settings beside it, as Bridge's GPTModelProvider. Its base is MLATransformerConfig, the
+    TransformerConfig that also holds multi-latent attention's sizes, so that one section holds every model setting
+    (off by default: a plain GPT). megatron-core's post-init (its checks and derived fields) is deferred to
+    finalize(), run once validation has derived the rest, as Bridge's `finalize()`."""
+
+    def __post_init__(self) -> None:
+        pass  # deferred: see finalize()
+
+    def finalize(self) -> None:
+        """What megatron-core's fields take from this trainer's settings, as Megatron-LM's
+        core_transformer_config_from_args: the MLP's activation, the dtypes, the initialisation, the per-layer
+        patterns and lists as megatron-core types them; then megatron-core's checks and derived fields,
+        MLATransformerConfig's with --multi-latent-attention, else TransformerConfig's (MLATransformerConfig's own
+        refuse what only MLA has). Once, when the model is built (model.transformer_config): validation tries it on a
+        copy (check_transformer_config), so that the settings stay as given until then."""
+        if getattr(self, "finalized", False):  # set below: an attribute, not a setting (run_config.yaml has none)
+            return
+        import torch
+        import torch.nn.functional as F
+        from megatron.core.activations import squared_relu
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        self.gated_linear_unit = self.swiglu or self.quick_geglu
+        self.activation_func = (F.silu if self.swiglu else squared_relu if self.squared_relu else quick_gelu if
+                                self.quick_geglu else functools.partial(F.gelu, approximate="tanh") if self.openai_gelu
+                                else F.gelu)
+        # Half-precision weights under Float16Module; the optimizer keeps fp32 main copies.
+        self.params_dtype = self.pipeline_dtype = (torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else
+                                                   torch.float32)
+        if self.init_method_xavier_uniform:  # Megatron-LM's init_method and scaled_init_method
+            self.init_method = self.output_layer_init_method = torch.nn.init.xavier_uniform_
+        # Without CUDA each full weight is built on the CPU and each tensor-parallel rank takes its slice: the same
+        # weights for any TP size. On a GPU each rank initialises its slice in place from the RNG tracker.
+        self.use_cpu_initialization = self.use_cpu_initialization or not device.cuda()
+        # Megatron-LM passes a list of one as its item (a load-balancing type, a coefficient, a CP communication)
+        one = lambda values: values[0] if isinstance(values, list) and len(values) == 1 else values  # noqa: E731
+        self.cp_comm_type = one(self.cp_comm_type)
+        self.moe_router_load_balancing_type = one(self.moe_router_load_balancing_type)
+        self.moe_aux_loss_coeff = one(self.moe_aux_loss_coeff)
+        for name in ("moe_layer_freq", "no_rope_freq", "window_attn_skip_freq"):
+            if getattr(self, name) is not None:
+                setattr(self, name, layer_pattern(getattr(self, name), flag_of("model", name), self.num_layers))
+        if self.window_size is not None:
+            self.window_size = parse_window_size(self.window_size)
+        self.attention_backend = backend(self.attention_backend)
+        (MLATransformerConfig if self.multi_latent_attention else TransformerConfig).__post_init__(self)
+        self.finalized = True
+
     seq_length: int = arg(256, "Sequence length of a training sample, in tokens.")
     max_position_embeddings: Optional[int] = arg(
-        None, "Size of the learned position-embedding table. Default: --seq-length."
-    )
+        None, "Size of the learned position-embedding table. Default: --seq-length.")
     make_vocab_size_divisible_by: int = arg(
-        128, "Pad the vocabulary to a multiple of this times the tensor-parallel size (fast matmuls)."
-    )
-    hidden_dropout: float = arg(0.1, "Dropout probability after the attention and MLP blocks.")
-    attention_dropout: float = arg(0.1, "Dropout probability on the attention weights.")
-    init_method_std: float = arg(0.02, "Standard deviation of the normal weight initialisation.", bounds="[0, inf)")
+        128, "Pad the vocabulary to a multiple of this times the tensor-parallel size (fast matmuls).")
     untie_embeddings_and_output_weights: bool = arg(
-        False, "Give the output layer its own weights instead of sharing the input embedding's."
-    )
+        False, "Give the output layer its own weights instead of sharing the input embedding's.")
     position_embedding_type: str = arg(
-        "learned_absolute", "Position embedding.", choices=["learned_absolute", "rope", "none"]
-    )
-    rotary_base: int = arg(10000, "Base period of the rotary position embedding.", bounds="(0, inf)")
-    rotary_percent: float = arg(1.0, "Fraction of each head's dimensions that rotary embedding rotates.", bounds="(0, 1]")
-    normalization: str = arg("LayerNorm", "Normalization layer.", choices=["LayerNorm", "RMSNorm"])
-    norm_epsilon: float = arg(1e-5, "Epsilon of the normalization layers.", bounds="[0, inf)")
+        "learned_absolute", "Position embedding.", choices=["learned_absolute", "rope", "none"])
+    # The MLP's activation, Megatron-LM's switches: megatron-core's activation_func and gated_linear_unit (derived).
     swiglu: bool = arg(False, "Use the SwiGLU gated activation in the MLP instead of GeLU.")
     openai_gelu: bool = arg(False, "GeLU's tanh approximation, as OpenAI's GPT-2 (Hugging Face's gelu_new) and "
                                    "Megatron-LM's --openai-gelu, instead of the exact erf form.")
-    add_bias_linear: bool = arg(True, "Biases in the linear layers.", flag="--disable-bias-linear")
-    transformer_impl: Optional[str] = arg(
-        None,
-        "Layer implementation. Default: transformer_engine when it is installed and a GPU is present, else local.",
-        choices=["local", "transformer_engine"],
-    )
-    attention_backend: str = arg(
-        "auto", "Core attention of the local layers: auto (PyTorch's scaled_dot_product_attention, flash kernels on a "
-        "GPU) or local (megatron-core's DotProductAttention). transformer-engine layers use TE's, whose kernel "
-        "flash, fused or unfused picks (Megatron-LM's choices; with the local layers they are inert: SDPA picks its "
-        "own kernel).",
-        choices=["auto", "local", "flash", "fused", "unfused"])
-    tensor_model_parallel_size: int = arg(1, "Tensor model-parallel size (splits each layer's matrices).")
-    pipeline_model_parallel_size: int = arg(1, "Pipeline model-parallel size (splits the layers into stages).")
-    decoder_first_pipeline_num_layers: Optional[int] = arg(
-        None, "Layers of the first pipeline stage, when it should hold fewer (it also holds the embedding). The "
-              "other stages share the rest evenly.", bounds="[0, inf)")
-    decoder_last_pipeline_num_layers: Optional[int] = arg(
-        None, "Layers of the last pipeline stage, when it should hold fewer (it also holds the output layer and "
-              "the loss). The other stages share the rest evenly.", bounds="[0, inf)")
+    squared_relu: bool = arg(False, "Squared ReLU, relu(x)^2, as the MLP activation instead of GeLU.")
+    quick_geglu: bool = arg(False, "Quick-GeGLU MLP: gated, with x * sigmoid(1.702 x) as the gate's activation.")
+    init_method_xavier_uniform: bool = arg(
+        False, "Xavier-uniform initialisation of every weight matrix (the output projections included) instead of "
+               "the normal one: megatron-core's init_method and output_layer_init_method (derived).")
+    # Megatron-LM's two ways to ask for virtual pipeline stages: megatron-core's virtual_pipeline_model_parallel_size.
     num_layers_per_virtual_pipeline_stage: Optional[int] = arg(
         None, "Layers per virtual pipeline stage: each pipeline rank holds several non-adjacent chunks of layers and "
               "runs megatron-core's interleaved 1F1B schedule (smaller pipeline bubble).")
-    virtual_pipeline_model_parallel_size: Optional[int] = arg(
-        None, "Virtual pipeline stages per pipeline rank, from --num-layers-per-virtual-pipeline-stage.", derived=True)
-    overlap_p2p_comm: bool = arg(
-        True, "Interleaved schedule: overlap the pipeline's sends and receives with compute, each one its own "
-              "isend/irecv. Without virtual stages there is nothing to overlap: set to false.",
-        flag="--no-overlap-p2p-communication")
-    overlap_p2p_comm_warmup_flush: bool = arg(
-        False, "Interleaved schedule with --overlap-p2p-communication: also overlap in the warmup and flush phases.",
-        flag="--overlap-p2p-communication-warmup-flush")
-    batch_p2p_comm: bool = arg(
-        True, "Post each step's pipeline sends and receives as one batch_isend_irecv: the opposite of "
-              "--overlap-p2p-communication, as Megatron-LM sets it.", derived=True)
-    context_parallel_size: int = arg(1, "Context-parallel size (splits the sequence into 2 x CP chunks, two per rank). "
-                                        "Local layers: --cp-comm-type all_gather, in SDPAttention.")
-    sequence_parallel: bool = arg(False, "Sequence parallelism: the sequence split over the tensor-parallel ranks "
-                                         "outside the tensor-parallel regions (norms, dropout, residuals).")
-    bf16: bool = arg(False, "bfloat16 mixed precision: bf16 weights under Float16Module, fp32 main weights in the "
-                            "optimizer.")
-    fp16: bool = arg(False, "float16 mixed precision with dynamic loss scaling (see --initial-loss-scale): fp16 "
-                            "weights, fp32 main weights. Dynamic scaling turns off --check-for-nan-in-loss-and-grad, "
-                            "as in Megatron-LM: overflows are the scaler's signal.")
-    recompute_granularity: Optional[str] = arg(
-        None, "Activation recomputation: 'full' keeps only each recomputed layer's input and runs the layer again "
-              "in the backward pass; 'selective' recomputes only the core attention (its s x s scores), the cheap "
-              "part that holds the most memory (Korthikanti et al. 2022). Default: none.",
-        choices=["full", "selective"])
-    recompute_activations: bool = arg(
-        False, "Megatron-LM's shorthand for --recompute-granularity selective.")
-    recompute_method: Optional[str] = arg(
-        None, "With --recompute-granularity full: 'uniform' recomputes groups of --recompute-num-layers layers "
-              "(only each group's input kept); 'block' recomputes the first --recompute-num-layers layers of each "
-              "pipeline stage, one by one.", choices=["uniform", "block"])
-    recompute_num_layers: Optional[int] = arg(
-        None, "Layers per recomputed group (uniform) or recomputed layers per pipeline stage (block). Default: 1 "
-              "with --recompute-method.", bounds="(0, inf)")
-    deterministic_mode: bool = arg(
-        False, "Bitwise-reproducible runs: deterministic torch algorithms and kernels, CUBLAS_WORKSPACE_CONFIG and "
-               "NCCL_ALGO set for it (slower; for debugging and testing).")
-    cross_entropy_loss_fusion: bool = arg(False, "megatron-core's fused vocab-parallel cross entropy (not deterministic).")
-    cp_comm_type: Optional[list[str]] = arg(
-        None, "Context-parallel communication: p2p, all_gather, a2a or a2a+p2p (transformer-engine's), or all_gather "
-              "(the local layers'); one for all layers or one per layer. Not given: p2p, Megatron-LM's default, or "
-              "all_gather under context parallelism on the local layers (derived).")
-    hierarchical_context_parallel_sizes: Optional[list[int]] = arg(
-        None, "Context-parallel group sizes from inner to outer level (their product is --context-parallel-size); "
-              "needed by a2a+p2p.")
-    use_cpu_initialization: bool = arg(
-        False, "Build each full weight on the CPU and hand every tensor-parallel rank its slice (the same weights for "
-               "any TP size). Always so without CUDA; on a GPU each rank otherwise initialises its slice in place.")
+    num_virtual_stages_per_pipeline_rank: Optional[int] = arg(
+        None, "Virtual pipeline stages per pipeline rank, instead of --num-layers-per-virtual-pipeline-stage (the "
+              "layers split evenly over them).", bounds="(0, inf)")
+    recompute_activations: bool = arg(False, "Megatron-LM's shorthand for --recompute-granularity selective.")
+    group_query_attention: bool = arg(
+        False, "Grouped-query attention, as Megatron-LM's switch: --num-query-groups key/value groups, one group "
+               "(Megatron-LM's default for --num-query-groups) when that is not given. Megatron-LM ignores "
+               "--num-query-groups without it; here fewer groups than heads turn it on, named in the printed config.")
+    add_position_embedding: bool = arg(
+        True, "Megatron-LM's deprecated switch off the position embedding: with --position-embedding-type rope it "
+              "changes nothing (inert); otherwise Megatron-LM refuses it, and so does this trainer (use "
+              "--position-embedding-type none).", flag="--no-position-embedding")
+    fp8_param_gather: bool = arg(False, "Keep the compute weights in FP8 and all-gather them so (with --fp8-format).")
+    use_mcore_models: bool = arg(False, "Megatron-LM's deprecated switch for megatron-core models: megatron-core's "
+                                        "GPTModel is the only model here, so it is inert.")
     # Megatron-LM's switches that turn off a fused GPU kernel (apex / transformer-engine / megatron's CUDA
     # extensions). The local layers built here never use these kernels, so the switches change nothing: a CPU or
     # no-TE Megatron-LM command line carries them, and they are accepted and named once as inert.
@@ -346,184 +449,7 @@ class ModelConfig:
     no_bias_swiglu_fusion: bool = arg(False, "Megatron-LM's switch off the fused bias + SwiGLU: inert here.")
     no_bias_dropout_fusion: bool = arg(False, "Megatron-LM's switch off the fused bias + dropout + add: inert here.")
     no_rope_fusion: bool = arg(False, "Megatron-LM's switch off the fused rotary embedding kernel: inert here.")
-    # More of Megatron-LM's GPT flags (arguments.py, core_v0.16.1).
-    use_mcore_models: bool = arg(False, "Megatron-LM's deprecated switch for megatron-core models: megatron-core's "
-                                        "GPTModel is the only model here, so it is inert.")
-    group_query_attention: bool = arg(
-        False, "Grouped-query attention, as Megatron-LM's switch: --num-query-groups key/value groups, one group "
-               "(Megatron-LM's default for --num-query-groups) when that is not given. Megatron-LM ignores "
-               "--num-query-groups without it; here fewer groups than heads turn it on, named in the printed config.")
-    apply_layernorm_1p: bool = arg(
-        False, "LayerNorm with zero-centred gamma (weight = 1 + gamma, gamma starting at 0): megatron-core's "
-               "layernorm_zero_centered_gamma. transformer-engine layers only (megatron-core's local layers build a "
-               "torch LayerNorm, which has none).")
-    calculate_per_token_loss: bool = arg(
-        False, "Average the loss over all tokens of the global batch (each microbatch weighted by its tokens) instead "
-               "of averaging each microbatch's mean: megatron-core's calculate_per_token_loss (the gradient is divided "
-               "by the batch's token count when gradients are finalized).")
-    # Megatron-LM's architecture flags that are megatron-core TransformerConfig fields (transformer_config_extras),
-    # some also layer-spec arguments (model.layer_spec). Where megatron-core's local layers or this trainer's SDPA
-    # core attention cannot give a flag its meaning, validation says so in one line.
-    add_qkv_bias: bool = arg(False, "Biases in the query/key/value projection even with --disable-bias-linear "
-                                    "(Qwen2-style): megatron-core's add_qkv_bias.")
-    qk_layernorm: bool = arg(False, "Normalize each head's queries and keys (with --normalization's kind) before "
-                                    "the dot product: megatron-core's qk_layernorm.")
-    qk_l2_norm: bool = arg(False, "L2-normalize each head's queries and keys before the dot product (Llama 4): "
-                                  "megatron-core's qk_l2_norm.")
-    attention_softmax_in_fp32: bool = arg(
-        False, "Under --bf16/--fp16: attention masking and softmax in fp32, in megatron-core's own core attention "
-               "(--attention-backend local; PyTorch's SDPA and transformer-engine pick their own precision).")
-    apply_query_key_layer_scaling: bool = arg(
-        False, "Divide Q.K^T by the layer number before the softmax and multiply it back inside (the same result, "
-               "safer in fp16); implies --attention-softmax-in-fp32. In megatron-core's own core attention "
-               "(--attention-backend local) or transformer-engine's (which reads NVTE_APPLY_QK_LAYER_SCALING=1); "
-               "SDPA has nothing to rescale (inert).")
-    fp32_residual_connection: bool = arg(
-        False, "Under --bf16/--fp16: keep the residual stream in fp32 (transformer-engine layers only: the local "
-               "layers' torch norms refuse fp32 inputs with half-precision weights). Inert in fp32 training.")
-    squared_relu: bool = arg(False, "Squared ReLU, relu(x)^2, as the MLP activation instead of GeLU.")
-    quick_geglu: bool = arg(False, "Quick-GeGLU MLP: gated, with x * sigmoid(1.702 x) as the gate's activation.")
-    glu_linear_offset: float = arg(0.0, "Gated MLPs (--swiglu, --quick-geglu): act(gate) * (linear + this offset).")
-    activation_func_clamp_value: Optional[float] = arg(
-        None, "With --quick-geglu: clamp the gate half from above at this value and the linear half to [-value, value].",
-        bounds="(0, inf)")
-    rotary_interleaved: bool = arg(False, "Rotary embedding rotates pairs of even and odd dimensions (RoFormer, GPT-J) "
-                                          "instead of the first and second halves of each head (Llama).")
-    no_rope_freq: Optional[str] = arg(
-        None, "Layers without rotary embedding (Llama 4's NoPE layers): N skips it on every Nth layer, or a 0/1 list "
-              "with one entry per layer such as '([0]*3+[1])*2' (1: no rotary embedding).")
-    rope_type: Optional[str] = arg(
-        None, "Megatron-LM's rotary kind: rope, or YaRN's rescaled frequencies (yarn, multi-latent attention only). "
-              "Default: yarn under --multi-latent-attention, rope otherwise.", choices=["rope", "yarn"])
-    # Multi-latent attention (DeepSeek-V2/V3): queries, and keys and values, pass through low-rank latents; each head's
-    # query and key have a part without position (qk_head_dim) and a rotary part (qk_pos_emb_head_dim), the key's
-    # rotary part shared by the heads. megatron-core's MLASelfAttention on the local layers.
-    multi_latent_attention: bool = arg(False, "Multi-latent attention (MLA), megatron-core's MLASelfAttention, "
-                                              "instead of multi-head or grouped-query attention.")
-    q_lora_rank: Optional[int] = arg(None, "MLA: rank of the queries' low-rank latent. Default: none, the queries "
-                                           "are one full projection.", bounds="[1, inf)")
-    kv_lora_rank: int = arg(32, "MLA: rank of the keys' and values' shared low-rank latent.", bounds="[1, inf)")
-    qk_head_dim: int = arg(128, "MLA: each head's query and key width without position (the rotary part is apart).",
-                           bounds="[1, inf)")
-    qk_pos_emb_head_dim: int = arg(64, "MLA: each head's query and key width that rotary embedding rotates.",
-                                   bounds="[2, inf)")
-    v_head_dim: int = arg(128, "MLA: each head's value width.", bounds="[1, inf)")
-    rotary_scaling_factor: float = arg(1.0, "MLA with --rope-type yarn: how far YaRN stretches the rotary "
-                                            "frequencies' context.", bounds="(0, inf)")
-    mscale: float = arg(1.0, "MLA with --rope-type yarn: YaRN's attention-temperature coefficient.")
-    mscale_all_dim: float = arg(0.0, "MLA with --rope-type yarn: YaRN's coefficient of the softmax scale over "
-                                     "every dimension.")
-    # Multi-token prediction (DeepSeek-V3): after the decoder, module k predicts the token k + 1 places ahead from
-    # module k - 1's output and the embedding of the token k places ahead. Training only: generation ignores them.
-    mtp_num_layers: Optional[int] = arg(None, "Multi-token prediction: this many modules after the decoder (each a "
-                                              "transformer layer of the decoder's last layer's kind), on the last "
-                                              "pipeline stage. Default: none.", bounds="[1, inf)")
-    mtp_loss_scaling_factor: float = arg(0.1, "Multi-token prediction: the weight of the MTP losses' mean in the "
-                                              "training loss.", bounds="[0, inf)")
-    add_position_embedding: bool = arg(
-        True, "Megatron-LM's deprecated switch off the position embedding: with --position-embedding-type rope it "
-              "changes nothing (inert); otherwise Megatron-LM refuses it, and so does this trainer (use "
-              "--position-embedding-type none).", flag="--no-position-embedding")
-    embedding_init_method_std: Optional[float] = arg(
-        None, "Standard deviation of the normal initialisation of the embeddings. Default: --init-method-std.",
-        bounds="[0, inf)")
-    init_method_xavier_uniform: bool = arg(
-        False, "Xavier-uniform initialisation of every weight matrix (the output projections included) instead of "
-               "the normal one.")
-    perform_initialization: bool = arg(
-        True, "Leave the weights uninitialised, for weights that a checkpoint (--load, --pretrained-checkpoint) then "
-              "overwrites; without one the run trains whatever memory held.", flag="--no-initialization")
-    window_size: Optional[str] = arg(
-        None, "Sliding-window attention: 'LEFT,RIGHT', the tokens each query sees before and after itself (-1: all; "
-              "causal attention sees none after). megatron-core's own core attention (--attention-backend local) or "
-              "transformer-engine's.")
-    window_attn_skip_freq: Optional[str] = arg(
-        None, "With --window-size: N makes every Nth layer full attention and the others windowed, or a 0/1 list with "
-              "one entry per layer such as '([1]*3+[0])*2' (1: windowed).")
-    softmax_type: str = arg(
-        "vanilla", "Attention softmax: vanilla, off-by-one (a zero logit beside the keys) or learnable (a learned "
-                   "logit per head: attention sinks). megatron-core's own core attention (--attention-backend local) "
-                   "or transformer-engine's.", choices=["vanilla", "off-by-one", "learnable"])
-    attention_output_gate: bool = arg(
-        False, "Gate the attention output with a sigmoid of a per-head projection of the layer input (Qwen3-Next): "
-               "megatron-core's attention_output_gate.")
-    disable_bf16_reduced_precision_matmul: bool = arg(
-        False, "With --bf16 on a GPU: no reduced-precision reductions in bf16 matmuls (megatron-core sets "
-               "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False). Inert on the CPU.")
-    num_virtual_stages_per_pipeline_rank: Optional[int] = arg(
-        None, "Virtual pipeline stages per pipeline rank, instead of --num-layers-per-virtual-pipeline-stage (the "
-              "layers split evenly over them).", bounds="(0, inf)")
-    # FP8 through transformer-engine (Megatron-LM's --fp8-* flags): accepted, refused by validation.
-    fp8_format: Optional[str] = arg(None, "FP8 training through transformer-engine: e4m3 or hybrid (e4m3 forward, "
-                                          "e5m2 backward). Refused here: this trainer does not drive FP8.",
-                                    choices=["e4m3", "hybrid"])
-    fp8_recipe: str = arg("delayed", "FP8 scaling recipe (with --fp8-format).",
-                          choices=["delayed", "tensorwise", "mxfp8", "blockwise", "custom"])
-    fp8_margin: int = arg(0, "FP8 scaling-factor margin (with --fp8-format).")
-    fp8_amax_history_len: int = arg(1, "FP8 amax history window (with --fp8-format).")
-    fp8_amax_compute_algo: str = arg("most_recent", "FP8 amax from the history: most_recent or max (with --fp8-format).",
-                                     choices=["most_recent", "max"])
-    fp8_param_gather: bool = arg(False, "Keep the compute weights in FP8 and all-gather them so (with --fp8-format).")
-    # Mixture of Experts: Megatron-LM's --num-experts and --moe-* flags (arguments.py and megatron-core's
-    # TransformerConfig fields, core_v0.16.1), with their defaults. model.block_spec places megatron-core's MoELayer.
-    num_experts: Optional[int] = arg(
-        None, "Experts of each MoE layer: megatron-core's MoELayer (a TopKRouter and SequentialMLP experts) instead of "
-              "the MLP. Default: no MoE (0 too, as in Megatron-LM).")
-    moe_layer_freq: str = arg(
-        "1", "Which layers are MoE layers: N makes every Nth layer one (from the first), or a 0/1 list with one entry "
-             "per layer such as '([0]+[1]*3)' (1: MoE).")
-    moe_ffn_hidden_size: Optional[int] = arg(
-        None, "Each expert's MLP hidden size. Default: --ffn-hidden-size.", bounds="(0, inf)")
-    moe_router_topk: int = arg(2, "Experts each token is routed to.", bounds="(0, inf)")
-    moe_router_load_balancing_type: list[str] = arg(
-        ["aux_loss"], "Load balancing: aux_loss (GShard/Switch, over the micro batch), seq_aux_loss (DeepSeek-V2, per "
-                      "sequence), global_aux_loss (over the global batch), sinkhorn (S-BASE) or none; several with one "
-                      "--moe-aux-loss-coeff each.")
-    moe_aux_loss_coeff: list[float] = arg([0.0], "Scale of each load-balancing loss (1e-2 is a usual start).")
-    moe_z_loss_coeff: Optional[float] = arg(None, "Scale of the router's z-loss (ST-MoE; 1e-3 is a usual start).",
-                                            bounds="[0, inf)")
-    moe_router_score_function: str = arg("softmax", "The router's scores: softmax or sigmoid (DeepSeek-V3).",
-                                         choices=["softmax", "sigmoid"])
-    moe_router_enable_expert_bias: bool = arg(
-        False, "A per-expert bias added to the scores for choosing the top-k only, updated each step towards balance "
-               "(DeepSeek-V3's loss-free balancing); with --moe-router-score-function sigmoid.")
-    moe_router_bias_update_rate: float = arg(1e-3, "Step of the expert-bias update.", bounds="[0, inf)")
-    moe_router_pre_softmax: bool = arg(False, "Softmax over all experts before the top-k (instead of over the top-k).")
-    moe_router_topk_scaling_factor: Optional[float] = arg(None, "Scale of the top-k routing weights.",
-                                                          bounds="(0, inf)")
-    moe_router_num_groups: Optional[int] = arg(
-        None, "Group-limited routing: experts in this many groups, each token routed within --moe-router-group-topk "
-              "of them (DeepSeek-V2/V3).", bounds="(0, inf)")
-    moe_router_group_topk: Optional[int] = arg(None, "Groups each token may route to (with --moe-router-num-groups).",
-                                               bounds="(0, inf)")
-    moe_router_dtype: Optional[str] = arg(None, "Precision of the router's matmul and scores: fp32 or fp64. Default: "
-                                                "the model's.", choices=["fp32", "fp64"])
-    moe_input_jitter_eps: Optional[float] = arg(None, "Multiplicative uniform noise of this size on the router's input "
-                                                      "in training.", bounds="[0, inf)")
-    moe_token_dispatcher_type: str = arg(
-        "allgather", "How tokens reach their experts' ranks: allgather or alltoall (flex: DeepEP's, GPU only).",
-        choices=["allgather", "alltoall", "flex"])
-    moe_expert_capacity_factor: Optional[float] = arg(
-        None, "Token dropping: each expert takes at most this factor x its even share of the tokens. Default: no "
-              "dropping.", bounds="(0, inf)")
-    moe_pad_expert_input_to_capacity: bool = arg(
-        False, "With --moe-expert-capacity-factor: pad every expert's input to its capacity.")
-    moe_token_drop_policy: str = arg("probs", "With --moe-expert-capacity-factor: drop the tokens of lowest routing "
-                                              "probability or the last in position.", choices=["probs", "position"])
-    moe_shared_expert_intermediate_size: Optional[int] = arg(
-        None, "Hidden size of the shared experts that every token passes through beside the routed ones (for N "
-              "shared experts, N x --moe-ffn-hidden-size). Default: none.", bounds="(0, inf)")
-    moe_shared_expert_overlap: bool = arg(
-        False, "Overlap the shared experts with the token dispatch (alltoall or allgather dispatchers).")
-    moe_per_layer_logging: bool = arg(False, "Also write each MoE layer's auxiliary losses to TensorBoard "
-                                             "(moe/<loss>_layer_<N>).")
-    moe_grouped_gemm: bool = arg(False, "transformer-engine's grouped GEMM for the local experts (GPU only).")
-    moe_permute_fusion: bool = arg(False, "transformer-engine's fused token permutation (GPU only).")
-    moe_router_fusion: bool = arg(False, "transformer-engine's fused router top-k and scores (GPU only).")
-    expert_model_parallel_size: int = arg(1, "Expert-parallel size: the experts of each MoE layer split over this many "
-                                             "ranks (it must divide --num-experts).")
-    expert_tensor_parallel_size: Optional[int] = arg(
-        None, "Tensor-parallel size inside each expert. Default: --tensor-model-parallel-size.")
+
 
 
 @dataclass
@@ -655,8 +581,6 @@ ProfilingConfig = mcore_training.ProfilingConfig
 ValidationConfig = mcore_training.ValidationConfig
 
 
-
-
 @dataclass
 class OptimizerConfig(mcore_optimizer.OptimizerConfig):
     """Bridge's OptimizerConfig: megatron-core's, with its post-init (checks, derived fields) deferred to finalize(), so
@@ -726,9 +650,7 @@ class OptimizerConfigOverrideProvider:
         return overrides or None
 
 
-
-
-@dataclass
+@dataclass(kw_only=True)
 class DataloaderConfig:
     """How batches are drawn: the base of the dataset configs."""
 
@@ -750,33 +672,31 @@ class DataloaderConfig:
               "no code of the model's.")
 
 
-@dataclass
-class DatasetConfig(DataloaderConfig):
-    """Where the tokens come from (Megatron's GPTDatasetConfig and DataloaderConfig)."""
+@dataclass(kw_only=True)
+class DataSourceConfig(DataloaderConfig):
+    """Where the tokens come from, in Megatron-LM's data flags that megatron-core's GPTDatasetConfig has no field for:
+    the data paths (validation makes them its blend) and finetuning's JSONL."""
 
     data_path: Optional[list[str]] = arg(
-        None, "Indexed dataset prefixes (PREFIX.bin/.idx), optionally weighted: '0.7 A 0.3 B'. Default: a built-in corpus."
-    )
-    split: str = arg("969,30,1", "Train/validation/test proportions of --data-path.")
+        None, "CLI-friendly alternative to blend: indexed dataset prefixes (PREFIX.bin/.idx), optionally weighted "
+              "('0.7 A 0.3 B'), as Megatron-LM's --data-path. Default: a built-in corpus.")
     train_data_path: Optional[list[str]] = arg(None, "Indexed dataset prefixes for training only (instead of --split).")
     valid_data_path: Optional[list[str]] = arg(None, "Indexed dataset prefixes for validation only.")
     test_data_path: Optional[list[str]] = arg(None, "Indexed dataset prefixes for testing only.")
-    mock_data: bool = arg(False, "Train on megatron-core's synthetic MockGPTDataset.")
-    data_cache_path: Optional[str] = arg(None, "Directory for the dataset index caches (and the built-in corpus).")
     sft: bool = arg(False, "Finetuning data: the data paths are JSONL files of prompt/response pairs (or a 'messages' "
                            "list); the loss covers the responses only.")
     sft_pack_sequences: bool = arg(False, "With --sft: pack several examples into each sequence (positions and "
                                           "attention restart at each example).")
-    reset_position_ids: bool = arg(False, "Restart position ids after each end-of-document token.")
-    reset_attention_mask: bool = arg(False, "Do not attend across end-of-document tokens.")
-    eod_mask_loss: bool = arg(False, "Exclude end-of-document tokens from the loss.")
-    mmap_bin_files: bool = arg(
-        True, "Megatron-LM's switch to read the .bin files instead of memory-mapping them: the same tokens either way; "
-              "inert here.", flag="--no-mmap-bin-files")
-    create_attention_mask_in_dataloader: bool = arg(
-        True, "Megatron-LM's switch to build no attention mask in the dataloader (causal attention without one). "
-              "Here a mask is built only for --reset-attention-mask, so alone it is inert.",
-        flag="--no-create-attention-mask-in-dataloader")
+
+
+@dataclass
+class GPTDatasetConfig(mcore_gpt_dataset.GPTDatasetConfig, DataSourceConfig):
+    """Megatron Core GPTDatasetConfig with deferred post-init (Bridge's), so that validation derives blend (from the
+    data paths), sequence_length and random_seed first; data.py hands megatron-core's dataset builder a finalized copy
+    with the tokenizer (and the built-in corpus's blend)."""
+
+    random_seed: Optional[int] = None  # megatron-core requires both; derived from --seed and --seq-length
+    sequence_length: Optional[int] = None
     # Fill-in-the-Middle (Megatron-LM's GPTFIMDataset flags; Bridge's GPTFIMDatasetConfig).
     fim_data: bool = arg(False, "Fill-in-the-Middle samples: cut documents into prefix/middle/suffix and reorder them "
                                 "around sentinel tokens (PSM or SPM), so the model learns to infill.")
@@ -792,21 +712,27 @@ class DatasetConfig(DataloaderConfig):
     fim_suffix_token: str = arg("<fim_suffix>", "FIM suffix sentinel.")
     fim_pad_token: str = arg("<fim_pad>", "FIM padding token, masked from the loss (Byte/NullTokenizer: their pad id).")
 
+    def __post_init__(self) -> None:
+        pass  # deferred: see finalize()
 
-GPTDatasetConfig = DatasetConfig  # Bridge's name: indexed .bin/.idx datasets (or the built-in corpus)
-
-
-@dataclass
-class MockGPTDatasetConfig(DatasetConfig):
-    """Bridge's MockGPTDatasetConfig: megatron-core's synthetic MockGPTDataset (DatasetConfig, mock_data on)."""
-
-    mock_data: bool = arg(True, "Train on megatron-core's synthetic MockGPTDataset.")
+    def finalize(self) -> None:
+        """megatron-core's post-init, as Bridge's finalize: its checks, the split matrix, mock without a blend; not
+        GPTDatasetConfig's own, whose token dtype (from the tokenizer) only per-dataset sequence counts would read."""
+        super(mcore_gpt_dataset.GPTDatasetConfig, self).__post_init__()
 
 
 @dataclass
-class FinetuningDatasetConfig(DatasetConfig):
-    """Bridge's FinetuningDatasetConfig: JSONL prompt/response data, loss on the responses (DatasetConfig, sft on)."""
+class MockGPTDatasetConfig(GPTDatasetConfig):
+    """Modifies GPTDatasetConfig to enforce necessary options for creating a mock dataset: megatron-core's MockGPTDataset."""
 
+    mock: bool = field(default=True, init=False)
+
+
+@dataclass(kw_only=True)
+class FinetuningDatasetConfig(DataSourceConfig):
+    """Configuration specific to finetuning datasets, inheriting from DataloaderConfig: JSONL prompt/response pairs."""
+
+    split: str = arg("969,30,1", "Train/validation/test proportions of --data-path.")
     sft: bool = arg(True, "Finetuning data: JSONL files of prompt/response pairs; the loss covers the responses only.")
     dataset_root: Optional[str] = arg(
         None, "A directory laid out as Bridge's: training.jsonl, validation.jsonl, test.jsonl (instead of the data "
@@ -826,7 +752,7 @@ class FinetuningDatasetConfig(DatasetConfig):
     do_test: bool = arg(True, "Build the test split.", cli=False)
 
 
-FINETUNING_ONLY = {f.name for f in dataclasses.fields(FinetuningDatasetConfig)} - {f.name for f in dataclasses.fields(DatasetConfig)}
+FINETUNING_ONLY = {f.name for f in dataclasses.fields(FinetuningDatasetConfig)} - {f.name for f in dataclasses.fields(GPTDatasetConfig)}
 
 
 @dataclass
@@ -856,22 +782,7 @@ class DatasetProvider(abc.ABC):
         """Return (train, validation, test) datasets; any may be None."""
 
 
-
 TokenizerConfig = mcore_training.TokenizerConfig  # megatron-core's, as it is; the types this trainer reads below
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 @dataclass
@@ -980,8 +891,6 @@ class TensorInspectConfig:
     init_training_step: int = arg(0, "Initial step of the inspector. Default: --ckpt-step.", cli=False)
 
 
-
-
 @dataclass
 class MixedPrecisionConfig:
     """Bridge's MixedPrecisionConfig: in YAML a recipe name (`bf16_mixed`, `fp16_mixed`) or these fields. Thin:
@@ -1055,12 +964,12 @@ class CommOverlapConfig:
 class ConfigContainer:
     """Top-level container: one sub-config per concern, plus values derived at validation."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: GPTModelProvider = field(default_factory=lambda: section_default(GPTModelProvider, "model"))
     train: TrainingConfig = field(default_factory=lambda: section_default(TrainingConfig, "train"))
     validation: ValidationConfig = field(default_factory=lambda: section_default(ValidationConfig, "validation"))
     optimizer: OptimizerConfig = field(default_factory=lambda: section_default(OptimizerConfig, "optimizer"))
     scheduler: SchedulerConfig = field(default_factory=lambda: section_default(SchedulerConfig, "scheduler"))
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    dataset: GPTDatasetConfig = field(default_factory=lambda: section_default(GPTDatasetConfig, "dataset"))
     tokenizer: TokenizerConfig = field(default_factory=lambda: section_default(TokenizerConfig, "tokenizer"))
     logger: LoggerConfig = field(default_factory=lambda: section_default(LoggerConfig, "logger"))
     checkpoint: CheckpointConfig = field(default_factory=lambda: section_default(CheckpointConfig, "checkpoint"))
@@ -1097,7 +1006,7 @@ class ConfigContainer:
         hold their defaults, which check_mcore_fields ensures); a signal by its name."""
         def plain(value):
             return value.name if isinstance(value, enum.Enum) else dataclasses.asdict(value) if \
-                dataclasses.is_dataclass(value) else list(value) if isinstance(value, tuple) else value
+                dataclasses.is_dataclass(value) else [plain(v) for v in value] if isinstance(value, (tuple, list)) else value
         d = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -1274,13 +1183,20 @@ def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
 
 
 # Bridge's names (its GPTModelProvider's TransformerConfig fields) for settings this config names as Megatron-LM's flag.
-BRIDGE_SETTING_NAMES = {("model", "num_moe_experts"): "num_experts"}
 # Settings of a run_config.yaml written before the sections were megatron-core's, under their names now.
 FORMER_NAMES = {("ddp", "ddp_bucket_size"): ("bucket_size", None),
                ("ddp", "ddp_pad_buckets_for_high_nccl_busbw"): ("pad_buckets_for_high_nccl_busbw", None),
                ("ddp", "ddp_average_in_collective"): ("average_in_collective", None),
+               ("model", "num_experts"): ("num_moe_experts", None),
+               ("model", "norm_epsilon"): ("layernorm_epsilon", None),
+               ("model", "decoder_first_pipeline_num_layers"): ("num_layers_in_first_pipeline_stage", None),
+               ("model", "decoder_last_pipeline_num_layers"): ("num_layers_in_last_pipeline_stage", None),
+               ("model", "fp8_format"): ("fp8", None),
+               ("model", "apply_layernorm_1p"): ("layernorm_zero_centered_gamma", None),
                ("scheduler", "decoupled_lr"): ("optimizer.decoupled_lr", None),
-               ("scheduler", "decoupled_min_lr"): ("optimizer.decoupled_min_lr", None)}
+               ("scheduler", "decoupled_min_lr"): ("optimizer.decoupled_min_lr", None),
+               ("dataset", "mock_data"): ("mock", None), ("dataset", "data_cache_path"): ("path_to_cache", None),
+               ("dataset", "create_attention_mask_in_dataloader"): ("create_attention_mask", None)}
 
 
 def apply_overrides(cfg: ConfigContainer, overrides: dict, source: str) -> None:
@@ -1298,14 +1214,13 @@ def apply_overrides(cfg: ConfigContainer, overrides: dict, source: str) -> None:
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: section '{section}' must be a mapping of settings")
         sub = getattr(cfg, section)
-        if section == "dataset" and type(sub) is DatasetConfig and set(values) & FINETUNING_ONLY:
-            # A finetuning dataset's own settings (dataset_root, do_test, ...) make the section Bridge's
-            # FinetuningDatasetConfig, keeping what was set before.
-            sub = cfg.dataset = FinetuningDatasetConfig(**{**dataclasses.asdict(sub), "sft": True})
+        if section == "dataset" and type(sub) is GPTDatasetConfig and set(values) & FINETUNING_ONLY:
+            # A finetuning dataset's own settings (dataset_root, ...) make it one, keeping what was set before.
+            sub = cfg.dataset = FinetuningDatasetConfig(**{f.name: getattr(sub, f.name) for f in dataclasses.fields(
+                FinetuningDatasetConfig) if f.name != "sft" and hasattr(sub, f.name)})
         names = {f.name for f in dataclasses.fields(sub)}
         for key, value in values.items():
             key = key.replace("-", "_")
-            key = BRIDGE_SETTING_NAMES.get((section, key), key)
             if (section, key) in FORMER_NAMES:
                 key, convert = FORMER_NAMES[section, key]
                 value = convert(value) if convert else value
@@ -1313,6 +1228,9 @@ def apply_overrides(cfg: ConfigContainer, overrides: dict, source: str) -> None:
                     other, key = key.split(".")
                     setattr(getattr(cfg, other), key, value)
                     continue
+            if key not in names and isinstance(sub, FinetuningDatasetConfig) and \
+                    value == getattr(section_default(GPTDatasetConfig, "dataset"), key, object()):
+                continue  # a pretraining setting at its default: a FinetuningDatasetConfig's YAML held them all before
             if key not in names:
                 raise ConfigError(f"{source}: '{section}' has no setting '{key}' (see --help for the {section} group)")
             setattr(sub, key, value)
@@ -1335,8 +1253,6 @@ def parse_args(argv: Optional[list] = None, world_size: Optional[int] = None, gp
         return cfg
     except ConfigError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
-
-
 
 
 def config_from_flags(argv: list, world_size: Optional[int] = None, gpu: Optional[bool] = None,
@@ -1501,21 +1417,15 @@ def check(cfg: ConfigContainer) -> None:
 
 
 def check_transformer_config(cfg: ConfigContainer) -> None:
-    """megatron-core's TransformerConfig, built as model.py builds it: what its __post_init__ refuses (and the checks
-    above do not say first, in this trainer's words) is the run's one line, before any process group."""
-    import model  # the engine's module: imported only once every check above has passed
-
+    """megatron-core's own checks of the model section (its finalize(), tried on a copy so that the settings stay as
+    given until the model is built): what they refuse, and the checks above do not say first in this trainer's words,
+    is the run's one line, before any process group."""
     refusal = None
     try:
-        model.transformer_config(cfg)
-    except (AssertionError, ValueError) as e:
+        copy.deepcopy(cfg.model).finalize()
+    except (AssertionError, ValueError, NotImplementedError) as e:
         refusal = str(e).splitlines()[0] if str(e) else repr(e)
     require(refusal is None, f"megatron-core's TransformerConfig refuses these settings: {refusal}")
-
-
-def max_data_workers() -> int:
-    """The most DataLoader workers per rank accepted: 4 per CPU core (at least 8)."""
-    return max(8, 4 * (os.cpu_count() or 1))
 
 
 def _interval(spec: str) -> tuple:
@@ -1546,6 +1456,10 @@ def check_bounds(cfg: ConfigContainer) -> None:
 def derive_model_sizes(cfg: ConfigContainer) -> None:
     """kv-channels, query groups, the MLP size and the position table, from the sizes given."""
     m = cfg.model
+    # A run_config.yaml saved once the model was built holds megatron-core's types (finalize()): a list of one as its item
+    for name in ("cp_comm_type", "moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        if getattr(m, name) is not None and not isinstance(getattr(m, name), list):
+            derive_value(cfg, f"model.{name}", [getattr(m, name)], "a list, as its flag gives it")
     if m.kv_channels is None and m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads == 0:
         derive_value(cfg, "model.kv_channels", m.hidden_size // m.num_attention_heads,
                      "--hidden-size / --num-attention-heads")
@@ -1687,10 +1601,10 @@ def check_architecture(cfg: ConfigContainer) -> None:
 # -- parallelism: tensor, pipeline (virtual stages, recomputation), context --------------------------
 
 
-def pipeline_stage_layers(m: ModelConfig) -> list:
+def pipeline_stage_layers(m: GPTModelProvider) -> list:
     """Layers per pipeline stage: --decoder-first/last-pipeline-num-layers where given, the rest evenly
     (megatron-core's num_layers_in_first/last_pipeline_stage). Uneven leftovers are for the caller to refuse."""
-    pp, first, last = m.pipeline_model_parallel_size, m.decoder_first_pipeline_num_layers, m.decoder_last_pipeline_num_layers
+    pp, first, last = m.pipeline_model_parallel_size, m.num_layers_in_first_pipeline_stage, m.num_layers_in_last_pipeline_stage
     if pp == 1:
         return [m.num_layers]
     fixed = {0: first, pp - 1: last}
@@ -1700,7 +1614,7 @@ def pipeline_stage_layers(m: ModelConfig) -> list:
     return [fixed[i] if fixed.get(i) is not None else even for i in range(pp)]
 
 
-def _virtual_stages_split(m: ModelConfig) -> bool:
+def _virtual_stages_split(m: GPTModelProvider) -> bool:
     """Whether --num-virtual-stages-per-pipeline-rank splits the layers evenly (2 or more pipeline stages)."""
     v, pp = m.num_virtual_stages_per_pipeline_rank, m.pipeline_model_parallel_size
     return pp > 1 and m.num_layers % pp == 0 and (m.num_layers // pp) % v == 0
@@ -1769,10 +1683,10 @@ def check_pipeline_split(cfg: ConfigContainer) -> None:
         require(v <= 1 or _virtual_stages_split(m),
                 f"--num-virtual-stages-per-pipeline-rank {v} needs --pipeline-model-parallel-size 2 or more and "
                 f"layers that split evenly: {m.num_layers} layers over {pp} stages of {v} virtual stages each")
-    uneven = any(n is not None for n in (m.decoder_first_pipeline_num_layers, m.decoder_last_pipeline_num_layers))
+    uneven = any(n is not None for n in (m.num_layers_in_first_pipeline_stage, m.num_layers_in_last_pipeline_stage))
     require(pp > 1 or not uneven, "--decoder-first/last-pipeline-num-layers set a pipeline stage's layers; add "
                                   "--pipeline-model-parallel-size 2 or more")
-    for flag, n in (("first", m.decoder_first_pipeline_num_layers), ("last", m.decoder_last_pipeline_num_layers)):
+    for flag, n in (("first", m.num_layers_in_first_pipeline_stage), ("last", m.num_layers_in_last_pipeline_stage)):
         # megatron-core's TransformerConfig raises on every rank (transformer_config.py:1998, 2017); a multi-token
         # prediction layer does not make the last stage (megatron-core puts it after the decoder's last layer there)
         require(n is None or n > 0, f"--decoder-{flag}-pipeline-num-layers {n}: the {flag} pipeline stage needs a "
@@ -1853,10 +1767,10 @@ def check_context_parallel(cfg: ConfigContainer) -> None:
 # -- Mixture of Experts ----------------------------------------------------------------------------
 
 
-def moe_layers(m: ModelConfig) -> list:
+def moe_layers(m: GPTModelProvider) -> list:
     """1 for each MoE layer, 0 for each dense one: --moe-layer-freq as Megatron-LM reads it (an integer N: layers 0, N,
     2N, ...), all 0 without --num-experts."""
-    if not m.num_experts:
+    if not m.num_moe_experts:
         return [0] * m.num_layers
     pattern = layer_pattern(m.moe_layer_freq, "--moe-layer-freq", m.num_layers)
     return [int(i % pattern == 0) for i in range(m.num_layers)] if isinstance(pattern, int) else pattern
@@ -1865,9 +1779,9 @@ def moe_layers(m: ModelConfig) -> list:
 def derive_moe(cfg: ConfigContainer) -> None:
     """Megatron-LM's fill-ins: --num-experts 0 is no MoE; the experts' MLP size; the experts' tensor parallelism."""
     m = cfg.model
-    if m.num_experts == 0:
-        derive_value(cfg, "model.num_experts", None, "--num-experts 0: no MoE, as in Megatron-LM")
-    if m.num_experts and m.moe_ffn_hidden_size is None and m.ffn_hidden_size is not None:
+    if m.num_moe_experts == 0:
+        derive_value(cfg, "model.num_moe_experts", None, "--num-experts 0: no MoE, as in Megatron-LM")
+    if m.num_moe_experts and m.moe_ffn_hidden_size is None and m.ffn_hidden_size is not None:
         derive_value(cfg, "model.moe_ffn_hidden_size", m.ffn_hidden_size, "--ffn-hidden-size")
     if m.expert_tensor_parallel_size is None:
         derive_value(cfg, "model.expert_tensor_parallel_size", m.tensor_model_parallel_size,
@@ -1885,8 +1799,9 @@ def check_multi_token_prediction(cfg: ConfigContainer) -> None:
 
 
 def check_moe(cfg: ConfigContainer) -> None:
-    """The MoE settings, as Megatron-LM's validate_args and megatron-core's TransformerConfig and MoE layers would
-    refuse them, and what needs a GPU: each a one-line error before anything is built."""
+    """The MoE settings megatron-core's TransformerConfig does not check (check_transformer_config runs its checks: the
+    router's score function, groups and capacity) and that its MoE layers would refuse later, and what needs a GPU:
+    each a one-line error before anything is built."""
     m = cfg.model
     ep, etp, tp, pp = (m.expert_model_parallel_size, m.expert_tensor_parallel_size, m.tensor_model_parallel_size,
                        m.pipeline_model_parallel_size)
@@ -1896,11 +1811,11 @@ def check_moe(cfg: ConfigContainer) -> None:
     require(cfg.world_size % (etp * ep * pp) == 0,
             f"expert tensor ({etp}) x expert ({ep}) x pipeline ({pp}) parallel sizes = {etp * ep * pp} do not divide "
             f"the world size {cfg.world_size}; launch a multiple of {etp * ep * pp} processes")
-    if not m.num_experts:
+    if not m.num_moe_experts:
         require(ep == 1, f"--expert-model-parallel-size {ep} splits experts over ranks; add --num-experts (a multiple "
                          f"of {ep})")
         return
-    n, k = m.num_experts, m.moe_router_topk
+    n, k = m.num_moe_experts, m.moe_router_topk
     require(n > 0, f"--num-experts must be positive (0: no MoE), got {n}")
     require(n % ep == 0, f"--expert-model-parallel-size {ep} must divide --num-experts {n} (each rank holds "
                          f"num-experts / EP experts)")
@@ -1914,21 +1829,9 @@ def check_moe(cfg: ConfigContainer) -> None:
     require(kinds and not bad, f"--moe-router-load-balancing-type {' '.join(bad or kinds)}: expected {', '.join(known)}")
     require(len(coeffs) == len(kinds), f"--moe-aux-loss-coeff gives {len(coeffs)} values for {len(kinds)} "
                                        f"--moe-router-load-balancing-type types; give one per type")
-    require(k > 1 or m.moe_router_score_function != "softmax" or m.moe_router_pre_softmax or kinds == ["sinkhorn"],
-            "--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax (a softmax over one expert has no "
-            "gradient)")
-    require(not m.moe_router_enable_expert_bias or m.moe_router_score_function == "sigmoid",
-            "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
     g, gk = m.moe_router_num_groups, m.moe_router_group_topk
-    require(not gk or g, "--moe-router-group-topk needs --moe-router-num-groups")
     require(not g or (n % g == 0 and (gk or 0) <= g),
             f"--moe-router-num-groups {g} must divide --num-experts {n}, and --moe-router-group-topk {gk} be at most it")
-    if m.moe_expert_capacity_factor is not None:
-        require(all(t in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none") for t in kinds),
-                "--moe-expert-capacity-factor works with the aux_loss, seq_aux_loss, global_aux_loss or none "
-                "balancing types, not sinkhorn")
-    require(not m.moe_pad_expert_input_to_capacity or m.moe_expert_capacity_factor is not None,
-            "--moe-pad-expert-input-to-capacity pads to a capacity: add --moe-expert-capacity-factor")
     require(not m.moe_shared_expert_overlap or m.moe_shared_expert_intermediate_size,
             "--moe-shared-expert-overlap overlaps the shared experts: add --moe-shared-expert-intermediate-size")
     require(not m.moe_shared_expert_overlap or m.moe_token_dispatcher_type in ("alltoall", "allgather"),
@@ -2037,7 +1940,7 @@ def check_rampup(cfg: ConfigContainer) -> None:
 # -- precision -------------------------------------------------------------------------------------
 
 
-FP8_FIELDS = ("fp8_format", "fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_param_gather")
+FP8_FIELDS = ("fp8", "fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_param_gather")
 LOSS_SCALING = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
 
 
@@ -2099,14 +2002,14 @@ def check_fp8(cfg: ConfigContainer) -> None:
     """Megatron-LM's --fp8-* flags: FP8 runs inside transformer-engine's layers under megatron-core's fp8 contexts,
     which this trainer does not set up; without transformer-engine there is nothing to run it at all. Refused by
     name, before any work (--bf16 runs the same command line without them)."""
-    m, defaults = cfg.model, ModelConfig()
+    m, defaults = cfg.model, GPTModelProvider()
     given = [name for name in FP8_FIELDS if getattr(m, name) != getattr(defaults, name)]
     if not given:
         return
-    flag = "--" + given[0].replace("_", "-")
-    require(m.fp8_format is not None, f"{flag} {_flag_value(getattr(m, given[0]))}sets FP8 training, but --fp8-format "
+    flag = flag_of("model", given[0])
+    require(m.fp8 is not None, f"{flag} {_flag_value(getattr(m, given[0]))}sets FP8 training, but --fp8-format "
                                       f"is not set; drop it")
-    what = f"--fp8-format {m.fp8_format}"
+    what = f"--fp8-format {m.fp8}"
     require(package_installed("transformer_engine"),
             f"{what}: FP8 runs in transformer-engine's layers, and transformer-engine is not installed; drop the "
             f"--fp8-* flags (--bf16 trains without them)")
@@ -2218,7 +2121,7 @@ def check_emerging_optimizer(cfg: ConfigContainer) -> None:
         require(not cfg.ddp.overlap_param_gather,
                 f"--optimizer {o.optimizer} with --use-distributed-optimizer and --overlap-param-gather: the layer-wise "
                 f"optimizer's overlapped gather is not built here; drop --overlap-param-gather")
-        require(not (cfg.model.num_experts and cfg.model.add_bias_linear),
+        require(not (cfg.model.num_moe_experts and cfg.model.add_bias_linear),
                 f"--optimizer {o.optimizer} with --use-distributed-optimizer: megatron-core 0.19.2 does not shard the "
                 f"experts' biases beside the layer-wise optimizer (optimizer/__init__.py:913-921); add "
                 f"--disable-bias-linear")
@@ -2297,21 +2200,10 @@ def check_schedule_lengths(cfg: ConfigContainer) -> None:
 # -- data and the tokenizer ------------------------------------------------------------------------
 
 
-def parse_data_path(paths: list) -> tuple:
-    """'0.7 A 0.3 B' or 'A B' -> (prefixes, weights or None), as Megatron-LM's --data-path."""
-    paths = [str(p) for p in paths for p in str(p).split()]
-    if len(paths) == 1:
-        return paths, None
-    try:
-        weights = [float(w) for w in paths[0::2]]
-    except ValueError:
-        return paths, None
-    prefixes = paths[1::2]
-    require(len(weights) == len(prefixes),
-            f"--data-path {' '.join(paths)}: weights and prefixes must alternate ('0.7 A 0.3 B')")
-    require(all(w >= 0 for w in weights) and sum(weights) > 0,
-            f"--data-path {' '.join(paths)}: weights must be non-negative and not all zero")
-    return prefixes, weights
+def blend_of(paths) -> Optional[tuple]:
+    """A data path ('0.7 A 0.3 B', or prefixes; one string or many) as megatron-core's blend: get_blend_from_list."""
+    words = [word for path in ([paths] if isinstance(paths, str) else paths or []) for word in str(path).split()]
+    return get_blend_from_list(words) if words else None
 
 
 def derive_data(cfg: ConfigContainer) -> None:
@@ -2322,11 +2214,21 @@ def derive_data(cfg: ConfigContainer) -> None:
             if wanted and not getattr(d, setting):
                 derive_value(cfg, f"dataset.{setting}", [os.path.join(str(d.dataset_root), f"{name}.jsonl")],
                              "dataset.dataset_root")
-    if isinstance(d, DataloaderConfig):
-        if d.pin_memory and not cfg.use_gpu:
-            derive_value(cfg, "dataset.pin_memory", False, "no GPU: page-locked memory speeds up copies to one")
-        if d.persistent_workers and d.num_workers == 0:
-            derive_value(cfg, "dataset.persistent_workers", False, "--num-workers 0: no workers to keep")
+    if isinstance(d, GPTDatasetConfig):  # megatron-core's settings that Megatron-LM's flags imply
+        split_paths = [d.train_data_path, d.valid_data_path, d.test_data_path]
+        if any(split_paths) and not d.sft:
+            derive_value(cfg, "dataset.blend_per_split", [blend_of(p) for p in split_paths], "--train/valid/test-data-path")
+            derive_value(cfg, "dataset.split", None, "megatron-core takes no split with per-split paths")
+        elif d.data_path and not d.sft:
+            derive_value(cfg, "dataset.blend", blend_of(d.data_path), "--data-path")
+        derive_value(cfg, "dataset.sequence_length", cfg.model.seq_length, "--seq-length")
+        derive_value(cfg, "dataset.random_seed", cfg.rng.seed, "--seed")
+        if d.create_attention_mask and not d.reset_attention_mask:
+            derive_value(cfg, "dataset.create_attention_mask", False, "causal attention needs none")
+    if d.pin_memory and not cfg.use_gpu:
+        derive_value(cfg, "dataset.pin_memory", False, "no GPU: page-locked memory speeds up copies to one")
+    if d.persistent_workers and d.num_workers == 0:
+        derive_value(cfg, "dataset.persistent_workers", False, "--num-workers 0: no workers to keep")
     if d.dataloader_type is None:
         derive_value(cfg, "dataset.dataloader_type", "batch" if d.sft else "single",
                      "--sft pads each global batch" if d.sft else "one pass in order")
@@ -2350,12 +2252,12 @@ BUILTIN_BPE_VOCAB = 2048
 def uses_builtin_corpus(cfg: ConfigContainer) -> bool:
     """No data given: the run trains on the built-in corpus (data.builtin_corpus_prefix)."""
     d = cfg.dataset
-    return not (d.mock_data or d.data_path or d.train_data_path or d.valid_data_path or d.test_data_path or d.sft)
+    return isinstance(d, GPTDatasetConfig) and not (d.mock or d.sft or d.blend or d.blend_per_split)  # once derived
 
 
 def builtin_corpus_cache(cfg: ConfigContainer) -> str:
     """Where the built-in corpus's datasets and tokenizer are kept: --data-cache-path, else ~/.cache/train-py."""
-    return cfg.dataset.data_cache_path or os.path.join(os.path.expanduser("~"), ".cache", "train-py")
+    return getattr(cfg.dataset, "path_to_cache", None) or os.path.join(os.path.expanduser("~"), ".cache", "train-py")
 
 
 def builtin_bpe_path(cfg: ConfigContainer) -> str:
@@ -2365,13 +2267,13 @@ def builtin_bpe_path(cfg: ConfigContainer) -> str:
 
 def check_data(cfg: ConfigContainer) -> None:
     d = cfg.dataset
-    split_paths = [d.train_data_path, d.valid_data_path, d.test_data_path]
-    require(not (d.mock_data and (d.data_path or any(split_paths))),
+    split_paths, mock = [d.train_data_path, d.valid_data_path, d.test_data_path], getattr(d, "mock", False)
+    require(not (mock and (d.data_path or any(split_paths))),
             "--mock-data and --data-path/--train-data-path are exclusive; drop one")
     require(not (d.data_path and any(split_paths)),
             "--data-path and --train/valid/test-data-path are exclusive; use --split with --data-path")
     try:
-        parts = [float(x) for x in d.split.replace("/", ",").split(",")]
+        parts = [float(x) for x in (d.split or "1").replace("/", ",").split(",")]  # None: the per-split paths'
     except ValueError:
         raise ConfigError(f"--split {d.split}: expected comma-separated numbers like 969,30,1") from None
     require(len(parts) <= 3 and all(p >= 0 for p in parts) and sum(parts) > 0,
@@ -2380,20 +2282,22 @@ def check_data(cfg: ConfigContainer) -> None:
     require(not d.sft_pack_sequences or d.sft, "--sft-pack-sequences needs --sft")
     require(not d.sft or d.data_path or d.train_data_path,
             "--sft needs --data-path (or --train-data-path): JSONL files of prompt/response pairs")
-    require(not (d.sft and d.mock_data), "--sft reads JSONL files: give --data-path (or --train-data-path), not --mock-data")
+    require(not (d.sft and mock), "--sft reads JSONL files: give --data-path (or --train-data-path), not --mock-data")
     require(d.num_workers >= 0, f"--num-workers must be non-negative, got {d.num_workers}")
     check_finetuning_dataset(cfg)
-    if isinstance(d, DataloaderConfig):
-        require(d.drop_last, "dataset.drop_last False would give a short last batch; every step here takes a whole "
-                             "global batch (Megatron's samplers drop it): drop the setting")
-        require(d.data_sharding or d.dataloader_type == "cyclic",
-                "--no-data-sharding changes how the cyclic loader shuffles; give --dataloader-type cyclic, or drop it")
-    most = max_data_workers()  # each worker is a forked process; thousands would exhaust the machine first
+    require(d.drop_last, "dataset.drop_last False would give a short last batch; every step here takes a whole "
+                         "global batch (Megatron's samplers drop it): drop the setting")
+    require(d.data_sharding or d.dataloader_type == "cyclic",
+            "--no-data-sharding changes how the cyclic loader shuffles; give --dataloader-type cyclic, or drop it")
+    most = max(8, 4 * (os.cpu_count() or 1))  # each worker a forked process: thousands would exhaust the machine
     require(d.num_workers <= most, f"--num-workers {d.num_workers} would fork more DataLoader processes per rank than 4 "
                                    f"per CPU core here; use at most {most}")
     for flag, paths in (("--data-path", d.data_path), ("--train-data-path", d.train_data_path),
                         ("--valid-data-path", d.valid_data_path), ("--test-data-path", d.test_data_path)):
-        for prefix in parse_data_path(paths)[0] if paths else ():
+        prefixes, weights = blend_of(paths) or ([], None)
+        require(not weights or (min(weights) >= 0 and sum(weights) > 0),
+                f"{flag}: the weights {weights} must be non-negative and not all zero")
+        for prefix in prefixes:
             if d.sft:
                 require(os.path.isfile(prefix),
                         f"{flag}: {prefix} not found; with --sft give JSONL files of prompt/response pairs")
@@ -2402,9 +2306,10 @@ def check_data(cfg: ConfigContainer) -> None:
                 require(os.path.isfile(prefix + ext),
                         f"{flag}: {prefix}{ext} not found; give the prefix of an indexed dataset (PREFIX.bin and "
                         f"PREFIX.idx, e.g. from `python data.py preprocess`)")
-    require(getattr(d, "create_attention_mask_in_dataloader", True) or not d.reset_attention_mask,
-            "--reset-attention-mask is an attention mask the dataloader builds, and "
-            "--no-create-attention-mask-in-dataloader builds none; drop one")
+    if isinstance(d, GPTDatasetConfig):
+        require(d.create_attention_mask or not d.reset_attention_mask, "--reset-attention-mask is an attention mask "
+                "the dataloader builds, and --no-create-attention-mask-in-dataloader builds none; drop one")
+        require_finalizes(dataclasses.replace(d))  # on a copy: data.py finalizes the section's, with the tokenizer
     check_tokenizer(cfg)
     require(not uses_builtin_corpus(cfg) or cfg.tokenizer.tokenizer_type in ("ByteTokenizer", "HuggingFaceTokenizer"),
             "the built-in corpus is text; use --tokenizer-type ByteTokenizer or HuggingFaceTokenizer, or give "
@@ -2482,13 +2387,13 @@ def check_megatron_lm_tokenizer(tk: TokenizerConfig) -> None:
 def check_fim(cfg: ConfigContainer) -> None:
     """--fim-* settings: FIM needs real data and its sentinel tokens."""
     d = cfg.dataset
-    if not d.fim_data:
+    if not getattr(d, "fim_data", False):  # a FinetuningDatasetConfig has no FIM settings
         given = [f.name for f in dataclasses.fields(d) if f.name.startswith("fim_") and getattr(d, f.name) != f.default]
         require(not given, f"--{given[0].replace('_', '-') if given else ''} is a Fill-in-the-Middle setting; add "
                            f"--fim-data")
         return
-    require(not (d.mock_data or d.sft), f"--fim-data reorders pretraining documents; it does not apply to "
-                                        f"{'--mock-data' if d.mock_data else '--sft'}")
+    require(not (d.mock or d.sft), f"--fim-data reorders pretraining documents; it does not apply to "
+                                   f"{'--mock-data' if d.mock else '--sft'}")
     for flag, rate in (("--fim-rate", d.fim_rate), ("--fim-spm-rate", d.fim_spm_rate),
                        ("--fim-fragment-rate", d.fim_fragment_rate)):
         require(rate is None or 0.0 <= rate <= 1.0, f"{flag} is a probability; give a value in [0, 1], got {rate}")
@@ -2576,7 +2481,7 @@ def check_checkpointing(cfg: ConfigContainer) -> None:
     # Megatron-LM's torch format names its files by tensor, pipeline and expert rank (mp_rank_TT_PPP_EEE): the experts'
     # tensor-parallel rank must follow from the tensor-parallel one
     tp, etp = cfg.model.tensor_model_parallel_size, cfg.model.expert_tensor_parallel_size
-    require(c.ckpt_format != "torch" or not cfg.model.num_experts or tp % etp == 0,
+    require(c.ckpt_format != "torch" or not cfg.model.num_moe_experts or tp % etp == 0,
             f"--ckpt-format torch names its files by tensor, pipeline and expert rank, but --expert-tensor-parallel-size "
             f"{etp} splits the experts over ranks those names do not tell apart (it must divide "
             f"--tensor-model-parallel-size {tp}); use --ckpt-format torch_dist")
@@ -2637,7 +2542,7 @@ def check_machine(cfg: ConfigContainer) -> None:
     """What this machine can run: the layer implementation, and the GPU-only features refused on CPU."""
     m = cfg.model
     cp, te = m.context_parallel_size, m.transformer_impl == "transformer_engine"
-    require(not (te and m.attention_backend == "local"),
+    require(not (te and backend(m.attention_backend) is AttnBackend.local),
             "--attention-backend local picks the core attention of megatron-core's local layers, and transformer-engine "
             "layers use TE's own; add --transformer-impl local to use it")
     if not cfg.use_gpu:
@@ -2654,7 +2559,7 @@ def check_machine(cfg: ConfigContainer) -> None:
         # CP group. megatron-core's own DotProductAttention refuses CP, and the ring (p2p) and all-to-all exchanges
         # are transformer-engine's.
         needs_dpa = ("--window-size" if m.window_size is not None else f"--softmax-type {m.softmax_type}"
-                     if m.softmax_type != "vanilla" else "--attention-backend local" if m.attention_backend == "local"
+                     if m.softmax_type != "vanilla" else "--attention-backend local" if backend(m.attention_backend) is AttnBackend.local
                      else None)
         require(needs_dpa is None, f"{needs_dpa} runs in megatron-core's DotProductAttention, which refuses "
                                    f"--context-parallel-size {cp}; the local layers' context parallelism is SDPAttention's: "
@@ -2663,7 +2568,7 @@ def check_machine(cfg: ConfigContainer) -> None:
         require(not kinds, f"--cp-comm-type {' '.join(kinds)} is transformer-engine's context-parallel attention; the "
                            f"local layers gather keys and values: add --cp-comm-type all_gather (or use "
                            f"--transformer-impl transformer_engine on a GPU)")
-    require(not m.apply_layernorm_1p or te,
+    require(not m.layernorm_zero_centered_gamma or te,
             "--apply-layernorm-1p (zero-centred gamma) needs transformer-engine layers: megatron-core's local layers "
             "build a torch LayerNorm, which has none (as in Megatron-LM without apex); add --transformer-impl "
             "transformer_engine on a GPU with transformer-engine, or drop it")
@@ -2671,7 +2576,7 @@ def check_machine(cfg: ConfigContainer) -> None:
             "--fp32-residual-connection needs transformer-engine layers: the local layers' torch norms take no fp32 "
             "input with half-precision weights; add --transformer-impl transformer_engine on a GPU with "
             "transformer-engine, or drop it")
-    if not te and m.attention_backend != "local":
+    if not te and backend(m.attention_backend) is not AttnBackend.local:
         for on, what in ((m.window_size is not None, f"--window-size {m.window_size}"),
                          (m.softmax_type != "vanilla", f"--softmax-type {m.softmax_type}")):
             require(not on, f"{what} runs in megatron-core's own core attention, and the local layers use PyTorch's "
@@ -2732,9 +2637,9 @@ def check_fits_in_memory(cfg: ConfigContainer) -> None:
     require(need <= total,
             f"the model needs at least {_gb(need)} for its weights"
             + (", gradients, optimizer state" if trains else "") + f" and one microbatch's activations ({params:,.0f} "
-            f"parameters: --num-layers {m.num_layers}, --hidden-size {m.hidden_size}, --ffn-hidden-size {m.ffn_hidden_size}, " + (f"--num-experts {m.num_experts} x --moe-ffn-hidden-size "
+            f"parameters: --num-layers {m.num_layers}, --hidden-size {m.hidden_size}, --ffn-hidden-size {m.ffn_hidden_size}, " + (f"--num-experts {m.num_moe_experts} x --moe-ffn-hidden-size "
             f"{m.moe_ffn_hidden_size} over --expert-model-parallel-size {m.expert_model_parallel_size}, "
-            if m.num_experts else "") + f"a vocabulary padded to {padded_vocab:,} rows by "
+            if m.num_moe_experts else "") + f"a vocabulary padded to {padded_vocab:,} rows by "
             f"--make-vocab-size-divisible-by {m.make_vocab_size_divisible_by}, --seq-length {m.seq_length}, "
             f"--micro-batch-size {t.micro_batch_size}; {ranks} rank(s) here), more than the "
             f"{_gb(total)} of {'its GPU' if cfg.use_gpu else 'RAM on this machine'}; make it smaller or split it "
@@ -2892,14 +2797,14 @@ def print_config(cfg: ConfigContainer, file=sys.stdout) -> None:
 def _own_core_attention(cfg: ConfigContainer) -> bool:
     """Whether the layers run megatron-core's local DotProductAttention (--attention-backend local), whose softmax
     --attention-softmax-in-fp32 and --apply-query-key-layer-scaling set (SDPA and transformer-engine pick their own)."""
-    return cfg.model.transformer_impl != "transformer_engine" and cfg.model.attention_backend == "local"
+    return cfg.model.transformer_impl != "transformer_engine" and backend(cfg.model.attention_backend) is AttnBackend.local
 
 
 def _setting_flag(cfg: ConfigContainer, section: str, name: str) -> Optional[str]:
     """The flag (with its value, for a non-switch) of a setting that differs from its default; None if it does not."""
     sub = getattr(cfg, section)
     f = next((f for f in dataclasses.fields(sub) if f.name == name), None)
-    if f is None or getattr(sub, name) == (f.default_factory() if f.default is dataclasses.MISSING else f.default):
+    if f is None or getattr(sub, name) == getattr(section_default(type(sub), section), name):  # DEFAULTS' or the class's
         return None
     value = getattr(sub, name)
     flag = flag_of(section, f)
@@ -2918,60 +2823,6 @@ def inert_flags(cfg: ConfigContainer, fused_only: bool = False) -> list:
         if flag and (when is None or when(cfg)):
             flags.append(flag)
     return flags + ([] if fused_only else [flag for flag in given if flag.split(" ", 1)[0] not in kernels])
-
-
-def transformer_config_extras(cfg: ConfigContainer) -> dict:
-    """megatron-core TransformerConfig fields set by Megatron-LM's flags beyond model.transformer_config's own
-    (Megatron-LM's core_transformer_config_from_args): `TransformerConfig(..., **transformer_config_extras(cfg))`.
-    Imports megatron-core: call it when building the model, not during validation."""
-    from megatron.core.transformer.enums import AttnBackend
-
-    m = cfg.model
-    extras = dict(calculate_per_token_loss=m.calculate_per_token_loss,
-                  layernorm_zero_centered_gamma=m.apply_layernorm_1p,
-                  add_qkv_bias=m.add_qkv_bias,
-                  qk_layernorm=m.qk_layernorm,  # with the layer spec's q/k norms (model.layer_spec)
-                  qk_l2_norm=m.qk_l2_norm,
-                  # Megatron-LM's default is off (store_true), megatron-core's TransformerConfig's on.
-                  attention_softmax_in_fp32=m.attention_softmax_in_fp32,
-                  apply_query_key_layer_scaling=m.apply_query_key_layer_scaling,
-                  fp32_residual_connection=m.fp32_residual_connection,
-                  glu_linear_offset=m.glu_linear_offset,
-                  activation_func_clamp_value=m.activation_func_clamp_value,
-                  rotary_interleaved=m.rotary_interleaved,
-                  no_rope_freq=None if m.no_rope_freq is None else layer_pattern(m.no_rope_freq, "--no-rope-freq",
-                                                                                 m.num_layers),
-                  embedding_init_method_std=m.embedding_init_method_std,
-                  perform_initialization=m.perform_initialization,
-                  window_size=None if m.window_size is None else parse_window_size(m.window_size),
-                  window_attn_skip_freq=None if m.window_attn_skip_freq is None else layer_pattern(
-                      m.window_attn_skip_freq, "--window-attn-skip-freq", m.num_layers),
-                  softmax_type=m.softmax_type,
-                  attention_output_gate=m.attention_output_gate,
-                  disable_bf16_reduced_precision_matmul=m.disable_bf16_reduced_precision_matmul)
-    if m.num_experts:
-        # The --moe-* and --expert-* settings are TransformerConfig fields of the same names; Megatron-LM passes a
-        # list of one load-balancing type (and coefficient) as its item.
-        extras.update({f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.name.startswith(("moe_", "expert_"))})
-        one = lambda values: values[0] if len(values) == 1 else list(values)
-        extras.update(num_moe_experts=m.num_experts,
-                      moe_layer_freq=layer_pattern(m.moe_layer_freq, "--moe-layer-freq", m.num_layers),
-                      moe_router_load_balancing_type=one(m.moe_router_load_balancing_type),
-                      moe_aux_loss_coeff=one(m.moe_aux_loss_coeff))
-    if m.mtp_num_layers:
-        extras.update(mtp_num_layers=m.mtp_num_layers, mtp_loss_scaling_factor=m.mtp_loss_scaling_factor)
-    if m.multi_latent_attention:  # MLATransformerConfig's fields (model.transformer_config picks that class)
-        extras.update({name: getattr(m, name) for name in (
-            "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
-            "rotary_scaling_factor", "mscale", "mscale_all_dim", "rope_type", "rotary_base", "rotary_percent")})
-        # YaRN's original context stays MLATransformerConfig's 4096, as in Megatron-LM (no flag of core_v0.19 sets it).
-    if m.init_method_xavier_uniform:  # Megatron-LM's init_method and scaled_init_method (megatron-core's output_layer_)
-        import torch
-
-        extras.update(init_method=torch.nn.init.xavier_uniform_, output_layer_init_method=torch.nn.init.xavier_uniform_)
-    if m.transformer_impl == "transformer_engine":  # TE's kernel choice; the local layers keep their own
-        extras["attention_backend"] = AttnBackend[m.attention_backend]
-    return extras
 
 
 # --------------------------------------------------------------------------------------------------
@@ -3047,7 +2898,7 @@ def check_mcore_fields(cfg: ConfigContainer) -> None:
         acted_on = _names(MCORE_FLAGS, section) + _names(MCORE_YAML_ONLY, section)
         default = getattr(defaults, section)
         fields = [f.name for f in dataclasses.fields(sub) if f.init and "help" not in f.metadata and f.name not in acted_on]
-        if type(default) is type(sub):
+        if type(default) is type(sub) and not getattr(sub, "finalized", False):  # megatron-core's post-init sets more
             check_unset(cfg, section, fields, default=default)
 
 
@@ -3126,11 +2977,10 @@ INERT = ("no_persist_layer_norm", "no_gradient_accumulation_fusion", "no_masked_
 # each is inert when it differs from its default, or when `when(cfg)` says so.
 INERT_SETTINGS = {
     ("model", "use_mcore_models"): None,
-    ("model", "attention_backend"): lambda cfg: (cfg.model.attention_backend in ("flash", "fused", "unfused")
+    ("model", "attention_backend"): lambda cfg: (backend(cfg.model.attention_backend).name in ("flash", "fused", "unfused")
                                                  and cfg.model.transformer_impl != "transformer_engine"),
     ("train", "empty_unused_memory_level"): None,
-    ("dataset", "mmap_bin_files"): None,
-    ("dataset", "create_attention_mask_in_dataloader"): None,
+    ("dataset", "create_attention_mask"): lambda cfg: "dataset.create_attention_mask" not in cfg.derived,
     ("tokenizer", "tiktoken_pattern"): None,
     # rope without multi-latent attention: what dense attention uses (yarn is refused there)
     ("model", "rope_type"): lambda cfg: not cfg.model.multi_latent_attention,

@@ -1,7 +1,6 @@
 """data.py: tokenizers, the built-in corpus, megatron-core datasets, samplers and data iterators.
 
-Names with an upstream are Megatron-LM's (its tokenizers, samplers, GPTFIMDataset, tools/preprocess_data.py), the
-FIM config's Megatron Bridge's.
+Names with an upstream are Megatron-LM's (its tokenizers, samplers, GPTFIMDataset, tools/preprocess_data.py).
 
 Datasets are megatron-core's own: `GPTDataset` over indexed `.bin/.idx` files, or `MockGPTDataset`,
 built by `BlendedMegatronDatasetBuilder` for the train/validation/test splits. A sampler turns the
@@ -21,19 +20,18 @@ import sys
 import threading
 import time
 import weakref
-from typing import Dict, Optional
 
 import numpy as np
 import torch
 
 import device  # first: it quiets megatron-core's import-time warnings
-from config import (BUILTIN_BPE_VOCAB, ConfigError, DatasetBuildContext, DatasetProvider, builtin_bpe_path,
-                    builtin_corpus_cache, parse_data_path)
+from config import (BUILTIN_BPE_VOCAB, ConfigError, DatasetBuildContext, DatasetProvider, blend_of, builtin_bpe_path,
+                    builtin_corpus_cache, uses_builtin_corpus)
 from device import any_rank
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 # --------------------------------------------------------------------------------------------------
@@ -214,30 +212,14 @@ def train_valid_test_num_samples(cfg) -> list:
 
 
 def build_datasets(cfg, tokenizer) -> list:
-    """Train, validation and test datasets through megatron-core's BlendedMegatronDatasetBuilder."""
+    """Train, validation and test datasets through megatron-core's BlendedMegatronDatasetBuilder, handed the dataset
+    section (a megatron-core GPTDatasetConfig, as validation derived it) finalized, with what setup makes: the
+    tokenizer, and without data the built-in corpus's blend."""
     d = cfg.dataset
-    blend, blend_per_split = None, None
-    if d.train_data_path or d.valid_data_path or d.test_data_path:
-        blend_per_split = [parse_data_path(p) if p else None for p in (d.train_data_path, d.valid_data_path, d.test_data_path)]
-    elif d.data_path:
-        blend = parse_data_path(d.data_path)
-    elif not d.mock_data:
-        blend = ([builtin_corpus_prefix(cfg, tokenizer)], None)
-    config = (GPTFIMDatasetConfig if d.fim_data else GPTDatasetConfig)(
-        **(fim_settings(d) if d.fim_data else {}),
-        random_seed=cfg.rng.seed,
-        sequence_length=cfg.model.seq_length,
-        blend=blend,
-        blend_per_split=blend_per_split,
-        split=d.split if blend is not None else None,
-        path_to_cache=d.data_cache_path,
-        tokenizer=tokenizer,
-        reset_position_ids=d.reset_position_ids,
-        reset_attention_mask=d.reset_attention_mask,
-        eod_mask_loss=d.eod_mask_loss,
-        # A causal mask need not be materialised: attention applies it; only document resets need one.
-        create_attention_mask=d.reset_attention_mask,
-    )
+    builtin = ([builtin_corpus_prefix(cfg, tokenizer)], None) if uses_builtin_corpus(cfg) else None
+    config = dataclasses.replace(d, tokenizer=tokenizer, blend=d.blend or builtin)
+    config.finalize()
+    blend, blend_per_split = config.blend, config.blend_per_split
     if blend is not None:
         check_split_not_empty(blend[0], d.split)
     prefixes = (blend[0] if blend else []) + [p for b in (blend_per_split or []) if b for p in b[0]]
@@ -249,7 +231,7 @@ def build_datasets(cfg, tokenizer) -> list:
             error = e
     if any_rank(error is not None):
         raise error or ConfigError("the data holds token ids outside the vocabulary (see rank 0's error)")
-    cls = MockGPTDataset if d.mock_data else GPTFIMDataset if d.fim_data else GPTDataset
+    cls = MockGPTDataset if config.mock else GPTFIMDataset if d.fim_data else GPTDataset
     # Tensor-parallel ranks of one data-parallel rank read the same samples; megatron-core builds the
     # index caches on global rank 0 first, then everywhere else.
     return BlendedMegatronDatasetBuilder(cls, train_valid_test_num_samples(cfg), lambda: True, config).build()
@@ -330,27 +312,6 @@ def token_id_of(tokenizer, text: str, flag: str) -> int:
     return ids[0]
 
 
-def fim_settings(d) -> dict:
-    """The FIM fields of GPTFIMDatasetConfig from the --fim-* flags."""
-    return dict(fim_rate=d.fim_rate, fim_spm_rate=d.fim_spm_rate, fim_split_sample=d.fim_split_sample,
-                fim_fragment_rate=d.fim_rate if d.fim_fragment_rate is None else d.fim_fragment_rate,
-                fim_no_prefix=d.fim_no_prefix,
-                fim_extra_tokens={"prefix": d.fim_prefix_token, "middle": d.fim_middle_token,
-                                  "suffix": d.fim_suffix_token, "pad": d.fim_pad_token})
-
-
-@dataclasses.dataclass
-class GPTFIMDatasetConfig(GPTDatasetConfig):
-    """GPTDatasetConfig plus the FIM settings."""
-
-    fim_rate: float = None  # probability to FIM-reorder a document (or, with fim_split_sample, a sample's fragments)
-    fim_spm_rate: float = None  # probability that a reordered piece uses SPM rather than PSM
-    fim_extra_tokens: Dict = None  # {"prefix", "middle", "suffix", "pad"}: token names; EOD is the tokenizer's
-    fim_split_sample: Optional[str] = None  # one-token text splitting a document into fragments
-    fim_fragment_rate: Optional[float] = None  # FIM probability of each fragment
-    fim_no_prefix: Optional[str] = None  # fragments starting with this text are left as they are
-
-
 def split_keep(tokens: np.ndarray, separator: int) -> list:
     """The runs of tokens between separators (the separators themselves dropped): [run, run, ...]."""
     runs = np.split(tokens, np.flatnonzero(tokens == separator))  # every run but the first starts with a separator
@@ -398,7 +359,8 @@ def fim_document(tokens: np.ndarray, rng, c, ids: dict, split_id=None, skip=None
         return fim_permute(tokens, rng, c.fim_rate, c.fim_spm_rate, ids, skip)
     if not rng.binomial(1, c.fim_rate):
         return tokens
-    fragments = [fim_permute(f, rng, c.fim_fragment_rate, c.fim_spm_rate, ids, skip) for f in split_keep(tokens, split_id)]
+    rate = c.fim_rate if c.fim_fragment_rate is None else c.fim_fragment_rate  # --fim-fragment-rate's default
+    fragments = [fim_permute(f, rng, rate, c.fim_spm_rate, ids, skip) for f in split_keep(tokens, split_id)]
     return join_keep(fragments, split_id)
 
 
@@ -539,7 +501,7 @@ def build_sft_datasets(cfg, tokenizer) -> list:
 
     def load(paths):
         examples = []
-        for path in parse_data_path(paths)[0]:
+        for path in blend_of(paths)[0]:
             with open(path) as fh:
                 for n, line in enumerate(fh, 1):
                     if line.strip():

@@ -129,6 +129,9 @@ NOT_THE_USERS = [
     (FutureWarning, r"`torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"),
     # torch_dist checkpoints are built of torch's ShardedTensor (megatron/core/dist_checkpointing/strategies/torch.py:233).
     (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),
+    # Validation runs megatron-core's dataset post-init (config.check_data) before any process group, and its logging
+    # looks the rank up (megatron/core/_rank_utils.py:39), which it then takes as 0: the right rank to log on.
+    (UserWarning, r"Could not determine rank from torch.distributed"),
 ]
 if not torch.cuda.is_available():  # a CUDA setting, which a CPU run has nothing to gain from
     NOT_THE_USERS.append((UserWarning, r"When using sequence parallelism it is recommended to set the environment "

@@ -122,7 +122,7 @@ def inference_config(directory: str, world_size: int, expert_parallel: int = 1) 
     config_lib.apply_overrides(cfg, {"model": saved["model"], "tokenizer": saved["tokenizer"],
                                      "checkpoint": {"ckpt_format": saved["checkpoint"]["ckpt_format"]}}, source=path)
     m = cfg.model
-    if expert_parallel > 1 and not m.num_experts:
+    if expert_parallel > 1 and not m.num_moe_experts:
         raise config_lib.ConfigError(f"--expert-model-parallel-size {expert_parallel}: {directory} holds a dense model "
                                      f"(no experts); drop the flag")
     if world_size % expert_parallel:
@@ -138,7 +138,7 @@ def inference_config(directory: str, world_size: int, expert_parallel: int = 1) 
     m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size = tp, 1, 1
     m.expert_model_parallel_size, m.expert_tensor_parallel_size = expert_parallel, 1
     m.num_layers_per_virtual_pipeline_stage = m.virtual_pipeline_model_parallel_size = None
-    m.decoder_first_pipeline_num_layers = m.decoder_last_pipeline_num_layers = None
+    m.num_layers_in_first_pipeline_stage = m.num_layers_in_last_pipeline_stage = None
     # Sequence parallelism splits a sequence over the tensor-parallel ranks, and a decode step's one token cannot be
     # split; megatron-core's own inference turns it off too (text_generation_controller.py).
     m.sequence_parallel, m.bf16, m.fp16 = False, False, False
@@ -149,7 +149,7 @@ def inference_config(directory: str, world_size: int, expert_parallel: int = 1) 
     m.transformer_impl = "local"
     if cfg.tokenizer.tokenizer_type == "HuggingFaceTokenizer":  # the copy that travels with the weights
         cfg.tokenizer.tokenizer_model = os.path.join(directory, "tokenizer", "tokenizer.json")
-    cfg.dataset.mock_data = True  # no data is read; this only spares the data checks
+    cfg.dataset.mock = True  # no data is read; this only spares the data checks
     cfg.train.train_iters = 0  # nor trained: the memory check counts the weights alone
     cfg.checkpoint.save = cfg.logger.tensorboard_dir = None
     return config_lib.validate(cfg, world_size=world_size)

@@ -92,7 +92,7 @@ from model import build_model, initialize_distributed
 
 
 def layout_mismatches(m, layout: str) -> list:
-    """What keeps the model `m` (a ModelConfig) out of `layout`: one phrase each, empty if it fits."""
+    """What keeps the model `m` (a GPTModelProvider) out of `layout`: one phrase each, empty if it fits."""
     if layout == "gpt2":
         needs = [(m.position_embedding_type == "learned_absolute", f"learned_absolute positions (has {m.position_embedding_type})"),
                  (m.normalization == "LayerNorm", f"LayerNorm (has {m.normalization})"),
@@ -108,12 +108,12 @@ def layout_mismatches(m, layout: str) -> list:
                  (m.normalization == "RMSNorm", f"RMSNorm (has {m.normalization})"),
                  (m.swiglu, "SwiGLU (has GeLU)")]
     if layout in ("gpt2", "llama"):
-        needs += [(not m.num_experts, f"no experts (has --num-experts {m.num_experts})")]
+        needs += [(not m.num_moe_experts, f"no experts (has --num-experts {m.num_moe_experts})")]
     elif layout == "deepseek_v3":
         needs += deepseek_v3_needs(m)
     else:  # transformers' MoE blocks: a softmax router over routed experts alone, no biases
         layers = config_lib.moe_layers(m)
-        needs += [(m.num_experts, "experts (has no --num-experts)"),
+        needs += [(m.num_moe_experts, "experts (has no --num-experts)"),
                   (not m.add_bias_linear, "no biases (add --disable-bias-linear)"),
                   (not m.moe_shared_expert_intermediate_size,
                    f"no shared experts (has --moe-shared-expert-intermediate-size {m.moe_shared_expert_intermediate_size})"),
@@ -124,7 +124,7 @@ def layout_mismatches(m, layout: str) -> list:
                    f"unscaled routing weights (has --moe-router-topk-scaling-factor {m.moe_router_topk_scaling_factor})"),
                   (m.moe_expert_capacity_factor is None, "no token dropping (has --moe-expert-capacity-factor)")]
         if layout == "mixtral":
-            needs += [(all(layers) or not m.num_experts, "every layer an MoE layer (has dense layers: --moe-layer-freq)"),
+            needs += [(all(layers) or not m.num_moe_experts, "every layer an MoE layer (has dense layers: --moe-layer-freq)"),
                       (not m.moe_router_pre_softmax, "softmax over the chosen experts (has --moe-router-pre-softmax)")]
         else:
             needs += [(m.qk_layernorm, "--qk-layernorm (RMSNorm on each head's queries and keys)")]
@@ -132,7 +132,7 @@ def layout_mismatches(m, layout: str) -> list:
     # MTP layers are training's alone: the export leaves them out, saying so.)
     has = {"qwen3_moe": ("qk_layernorm",), "deepseek_v3": ("qk_layernorm", "multi_latent_attention", "mtp_num_layers")}
     needs += [(not getattr(m, flag, False), f"no --{flag.replace('_', '-')}") for flag in
-              ("add_qkv_bias", "qk_l2_norm", "squared_relu", "quick_geglu", "apply_layernorm_1p",
+              ("add_qkv_bias", "qk_l2_norm", "squared_relu", "quick_geglu", "layernorm_zero_centered_gamma",
                "attention_output_gate", "rotary_interleaved", "window_size", "activation_func_clamp_value",
                "no_rope_freq", "multi_latent_attention", "mtp_num_layers", "qk_layernorm")
               if flag not in has.get(layout, ())]
@@ -198,14 +198,14 @@ def deepseek_v3_needs(m) -> list:
     needs = [(m.multi_latent_attention, "multi-latent attention (--multi-latent-attention)"),
              (m.q_lora_rank is not None, "a query latent (--q-lora-rank)"),
              (m.qk_layernorm, "RMSNorm on the query and key-value latents (--qk-layernorm)"),
-             (m.norm_epsilon == 1e-6, f"--norm-epsilon 1e-6, transformers' epsilon of the latents' norms whatever "
-                                      f"rms_norm_eps (has {m.norm_epsilon:g})"),
+             (m.layernorm_epsilon == 1e-6, f"--norm-epsilon 1e-6, transformers' epsilon of the latents' norms whatever "
+                                      f"rms_norm_eps (has {m.layernorm_epsilon:g})"),
              (not m.add_bias_linear, "no biases (add --disable-bias-linear)")]
     if m.rope_type != "yarn":
         needs += [(yarn_mscale(m.rotary_scaling_factor, m.mscale_all_dim) == 1.0,
                    f"no YaRN softmax scale without --rope-type yarn (has --rotary-scaling-factor "
                    f"{m.rotary_scaling_factor:g} --mscale-all-dim {m.mscale_all_dim:g})")]
-    if not m.num_experts:
+    if not m.num_moe_experts:
         return needs
     shared, width = m.moe_shared_expert_intermediate_size, m.moe_ffn_hidden_size
     k, chosen = first_k_dense(m), m.moe_router_group_topk
@@ -218,7 +218,7 @@ def deepseek_v3_needs(m) -> list:
         (shared, "a shared expert (--moe-shared-expert-intermediate-size)"),
         (not shared or shared % width == 0, f"a shared expert a multiple of --moe-ffn-hidden-size {width} wide "
                                             f"(n_shared_experts; has --moe-shared-expert-intermediate-size {shared})"),
-        (m.num_experts // groups >= 2, "two experts or more in each group (transformers scores a group by its top 2)"),
+        (m.num_moe_experts // groups >= 2, "two experts or more in each group (transformers scores a group by its top 2)"),
         (groups == 1 or m.moe_router_topk // chosen == 2,
          f"groups scored by their top 2 experts, as transformers (megatron-core sums the top --moe-router-topk / "
          f"--moe-router-group-topk = {m.moe_router_topk // (chosen or 1)})"),
@@ -228,7 +228,7 @@ def deepseek_v3_needs(m) -> list:
 def choose_layout(m, wanted=None) -> str:
     """`wanted`, or else the layout the model fits; a one-line error naming what differs from each."""
     candidates = [wanted] if wanted else ["deepseek_v3"] if m.multi_latent_attention else \
-        ["mixtral", "qwen3_moe"] if m.num_experts else ["gpt2", "llama"]
+        ["mixtral", "qwen3_moe"] if m.num_moe_experts else ["gpt2", "llama"]
     for layout in candidates:
         if not layout_mismatches(m, layout):
             return layout
@@ -307,7 +307,7 @@ def tensor_names(layout: str, m) -> tuple:
             if moe:  # the router, and each expert's output projection
                 names += [(f"{moe_block(layout, i)}gate.weight", f"{ours}mlp.router.weight", False)]
                 names += [(expert_names(layout, i, j)[2], f"{ours}mlp.experts.local_experts.{j}.linear_fc2.weight", False)
-                          for j in range(m.num_experts)]
+                          for j in range(m.num_moe_experts)]
     embedding = "transformer.wte.weight" if layout == "gpt2" else "model.embed_tokens.weight"
     return names, embedding, None if tied else "lm_head.weight"
 
@@ -327,7 +327,7 @@ def deepseek_v3_layer_names(m, i: int, moe: bool) -> list:
               (f"{hf}mlp.gate.e_score_correction_bias", f"{ours}mlp.router.expert_bias", False),
               (f"{hf}mlp.shared_experts.down_proj.weight", f"{ours}mlp.shared_experts.linear_fc2.weight", False)]
     return names + [(expert_names("deepseek_v3", i, j)[2], f"{ours}mlp.experts.local_experts.{j}.linear_fc2.weight",
-                     False) for j in range(m.num_experts)]
+                     False) for j in range(m.num_moe_experts)]
 
 
 def fused_names(layout: str, m, i: int) -> list:
@@ -345,17 +345,17 @@ def fused_names(layout: str, m, i: int) -> list:
             names += [(f"{ours}mlp.shared_experts.linear_fc1.weight",
                        [f"{hf}mlp.shared_experts.gate_proj.weight", f"{hf}mlp.shared_experts.up_proj.weight"])]
         return names + [(f"{ours}mlp.experts.local_experts.{j}.linear_fc1.weight", list(expert_names(layout, i, j)[:2]))
-                        for j in range(m.num_experts)]
+                        for j in range(m.num_moe_experts)]
     return names + [(f"{ours}mlp.linear_fc1.{k}", [f"{hf}mlp.gate_proj.{k}", f"{hf}mlp.up_proj.{k}"]) for k in kinds]
 
 
 def to_hf(ours: dict, m, layout: str, vocab: int) -> dict:
     """Our model's state dict (tensor-parallel size 1) as the transformers model's, over `vocab` ids."""
     names, embedding, lm_head = tensor_names(layout, m)
-    if layout == "deepseek_v3" and m.num_experts and not m.moe_router_enable_expert_bias:
+    if layout == "deepseek_v3" and m.num_moe_experts and not m.moe_router_enable_expert_bias:
         # transformers' router always has its e_score_correction_bias: ours is zero without
         # --moe-router-enable-expert-bias
-        zero = torch.zeros(m.num_experts, dtype=torch.float32)
+        zero = torch.zeros(m.num_moe_experts, dtype=torch.float32)
         ours = {**ours, **{name: zero for _, name, _ in names if name.endswith("mlp.router.expert_bias")}}
     out = {hf: (ours[name].t() if transposed else ours[name]) for hf, name, transposed in names}
     out[embedding] = ours["embedding.word_embeddings.weight"][:vocab]
@@ -428,7 +428,7 @@ def interleave_rotary_rows(ours: dict, m) -> None:
 
 
 def hf_config(m, layout: str, vocab: int, eod: int, dtype: torch.dtype) -> dict:
-    """config.json for the transformers model of `m` (a ModelConfig) with `vocab` ids."""
+    """config.json for the transformers model of `m` (a GPTModelProvider) with `vocab` ids."""
     common = dict(vocab_size=vocab, bos_token_id=eod, eos_token_id=eod, initializer_range=m.init_method_std,
                   tie_word_embeddings=not m.untie_embeddings_and_output_weights, dtype=str(dtype).split(".")[-1])
     if layout == "deepseek_v3":
@@ -437,10 +437,10 @@ def hf_config(m, layout: str, vocab: int, eod: int, dtype: torch.dtype) -> dict:
         return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_positions=m.max_position_embeddings,
                     n_embd=m.hidden_size, n_layer=m.num_layers, n_head=m.num_attention_heads,
                     n_inner=m.ffn_hidden_size, activation_function="gelu_new" if m.openai_gelu else "gelu",
-                    layer_norm_epsilon=m.norm_epsilon, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
+                    layer_norm_epsilon=m.layernorm_epsilon, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
     common.update(hidden_size=m.hidden_size, num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
                   num_key_value_heads=m.num_query_groups, head_dim=m.kv_channels, hidden_act="silu",
-                  max_position_embeddings=m.max_position_embeddings, rms_norm_eps=m.norm_epsilon,
+                  max_position_embeddings=m.max_position_embeddings, rms_norm_eps=m.layernorm_epsilon,
                   rope_theta=float(m.rotary_base),
                   rope_parameters=dict(rope_type="default", rope_theta=float(m.rotary_base)))
     if layout == "llama":
@@ -449,10 +449,10 @@ def hf_config(m, layout: str, vocab: int, eod: int, dtype: torch.dtype) -> dict:
     common.update(num_experts_per_tok=m.moe_router_topk, output_router_logits=False, sliding_window=None)
     if layout == "mixtral":
         return dict(architectures=["MixtralForCausalLM"], model_type="mixtral", intermediate_size=m.moe_ffn_hidden_size,
-                    num_local_experts=m.num_experts, router_jitter_noise=0.0, **common)
+                    num_local_experts=m.num_moe_experts, router_jitter_noise=0.0, **common)
     dense = [i for i, moe in enumerate(config_lib.moe_layers(m)) if not moe]
     return dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", intermediate_size=m.ffn_hidden_size,
-                moe_intermediate_size=m.moe_ffn_hidden_size, num_experts=m.num_experts, decoder_sparse_step=1,
+                moe_intermediate_size=m.moe_ffn_hidden_size, num_experts=m.num_moe_experts, decoder_sparse_step=1,
                 mlp_only_layers=dense, norm_topk_prob=not m.moe_router_pre_softmax, attention_bias=False,
                 use_sliding_window=False, **common)
 
@@ -467,9 +467,9 @@ def deepseek_v3_config(m, common: dict) -> dict:
     else:
         rope = dict(rope_type="default", rope_theta=float(m.rotary_base))
     moe = {}
-    if m.num_experts:
+    if m.num_moe_experts:
         groups, chosen = router_groups(m)
-        moe = dict(n_routed_experts=m.num_experts, num_experts_per_tok=m.moe_router_topk, n_group=groups,
+        moe = dict(n_routed_experts=m.num_moe_experts, num_experts_per_tok=m.moe_router_topk, n_group=groups,
                    topk_group=chosen, moe_intermediate_size=m.moe_ffn_hidden_size,
                    n_shared_experts=m.moe_shared_expert_intermediate_size // m.moe_ffn_hidden_size,
                    routed_scaling_factor=float(m.moe_router_topk_scaling_factor or 1.0),
@@ -477,7 +477,7 @@ def deepseek_v3_config(m, common: dict) -> dict:
     return dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=m.hidden_size,
                 num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
                 num_key_value_heads=m.num_attention_heads, intermediate_size=m.ffn_hidden_size, hidden_act="silu",
-                max_position_embeddings=m.max_position_embeddings, rms_norm_eps=m.norm_epsilon, rope_parameters=rope,
+                max_position_embeddings=m.max_position_embeddings, rms_norm_eps=m.layernorm_epsilon, rope_parameters=rope,
                 rope_interleave=True, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
                 qk_nope_head_dim=m.qk_head_dim, qk_rope_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
                 first_k_dense_replace=first_k_dense(m), attention_bias=False, attention_dropout=0.0,

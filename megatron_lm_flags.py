@@ -81,7 +81,7 @@ MEGATRON_LM_INERT_FLAGS = [
 # in "-" is a prefix. Given one, the error names the flag and the machinery instead of argparse's "unrecognized
 # arguments". (MEGATRON_LM_REFUSED_FLAGS' exact names are read first.)
 UNSUPPORTED_FLAGS = [
-    # The MoE flags that are not ModelConfig fields (those are recognised before this list is read).
+    # The MoE flags that are not GPTModelProvider fields (those are recognised before this list is read).
     (("--moe-", "--overlap-moe-expert-parallel-comm", "--ep-overlap-early-attn-memory-release",
       "--use-fused-weighted-squared-relu", "--high-priority-a2a-comm-stream",
       "--overlap-dispatch-backward-with-experts-wgrad", "--use-grouped-gemm-for-shared-expert",

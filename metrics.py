@@ -570,7 +570,7 @@ def moe_loss_names(m) -> list:
     load-balancing type, and z_loss with --moe-z-loss-coeff. With one type Megatron-LM tests the names as substrings of it, so
     seq_aux_loss also shows load_balancing_loss (0: no layer adds to it); kept, for the same log line."""
     kinds = m.moe_router_load_balancing_type
-    kind = kinds[0] if len(kinds) == 1 else kinds
+    kind = kinds if isinstance(kinds, str) else kinds[0] if len(kinds) == 1 else kinds  # a str once finalized
     names = [name for key, name in (("aux_loss", "load_balancing_loss"), ("seq_aux_loss", "seq_load_balancing_loss"),
                                     ("global_aux_loss", "global_load_balancing_loss")) if key in kind]
     return names + (["z_loss"] if m.moe_z_loss_coeff is not None else [])
@@ -590,7 +590,7 @@ def moe_auxiliary_losses(cfg, num_microbatches: int) -> dict:
     it by the MoE layers (the MTP layers of MoE kind among them); then it clears the layers' tracker for the next iteration. A collective: every rank calls
     it every iteration. {} for a dense model."""
     m = cfg.model
-    if not m.num_experts:
+    if not m.num_moe_experts:
         return {}
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
@@ -1023,8 +1023,8 @@ def layer_parameters(m) -> list:
         attention = 2 * h * h * ((1 + m.num_query_groups / m.num_attention_heads) * m.kv_channels *
                                  m.num_attention_heads / h + 2 / h)
     dense = attention + 2 * h * m.ffn_hidden_size * gated
-    moe = (attention + (m.num_experts or 0) * h + 2 * h * (m.moe_shared_expert_intermediate_size or 0) * gated,
-           2 * h * (m.moe_ffn_hidden_size or 0) * (m.num_experts or 0) * gated)
+    moe = (attention + (m.num_moe_experts or 0) * h + 2 * h * (m.moe_shared_expert_intermediate_size or 0) * gated,
+           2 * h * (m.moe_ffn_hidden_size or 0) * (m.num_moe_experts or 0) * gated)
     return [moe if is_moe else (dense, 0) for is_moe in config_moe_layers(m)]
 
 

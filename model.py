@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 import device  # first: it quiets megatron-core's import-time warnings
-from config import moe_layers, transformer_config_extras
+from config import backend, moe_layers
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core import rerun_state_machine as mcore_rerun
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
@@ -46,8 +46,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func as mcore_get_forward_backward_func
-from megatron.core.transformer import MegatronModule, MLATransformerConfig, TransformerConfig
-from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer import MegatronModule, TransformerConfig
+from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.module import Float16Module
 from megatron.core.tensor_parallel import RowParallelLinear
 from megatron.core.transformer.mlp import MLP
@@ -194,62 +194,9 @@ def context_parallel_causal_mask(local_len: int, cp_group, device) -> torch.Tens
 
 
 def transformer_config(cfg) -> TransformerConfig:
-    """megatron-core's TransformerConfig from our ModelConfig."""
-    m = cfg.model
-    dtype = torch.bfloat16 if m.bf16 else torch.float16 if m.fp16 else torch.float32
-    # The MLP's activation and whether it is gated.
-    from megatron.core.activations import squared_relu
-    from megatron.core.fusions.fused_bias_geglu import quick_gelu
-
-    activation_func, gated_linear_unit = (
-        (F.silu, True) if m.swiglu else (squared_relu, False) if m.squared_relu else (quick_gelu, True) if m.quick_geglu
-        else (functools.partial(F.gelu, approximate="tanh") if m.openai_gelu else F.gelu, False))
-    # Multi-latent attention's sizes are fields of megatron-core's MLATransformerConfig, a TransformerConfig.
-    config_class = MLATransformerConfig if m.multi_latent_attention else TransformerConfig
-    return config_class(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        ffn_hidden_size=m.ffn_hidden_size,
-        num_attention_heads=m.num_attention_heads,
-        num_query_groups=m.num_query_groups,
-        kv_channels=m.kv_channels,
-        hidden_dropout=m.hidden_dropout,
-        attention_dropout=m.attention_dropout,
-        init_method_std=m.init_method_std,
-        normalization=m.normalization,
-        layernorm_epsilon=m.norm_epsilon,
-        gated_linear_unit=gated_linear_unit,
-        activation_func=activation_func,
-        add_bias_linear=m.add_bias_linear,
-        tensor_model_parallel_size=m.tensor_model_parallel_size,
-        pipeline_model_parallel_size=m.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size,
-        # The p2p settings: overlapped isend/irecv under the interleaved schedule, batched otherwise.
-        overlap_p2p_comm=m.overlap_p2p_comm,
-        batch_p2p_comm=m.batch_p2p_comm,
-        overlap_p2p_comm_warmup_flush=m.overlap_p2p_comm_warmup_flush,
-        num_layers_in_first_pipeline_stage=m.decoder_first_pipeline_num_layers,
-        num_layers_in_last_pipeline_stage=m.decoder_last_pipeline_num_layers,
-        context_parallel_size=m.context_parallel_size,
-        sequence_parallel=m.sequence_parallel,
-        # Half-precision weights under Float16Module; the optimizer keeps fp32 main copies.
-        bf16=m.bf16,
-        fp16=m.fp16,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        # Build each full weight on the CPU and hand every tensor-parallel rank its slice: the same weights
-        # for any TP size. On a GPU each rank initialises its slice in place from the RNG tracker.
-        use_cpu_initialization=m.use_cpu_initialization or not device.cuda(),
-        # Activation recomputation through megatron-core's checkpoint function (the RNG tracker replays dropout).
-        recompute_granularity=m.recompute_granularity,
-        recompute_method=m.recompute_method,
-        recompute_num_layers=m.recompute_num_layers,
-        deterministic_mode=m.deterministic_mode,  # e.g. an embedding backward without atomics
-        cross_entropy_loss_fusion=m.cross_entropy_loss_fusion,
-        cp_comm_type=m.cp_comm_type[0] if len(m.cp_comm_type) == 1 else m.cp_comm_type,
-        # --calculate-per-token-loss, --apply-layernorm-1p, TE's attention kernel, --add-qkv-bias, --qk-layernorm, ...
-        **transformer_config_extras(cfg),
-    )
+    """megatron-core's TransformerConfig: the model section itself (config.GPTModelProvider), finalized."""
+    cfg.model.finalize()
+    return cfg.model
 
 
 def layer_spec(cfg, num_experts: Optional[int] = None):
@@ -275,7 +222,7 @@ def layer_spec(cfg, num_experts: Optional[int] = None):
         attention.q_layernorm = attention.kv_layernorm = Norm
     elif m.qk_layernorm and not m.qk_l2_norm:
         attention.q_layernorm = attention.k_layernorm = Norm
-    if cfg.model.attention_backend != "local":
+    if backend(cfg.model.attention_backend) is not AttnBackend.local:
         attention.core_attention = SDPAttention
     if num_experts:  # the MLP is a builder, partial(MoELayer, submodules=MoESubmodules(experts=partial(...), ...))
         moe = layer.mlp.keywords["submodules"]
@@ -290,9 +237,9 @@ def block_spec(cfg, config: TransformerConfig, vp_stage: Optional[int]):
     --moe-layer-freq put one, as Megatron-LM's get_gpt_decoder_block_spec places them), and the final norm
     (megatron-core picks the block's norm by what is installed; on the local layers it is Norm here)."""
     m = cfg.model
-    if m.transformer_impl == "transformer_engine" and not m.num_experts:
+    if m.transformer_impl == "transformer_engine" and not m.num_moe_experts:
         return layer_spec(cfg)
-    dense, moe = layer_spec(cfg), layer_spec(cfg, m.num_experts) if m.num_experts else None
+    dense, moe = layer_spec(cfg), layer_spec(cfg, m.num_moe_experts) if m.num_moe_experts else None
     kinds, first = moe_layers(m), get_transformer_layer_offset(config, vp_stage=vp_stage)
     layers = [moe if kinds[first + i] else dense for i in range(get_num_layers_to_build(config, vp_stage=vp_stage))]
     if m.transformer_impl == "transformer_engine":
@@ -309,7 +256,7 @@ def mtp_block_spec(cfg, config: TransformerConfig, vp_stage: Optional[int]):
     and its norms, Norm here as in the decoder (megatron-core's local choice asserts that sequence parallelism is
     off)."""
     m = cfg.model
-    last = layer_spec(cfg, m.num_experts if m.num_experts and moe_layers(m)[-1] else None)
+    last = layer_spec(cfg, m.num_moe_experts if m.num_moe_experts and moe_layers(m)[-1] else None)
     te = m.transformer_impl == "transformer_engine"
     spec = get_gpt_mtp_block_spec(config, last, use_transformer_engine=te, vp_stage=vp_stage)
     if spec is not None and not te:

@@ -1087,7 +1087,7 @@ def evaluate(state: GlobalState, forward_step_func, data_iterator, model, proces
             )
     for m in model:
         m.train()
-    if config.model.num_experts:  # what the MoE layers tracked in evaluation is not training's (as Megatron-LM)
+    if config.model.num_moe_experts:  # what the MoE layers tracked in evaluation is not training's (as Megatron-LM)
         clear_aux_losses_tracker()
     losses = reduce_losses(reports) if parallel_state.is_pipeline_last_stage() else {}
     return {k: float(v) for k, v in losses.items()}, collected

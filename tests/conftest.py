@@ -341,6 +341,22 @@ def megatron_core_on_this_machine():
         yield
 
 
+ATTENTION_BACKEND_ENVIRONMENT = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+@pytest.fixture(autouse=True)
+def attention_backend_environment():
+    """megatron-core's LanguageModule writes the model's --attention-backend into these variables of the process
+    (language_module.py:107-130) and asserts that a later model's agrees: one backend per process, as one run of
+    Megatron-LM or train.py is. Tests build models of several backends in one process: each starts as a fresh one."""
+    saved = {name: os.environ.pop(name, None) for name in ATTENTION_BACKEND_ENVIRONMENT}
+    yield
+    for name, value in saved.items():
+        os.environ.pop(name, None)
+        if value is not None:
+            os.environ[name] = value
+
+
 @pytest.fixture(scope="session")
 def mock_run(tmp_path_factory, warm_torchrun):
     """One 2-rank CPU run on megatron-core's mock data, inspected by several tests."""

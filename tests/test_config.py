@@ -500,7 +500,7 @@ def test_a_bridge_style_yaml_with_each_section_loads(tmp_path):
     assert cfg.model.bf16 and not cfg.model.fp16 and cfg.ddp.grad_reduce_in_fp32
     assert (cfg.validation.eval_iters, cfg.validation.eval_interval) == (3, 7)
     assert cfg.ddp.overlap_grad_reduce
-    assert (cfg.dataset.dataloader_type, cfg.dataset.num_workers, cfg.dataset.mock_data) == ("cyclic", 1, True)
+    assert (cfg.dataset.dataloader_type, cfg.dataset.num_workers, cfg.dataset.mock) == ("cyclic", 1, True)
     # The resolved config written to run_config.yaml reads back the same.
     again = _yaml(tmp_path, config.to_yaml(cfg))
     assert again.to_dict() == cfg.to_dict()
@@ -538,7 +538,7 @@ def test_bridge_sections_refuse_with_one_line_naming_the_section(tmp_path, capsy
 def test_bridge_dataset_classes_and_runtime_config_update():
     mock = config.ConfigContainer(dataset=config.MockGPTDatasetConfig(num_workers=0))
     assert config.runtime_config_update(mock, world_size=1, gpu=False) is mock
-    assert mock.dataset.mock_data and isinstance(mock.dataset, config.GPTDatasetConfig)
+    assert mock.dataset.mock and isinstance(mock.dataset, config.GPTDatasetConfig)
     sft = config.FinetuningDatasetConfig(data_path=["train.jsonl"])
     assert sft.sft and isinstance(sft, config.DataloaderConfig) and sft.num_workers == 2
     assert config.get_mixed_precision_config("bf16_mixed").bf16

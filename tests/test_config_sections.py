@@ -22,7 +22,8 @@ def test_a_run_config_yaml_written_before_the_move_still_loads():
     assert (cfg.scheduler.lr_warmup_iters, cfg.checkpoint.save_interval, cfg.train.exit_signal_handler) == (2, 3, True)
     # Every setting the file holds is the config's, under its name now (config.FORMER_NAMES), but for the settings that
     # moved: the evaluation settings are the validation section's (train's are Bridge's deprecated spellings, copied
-    # there), and megatron-core's post-init makes the async strategy mcore without --async-save.
+    # there), megatron-core's post-init makes the async strategy mcore without --async-save, and megatron-core's
+    # create_attention_mask is derived off without --reset-attention-mask (the mask that was never built before either).
     import signal
 
     import yaml
@@ -40,11 +41,28 @@ def test_a_run_config_yaml_written_before_the_move_still_loads():
                 differ[f"{section}.{key}"] = (value, now)
     t = written["train"]
     assert differ == {"validation.eval_iters": (None, t["eval_iters"]), "validation.eval_interval": (None, t["eval_interval"]),
-                      "validation.skip_train": (None, t["skip_train"]), "checkpoint.async_strategy": ("nvrx", "mcore")}
+                      "validation.skip_train": (None, t["skip_train"]), "checkpoint.async_strategy": ("nvrx", "mcore"),
+                      "dataset.create_attention_mask_in_dataloader": (True, False)}
+
+
+def test_a_finetuning_run_config_yaml_written_before_the_move_still_loads(tmp_path):
+    """A FinetuningDatasetConfig's run_config.yaml held every pretraining setting of the dataset section too, at its
+    default: they are not a FinetuningDatasetConfig's settings now (Bridge's is no megatron-core GPTDatasetConfig)."""
+    import yaml
+
+    written = yaml.safe_load(open(os.path.join(BEFORE, "run_config.yaml")))
+    for name in ("training", "validation"):
+        (tmp_path / f"{name}.jsonl").write_text('{"prompt": "a", "response": "b"}\n')
+    written["dataset"].update(sft=True, dataset_root=str(tmp_path), do_test=False)
+    (tmp_path / "run_config.yaml").write_text(yaml.safe_dump(written))
+    cfg = config.parse_args(["--config-file", str(tmp_path / "run_config.yaml")], world_size=1, gpu=False)
+    assert type(cfg.dataset) is config.FinetuningDatasetConfig
+    assert cfg.dataset.train_data_path == [str(tmp_path / "training.jsonl")] and cfg.dataset.split == "969,30,1"
 
 
 def test_every_section_is_an_instance_of_the_class_the_seed_names_as_its_base():
     """The seed page's `Bases:` of each section (and the container's rng and validation, megatron-core's own)."""
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from megatron.training import config as mcore
@@ -54,7 +72,7 @@ def test_every_section_is_an_instance_of_the_class_the_seed_names_as_its_base():
              "logger": mcore.LoggerConfig, "checkpoint": mcore.CheckpointConfig, "rng": mcore.RNGConfig,
              "dist": mcore.DistributedInitConfig, "profiling": mcore.ProfilingConfig,
              "straggler": mcore.StragglerDetectionConfig, "rerun_state_machine": mcore.RerunStateMachineConfig,
-             "optimizer": OptimizerConfig, "ddp": DistributedDataParallelConfig}
+             "optimizer": OptimizerConfig, "ddp": DistributedDataParallelConfig, "dataset": GPTDatasetConfig}
     assert {s: type(getattr(cfg, s)).__mro__[:3] for s, base in bases.items()
             if not isinstance(getattr(cfg, s), base)} == {}
     assert type(cfg.rng) is mcore.RNGConfig and type(cfg.validation) is mcore.ValidationConfig

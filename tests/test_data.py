@@ -199,6 +199,21 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_training(tmp_path):
     assert not torch.distributed.is_initialized()
 
 
+def test_megatron_cores_builder_is_handed_the_dataset_section(prefixes, tmp_path, single_rank_groups):
+    """The dataset section is a megatron-core GPTDatasetConfig, and megatron-core's dataset builder gets it (finalized,
+    with the tokenizer), not a config copied from it field by field: --no-mmap-bin-files, megatron-core's
+    mmap_bin_files, reaches the indexed dataset, which reads the .bin through file pointers."""
+    import data
+
+    a, _ = prefixes
+    cfg = config.parse_args([*TINY, "--data-path", a, "--no-mmap-bin-files", "--data-cache-path", str(tmp_path / "c"),
+                             "--train-iters", "2"], world_size=1, gpu=False)
+    train_set = data.build_datasets(cfg, data.ByteTokenizer())[0]
+    assert type(train_set.config) is config.GPTDatasetConfig and train_set.config.blend == ([a], None)
+    assert train_set.dataset.mmap is False and train_set.config.path_to_cache == str(tmp_path / "c")
+    assert cfg.dataset.tokenizer is None  # the section itself keeps no tokenizer: its copy was finalized
+
+
 def test_bin_without_idx_is_refused_at_parse_time(prefixes, tmp_path, capsys):
     a, _ = prefixes
     lone = tmp_path / "lone"

@@ -170,7 +170,7 @@ def test_a_transformers_moe_model_trains_on_in_train_py_and_goes_back(kind, tmp_
                              "--train-iters", "3", "--eval-iters", "0", "--num-workers", "0", "--save",
                              str(tmp_path / "trained"), "--data-cache-path", str(tmp_path / "cache")],
                             world_size=1, gpu=False)
-    assert cfg.model.num_experts == 4 and cfg.model.moe_router_pre_softmax == (kind == "qwen3_moe")
+    assert cfg.model.num_moe_experts == 4 and cfg.model.moe_router_pre_softmax == (kind == "qwen3_moe")
     assert train.pretrain(cfg).train_state.step == 3
     assert hf.export(str(tmp_path / "trained"), str(tmp_path / "out")) == kind
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()

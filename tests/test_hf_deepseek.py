@@ -157,7 +157,7 @@ def test_import_gives_the_transformers_logits_and_exports_back_the_same_tensors(
     ([*FLAGS, "--rope-type", "rope"], "no YaRN softmax scale without --rope-type yarn (has --rotary-scaling-factor 4 "
                                       "--mscale-all-dim 1)"),
     ([f for f in FLAGS if f != "--qk-layernorm"], "RMSNorm on the query and key-value latents (--qk-layernorm)"),
-], ids=["norm_epsilon", "dense_among_moe", "groups_by_top3", "shared_width", "yarn_scale_under_rope",
+], ids=["layernorm_epsilon", "dense_among_moe", "groups_by_top3", "shared_width", "yarn_scale_under_rope",
         "no_latent_norms"])
 def test_a_model_the_layout_cannot_express_is_refused_by_name(flags, named):
     """Each is a model megatron-core builds and transformers' DeepSeek-V3 computes otherwise: the latents' norm
@@ -209,7 +209,7 @@ def test_an_export_the_layout_cannot_express_is_one_line_before_any_weight_loads
     shutil.copytree(v3_ckpt, load)
     run_config = os.path.join(checkpoint.resolve_load_dir(str(load), None), "run_config.yaml")
     saved = yaml.safe_load(open(run_config))
-    saved["model"]["norm_epsilon"] = 1e-5
+    saved["model"]["layernorm_epsilon"] = 1e-5
     yaml.safe_dump(saved, open(run_config, "w"))
     capsys.readouterr()
     assert hf.main(hf.parse_args(["export", "--load", str(load), "--out", str(tmp_path / "x")])) == 2

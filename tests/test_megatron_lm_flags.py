@@ -8,6 +8,7 @@ core_v0.19.0 added and dropped since core_v0.16.1): CI has no Megatron-LM checko
 (which ships megatron.training) is installed, one test also reads its parser."""
 
 import dataclasses
+import enum
 import io
 import os
 import re
@@ -108,7 +109,7 @@ def test_llama3_8b_fp8_script_validates_without_its_fp8_lines(tmp_path, capsys, 
     and each means what it means in Megatron-LM (or is named once as inert)."""
     cfg = config.config_from_flags(script_flags(LLAMA3_FP8, tmp_path, drop=("--fp8-",)), world_size=8, gpu=True)
     m, t, s, d = cfg.model, cfg.train, cfg.scheduler, cfg.dataset
-    assert m.transformer_impl == "transformer_engine" and m.apply_layernorm_1p and m.attention_backend == "fused"
+    assert m.transformer_impl == "transformer_engine" and m.layernorm_zero_centered_gamma and m.attention_backend == "fused"
     assert (m.num_attention_heads, m.num_query_groups, m.kv_channels, m.ffn_hidden_size) == (4, 1, 16, 224)
     assert m.swiglu and not m.add_bias_linear and m.untie_embeddings_and_output_weights and m.rotary_base == 1000000
     assert m.calculate_per_token_loss and m.cross_entropy_loss_fusion and not m.sequence_parallel  # TP 1: nothing to split
@@ -117,11 +118,11 @@ def test_llama3_8b_fp8_script_validates_without_its_fp8_lines(tmp_path, capsys, 
     assert (cfg.data_parallel_size, t.global_batch_size, t.train_iters) == (8, 16, 20)
     assert (s.lr_decay_steps, s.lr_warmup_steps) == (319, 16)
     assert (cfg.optimizer.decoupled_lr, cfg.optimizer.decoupled_min_lr) == (5e-4, 4.5e-5)
-    assert d.mock_data and d.split == "99,1,0" and cfg.tokenizer.vocab_size == 1024
+    assert d.mock and d.split == "99,1,0" and cfg.tokenizer.vocab_size == 1024
     assert cfg.profiling.use_nsys_profiler and t.empty_unused_memory_level == 1
     inert = [line for line in printed_config(cfg).splitlines() if line.startswith(" inert here")]
     assert inert == [" inert here (Megatron-LM placement, memory, logging and deprecated switches with no effect in this "
-                     "trainer): --use-mcore-models --empty-unused-memory-level 1 --no-mmap-bin-files "
+                     "trainer): --use-mcore-models --empty-unused-memory-level 1 "
                      "--no-create-attention-mask-in-dataloader --tiktoken-pattern v2"]
     # With its FP8 lines and transformer-engine installed: still one line, this trainer does not drive FP8.
     err = config_error(script_flags(LLAMA3_FP8, tmp_path), capsys, world_size=8, gpu=True)
@@ -255,8 +256,10 @@ def test_the_gpt2_bpe_conversion_the_error_gives_makes_a_tokenizer_json_that_run
 def test_inert_switches_are_named_once_and_only_where_they_are_inert(with_te):
     fused = ["--no-persist-layer-norm", "--no-rope-fusion"]
     other = ["--use-mcore-models", "--attention-backend", "flash", "--empty-unused-memory-level", "2",
-             "--no-mmap-bin-files", "--no-create-attention-mask-in-dataloader", "--tiktoken-pattern", "v1"]
-    cfg = config.parse_args([*fused, *other], world_size=1, gpu=False)  # local layers: SDPA picks its own kernel
+             "--no-create-attention-mask-in-dataloader", "--tiktoken-pattern", "v1"]
+    # local layers: SDPA picks its own kernel; --no-mmap-bin-files is megatron-core's mmap_bin_files, which its indexed
+    # datasets read: not inert
+    cfg = config.parse_args([*fused, *other, "--no-mmap-bin-files"], world_size=1, gpu=False)
     lines = [line for line in printed_config(cfg).splitlines() if line.startswith(" inert here")]
     assert lines == [" inert here (fused GPU kernels the local layers never use): --no-persist-layer-norm --no-rope-fusion",
                      " inert here (Megatron-LM placement, memory, logging and deprecated switches with no effect in this "
@@ -267,23 +270,18 @@ def test_inert_switches_are_named_once_and_only_where_they_are_inert(with_te):
     assert "inert here" not in printed_config(config.parse_args([], world_size=1, gpu=False))
 
 
-def test_transformer_config_extras_are_megatron_core_fields(with_te):
-    """transformer_config_extras: the TransformerConfig fields of --calculate-per-token-loss, --apply-layernorm-1p
-    and --attention-backend, accepted by megatron-core's TransformerConfig on top of model.transformer_config's."""
+def test_the_model_section_is_the_transformer_config_megatron_core_gets(with_te):
+    """--calculate-per-token-loss, --apply-layernorm-1p and --attention-backend set megatron-core's TransformerConfig
+    fields of the model section, which model.transformer_config hands megatron-core itself (no copy)."""
     from megatron.core.transformer.enums import AttnBackend
 
     from model import transformer_config
 
     cfg = config.parse_args(["--calculate-per-token-loss"], world_size=1, gpu=False)
-    extras = config.transformer_config_extras(cfg)
-    assert (extras["calculate_per_token_loss"], extras["layernorm_zero_centered_gamma"]) == (True, False)
-    assert "attention_backend" not in extras
-    assert dataclasses.replace(transformer_config(cfg), **extras).calculate_per_token_loss
+    tc = transformer_config(cfg)
+    assert tc is cfg.model and (tc.calculate_per_token_loss, tc.layernorm_zero_centered_gamma) == (True, False)
     cfg = config.parse_args(["--apply-layernorm-1p", "--attention-backend", "fused"], world_size=1, gpu=True)
-    extras = config.transformer_config_extras(cfg)
-    assert (extras["calculate_per_token_loss"], extras["layernorm_zero_centered_gamma"]) == (False, True)
-    assert extras["attention_backend"] == AttnBackend.fused
-    tc = dataclasses.replace(transformer_config(cfg), **extras)
+    tc = transformer_config(cfg)
     assert tc.layernorm_zero_centered_gamma and tc.attention_backend == AttnBackend.fused
 
 
@@ -508,7 +506,8 @@ def _field_of(flag: str):
 @pytest.mark.parametrize("flag, megatron_lm_default, where", MEGATRON_LM_DEFAULTS, ids=[d[0] for d in MEGATRON_LM_DEFAULTS])
 def test_settings_that_change_what_is_computed_default_to_megatron_lms(flag, megatron_lm_default, where):
     section, name = _field_of(flag)
-    assert getattr(getattr(config.ConfigContainer(), section), name) == megatron_lm_default, where
+    value = getattr(getattr(config.ConfigContainer(), section), name)
+    assert (value.name if isinstance(value, enum.Enum) else value) == megatron_lm_default, where  # an enum by its name
 
 
 def test_defaults_megatron_lm_derives_are_derived_the_same():
@@ -900,14 +899,16 @@ def test_no_initialization_leaves_the_weights_to_a_checkpoint(single_rank_groups
 def test_transformer_engine_only_flags_reach_its_config(with_te, monkeypatch):
     """On a GPU with transformer-engine: --fp32-residual-connection and --apply-query-key-layer-scaling (with the
     environment variable transformer-engine reads) go to megatron-core's config; the layer spec gets the q/k norms."""
+    from model import transformer_config
+
     monkeypatch.setenv("NVTE_APPLY_QK_LAYER_SCALING", "1")
     cfg = config.parse_args(["--bf16", "--fp32-residual-connection", "--apply-query-key-layer-scaling",
                              "--qk-layernorm", "--window-size", "128,0", "--softmax-type", "learnable"],
                             world_size=1, gpu=True)
-    extras = config.transformer_config_extras(cfg)
     assert cfg.model.transformer_impl == "transformer_engine"
-    assert extras["fp32_residual_connection"] and extras["apply_query_key_layer_scaling"] and extras["qk_layernorm"]
-    assert (extras["window_size"], extras["softmax_type"]) == ((128, 0), "learnable")
+    tc = transformer_config(cfg)
+    assert tc.fp32_residual_connection and tc.apply_query_key_layer_scaling and tc.qk_layernorm
+    assert (tc.window_size, tc.softmax_type) == ((128, 0), "learnable")
 
 
 @pytest.mark.parametrize("argv, ddp_field, value", [

@@ -225,7 +225,7 @@ def test_generate_splits_the_experts_or_the_matrices_and_samples_as_one_process(
     finally:
         parallel_state.destroy_model_parallel()
         torch.distributed.destroy_process_group()
-    assert cfg.model.num_experts == 4 and samples[0] != samples[1]
+    assert cfg.model.num_moe_experts == 4 and samples[0] != samples[1]
     texts = []
     for sample in samples:
         out = io.StringIO()
@@ -329,12 +329,14 @@ def test_a_checkpoint_of_the_other_kind_names_both_shapes(saved, loading, expect
                                                                       "--num-experts 6"),
     (["--num-experts", "2", "--moe-router-topk", "3"], 1, "--moe-router-topk 3 routes each token to more experts"),
     (["--num-experts", "-1"], 1, "--num-experts must be positive"),
-    (["--num-experts", "1", "--moe-router-topk", "1"], 1, "--moe-router-topk 1 with softmax scores needs "
-                                                          "--moe-router-pre-softmax"),
+    # megatron-core's TransformerConfig's own refusals, in its words
+    (["--num-experts", "1", "--moe-router-topk", "1"], 1, "Please use --moe-router-pre-softmax when topk is 1"),
     (["--num-experts", "4", "--moe-layer-freq", "([0]*2)"], 1, "makes no layer an MoE layer"),
-    (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], 1, "add --moe-expert-capacity-factor"),
+    (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], 1,
+     "moe_expert_capacity_factor must be set to use moe_pad_expert_input_to_capacity"),
+    (["--num-experts", "4", "--moe-router-group-topk", "2"], 1, "moe_router_num_groups must be specified"),
     (["--num-experts", "4", "--moe-expert-capacity-factor", "1.0", "--moe-router-load-balancing-type", "sinkhorn",
-      "--moe-router-topk", "1"], 1, "--moe-expert-capacity-factor works with the aux_loss"),
+      "--moe-router-topk", "1"], 1, "moe_expert_capacity_factor only works with aux_loss"),
     (["--expert-model-parallel-size", "2"], 2, "add --num-experts"),
     (["--num-experts", "4", "--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"], 2,
      "needs --sequence-parallel"),
@@ -342,7 +344,7 @@ def test_a_checkpoint_of_the_other_kind_names_both_shapes(saved, loading, expect
      "--expert-tensor-parallel-size 2 needs a GPU"),
     (["--num-experts", "4", "--moe-grouped-gemm"], 1, "--moe-grouped-gemm is a transformer-engine kernel"),
     (["--num-experts", "4", "--moe-token-dispatcher-type", "flex"], 1, "flex is DeepEP's"),
-    (["--num-experts", "4", "--moe-router-enable-expert-bias"], 1, "needs --moe-router-score-function sigmoid"),
+    (["--num-experts", "4", "--moe-router-enable-expert-bias"], 1, "Please set --moe-router-score-function to 'sigmoid'"),
     (["--num-experts", "4", "--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss"], 1,
      "--moe-aux-loss-coeff gives 1 values for 2"),
     (["--moe-use-upcycling"], 1, "Mixture-of-Experts machinery beyond megatron-core's MoELayer"),
@@ -361,9 +363,11 @@ def test_bridges_moe_settings_in_yaml_are_the_flags(tmp_path):
                                        "true\n  expert_model_parallel_size: 2\n  moe_token_dispatcher_type: alltoall\n")
     cfg = config.parse_args([*TINY, "--config-file", str(tmp_path / "moe.yaml")], world_size=2, gpu=False)
     m = cfg.model
-    assert (m.num_experts, m.moe_router_topk, m.expert_model_parallel_size, m.moe_token_dispatcher_type) == \
+    assert (m.num_moe_experts, m.moe_router_topk, m.expert_model_parallel_size, m.moe_token_dispatcher_type) == \
         (8, 1, 2, "alltoall")
-    assert config.transformer_config_extras(cfg)["num_moe_experts"] == 8
+    from model import transformer_config
+
+    assert transformer_config(cfg).num_moe_experts == 8
 
 
 def test_flops_count_the_routed_and_shared_experts_as_megatron_lm():

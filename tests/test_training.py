@@ -78,7 +78,7 @@ def test_checkpoint_layout(mock_run):
     assert sorted(p for p in os.listdir(ckpt) if p.startswith("iter_")) == ["iter_0000015", "iter_0000030"]
     # run_config.yaml is a config file the CLI takes back.
     cfg = config.parse_args(["--config-file", str(ckpt / "iter_0000030" / "run_config.yaml")], world_size=2, gpu=False)
-    assert cfg.model.hidden_size == 64 and cfg.train.train_iters == 30 and cfg.dataset.mock_data
+    assert cfg.model.hidden_size == 64 and cfg.train.train_iters == 30 and cfg.dataset.mock
 
 
 def test_resume_continues_at_the_saved_iteration(mock_run, tmp_path, warm_torchrun):

@@ -911,17 +911,16 @@ def bench_small(argv) -> list:
 # bench.py profile: where a run's main-thread time goes, from py-spy's raw stacks (`py-spy record --idle --threads -f
 # raw`). A sample goes to the first part one of whose patterns is in one of its frames ("function (file:line)"); the
 # loop's parts take the samples under train.py's `train`, the start-up's the others. Order matters: a gradient hook
-# runs inside the backward, an import inside the model build. The shim's own dispatch is a sample whose innermost
-# frame is CudaOnCpu.__torch_function__ off the line that calls the op (the op counts where its caller does).
-LOOP_PARTS = [("the shim's own dispatch", ["CudaOnCpu.__torch_function__"]),
-              ("gradient norm and clipping", ["clip_grads.py", "get_grad_norm"]),
+# runs inside the backward, an import inside the model build. A sample whose innermost frame is one of the shim's
+# wrappers (device.py: a factory's or Tensor.to's CUDA device answered) counts where its caller does.
+LOOP_PARTS = [("gradient norm and clipping", ["clip_grads.py", "get_grad_norm"]),
               ("optimizer step", ["core/optimizer/", "torch/optim/"]),
               ("DDP hooks and buffers", ["distributed_data_parallel.py", "param_and_grad_buffer.py",
                                          "finalize_model_grads"]),
               ("rerun state machine", ["rerun_state_machine.py"]),
               ("batch path", ["get_batch (", "torch/utils/data/", "(data.py:"]),
               ("logging and timers", ["(metrics.py:", "timers.py"]),
-              ("backward", ["backward_step (", "_autograd_backward (", "torch/autograd/"]),
+              ("backward", ["backward_step (", "torch/autograd/"]),
               ("forward", ["forward_step ("]),
               ("the rest of the loop", [""])]
 STARTUP_PARTS = [("imports", ["_find_and_load ("]), ("configuration", ["parse_args ("]),
@@ -935,12 +934,8 @@ STARTUP_PARTS = [("imports", ["_find_and_load ("]), ("configuration", ["parse_ar
 def bench_profile(argv) -> list:
     """python bench.py profile STACKS --rate HZ --iterations N: STACKS from `py-spy record -r HZ --idle --threads -f
     raw -o STACKS -- python train.py ... --train-iters N`. Each part's ms per iteration (the loop) or s (start-up)."""
-    import collections
-    import inspect
-
-    import device
-
     import argparse
+    import collections
 
     p = argparse.ArgumentParser(prog="bench.py profile")
     p.add_argument("stacks")
@@ -948,8 +943,6 @@ def bench_profile(argv) -> list:
     p.add_argument("--iterations", type=int, required=True, help="the run's --train-iters")
     a = p.parse_args(argv)
     path, rate, iters = a.stacks, a.rate, a.iterations
-    lines, start = inspect.getsourcelines(device.CudaOnCpu.__torch_function__)
-    call = f"(device.py:{start + [line.strip() for line in lines].index('return func(*args, **kwargs)')})"
     seen = {"loop": collections.Counter(), "start-up": collections.Counter()}
     with open(path) as fh:
         for line in fh:
@@ -957,13 +950,11 @@ def bench_profile(argv) -> list:
             frames = stack.split(";")
             if len(frames) < 2 or not frames[0].endswith("MainThread"):
                 continue  # DataLoader feeders and other threads, mostly idle
-            if frames[-1].startswith("CudaOnCpu.__torch_function__") and frames[-1].endswith(call):
-                frames.pop()  # the op itself
+            if "(device.py:" in frames[-1]:
+                frames.pop()  # a shim's wrapper: the call it passes on
             loop = any(f.startswith("train (train.py:") for f in frames)
             parts = LOOP_PARTS if loop else STARTUP_PARTS
-            name = next(name for name, patterns in parts
-                        if any(frames[-1].startswith(p) if p.startswith("CudaOnCpu") else any(p in f for f in frames)
-                               for p in patterns))
+            name = next(name for name, patterns in parts if any(p in f for p in patterns for f in frames))
             seen["loop" if loop else "start-up"][name] += int(count)
     total = {k: sum(c.values()) for k, c in seen.items()}
     rows = [("profile", f"{path}: {iters} iterations, {rate:g} Hz", "one iteration",

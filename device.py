@@ -40,10 +40,6 @@ What the shim answers (file:line in megatron-core 0.19.2), and why:
     torch.cuda.Stream / current_stream /       distributed_data_parallel.py:297,               one stream: waits and
     default_stream / stream(s)                 param_and_grad_buffer.py:632 (each grad sync),  syncs are no-ops
                                                686-691,814 (overlapped reduce)
-    Tensor.backward, torch.autograd.backward   schedules.py backward_step; the backward runs   autograd's engine, called
-                                               Python: random.py:647 (recomputation), whose    with the mode on (torch
-                                               causal mask is built on "cuda"                  turns it off inside its
-                                               (transformer/utils.py:39)                       own handler)
     stream.record_event(), event.synchronize() token_dispatcher.py:946,950 (the alltoall       an event that has
                                                dispatcher's split sizes)                       happened
     moe_utils.maybe_move_tensor_to_cpu(        moe_utils.py:1169-1191, read at                 the split sizes as
@@ -58,8 +54,10 @@ What the shim answers (file:line in megatron-core 0.19.2), and why:
     the CPU generator                                                                          generator is the CPU's
 
 `torch.cuda.is_available()` stays False: code that asks it (ours, torch's) still learns the truth. The
-`device=` rewrite is a `torch.overrides.TorchFunctionMode`, so every torch call from Python passes through
-one small function; `python bench.py overhead` measures what that costs (docs/cpu.md).
+`device=` rewrite wraps the torch functions that take a device (`_takes_a_device`) and Tensor's `to`, `cuda` and
+`type`: only those calls pass through Python on their way to torch. (It was a `TorchFunctionMode`, through which
+every torch call and every read of a tensor's attribute passes: 2.4 us a read and 3.5 us an op on this project's
+machine, some 2,000 a step of nanoGPT's small GPT, 6% of train.py's step there; docs/benchmarks.md.)
 
 Beyond the shim, the machines differ in only these, each answered here once:
 
@@ -171,7 +169,6 @@ def _import_cpp_extension_quietly() -> None:
 
 
 _import_cpp_extension_quietly()
-from torch.overrides import TorchFunctionMode
 
 
 def _compile_on_first_call(model=None, **kwargs):
@@ -184,7 +181,7 @@ def _compile_on_first_call(model=None, **kwargs):
     @functools.wraps(model)
     def call(*args, **kw):
         nonlocal compiled
-        if isinstance(_mode, CudaOnCpu):  # in a run on a CPU: as written
+        if _on_cpu:  # in a run on a CPU: as written
             return model(*args, **kw)
         if compiled is None:
             compiled = _torch_compile(model, **kwargs)
@@ -245,7 +242,7 @@ class _GiveWandbWhenImported(importlib.abc.MetaPathFinder):
 
 
 _import_megatron_core()
-_mode = None  # the CudaOnCpu mode, once installed
+_on_cpu = None  # inside shim(): whether it answers CUDA calls on the CPU; None outside
 
 
 def cuda() -> bool:
@@ -292,56 +289,49 @@ _CUDA_TYPE = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor":
               "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
 
 
-def _tensor_backward(tensor, gradient=None, retain_graph=None, create_graph=False, inputs=None):
-    _autograd_backward(tensor, gradient, retain_graph, create_graph, inputs=inputs)
+def _takes_a_device() -> list:
+    """(owner, name) of each torch function megatron-core hands a `device=` or `pin_memory=`: torch's functions that
+    make a tensor on a device (torch's own list, the one `torch.set_default_device` rewrites: torch/utils/_device.py),
+    the `_like` ones and Tensor's `new_*` methods."""
+    from torch.utils._device import _device_constructors
+
+    names = sorted(f.__name__ for f in _device_constructors() if getattr(torch, f.__name__, None) is f)
+    names += [f"{kind}_like" for kind in ("empty", "zeros", "ones", "full", "rand", "randn", "randint")]
+    return [(torch, name) for name in names] + [(torch.Tensor, f"new_{kind}")
+                                                for kind in ("empty", "zeros", "ones", "full", "tensor")]
 
 
-def _autograd_backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, grad_variables=None,
-                       inputs=None):
-    """torch.autograd.backward (autograd/__init__.py:255 in torch 2.13.0) through its own steps: the gradients made
-    by its `_make_grads` (a scalar's 1; a non-scalar without one raises, as torch does), then the engine call
-    (which refuses a count of gradients that is not the count of tensors)."""
-    if grad_tensors is None:
-        grad_tensors = grad_variables  # its deprecated name
-    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
-    inputs = () if inputs is None else (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-    grads = torch.autograd._tensor_or_tensors_to_tuple(grad_tensors, len(tensors))
-    grads = torch.autograd._make_grads(tensors, grads, is_grads_batched=False)
-    torch.autograd.graph._engine_run_backward(tensors, grads, create_graph if retain_graph is None else retain_graph,
-                                              create_graph, inputs, allow_unreachable=True, accumulate_grad=True)
-
-
-_BACKWARD = {torch.Tensor.backward: _tensor_backward, torch.autograd.backward: _autograd_backward}
-
-
-class CudaOnCpu(TorchFunctionMode):
-    """Every torch call from Python passes here: a CUDA `device=` becomes the CPU, `Tensor.cuda()` and
-    `Tensor.to("cuda")` stay where they are, and `Tensor.type()` names the CUDA type megatron-core checks for."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+def _on_the_cpu(function):
+    """`function` with a CUDA `device=` (a name, a torch.device or an ordinal) answered by the CPU, and
+    `pin_memory=True` by pageable memory: page-locked memory is for copies to a GPU, and torch has none without one."""
+    @functools.wraps(function)
+    def call(*args, **kwargs):
         if kwargs:
-            device = kwargs.get("device")
-            if device is not None and _is_cuda(device):
-                kwargs = dict(kwargs, device="cpu")
-            if kwargs.get("pin_memory"):  # page-locked memory is for copies to a GPU; torch has none without one
-                kwargs = dict(kwargs, pin_memory=False)
-        else:
-            kwargs = {}
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func in _BACKWARD:
-            # torch turns a mode off while its handler runs, and a backward runs Python: megatron-core's
-            # recomputation (CheckpointFunction.backward) builds a causal mask on "cuda" there. So the
-            # backward runs here, with the mode on, through the engine call megatron-core's own
-            # custom_backward (schedules.py) makes.
-            with self:
-                return _BACKWARD[func](*args, **kwargs)
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
-            args = (args[0], "cpu", *args[2:])
-        elif func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            return _CUDA_TYPE.get(name, name)
-        return func(*args, **kwargs)
+            if _is_cuda(kwargs.get("device")):
+                kwargs["device"] = "cpu"
+            if kwargs.get("pin_memory"):
+                kwargs["pin_memory"] = False
+        return function(*args, **kwargs)
+
+    return call
+
+
+def _tensor_answers() -> list:
+    """(owner, name, answer) for Tensor's `to`, `cuda` and `type`: a move to a CUDA device stays on the CPU, and a
+    tensor's type is named as its CUDA type (megatron-core checks for "torch.cuda.FloatTensor")."""
+    to, type_ = torch.Tensor.to, torch.Tensor.type
+
+    def to_the_cpu(tensor, *args, **kwargs):
+        if args and _is_cuda(args[0]):
+            args = ("cpu", *args[1:])
+        return to(tensor, *args, **kwargs)
+
+    def cuda_type(tensor, *args, **kwargs):
+        name = type_(tensor, *args, **kwargs)
+        return name if args or kwargs else _CUDA_TYPE.get(name, name)
+
+    return [(torch.Tensor, "to", _on_the_cpu(to_the_cpu)), (torch.Tensor, "cuda", lambda tensor, *args, **kwargs: tensor),
+            (torch.Tensor, "type", cuda_type)]
 
 
 class _Stream:
@@ -481,7 +471,7 @@ def _flash_attn_answers() -> list:
 
 
 def _cpu_answers() -> list:
-    """(owner, name, answer) for each callable the shim replaces: the rows of the table above that are not the mode."""
+    """(owner, name, answer) for each callable the shim replaces: the rows of the table above."""
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
@@ -504,6 +494,8 @@ def _cpu_answers() -> list:
          lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)),
         (moe_utils, "maybe_move_tensor_to_cpu", _split_sizes_on_host),
         (token_dispatcher, "maybe_move_tensor_to_cpu", _split_sizes_on_host),
+        *((owner, name, _on_the_cpu(getattr(owner, name))) for owner, name in _takes_a_device()),
+        *_tensor_answers(),
     ]
 
 
@@ -513,19 +505,19 @@ def shim():
     model loading and generation, peft.py's merge, bench.py), and nothing after it: importing this project leaves
     torch as it was, and a notebook that imports `train` then does its own torch work sees plain torch.
 
-    - Without CUDA, the CPU shim (the table above): the CudaOnCpu mode entered on this thread, torch.cuda's stream,
-      device and RNG calls and megatron-core's three answered on the CPU, and any function megatron-core decorated
-      with the real torch.compile (when it was imported before this module) run as written, as `_compile_on_first_call`
-      runs them: the numbers do not depend on the import order.
+    - Without CUDA, the CPU shim (the table above): torch's functions that take a device, Tensor's `to`, `cuda` and
+      `type`, torch.cuda's stream, device and RNG calls and megatron-core's three answered on the CPU, and any
+      function megatron-core decorated with the real torch.compile (when it was imported before this module) run as
+      written, as `_compile_on_first_call` runs them: the numbers do not depend on the import order.
     - Without flash-attn, the two kernels of megatron-core's flash decoding (`_flash_attn_answers`).
 
-    Each replaced name is put back on exit, and the mode left. Nested uses are one: the outermost installs and
-    removes."""
-    global _mode
-    if _mode is not None:  # already installed by an enclosing run
+    Each replaced name is put back on exit (for every thread: the names are torch's). Nested uses are one: the
+    outermost installs and removes."""
+    global _on_cpu
+    if _on_cpu is not None:  # already installed by an enclosing run
         yield
         return
-    replaced = [(owner, name, getattr(owner, name), answer)
+    replaced = [(owner, name, vars(owner).get(name, _INHERITED), answer)
                 for owner, name, answer in (_cpu_answers() if not cuda() else []) + _flash_attn_answers()]
     for owner, name, _, answer in replaced:
         setattr(owner, name, answer)
@@ -535,18 +527,19 @@ def shim():
                                           "CPU RNG state changed within GPU RNG context"))
             if "torch._dynamo" in sys.modules:  # something was torch.compile'd: megatron-core's kernels run as written
                 stack.enter_context(torch.compiler.set_stance("force_eager"))
-            _mode = stack.enter_context(CudaOnCpu())
-        else:
-            _mode = _NO_MODE
+        _on_cpu = not cuda()
         try:
             yield
         finally:
-            _mode = None
+            _on_cpu = None
             for owner, name, original, _ in reversed(replaced):
-                setattr(owner, name, original)
+                if original is _INHERITED:  # Tensor's methods are TensorBase's: the class gets its own back
+                    delattr(owner, name)
+                else:
+                    setattr(owner, name, original)
 
 
-_NO_MODE = object()  # the shim's state on a GPU: installed, with no mode to enter
+_INHERITED = object()  # a replaced name its owner did not hold itself (Tensor.to is TensorBase's)
 
 
 @contextlib.contextmanager

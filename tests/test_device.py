@@ -94,6 +94,24 @@ def test_inside_the_shim_backward_errors_are_torchs():
     """)
 
 
+def test_the_shim_answers_cuda_calls_without_putting_every_torch_call_through_python():
+    """The CUDA calls megatron-core makes land on the CPU, with no TorchFunctionMode on the stack: through one, every
+    op and every read of a tensor's attribute would pass through Python (docs/benchmarks.md: 6% of a small GPT's
+    step). Outside the shim, torch's names are its own again."""
+    _python("""
+        import torch, device
+        with device.shim():
+            assert torch._C._len_torch_function_stack() == 0
+            x = torch.ones(2, device="cuda")
+            made = [x, torch.zeros(2, device=0), torch.empty_like(x, device=torch.device("cuda", 0)),
+                    x.new_zeros(2, device="cuda:0"), x.to("cuda"), x.to(0, torch.float16), x.to(device="cuda"), x.cuda(),
+                    torch.tensor([1.0], device="cuda", pin_memory=True)]
+            assert [t.device.type for t in made] == ["cpu"] * len(made)
+            assert (x.type(), x.to(0, torch.float16).type()) == ("torch.cuda.FloatTensor", "torch.cuda.HalfTensor")
+        assert "to" not in vars(torch.Tensor) and torch.zeros is torch._C._VariableFunctions.zeros
+    """, plain_after=True)
+
+
 def test_megatron_cores_fused_kernels_run_as_written_whatever_the_import_order():
     """megatron-core imported before device.py decorates its kernels with the real torch.compile; in a run on a CPU
     they run as written all the same (no graph compiled), so the numbers do not depend on the import order."""

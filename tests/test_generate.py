@@ -14,7 +14,7 @@ import torch
 
 import yaml
 
-from conftest import LLAMA_FLAGS, TINY, torchrun
+from conftest import ATTENTION_BACKEND_ENVIRONMENT, LLAMA_FLAGS, TINY, torchrun
 
 
 def one_process_world_ends():
@@ -96,7 +96,7 @@ def test_kv_cached_decoding_gives_the_full_forward_tokens_past_the_context(kind,
     load = {"gpt2": str(mock_run["dir"] / "ckpt"), "llama": llama_ckpt}.get(kind) or moe_ckpts[kind]
     load = with_attention_backend(load, backend, tmp_path)
     model, tokenizer, cfg = generate.load_model(load)
-    assert cfg.model.attention_backend == backend and model.max_sequence_length == 64
+    assert cfg.model.attention_backend.name == backend and model.max_sequence_length == 64  # megatron-core's AttnBackend
     assert (cfg.model.position_embedding_type, cfg.model.num_query_groups, cfg.model.num_moe_experts) == \
         {"gpt2": ("learned_absolute", 4, None), "llama": ("rope", 2, None), "mixtral": ("rope", 2, 4)}[kind]
     never_stops = types.SimpleNamespace(vocab_size=tokenizer.vocab_size, eod=-1)  # all 300 tokens, no early end
@@ -144,6 +144,8 @@ def random_model(flags, gpu: bool = False):
     if not torch.distributed.is_initialized():
         initialize_distributed(cfg)
     set_random_seed(cfg.rng.seed)
+    for name in ATTENTION_BACKEND_ENVIRONMENT:  # one backend per process in megatron-core: each model as a fresh one's
+        os.environ.pop(name, None)
     return build_model(cfg, data.embedding_rows(data.ByteTokenizer()))[0].eval().requires_grad_(False)
 
 

@@ -17,6 +17,9 @@ ROW = re.compile(r"^\| `(\w+)` \| (?:`(\w+)\.py:(\w+)`|—) \|(.*)\|$", re.M)
 def readme_rows() -> dict:
     text = open(os.path.join(ROOT, "docs", "bridge-map.md")).read()
     section = text.split("# Where each Bridge function and class lives", 1)[1].split("\n## ", 1)[0]
+    # a row the pattern does not read (say `module.py:Class.method`) would silently drop out of both tests
+    unread = [line for line in section.splitlines() if line.startswith("| `") and not ROW.match(line)]
+    assert not unread, f"rows of docs/bridge-map.md not in the form | `name` | `module.py:symbol` or — | note |: {unread}"
     return {m[0]: (m[1], m[2], m[3]) for m in ROW.findall(section)}
 
 

@@ -421,7 +421,7 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
         if ck.async_save:
             # megatron-core copies the shards to host memory now and writes them in a background
             # process; its own finalize step (metadata) runs first, then our publish, on every rank.
-            # async_strategy: nvrx (nvidia-resiliency-ext's writer), or mcore, which config.py derives when that
+            # async_strategy: nvrx (nvidia-resiliency-ext's writer), or mcore, which checks.py derives when that
             # package is missing (the seed's fallback); megatron-core itself would raise instead.
             request = dist_checkpointing.save(sharded, directory, strategy, async_sharded_save=True,
                                               content_metadata=metadata, async_strategy=ck.async_strategy)

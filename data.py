@@ -494,7 +494,7 @@ class SFTDataset(torch.utils.data.Dataset):
 
 def build_sft_datasets(cfg, tokenizer) -> list:
     """Train/validation/test SFTDatasets from JSONL: per-split paths (a FinetuningDatasetConfig's dataset_root
-    names them, config.derive_data), or one set of paths cut by --split; a split from Bridge's packed-sequence
+    names them, checks.derive_data), or one set of paths cut by --split; a split from Bridge's packed-sequence
     files when packed_sequence_specs names them."""
     d, m = cfg.dataset, cfg.model
     keys = getattr(d, "dataset_kwargs", None) or {}
@@ -747,7 +747,7 @@ def build_data_loader(dataset, consumed_samples: int, cfg, seed_offset: int = 0)
     # Its own generator: a DataLoader otherwise draws its worker seed from the global torch RNG when
     # iterated, which would shift the dropout stream of a resumed run by one draw (Megatron Bridge #5257).
     generator = torch.Generator().manual_seed(cfg.rng.seed + seed_offset)
-    # pin_memory: derived False without a GPU (config.py); persistent_workers: torch refuses it without workers.
+    # pin_memory: derived False without a GPU (checks.py); persistent_workers: torch refuses it without workers.
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers, generator=generator,
                                        pin_memory=getattr(cfg.dataset, "pin_memory", device.cuda()),
                                        persistent_workers=getattr(cfg.dataset, "persistent_workers", True) and workers > 0,

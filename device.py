@@ -66,8 +66,8 @@ Beyond the shim, the machines differ in only these, each answered here once:
     this process's device      its rank's GPU (LOCAL_RANK)          the CPU              (`bind_local_gpu()`)
     collective backend         nccl                                 gloo                 (`backend()`)
     where a batch lives        the local GPU (copied, non-blocking)  where it is          (`to_device()`)
-    layer implementation       transformer-engine if installed      megatron-core local  (config.validate)
-    GPU-only features          TE (its norms, its p2p/a2a context-  one-line error       (config.validate)
+    layer implementation       transformer-engine if installed      megatron-core local  (checks.validate)
+    GPU-only features          TE (its norms, its p2p/a2a context-  one-line error       (checks.validate)
                                parallel attention), nccl, Nsight,
                                CUDA memory history
     sequence parallelism       TE's norms (weights marked           model.Norm: torch's  (model.layer_spec)
@@ -127,7 +127,7 @@ NOT_THE_USERS = [
     (FutureWarning, r"`torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"),
     # torch_dist checkpoints are built of torch's ShardedTensor (megatron/core/dist_checkpointing/strategies/torch.py:233).
     (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),
-    # Validation runs megatron-core's dataset post-init (config.check_data) before any process group, and its logging
+    # Validation runs megatron-core's dataset post-init (checks.check_data) before any process group, and its logging
     # looks the rank up (megatron/core/_rank_utils.py:39), which it then takes as 0: the right rank to log on.
     (UserWarning, r"Could not determine rank from torch.distributed"),
 ]
@@ -144,7 +144,7 @@ NOT_THE_USERS_RECORDS = {
     "megatron.core.rerun_state_machine": "RerunStateMachine initialized in mode RerunMode.DISABLED",
     # Every synchronous save runs megatron-core's async path as "mcore", asked or not
     # (megatron/core/dist_checkpointing/strategies/torch.py:725-728); an --async-save that falls back to mcore is
-    # named in the printed config (config.py).
+    # named in the printed config (checks.py).
     "megatron.core.dist_checkpointing.strategies.torch": "MCore's async save is deprecated",
     # --mock-data without --data-cache-path: synthetic indexes, rebuilt in moments, need no cache.
     "megatron.core.datasets.gpt_dataset": "Unable to save MockGPTDataset indexes because path_to_cache is None",
@@ -251,7 +251,7 @@ def cuda() -> bool:
 
 
 def bind_local_gpu(gpu_visible: bool, external_mapping: bool = False) -> None:
-    """Bind this process to its rank's GPU (LOCAL_RANK) when the config saw one (config.gpu_visible, asked
+    """Bind this process to its rank's GPU (LOCAL_RANK) when the config saw one (checks.gpu_visible, asked
     without torch), or to device 0 when the launcher gave each process its own GPU (Bridge's
     external_gpu_device_mapping); a GPU this torch cannot use (a CPU-only build) is a one-line error. Nothing on
     a CPU."""

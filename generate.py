@@ -28,7 +28,8 @@ import os
 import sys
 import types
 
-import config as config_lib
+import config as config_lib  # first: it quiets megatron-core's import-time notices (device.py)
+import checks
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,7 +153,7 @@ def inference_config(directory: str, world_size: int, expert_parallel: int = 1) 
     cfg.dataset.mock = True  # no data is read; this only spares the data checks
     cfg.train.train_iters = 0  # nor trained: the memory check counts the weights alone
     cfg.checkpoint.save = cfg.logger.tensorboard_dir = None
-    return config_lib.validate(cfg, world_size=world_size)
+    return checks.validate(cfg, world_size=world_size)
 
 
 @device.in_shim  # megatron-core on this machine, for the call (device.py)
@@ -165,7 +166,7 @@ def load_model(load: str, ckpt_step=None, text: bool = False, expert_parallel: i
         raise checkpoint.CheckpointError(f"--load {load}: no {checkpoint.TRACKER} and not an iter_* directory")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = inference_config(directory, world_size, expert_parallel)
-    config_lib.check_fits_in_memory(cfg)  # its weights, on this machine
+    checks.check_fits_in_memory(cfg)  # its weights, on this machine
     if not torch.distributed.is_initialized():
         initialize_distributed(cfg)
     set_random_seed(cfg.rng.seed)

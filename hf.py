@@ -43,7 +43,8 @@ import shutil
 import sys
 import types
 
-import config as config_lib
+import config as config_lib  # first: it quiets megatron-core's import-time notices (device.py)
+import checks
 
 
 # Our name of each layout, and its transformers model_type and class.
@@ -726,7 +727,7 @@ def import_hf(directory: str, save: str) -> str:
         flags += ["--tokenizer-type", "NullTokenizer", "--vocab-size", hf["vocab_size"]]
     flags += ["--transformer-impl", "local", "--mock-data", "--save", save, "--train-iters", "0"]
     cfg = config_lib.config_from_flags([str(f) for f in flags], world_size=1)
-    config_lib.check_fits_in_memory(cfg)  # its weights, on this machine
+    checks.check_fits_in_memory(cfg)  # its weights, on this machine
     files = safetensors_files(directory)
     check_experts(files, hf, layout, path)
     if not torch.distributed.is_initialized():

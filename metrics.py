@@ -497,7 +497,7 @@ class Writers:
 def build_writers(cfg):
     """Writers for --tensorboard-dir, --wandb-project, --mlflow-experiment and --comet-project, on the last
     rank (where Megatron writes, and where the loss is known); None on other ranks or when none is asked for.
-    Each tracker's package is imported only here, when asked for (config.validate checked it imports)."""
+    Each tracker's package is imported only here, when asked for (checks.validate checked it imports)."""
     if not writers_configured(cfg.logger) or not is_last_rank():
         return None
     tensorboard = tensorboard_writer(cfg)
@@ -977,7 +977,7 @@ def _grad_of(p):
 
 # --------------------------------------------------------------------------------------------------
 # Theoretical memory (Bridge's theoretical_memory_utils, the seed page; Megatron-LM theoretical_memory_usage.py;
-# Korthikanti et al. 2022). One count for the report and config.py's check_fits_in_memory.
+# Korthikanti et al. 2022). One count for the report and checks.py's check_fits_in_memory.
 # --------------------------------------------------------------------------------------------------
 
 NUM_BYTES_IN_MEGABYTE = 1024 * 1024
@@ -1030,7 +1030,7 @@ def layer_parameters(m) -> list:
 
 def parameters_per_stage(config, padded_vocab: int) -> tuple:
     """(parameters in the transformer layers, in the whole model, [(non-expert, expert) parameters of one rank of
-    each pipeline stage]): the one parameter count, of the theoretical memory report and of config.py's fit check.
+    each pipeline stage]): the one parameter count, of the theoretical memory report and of checks.py's fit check.
 
     Parameters: each layer's (layer_parameters) plus the final norm, plus the h x vocab embedding (twice if
     untied), plus multi-token prediction's modules on the last stage. A stage holds its layers (uneven with
@@ -1154,7 +1154,7 @@ def compute_activation_memory(config, num_microbatches, verbose: bool = False) -
 def activation_floor(config, padded_vocab: int) -> float:
     """Bytes of activations a rank surely holds, whatever its attention kernel, recomputation and schedule: one
     microbatch's fp32 logits (its vocabulary share) and, per layer of its stage, 2h values a token. Far below
-    compute_activation_memory, which assumes what a kernel keeps: config.py's fit check refuses only what cannot fit."""
+    compute_activation_memory, which assumes what a kernel keeps: checks.py's fit check refuses only what cannot fit."""
     m, t = config.model, config.train
     tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
     return (m.seq_length // cp) * t.micro_batch_size * (padded_vocab // tp + 2 * m.hidden_size * m.num_layers // pp) * 4

@@ -34,7 +34,8 @@ from __future__ import annotations
 import os
 import sys
 
-import config as config_lib
+import config as config_lib  # first: it quiets megatron-core's import-time notices (device.py)
+import checks
 
 if __name__ == "__main__":
     # Parse and validate before the imports below: `--help` and a bad flag answer in a fraction of a
@@ -193,7 +194,7 @@ def finetune(config: ConfigContainer, forward_step_func: Optional[Callable] = No
 
 def setup(cfg: ConfigContainer):
     """Everything before the first step. Returns (state, model, optimizer, scheduler, iterators)."""
-    config_lib.check_fits_in_memory(cfg)  # a run this machine cannot hold stops here, in one line
+    checks.check_fits_in_memory(cfg)  # a run this machine cannot hold stops here, in one line
     setup_logging(cfg.logger.logging_level)
     apply_deterministic_mode(cfg)
     check_emerging_optimizer_installed(cfg)  # what the installed package lacks, before any process group or model
@@ -221,7 +222,7 @@ def setup(cfg: ConfigContainer):
         cfg.padded_vocab_size = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by,
                                                   m.tensor_model_parallel_size)
         if metrics.is_rank_0():
-            config_lib.print_config(cfg)
+            checks.print_config(cfg)
         if cfg.train.exit_signal_handler:
             state.signal_handler = DistributedSignalHandler(cfg.train.exit_signal)
         profiling.start_memory_history_recording(cfg.profiling)  # before the model: its allocations in the history
@@ -318,12 +319,12 @@ def apply_deterministic_mode(cfg: ConfigContainer) -> None:
     """
     if not cfg.model.deterministic_mode:
         return
-    for name, value in config_lib.DETERMINISM_ENV_DEFAULTS.items():
+    for name, value in checks.DETERMINISM_ENV_DEFAULTS.items():
         os.environ.setdefault(name, value)
     torch.use_deterministic_algorithms(True)
     if os.environ.get("RANK", "0") == "0":
         print(" > deterministic mode: torch.use_deterministic_algorithms(True), "
-              + ", ".join(f"{k}={os.environ[k]}" for k in config_lib.DETERMINISM_ENV_DEFAULTS), flush=True)
+              + ", ".join(f"{k}={os.environ[k]}" for k in checks.DETERMINISM_ENV_DEFAULTS), flush=True)
 
 
 class DistributedSignalHandler:

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+import checks
 import config
 from conftest import ROOT, config_error
 
@@ -97,7 +98,7 @@ def test_megatron_lm_cpu_command_line_switches_are_accepted_and_named_as_inert(s
                 "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion"]
     cfg = config.parse_args([*switches, "--use-cpu-initialization"], world_size=1, gpu=True)
     out = io.StringIO()
-    config.print_config(cfg, out)
+    checks.print_config(cfg, out)
     assert out.getvalue().count(" inert here (fused GPU kernels the local layers never use): "
                                 + " ".join(switches) + "\n") == 1
     assert transformer_config(cfg).use_cpu_initialization
@@ -306,9 +307,9 @@ def test_a_run_that_does_not_train_needs_room_for_its_weights_alone():
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     hidden = int(math.sqrt(ram / 8 / 24)) // 64 * 64  # 2 layers of ~12 h^2 parameters: weights ~ RAM / 2
     flags = ["--num-layers", "2", "--hidden-size", str(hidden), "--num-attention-heads", "4", "--mock-data"]
-    config.check_fits_in_memory(config.config_from_flags([*flags, "--train-iters", "0"], world_size=1, gpu=False))
+    checks.check_fits_in_memory(config.config_from_flags([*flags, "--train-iters", "0"], world_size=1, gpu=False))
     with pytest.raises(config.ConfigError, match="for its weights, gradients, optimizer state and one microbatch"):
-        config.check_fits_in_memory(config.config_from_flags(flags, world_size=1, gpu=False))
+        checks.check_fits_in_memory(config.config_from_flags(flags, world_size=1, gpu=False))
 
 
 def test_the_fit_check_and_the_theoretical_memory_report_are_one_count(capsys):
@@ -337,9 +338,9 @@ def test_the_fit_check_and_the_theoretical_memory_report_are_one_count(capsys):
         hidden -= 64
     while report(hidden + 64) <= ram:
         hidden += 64
-    config.check_fits_in_memory(cfg_of(hidden))
+    checks.check_fits_in_memory(cfg_of(hidden))
     with pytest.raises(config.ConfigError, match="for its weights, gradients, optimizer state") as refused:
-        config.check_fits_in_memory(cfg_of(hidden + 64))
+        checks.check_fits_in_memory(cfg_of(hidden + 64))
     report(hidden + 64)
     printed = re.findall(r"total: ([\d.]+)M", capsys.readouterr().out)[-1]  # the report's count, in millions
     named = int(re.search(r"\(([\d,]+) parameters", str(refused.value))[1].replace(",", ""))
@@ -428,7 +429,7 @@ def test_deterministic_mode_refuses_a_nondeterministic_environment(name, value, 
 
 
 def test_deterministic_mode_accepts_the_deterministic_environment(monkeypatch):
-    for name, value in config.DETERMINISM_ENV_DEFAULTS.items():
+    for name, value in checks.DETERMINISM_ENV_DEFAULTS.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("NCCL_ALGO", "Ring,^NVLS")
     assert parse(["--deterministic-mode"]).model.deterministic_mode
@@ -444,7 +445,7 @@ SERVICES = [  # (how it is enabled, the package named)
 
 @pytest.mark.parametrize("argv, yaml_text, package", SERVICES)
 def test_enabling_an_nvidia_service_names_its_package(argv, yaml_text, package, tmp_path, capsys):
-    if config.package_installed(package.replace("-", "_")):
+    if checks.package_installed(package.replace("-", "_")):
         pytest.skip(f"{package} is installed here; the message then says this loop does not run the service")
     if yaml_text:
         (tmp_path / "services.yaml").write_text(yaml_text)
@@ -471,8 +472,8 @@ def test_log_non_default_values_switches_the_printed_config():
 
     argv = ["--num-layers", "2", "--train-samples", "64", "--global-batch-size", "8", "--micro-batch-size", "4"]
     full, summary = io.StringIO(), io.StringIO()
-    config.print_config(parse(argv), file=full)
-    config.print_config(parse(argv + ["--log-non-default-values"], world_size=2), file=summary)
+    checks.print_config(parse(argv), file=full)
+    checks.print_config(parse(argv + ["--log-non-default-values"], world_size=2), file=summary)
     full, summary = full.getvalue(), summary.getvalue()
     assert "  model.hidden_size ...." in full and "Non-Default" not in full
     assert "[model] Non-default values:\n" in summary and "  num_layers: 2  (default: 4)\n" in summary
@@ -537,7 +538,7 @@ def test_bridge_sections_refuse_with_one_line_naming_the_section(tmp_path, capsy
 
 def test_bridge_dataset_classes_and_runtime_config_update():
     mock = config.ConfigContainer(dataset=config.MockGPTDatasetConfig(num_workers=0))
-    assert config.runtime_config_update(mock, world_size=1, gpu=False) is mock
+    assert checks.runtime_config_update(mock, world_size=1, gpu=False) is mock
     assert mock.dataset.mock and isinstance(mock.dataset, config.GPTDatasetConfig)
     sft = config.FinetuningDatasetConfig(data_path=["train.jsonl"])
     assert sft.sft and isinstance(sft, config.DataloaderConfig) and sft.num_workers == 2

@@ -1,5 +1,5 @@
-"""config.py's validation in two passes: derive (every fill-in and rewrite, each named in the printed config), then
-check (conditions that change nothing). Imports neither torch nor megatron-core."""
+"""checks.py: validation in two passes: derive (every fill-in and rewrite, each named in the printed config), then
+check (conditions that change nothing)."""
 
 import ast
 import copy
@@ -9,6 +9,7 @@ import pathlib
 
 import pytest
 
+import checks
 import config
 from conftest import ROOT
 
@@ -27,7 +28,7 @@ COMMAND_LINES = [
 def unvalidated(argv, monkeypatch):
     """The container as the command line sets it, before validation (config_from_flags with validate held back)."""
     with monkeypatch.context() as m:
-        m.setattr(config, "validate", lambda cfg, world_size=None, gpu=None: cfg)
+        m.setattr(checks, "validate", lambda cfg, world_size=None, gpu=None: cfg)
         return config.config_from_flags(argv)
 
 
@@ -40,12 +41,12 @@ def settings(cfg):
 def test_every_value_validation_changes_is_named_in_the_printed_config(argv, monkeypatch):
     cfg = unvalidated(argv, monkeypatch)
     before = settings(cfg)
-    config.validate(cfg, world_size=2, gpu=False)
+    checks.validate(cfg, world_size=2, gpu=False)
     after = settings(cfg)
     changed = {name for name in after if after[name] != before[name] or type(after[name]) is not type(before[name])}
     assert changed and changed == set(cfg.derived)  # nothing changes unnamed, nothing named is unchanged
     out = io.StringIO()
-    config.print_config(cfg, out)
+    checks.print_config(cfg, out)
     for setting, (value, why) in cfg.derived.items():
         assert after[setting] == value
         assert f"  derived: {setting} = {value!r} ({why})" in out.getvalue()
@@ -55,9 +56,9 @@ def test_every_value_validation_changes_is_named_in_the_printed_config(argv, mon
 def test_check_changes_nothing_and_derive_is_done_once(argv):
     cfg = config.parse_args(argv, world_size=2, gpu=False)
     validated = copy.deepcopy(cfg)
-    config.check(cfg)
+    checks.check(cfg)
     assert cfg == validated
-    config.derive(cfg)  # a second pass finds everything derived already (run_config.yaml is validated again on load)
+    checks.derive(cfg)  # a second pass finds everything derived already (run_config.yaml is validated again on load)
     assert cfg == validated
 
 
@@ -79,7 +80,7 @@ def test_a_derived_value_is_not_blamed_on_a_flag_nobody_gave(capsys):
 
 
 def _functions(*prefixes):
-    tree = ast.parse(pathlib.Path(ROOT, "config.py").read_text())
+    tree = ast.parse(pathlib.Path(ROOT, "checks.py").read_text())
     return [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.startswith(prefixes)]
 
 

@@ -4,6 +4,7 @@ run_config.yaml, both recorded before the move in tests/fixtures/config_before/)
 
 import os
 
+import checks
 import config
 
 BEFORE = os.path.join(os.path.dirname(__file__), "fixtures", "config_before")
@@ -91,14 +92,14 @@ def test_megatron_cores_own_refusals_are_one_line():
     cfg.model.recompute_granularity = "full"  # without a recompute method
     with pytest.raises(config.ConfigError, match="^megatron-core's TransformerConfig refuses these settings: Using "
                                                  "recompute_granularity: full so recompute_method must be"):
-        config.check_transformer_config(cfg)
+        checks.check_transformer_config(cfg)
     cfg = copy.deepcopy(base)
     cfg.optimizer.use_precision_aware_optimizer = True  # a megatron-core field this trainer does not act on
     with pytest.raises(config.ConfigError, match="^optimizer.use_precision_aware_optimizer True is not supported"):
-        config.check_mcore_fields(cfg)
+        checks.check_mcore_fields(cfg)
     cfg = copy.deepcopy(base)
     cfg.optimizer.optimizer = "sgd"
     cfg.optimizer.use_precision_aware_optimizer = True
     with pytest.raises(config.ConfigError, match="^megatron-core's OptimizerConfig refuses these settings: "
                                                  "--use-precision-aware-optimizer only supported with adam"):
-        config.require_finalizes(cfg.optimizer)
+        checks.require_finalizes(cfg.optimizer)

@@ -18,6 +18,7 @@ import sys
 
 import pytest
 
+import checks
 import config
 import megatron_lm_flags
 from conftest import ROOT, TINY, config_error
@@ -43,20 +44,20 @@ def unknown_flags(argv: list) -> list:
 @pytest.fixture
 def without_te(monkeypatch):
     """This machine as one without transformer-engine, whatever is installed."""
-    real = config.package_installed
-    monkeypatch.setattr(config, "package_installed", lambda module: module != "transformer_engine" and real(module))
+    real = checks.package_installed
+    monkeypatch.setattr(checks, "package_installed", lambda module: module != "transformer_engine" and real(module))
 
 
 @pytest.fixture
 def with_te(monkeypatch):
     """This machine as a GPU machine with transformer-engine installed (validation only looks the package up)."""
-    real = config.package_installed
-    monkeypatch.setattr(config, "package_installed", lambda module: module == "transformer_engine" or real(module))
+    real = checks.package_installed
+    monkeypatch.setattr(checks, "package_installed", lambda module: module == "transformer_engine" or real(module))
 
 
 def printed_config(cfg) -> str:
     out = io.StringIO()
-    config.print_config(cfg, out)
+    checks.print_config(cfg, out)
     return out.getvalue()
 
 
@@ -266,7 +267,7 @@ def test_inert_switches_are_named_once_and_only_where_they_are_inert(with_te):
                      "trainer): " + " ".join(other)]
     # transformer-engine layers: --attention-backend picks TE's kernel, it is not inert
     cfg = config.parse_args(["--attention-backend", "flash"], world_size=1, gpu=True)
-    assert cfg.model.transformer_impl == "transformer_engine" and config.inert_flags(cfg) == []
+    assert cfg.model.transformer_impl == "transformer_engine" and checks.inert_flags(cfg) == []
     assert "inert here" not in printed_config(config.parse_args([], world_size=1, gpu=False))
 
 
@@ -1013,7 +1014,7 @@ def test_every_inert_flag_is_accepted_and_named_once_as_given():
 ])
 def test_settings_named_inert_exactly_where_they_change_nothing(argv, gpu, inert):
     cfg = config.parse_args([*argv, "--transformer-impl", "local"], world_size=1, gpu=gpu)
-    assert config.inert_flags(cfg) == ([inert] if inert else [])
+    assert checks.inert_flags(cfg) == ([inert] if inert else [])
 
 
 # Megatron-LM flags refused by name, with what the one line says after the flag.

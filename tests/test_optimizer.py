@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+import checks
 import config
 from conftest import TINY, config_error, torchrun
 
@@ -206,15 +207,15 @@ def test_distributed_optimizer_setting_is_kept_in_sync_between_ddp_and_optimizer
     assert cfg.ddp.use_distributed_optimizer and cfg.optimizer.use_distributed_optimizer
     cfg = config.ConfigContainer()
     cfg.ddp.use_distributed_optimizer = True  # as a YAML file or Python could set it
-    config.validate(cfg, world_size=1, gpu=True)
+    checks.validate(cfg, world_size=1, gpu=True)
     assert cfg.optimizer.use_distributed_optimizer
     assert "disagreed; using the distributed optimizer for both" in capsys.readouterr().err
     cfg = config.ConfigContainer()
-    config.validate(cfg, world_size=1, gpu=True)
+    checks.validate(cfg, world_size=1, gpu=True)
     assert not cfg.ddp.use_distributed_optimizer and not cfg.optimizer.use_distributed_optimizer
     cfg = config.ConfigContainer()
     cfg.ddp.use_distributed_optimizer = True  # on CPU too: megatron-core's distributed optimizer runs there
-    config.validate(cfg, world_size=1, gpu=False)
+    checks.validate(cfg, world_size=1, gpu=False)
     assert cfg.optimizer.use_distributed_optimizer
 
 

@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+import checks
 import config
 from conftest import REORDERED, TINY, config_error, log_lines, torchrun
 
@@ -176,6 +177,6 @@ def test_finetune_from_python_with_a_lora_config(lora_run, mock_run, tmp_path):
     cfg.model.num_layers, cfg.model.hidden_size, cfg.model.seq_length, cfg.train.micro_batch_size = 2, 64, 64, 2
     cfg.train.train_iters, cfg.train.eval_iters = 3, 0
     cfg.checkpoint.pretrained_checkpoint, cfg.checkpoint.save = str(mock_run["dir"] / "ckpt"), str(tmp_path / "lora")
-    state = train.finetune(config.runtime_config_update(cfg, world_size=1, gpu=False))
+    state = train.finetune(checks.runtime_config_update(cfg, world_size=1, gpu=False))
     assert state.train_state.step == 3 and cfg.trainable_fraction < 0.1
     assert (tmp_path / "lora" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"

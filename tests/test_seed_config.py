@@ -10,6 +10,7 @@ import re
 
 import pytest
 
+import checks
 import config
 from conftest import ROOT
 
@@ -43,7 +44,7 @@ DIFFERENCES = {
     # Settings of the whole run that live in one section here.
     ("FinetuningDatasetConfig", "seq_length"): "model.seq_length (--seq-length) is the one sequence length",
     ("FinetuningDatasetConfig", "seed"): "rng.seed (--seed, default 1234) seeds the data too",
-    ("FinetuningDatasetConfig", "dataloader_type"): "None: 'batch' is derived for --sft (config.derive_data)",
+    ("FinetuningDatasetConfig", "dataloader_type"): "None: 'batch' is derived for --sft (checks.derive_data)",
 }
 
 
@@ -181,7 +182,7 @@ def test_writers_per_rank_set_the_number_of_files_of_a_save(tmp_path):
 
 
 def test_async_strategy_nvrx_falls_back_to_mcore_without_nvidia_resiliency_ext():
-    why = config.nvrx_async_unusable()
+    why = checks.nvrx_async_unusable()
     if why is None:
         pytest.skip("nvidia-resiliency-ext 0.6+ is installed: nvrx is used as given")
     cfg = config.parse_args(["--mock-data", "--async-save"], world_size=1, gpu=False)

@@ -262,10 +262,7 @@ def check_architecture(cfg: ConfigContainer) -> None:
                 f"{flag} changes the rotary embedding, but --position-embedding-type is {m.position_embedding_type}; "
                 f"add --position-embedding-type rope or drop it")
     if m.no_rope_freq is not None:
-        pattern = layer_pattern(m.no_rope_freq, "--no-rope-freq", m.num_layers)
-        require(not isinstance(pattern, int) or m.num_layers % pattern == 0,
-                f"--no-rope-freq {pattern} must divide --num-layers {m.num_layers} (megatron-core repeats its pattern "
-                f"over the layers)")
+        layer_pattern(m.no_rope_freq, "--no-rope-freq", m.num_layers)  # that it divides the layers: megatron-core's
     if m.window_attn_skip_freq is not None:
         require(m.window_size is not None, "--window-attn-skip-freq picks the layers of --window-size's sliding "
                                            "window; add --window-size or drop it")
@@ -324,8 +321,6 @@ def check_parallelism(cfg: ConfigContainer) -> None:
     require(cfg.world_size % mp == 0,
             f"tensor ({tp}) x pipeline ({pp}) x context ({cp}) parallel sizes = {mp} do not divide the world size "
             f"{cfg.world_size}; launch a multiple of {mp} processes or reduce the parallel sizes")
-    require(m.num_attention_heads % tp == 0,
-            f"--tensor-model-parallel-size {tp} must divide --num-attention-heads {m.num_attention_heads}")
     require(m.num_query_groups % tp == 0,
             f"--tensor-model-parallel-size {tp} must divide the number of query groups {m.num_query_groups}")
     check_pipeline_split(cfg)
@@ -347,11 +342,6 @@ def check_pipeline_split(cfg: ConfigContainer) -> None:
     uneven = any(n is not None for n in (m.num_layers_in_first_pipeline_stage, m.num_layers_in_last_pipeline_stage))
     require(pp > 1 or not uneven, "--decoder-first/last-pipeline-num-layers set a pipeline stage's layers; add "
                                   "--pipeline-model-parallel-size 2 or more")
-    for flag, n in (("first", m.num_layers_in_first_pipeline_stage), ("last", m.num_layers_in_last_pipeline_stage)):
-        # megatron-core's TransformerConfig raises on every rank (transformer_config.py:1998, 2017); a multi-token
-        # prediction layer does not make the last stage (megatron-core puts it after the decoder's last layer there)
-        require(n is None or n > 0, f"--decoder-{flag}-pipeline-num-layers {n}: the {flag} pipeline stage needs a "
-                                    f"decoder layer; give it 1 or more")
     stages = pipeline_stage_layers(m)
     split = "the layers the first/last stages leave" if uneven else "--num-layers"
     require(sum(stages) == m.num_layers and min(stages) >= 0,
@@ -374,9 +364,6 @@ def check_virtual_pipeline(cfg: ConfigContainer) -> None:
     require(n > 0 and (m.num_layers // pp) % n == 0,
             f"--num-layers-per-virtual-pipeline-stage {n} must divide the {m.num_layers // pp} layers of each pipeline "
             f"stage (--num-layers {m.num_layers} / --pipeline-model-parallel-size {pp})")
-    require(m.overlap_p2p_comm or not m.overlap_p2p_comm_warmup_flush,
-            "--overlap-p2p-communication-warmup-flush overlaps p2p communication; drop it or "
-            "--no-overlap-p2p-communication")
     # megatron-core defect (README: defects): with 2 pipeline ranks the previous and the next rank are one
     # peer, and a batch of sends and receives to it pairs them in posting order, so activations land in gradient
     # buffers (p2p_communication.py:17-52). Megatron-LM asks for more than 2 ranks here too.
@@ -397,7 +384,6 @@ def check_recompute(cfg: ConfigContainer) -> None:
     require(m.recompute_granularity == "full" or not (m.recompute_method or m.recompute_num_layers),
             "--recompute-method and --recompute-num-layers need --recompute-granularity full")
     if m.recompute_granularity == "full":
-        require(m.recompute_method is not None, "--recompute-granularity full needs --recompute-method uniform or block")
         most = max(pipeline_stage_layers(m)) if m.recompute_method == "block" else m.num_layers
         require(m.recompute_num_layers <= most,
                 f"--recompute-num-layers {m.recompute_num_layers} is more than the {most} layers "
@@ -466,8 +452,6 @@ def check_moe(cfg: ConfigContainer) -> None:
             f"expert tensor ({etp}) x expert ({ep}) x pipeline ({pp}) parallel sizes = {etp * ep * pp} do not divide "
             f"the world size {cfg.world_size}; launch a multiple of {etp * ep * pp} processes")
     if not m.num_moe_experts:
-        require(ep == 1, f"--expert-model-parallel-size {ep} splits experts over ranks; add --num-experts (a multiple "
-                         f"of {ep})")
         return
     n, k = m.num_moe_experts, m.moe_router_topk
     require(n > 0, f"--num-experts must be positive (0: no MoE), got {n}")
@@ -493,9 +477,6 @@ def check_moe(cfg: ConfigContainer) -> None:
     require(not (m.add_bias_linear and m.moe_shared_expert_intermediate_size),
             "megatron-core's shared experts have no biases (shared_experts.py); add --disable-bias-linear, or drop "
             "--moe-shared-expert-intermediate-size")
-    require(not m.add_bias_linear or etp == 1,
-            "biases in MoE experts need --expert-tensor-parallel-size 1 (megatron-core); add "
-            "--disable-bias-linear or --expert-tensor-parallel-size 1")
     # megatron-core's MoELayer raises in training with tensor parallelism and no sequence parallelism (moe_layer.py:629);
     # inference (generate.py: --train-iters 0) runs without it, as megatron-core's own.
     require(tp == 1 or m.sequence_parallel or cfg.train.train_iters == 0,
@@ -637,7 +618,6 @@ def _validate_mixed_precision_consistency(config: ConfigContainer) -> None:
     """Bridge's name, with Megatron-LM's `validate_args` for the loss-scaling flags: one half-precision type at
     most, loss-scaling settings only under --fp16 and within megatron-core's DynamicGradScaler's bounds."""
     m, o = config.model, config.optimizer
-    require(not (m.bf16 and m.fp16), "--bf16 and --fp16 are exclusive; pick one")
     defaults = OptimizerConfig()
     changed = [name for name in LOSS_SCALING if getattr(o, name) != getattr(defaults, name)]
     if changed:

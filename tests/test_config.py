@@ -112,7 +112,7 @@ def test_megatron_lm_cpu_command_line_switches_are_accepted_and_named_as_inert(s
     (["--hidden-size", "100", "--num-attention-heads", "3"], 1, False, "does not divide --hidden-size"),
     (["--num-query-groups", "3"], 1, False, "must divide --num-attention-heads"),
     (["--tensor-model-parallel-size", "2"], 3, False, "do not divide the world size 3"),
-    (["--tensor-model-parallel-size", "8"], 8, False, "must divide --num-attention-heads"),
+    (["--tensor-model-parallel-size", "8"], 8, False, "must divide the number of query groups 4"),  # so the heads too
     (["--pipeline-model-parallel-size", "3"], 3, True, "must divide --num-layers"),
     (["--distributed-backend", "nccl"], 2, False, "needs a GPU"),
     (["--use-distributed-optimizer", "--ckpt-format", "torch"], 1, False, "use --ckpt-format torch_dist"),
@@ -122,8 +122,10 @@ def test_megatron_lm_cpu_command_line_switches_are_accepted_and_named_as_inert(s
     # megatron-core batches both directions to the one peer of 2 pipeline ranks (README: defects)
     (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
       "--no-overlap-p2p-communication"], 2, False, "swaps activations and gradients (megatron-core batches"),
-    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--no-overlap-p2p-communication",
-      "--overlap-p2p-communication-warmup-flush"], 2, False, "--overlap-p2p-communication-warmup-flush overlaps"),
+    (["--pipeline-model-parallel-size", "4", "--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--no-overlap-p2p-communication", "--overlap-p2p-communication-warmup-flush", "--global-batch-size", "16"], 4,
+     False, "megatron-core's TransformerConfig refuses these settings: Pipeline parallel communication overlapping in "
+     "warmup and flush is only compatible with overlap_p2p_comm but not batch_p2p_comm."),
     # impossible layouts stop before any model is built: 8 ranks that do not factor, a stage split that is not whole
     (["--tensor-model-parallel-size", "3", "--num-attention-heads", "6", "--hidden-size", "96"], 8, False,
      "= 3 do not divide the world size 8"),
@@ -132,10 +134,11 @@ def test_megatron_lm_cpu_command_line_switches_are_accepted_and_named_as_inert(s
     (["--pipeline-model-parallel-size", "2", "--num-layers", "6", "--num-layers-per-virtual-pipeline-stage", "2"], 8,
      False, "must divide the 3 layers of each pipeline stage"),
     (["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--decoder-last-pipeline-num-layers", "0",
-      "--mtp-num-layers", "1"], 2, False, "--decoder-last-pipeline-num-layers 0: the last pipeline stage needs a "
-     "decoder layer"),
+      "--mtp-num-layers", "1"], 2, False, "megatron-core's TransformerConfig refuses these settings: "
+     "num_layers_in_last_pipeline_stage must be larger than 0"),
     (["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--decoder-first-pipeline-num-layers", "0"], 2,
-     False, "--decoder-first-pipeline-num-layers 0: the first pipeline stage needs a decoder layer"),
+     False, "megatron-core's TransformerConfig refuses these settings: num_layers_in_first_pipeline_stage must be "
+     "larger than 0"),
     # context parallelism on the local layers is SDPAttention's all-gather of keys and values (model.py)
     (["--context-parallel-size", "2", "--cp-comm-type", "p2p"], 2, False, "--cp-comm-type p2p is transformer-engine's "
      "context-parallel attention; the local layers gather keys and values: add --cp-comm-type all_gather"),
@@ -150,7 +153,10 @@ def test_megatron_lm_cpu_command_line_switches_are_accepted_and_named_as_inert(s
     # transformer-engine layers bring their own core attention: the local choice would be silently ignored
     (["--transformer-impl", "transformer_engine", "--attention-backend", "local"], 1, True,
      "add --transformer-impl local to use it"),
-    (["--bf16", "--fp16"], 1, True, "exclusive"),
+    (["--bf16", "--fp16"], 1, True, "Only one of self.fp16: True and self.bf16 True should be True."),
+    # megatron-core's own refusals (TransformerConfig.__post_init__), run last, in its words
+    (["--recompute-granularity", "full"], 1, False, 'recompute_method must be "block" or "uniform"'),
+    (["--num-experts", "4", "--expert-tensor-parallel-size", "2"], 2, True, "Bias in Moe is only supported when ETP==1"),
     (["--train-iters", "10", "--train-samples", "100"], 1, False, "exclusive"),
     (["--mock-data", "--data-path", "x"], 1, False, "exclusive"),
     (["--data-path", "/nonexistent/corpus"], 1, False, "/nonexistent/corpus.bin not found"),

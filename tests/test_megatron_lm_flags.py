@@ -1119,7 +1119,7 @@ def test_flags_whose_meaning_cannot_be_given_are_refused_by_name(flag, reason, c
     (["--rotary-interleaved"], "--rotary-interleaved changes the rotary embedding, but --position-embedding-type is "
                                "learned_absolute"),
     (["--position-embedding-type", "rope", "--num-layers", "4", "--no-rope-freq", "3"],
-     "--no-rope-freq 3 must divide --num-layers 4"),
+     "megatron-core's TransformerConfig refuses these settings: no_rope_freq=3 should be divisible by num_layers=4."),
     (["--position-embedding-type", "rope", "--num-layers", "2", "--no-rope-freq", "[0,1,1]"],
      "--no-rope-freq '[0,1,1]' has 3 entries for 2 layers"),
     (["--position-embedding-type", "rope", "--no-rope-freq", "__import__('os').getcwd()"],

@@ -337,7 +337,7 @@ def test_a_checkpoint_of_the_other_kind_names_both_shapes(saved, loading, expect
     (["--num-experts", "4", "--moe-router-group-topk", "2"], 1, "moe_router_num_groups must be specified"),
     (["--num-experts", "4", "--moe-expert-capacity-factor", "1.0", "--moe-router-load-balancing-type", "sinkhorn",
       "--moe-router-topk", "1"], 1, "moe_expert_capacity_factor only works with aux_loss"),
-    (["--expert-model-parallel-size", "2"], 2, "add --num-experts"),
+    (["--expert-model-parallel-size", "2"], 2, "num_moe_experts must be non None to use expert-parallel."),
     (["--num-experts", "4", "--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"], 2,
      "needs --sequence-parallel"),
     (["--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--disable-bias-linear"], 2,

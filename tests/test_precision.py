@@ -98,7 +98,7 @@ def test_dynamic_loss_scaling_turns_off_the_nan_check_as_megatron_does():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--bf16", "--fp16"], "--bf16 and --fp16 are exclusive; pick one"),
+    (["--bf16", "--fp16"], "megatron-core's TransformerConfig refuses these settings: Only one of self.fp16: True and self.bf16 True should be True."),
     (["--loss-scale", "128"], "--loss-scale 128.0 sets fp16 loss scaling, but --fp16 is not set (fp32 training"),
     (["--bf16", "--hysteresis", "4"], "--hysteresis 4 sets fp16 loss scaling, but --fp16 is not set (bf16 training"),
     (["--fp16", "--loss-scale", "0"], "--loss-scale must be positive"),
@@ -114,7 +114,8 @@ def test_precision_error_from_the_command_line():
     proc = subprocess.run([sys.executable, "train.py", "--bf16", "--fp16"], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr == "train.py: error: --bf16 and --fp16 are exclusive; pick one\n"
+    assert proc.stderr == ("train.py: error: megatron-core's TransformerConfig refuses these settings: Only one of "
+                           "self.fp16: True and self.bf16 True should be True.\n")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),

@@ -14,6 +14,7 @@ Names here are this project's own.
     python bench.py v3 [train.py flags]                                  # MLA+MoE+MTP, Adam vs Muon, vs Megatron-LM's
     python bench.py small [--rounds 3] [--iters N]                       # train.py vs a plain PyTorch loop, small GPTs
     python bench.py profile STACKS --rate HZ --iterations N              # py-spy's stacks of a run, split by part
+    python bench.py ops                                                  # torch.profiler's ops: train.py vs the plain loop
 
 Benchmarks report; the tests never assert on timings.
 """
@@ -32,7 +33,7 @@ import time
 # --------------------------------------------------------------------------------------------------
 
 
-def plain_loop(argv) -> None:
+def plain_loop(argv, on_iteration=None) -> None:
     """train.py's default GPT (learned positions, LayerNorm, biases, GELU MLP of 4h, tied embeddings, causal SDPA, no
     dropout) in plain PyTorch, trained nanoGPT's way: random windows of the same .bin train.py reads, cross-entropy,
     clipping at 1.0, torch's fused AdamW with no decay on biases and norms (megatron-core's groups), train.py's
@@ -95,6 +96,8 @@ def plain_loop(argv) -> None:
     print(f" > number of parameters: {sum(w.numel() for w in params)}", flush=True)
     print(f" training from iteration 0 to {a.iters} ...", flush=True)
     for it in range(1, a.iters + 1):
+        if on_iteration:  # bench.py ops
+            on_iteration()
         cosine = 0.5 * (1 + math.cos(math.pi * (it - a.warmup) / (a.iters - a.warmup)))
         lr = a.lr * it / a.warmup if it <= a.warmup else a.min_lr + (a.lr - a.min_lr) * cosine
         for group in optimizer.param_groups:
@@ -967,6 +970,59 @@ def bench_profile(argv) -> list:
     return rows
 
 
+def bench_ops(argv) -> list:
+    """torch.profiler's operators over iterations 20-50 of train.py (train.pretrain, in this process) and of the plain
+    loop, at nanoGPT's CPU shape (small_runs' two command lines): each side's time per iteration under the profiler,
+    its operators' own CPU time, and the operators that take the most, side by side (ms and calls per iteration)."""
+    import io
+    from contextlib import redirect_stdout
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import metrics
+    import train
+
+    first, last, seen = 20, 50, {}
+
+    def profiled(name):  # called once per iteration: starts the profiler at `first`, stops it at `last`
+        calls = [0]
+
+        def on_iteration():
+            calls[0] += 1
+            if calls[0] == first:
+                seen[name] = [profile(activities=[ProfilerActivity.CPU]), time.perf_counter()]
+                seen[name][0].__enter__()
+            elif calls[0] == last:
+                seen[name][0].__exit__(None, None, None)
+                seen[name][1] = (time.perf_counter() - seen[name][1]) / (last - first)
+        return on_iteration
+
+    with tempfile.TemporaryDirectory() as work:
+        runs = small_runs((*SMALL["nanoGPT CPU"][:-1], last + 2), work)
+        log_step, tick = metrics.log_step, profiled("train.py")  # log_step: once per iteration
+        metrics.log_step = lambda *a, **k: (tick(), log_step(*a, **k))[1]
+        try:
+            with redirect_stdout(io.StringIO()):
+                train.pretrain(config_lib.parse_args(runs["train.py"][2:], world_size=1))
+        finally:
+            metrics.log_step = log_step
+        with redirect_stdout(io.StringIO()):
+            plain_loop(runs["plain PyTorch loop"][3:], profiled("plain loop"))
+    n, ops = last - first, {}
+    for name, (prof, _) in seen.items():
+        for e in prof.key_averages():
+            ops.setdefault(e.key, {})[name] = (e.self_cpu_time_total / n / 1e3, e.count / n)
+    rows = [("ops" if i == 0 else "", f"nanoGPT CPU, iterations {first}-{last}, {torch.get_num_threads()} threads"
+             if i == 0 else "", name, f"{dt * 1e3:.1f} ms/it under the profiler",
+             f"operators' own CPU {sum(v[name][0] for v in ops.values() if name in v):.1f} ms/it")
+            for i, (name, (_, dt)) in enumerate(seen.items())]
+    for key, sides in sorted(ops.items(), key=lambda kv: -sum(t for t, _ in kv[1].values()))[:25]:
+        rows.append(("", "", key[:60], *(f"{name} {sides.get(name, (0, 0))[0]:.2f} ms ({sides.get(name, (0, 0))[1]:.0f}x)"
+                                          for name in seen)))
+    return rows
+
+
 def print_table(rows) -> None:
     header = ("benchmark", "setup", "what", "time", "rate")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
@@ -978,7 +1034,7 @@ if __name__ == "__main__":
     benches = {"checkpoint": bench_checkpoint, "logging": bench_logging, "data": bench_data,
                "overhead": bench_overhead, "ladder": bench_ladder, "hotpath": bench_hotpath,
                "generate": bench_generate, "parallel": bench_parallel, "moe": bench_moe, "v3": bench_v3,
-               "small": bench_small, "profile": bench_profile}
+               "small": bench_small, "profile": bench_profile, "ops": bench_ops}
     name = sys.argv[1] if len(sys.argv) > 1 else "checkpoint"
     import device
 

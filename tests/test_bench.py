@@ -14,3 +14,15 @@ def test_small_runs_train_py_and_a_plain_loop_of_the_same_gpt(tmp_path):
     # embeddings 128 x 64 (tied to the output), positions 32 x 64, final norm 2 x 64
     assert plain_params == ours_params == 2 * 49984 + 8192 + 2048 + 128
     assert 0 < plain_start and 0 < ours_start and 0 < plain_it and 0 < ours_it
+
+
+def test_ops_profiles_both_sides_over_the_same_iterations():
+    """bench.py ops: torch.profiler's operators of train.py and of the plain loop, per iteration, side by side."""
+    rows = bench.bench_ops([])
+    (_, _, ours, ours_time, _), (_, _, plain, plain_time, _) = rows[:2]
+    assert (ours, plain) == ("train.py", "plain loop") and "ms/it" in ours_time and "ms/it" in plain_time
+    ops = {row[2]: row[3:] for row in rows[2:]}
+    # both sides multiply matrices; only train.py runs megatron-core's linear layers (autograd functions of its own)
+    assert all(not side.endswith(" (0x)") for side in ops["aten::mm"]), ops["aten::mm"]
+    linear = ops["LinearWithGradAccumulationAndAsyncCommunication"]
+    assert linear[0].endswith(" (17x)") and linear[1].endswith(" (0x)"), linear  # 4 layers x 4 linears + the output

@@ -15,6 +15,7 @@ Names here are this project's own.
     python bench.py small [--rounds 3] [--iters N]                       # train.py vs a plain PyTorch loop, small GPTs
     python bench.py profile STACKS --rate HZ --iterations N              # py-spy's stacks of a run, split by part
     python bench.py ops                                                  # torch.profiler's ops: train.py vs the plain loop
+    python bench.py ops decode [train.py model flags]                    # torch.profiler's ops of a decoded token
 
 Benchmarks report; the tests never assert on timings.
 """
@@ -983,6 +984,8 @@ def bench_ops(argv) -> list:
     import metrics
     import train
 
+    if argv[:1] == ["decode"]:
+        return _decode_ops(argv[1:])
     first, last, seen = 20, 50, {}
 
     def profiled(name):  # called once per iteration: starts the profiler at `first`, stops it at `last`
@@ -1021,6 +1024,41 @@ def bench_ops(argv) -> list:
         rows.append(("", "", key[:60], *(f"{name} {sides.get(name, (0, 0))[0]:.2f} ms ({sides.get(name, (0, 0))[1]:.0f}x)"
                                           for name in seen)))
     return rows
+
+
+def _decode_ops(argv, new=200) -> list:
+    """bench.py ops decode: torch.profiler's operators of generate.py's KV-cached decoding of `new` tokens (the model
+    bench.py generate builds, random weights), per token."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import data
+    import generate
+    from megatron.core import parallel_state
+    from model import build_model, initialize_distributed, set_random_seed
+
+    cfg = config_lib.parse_args(["--mock-data", "--no-save", "--no-tensorboard", "--hidden-dropout", "0",
+                                 "--attention-dropout", "0", *argv], world_size=1)
+    initialize_distributed(cfg)
+    set_random_seed(cfg.rng.seed)
+    tokenizer = data.ByteTokenizer()
+    model = build_model(cfg, data.embedding_rows(tokenizer))[0].eval().requires_grad_(False)
+    never_stops = type("NeverStops", (), dict(vocab_size=tokenizer.vocab_size, eod=-1))()
+    decode = lambda: generate.generate(model, never_stops, tokenizer.tokenize("The Python"), new, kv_cache=True)
+    decode()  # warm-up
+    t = time.perf_counter()
+    decode()
+    unprofiled = (time.perf_counter() - t) / new
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        decode()
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    rows = [("ops decode", f"{cfg.model.num_layers}x{cfg.model.hidden_size}, {new} tokens, {torch.get_num_threads()} "
+             "threads", "generate.py, KV cache", f"{unprofiled * 1e3:.2f} ms/token",
+             f"operators' own CPU {sum(e.self_cpu_time_total for e in ops) / new / 1e3:.2f} ms/token")]
+    return rows + [("", "", e.key[:60], f"{e.self_cpu_time_total / new / 1e3:.3f} ms", f"{e.count / new:.0f}x a token")
+                   for e in ops[:20]]
 
 
 def print_table(rows) -> None:

@@ -26,3 +26,13 @@ def test_ops_profiles_both_sides_over_the_same_iterations():
     assert all(not side.endswith(" (0x)") for side in ops["aten::mm"]), ops["aten::mm"]
     linear = ops["LinearWithGradAccumulationAndAsyncCommunication"]
     assert linear[0].endswith(" (17x)") and linear[1].endswith(" (0x)"), linear  # 4 layers x 4 linears + the output
+
+
+def test_ops_decode_profiles_generate_per_token(monkeypatch):
+    """bench.py ops decode: generate.py's KV-cached decoding, per token: megatron-core's frozen-weight linear layers,
+    4 layers x 4 + the output layer, run once for each token."""
+    monkeypatch.setattr(bench, "_decode_ops", lambda argv, new=20, f=bench._decode_ops: f(argv, new))
+    rows = bench.bench_ops(["decode", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "2"])
+    assert rows[0][2] == "generate.py, KV cache" and rows[0][3].endswith(" ms/token")
+    ops = {row[2]: row[4] for row in rows[1:]}
+    assert ops["LinearWithFrozenWeight"] == "17x a token", ops

@@ -615,8 +615,9 @@ def check_precision(cfg: ConfigContainer) -> None:
 
 
 def _validate_mixed_precision_consistency(config: ConfigContainer) -> None:
-    """Bridge's name, with Megatron-LM's `validate_args` for the loss-scaling flags: one half-precision type at
-    most, loss-scaling settings only under --fp16 and within megatron-core's DynamicGradScaler's bounds."""
+    """Bridge's name, with Megatron-LM's `validate_args` for the loss-scaling flags: loss-scaling settings only under
+    --fp16 and within megatron-core's DynamicGradScaler's bounds (one half-precision type at most is
+    TransformerConfig's own check)."""
     m, o = config.model, config.optimizer
     defaults = OptimizerConfig()
     changed = [name for name in LOSS_SCALING if getattr(o, name) != getattr(defaults, name)]
@@ -1348,9 +1349,11 @@ def check_callbacks(cfg: ConfigContainer) -> None:
 
 
 
-def print_config(cfg: ConfigContainer, file=sys.stdout) -> None:
+def print_config(cfg: ConfigContainer, file=None) -> None:
     """The resolved config, Megatron-style: one dotted line per setting, by section; with
-    --log-non-default-values, Bridge's summary of the settings that differ from their defaults."""
+    --log-non-default-values, Bridge's summary of the settings that differ from their defaults. `file`: sys.stdout
+    as it is at the call (so that contextlib.redirect_stdout takes it)."""
+    file = file or sys.stdout
     fused = inert_flags(cfg, fused_only=True)
     if fused:
         print(f" inert here (fused GPU kernels the local layers never use): {' '.join(fused)}", file=file)

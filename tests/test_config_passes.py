@@ -102,3 +102,13 @@ def test_checks_assign_nothing_and_derivations_assign_through_derive_value():
     for fn in checks:  # a check says what is wrong through require(), or a parser's error
         raises = [n for n in ast.walk(fn) if isinstance(n, ast.Raise)]
         assert not raises or fn.name in ("check_data",), f"{fn.name} raises instead of require()"
+
+
+def test_the_printed_config_goes_to_stdout_as_it_is_at_the_call():
+    """contextlib.redirect_stdout takes the printed config (bench.py ops runs train.pretrain under it)."""
+    import contextlib
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        checks.print_config(config.parse_args([], world_size=1, gpu=False))
+    assert "------------------------ arguments ------------------------" in out.getvalue()

@@ -58,94 +58,6 @@ def print_rank_last(message: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Timers
-# --------------------------------------------------------------------------------------------------
-
-
-class _Timer:
-    def __init__(self, sync):
-        self._sync, self._elapsed, self._start, self.running = sync, 0.0, None, False
-
-    def start(self, barrier: bool = False):
-        self._sync(barrier)
-        self._start, self.running = time.perf_counter(), True
-
-    def stop(self, barrier: bool = False):
-        self._sync(barrier)
-        if self.running:
-            self._elapsed += time.perf_counter() - self._start
-        self.running = False
-
-    def elapsed(self, reset: bool = True, barrier: bool = False) -> float:
-        """Seconds accumulated since the last reset (a running timer is measured up to now)."""
-        was_running = self.running
-        if was_running:
-            self.stop(barrier)
-        value = self._elapsed
-        if reset:
-            self._elapsed = 0.0
-        if was_running:
-            self.start(barrier)
-        return value
-
-
-class _NullTimer:
-    def start(self, barrier=False):
-        pass
-
-    def stop(self, barrier=False):
-        pass
-
-    def elapsed(self, reset=True, barrier=False):
-        return 0.0
-
-
-class Timers:
-    """Named wall-clock timers with megatron-core's Timers interface: the run passes them to megatron-core's
-    schedules and optimizer (config.timers), which time their own phases (forward-compute, backward-send,
-    optimizer-inner-step, ...) with them.
-
-    `timers(name, log_level)` returns the timer, or a no-op one when log_level is above
-    `--timing-log-level`, so fine-grained timing costs nothing unless asked for; a timer asked for by name
-    alone is the existing one, or else counts as the finest level (2), as in megatron-core. Device work is
-    asynchronous on a GPU, so a timer synchronises CUDA at start and stop there (and only there).
-    """
-
-    MAX_LOG_LEVEL = 2
-
-    def __init__(self, log_level: int):
-        self.log_level, self._timers = log_level, {}
-
-    def _sync(self, barrier: bool):
-        if barrier and torch.distributed.is_initialized():
-            torch.distributed.barrier()
-        if device.cuda():
-            torch.cuda.synchronize()
-
-    def __call__(self, name: str, log_level: Optional[int] = None):
-        if name in self._timers:
-            return self._timers[name]
-        if (self.MAX_LOG_LEVEL if log_level is None else log_level) > self.log_level:
-            return _NullTimer()
-        self._timers[name] = _Timer(self._sync)
-        return self._timers[name]
-
-    def elapsed_per_rank(self, names, normalizer: float = 1.0, reset: bool = True) -> dict:
-        """{name: (min, max) over ranks of ms per iteration since the last reset}, resetting the timers unless
-        told not to. A collective: every rank calls it with the same names."""
-        names = [n for n in names if n in self._timers]
-        if not names:
-            return {}
-        ms = torch.tensor([self._timers[n].elapsed(reset=reset) * 1000.0 / normalizer for n in names],
-                          dtype=torch.float64, device=device.current())
-        lo, hi = ms.clone(), ms.clone()
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(lo, op=torch.distributed.ReduceOp.MIN)
-            torch.distributed.all_reduce(hi, op=torch.distributed.ReduceOp.MAX)
-        return {n: (a, b) for n, a, b in zip(names, lo.tolist(), hi.tolist())}
-
-
-# --------------------------------------------------------------------------------------------------
 # FLOPs, throughput and MFU
 # --------------------------------------------------------------------------------------------------
 
@@ -692,11 +604,12 @@ def extra_reports(global_state, history_wct: list, model) -> dict:
         extra.update(report_throughput(config.train, iteration, config.model.seq_length, history_wct,
                                        lg.throughput_window_size))
     if lg.log_timers_to_tensorboard:
-        # Seconds per iteration, the max over ranks, as megatron-core's Timers.write: over the iterations
-        # since the log line last read (and reset) the timers.
+        # Seconds per iteration, the max over ranks, as megatron-core's Timers.write computes them (timers.py:452; its
+        # own write takes a SummaryWriter, not the run's writers): over the iterations since the log line last read
+        # (and reset) the timers.
         window = iteration % lg.log_interval or lg.log_interval
-        for name, (_, hi) in global_state.timers.elapsed_per_rank(TIMERS_TO_LOG, window, reset=False).items():
-            extra[f"{name}-time"] = hi / 1000.0
+        for name, (_, hi) in global_state.timers._get_global_min_max_time(TIMERS_TO_LOG, False, False, window).items():
+            extra[f"{name}-time"] = hi
     if ts.skipped_train_samples > 0:
         extra["skipped-train-samples"] = ts.skipped_train_samples
     return extra
@@ -723,8 +636,8 @@ def print_log_line(report: list, total_loss_dict: dict, report_memory_flag: bool
     elapsed = global_state.timers("interval-time").elapsed(barrier=True)
     iterations = iterations_since_last_log(ts.step, global_state.start_step, lg.log_interval)
     per_iteration = elapsed / iterations
-    timers = global_state.timers.elapsed_per_rank(TIMERS_TO_LOG, normalizer=iterations) \
-        if lg.timing_log_level > 0 else {}
+    timers = global_state.timers.get_all_timers_string(TIMERS_TO_LOG, normalizer=iterations) \
+        if lg.timing_log_level > 0 else None
     # The FLOPs of the interval's own iterations over its time (Bridge 0.6): right under a batch-size ramp-up too.
     flops = ts.floating_point_operations_so_far - global_state.floating_point_operations_at_last_log
     global_state.floating_point_operations_at_last_log = ts.floating_point_operations_so_far
@@ -752,9 +665,8 @@ def print_log_line(report: list, total_loss_dict: dict, report_memory_flag: bool
     line += f" number of nan iterations: {total_loss_dict[NAN]:3d} |"
     total_loss_dict.clear()
     print_rank_last(line)
-    if timers:
-        print_rank_last("(min, max) time across ranks (ms):" + "".join(
-            f"\n    {name} {'.' * max(3, 40 - len(name))}: ({lo:.2f}, {hi:.2f})" for name, (lo, hi) in timers.items()))
+    if timers:  # megatron-core's words, as Megatron-LM prints them: "(min, max) time across ranks (ms):" and a row each
+        print_rank_last(timers)
     if report_memory_flag:
         # The estimate beside the measurement; kept on through the second iteration
         # after the start or a resume, so the measured peak includes the optimizer state its first step made.

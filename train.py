@@ -45,7 +45,6 @@ if __name__ == "__main__":
         print("quick start (no flag given): " + " ".join(config_lib.QUICK_START), flush=True)
 
 import contextlib
-import dataclasses
 import functools
 import gc
 import inspect
@@ -66,6 +65,7 @@ from megatron.core import config as mcore_config
 from megatron.core import parallel_state
 from megatron.core import rerun_state_machine as mcore_rerun
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler, get_canonical_lr_for_logging
+from megatron.core.timers import Timers
 from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
@@ -81,7 +81,7 @@ import schedules
 from checkpoint import TrainState  # (what a checkpoint carries of the run's progress)
 from config import ConfigContainer
 from device import any_rank
-from metrics import print_rank_0, print_rank_last
+from metrics import print_rank_0
 
 # ==================================================================================================
 # 1. Entry points
@@ -392,7 +392,7 @@ class GlobalState:
     def __init__(self, cfg: ConfigContainer):
         self.cfg = cfg
         self.train_state = TrainState()
-        self.timers = metrics.Timers(cfg.logger.timing_log_level)
+        self.timers = Timers(cfg.logger.timing_log_level, cfg.logger.timing_log_option)
         self.start_time = time.time()
         self.signal_handler: Optional[DistributedSignalHandler] = None
         self.tokenizer = None  # set at setup; saved with every checkpoint
@@ -512,19 +512,20 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
             report_memory_flag = metrics.log_step(report, total_loss_dict, report_memory_flag, step.skipped_iter,
                                                   global_state, history_wct, model)
         if cfg.validation.eval_iters and valid_data_iterator is not None and ts.step % cfg.validation.eval_interval == 0:
+            timers("interval-time").stop()  # evaluation time is not training time
             collect_garbage_around_eval(cfg, after=False)
             with forward_pre_hooks_paused(model):  # evaluate the gathered, current parameters
                 evaluate_and_print_results(global_state, f"iteration {ts.step}", forward_step_func, valid_data_iterator,
                                            model, cfg, process_non_loss_data_func=process_non_loss_data_func,
                                            non_loss_data_func=non_loss_data_func)
             collect_garbage_around_eval(cfg, after=True)
+            timers("interval-time", log_level=0).start(barrier=True)
         flops_since_last_log = post_training_step_callbacks(model, flops_since_last_log, global_state.straggler_timer,
                                                             ts.step, prof, cfg, should_toggle_forward_pre_hook,
                                                             nsys_nvtx_context)
         if checkpoint_and_decide_exit(global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
                                       None, train_data_iterator):
             break
-    timers("interval-time").stop()
     if forward_pre_hooks_enabled(model):
         disable_forward_pre_hook(model)  # gather the final parameters for the final save and evaluation
     stop_manual_gc_and_profiler(global_state, prof, nsys_nvtx_context)
@@ -854,20 +855,19 @@ def forward_backward_with_reruns(forward_backward_func, forward_step_func, data_
     and run forward/backward over the step's microbatches once, and again when the machine asks for a
     rerun (a rejected result under validate_results; every step under report_determinism_stats), with
     the RNG states and the microbatches of the first run. Returns the last run's per-microbatch reports."""
-    cfg, timers = global_state.cfg, global_state.timers
+    cfg = global_state.cfg
     machine = global_state.rerun_state_machine
     machine.current_iteration = global_state.train_state.step  # it counts steps itself: keep the log line's numbers
     forward_step_func = validated_forward_step(forward_step_func, machine, cfg.rerun_state_machine)
     losses = []
     while machine.should_run_forward_backward(data_iterator):
         zero_grad(model, optimizer)
-        timers("forward-backward", log_level=1).start(barrier=False)
+        # timed as "forward-backward" by megatron-core's schedule itself (schedules.py:736), through config.timers
         losses = forward_backward_func(
             forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
             num_microbatches=global_state.num_microbatches, seq_length=cfg.model.seq_length,
             micro_batch_size=cfg.train.micro_batch_size, decoder_seq_length=cfg.model.seq_length, forward_only=False,
         )
-        timers("forward-backward").stop()
     return losses
 
 
@@ -1041,8 +1041,6 @@ def evaluate_and_print_results(state: GlobalState, prefix: str, forward_step_fun
                                config: ConfigContainer, verbose: bool = False, write_to_tensorboard: bool = True,
                                process_non_loss_data_func=None, non_loss_data_func=None) -> dict:
     """Evaluate, then print Megatron's validation block (loss and PPL) and write it to TensorBoard."""
-    timers = state.timers
-    timers("interval-time").stop()  # evaluation time is not training time
     losses, collected = evaluate(state, forward_step_func, data_iterator, model, process_non_loss_data_func,
                                     config, verbose, non_loss_data_func)
     writer = state.writers if write_to_tensorboard else None
@@ -1051,7 +1049,6 @@ def evaluate_and_print_results(state: GlobalState, prefix: str, forward_step_fun
                            config.logger.log_validation_ppl_to_tensorboard)
     if process_non_loss_data_func is not None and collected is not None and metrics.is_last_rank():
         process_non_loss_data_func(collected, ts.step, state.tensorboard_logger if write_to_tensorboard else None)
-    timers("interval-time").start()
     return losses
 
 

@@ -1,6 +1,7 @@
 """metrics.py: each formula against an independent count, each report's keys and arithmetic."""
 
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -103,9 +104,10 @@ def test_report_memory_on_cpu_is_process_memory_under_its_own_names(single_rank_
 def test_norms_on_one_rank(single_rank_groups):
     from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
 
-    from model import build_model
+    from model import build_model, set_random_seed
 
     cfg = _cfg("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4")
+    set_random_seed(cfg.rng.seed)  # the RNG tracker's streams, which the forward's dropout draws from
     model = build_model(cfg, 100)
     params = list(model[0].parameters())
     expected = torch.cat([p.detach().flatten() for p in params]).norm().item()
@@ -281,6 +283,10 @@ def test_tensorboard_reports_of_a_run(mock_run):
     assert [e.value for e in acc.Scalars("time/tokens")][-1] == 30 * 8 * 64
     # The log line carries TFLOP/s and, on a CPU, MFU n/a.
     assert " MFU: n/a |" in mock_run["stdout"] and "(min, max) time across ranks (ms):" in mock_run["stdout"]
+    # The timers' rows in megatron-core's own format (timers.py:349), as Megatron-LM prints them: the name padded
+    # with dots to 48 columns, then the (min, max) over ranks.
+    rows = re.findall(r"\n    (forward-backward \.+): \(\d+\.\d\d, \d+\.\d\d\)\n", mock_run["stdout"])
+    assert rows and all(len(r) == 48 for r in rows), rows
 
 
 def test_model_parallel_reductions_over_two_ranks():

@@ -1,94 +1,17 @@
 """device.py: the one place where a machine without a GPU differs from one with a GPU.
 
-Names here are this project's own; the calls the shim answers are megatron-core 0.19.2's (file:line below).
-
 The training engine is megatron-core's own on every machine: its DistributedDataParallel and grad buffers,
 `get_megatron_optimizer` (the distributed optimizer, Float16Module's mixed precision, the loss scalers),
 the pipeline schedules, the CUDA RNG tracker, its timers and `dist_checkpointing`. megatron-core 0.19.2
-hard-codes CUDA in about a hundred places. Without CUDA, `install_cpu_shim()` answers those calls on the
-CPU, so that a laptop and the CI run the very code a GPU runs. With CUDA present it does nothing at all.
+hard-codes CUDA in about a hundred places. Without CUDA, `shim()` answers those calls on the CPU for the length of
+a run, so that a laptop and the CI run the very code a GPU runs. With CUDA present it does nothing at all.
 
-What the shim answers (file:line in megatron-core 0.19.2), and why:
-
-    call                                       where megatron-core makes it                    answer on CPU
-    -----------------------------------------  ----------------------------------------------  --------------------------
-    torch.*(..., device="cuda" | <ordinal>)    schedules.py:749 (token count),                 device="cpu"
-                                               optimizer.py:690-702,1249,
-                                               clip_grads.py:96-112,180,231,
-                                               grad_scaler.py:20,111-117,
-                                               param_and_grad_buffer.py:1162-1186 (grad
-                                               buffers),
-                                               p2p_communication.py:211-223,334-342,
-                                               utils.py:715 (attention buffer),
-                                               rotary_pos_embedding.py:162,305,
-                                               rerun_state_machine.py:264-268,
-                                               async_utils.py:224
-    Tensor.cuda(), Tensor.to("cuda")           grad_scaler.py:163, optimizer.py:586-591,       the tensor, on the CPU
-                                               rotary_pos_embedding.py:162, rope_utils.py:64
-    torch.*(..., pin_memory=True)              rope_utils.py:63 (RoPE's chunks under context   pin_memory=False
-                                               parallelism)
-    Tensor.type() of a parameter or gradient   optimizer.py:1009,1028,                         "torch.cuda.FloatTensor"
-                                               distrib_optimizer.py:401,466,758,               (the type checks pass)
-                                               clip_grads.py:174
-    torch.cuda.current_device()                the device= arguments above;                    0 (mapped to the CPU
-                                               rerun_state_machine.py:527,569 names it in      by the first row)
-                                               messages; an MoE router's weights move to it
-                                               at every call (router.py:96)
-    torch.cuda.synchronize()                   timers.py:152,165, p2p_communication.py:263,    nothing to wait for
-                                               fully_parallel.py:287,296,                      (CPU ops are synchronous)
-                                               filesystem_async.py:248, async_utils.py:273
-    torch.cuda.Stream / current_stream /       distributed_data_parallel.py:297,               one stream: waits and
-    default_stream / stream(s)                 param_and_grad_buffer.py:632 (each grad sync),  syncs are no-ops
-                                               686-691,814 (overlapped reduce)
-    stream.record_event(), event.synchronize() token_dispatcher.py:946,950 (the alltoall       an event that has
-                                               dispatcher's split sizes)                       happened
-    moe_utils.maybe_move_tensor_to_cpu(        moe_utils.py:1169-1191, read at                 the split sizes as
-    ..., as_numpy=True)                        token_dispatcher.py:927-941 (it converts CUDA   numpy arrays, as on
-                                               tensors only; all_to_all_single refuses the     a GPU
-                                               rest)
-    torch.cuda.get_rng_state / set_rng_state   random.py:303-306 (tracker.add),                the CPU default generator
-    / manual_seed, random._get_cuda_rng_state  rerun_state_machine.py:979,992,                 (the tracker swaps its
-    / random._set_cuda_rng_state               random.py:104,135 (fork() swaps the tracker's   streams through it)
-                                               streams in and out)
-    the tracker's warning that a fork moved    random.py:331-333                               filtered: the CUDA
-    the CPU generator                                                                          generator is the CPU's
-
-`torch.cuda.is_available()` stays False: code that asks it (ours, torch's) still learns the truth. The
-`device=` rewrite wraps the torch functions that take a device (`_takes_a_device`) and Tensor's `to`, `cuda` and
-`type`: only those calls pass through Python on their way to torch. (It was a `TorchFunctionMode`, through which
-every torch call and every read of a tensor's attribute passes: 2.4 us a read and 3.5 us an op on this project's
-machine, some 2,000 a step of nanoGPT's small GPT, 6% of train.py's step there; docs/benchmarks.md.)
-
-Beyond the shim, the machines differ in only these, each answered here once:
-
-    what                       GPU                                  CPU
-    -------------------------  -----------------------------------  ----------------------------------------
-    this process's device      its rank's GPU (LOCAL_RANK)          the CPU              (`bind_local_gpu()`)
-    collective backend         nccl                                 gloo                 (`backend()`)
-    where a batch lives        the local GPU (copied, non-blocking)  where it is          (`to_device()`)
-    layer implementation       transformer-engine if installed      megatron-core local  (checks.validate)
-    GPU-only features          TE (its norms, its p2p/a2a context-  one-line error       (checks.validate)
-                               parallel attention), nccl, Nsight,
-                               CUDA memory history
-    sequence parallelism       TE's norms (weights marked           model.Norm: torch's  (model.layer_spec)
-                               sequence_parallel)                   norms, marked alike
-    context parallelism        TE's attention (p2p, all_gather,     SDPAttention gathers (model.SDPAttention)
-                               a2a)                                 K/V (all_gather)
-    where the model lives      moved to the local GPU               the CPU              (model.build_model)
-    weight initialisation      each TP rank its slice, in place     the full weight, then (model.transformer_
-                               (the RNG tracker)                    each rank its slice   config: use_cpu_init)
-    MoE experts' weights       each EP rank from its expert stream  every expert at its   (model.Sequential-
-                                                                    global index          Experts)
-    Adam's kernel              megatron-core's choice               torch's fused CPU    (model.build_optimizer)
-                                                                    AdamW (same update)
-    straggler timing           wall clock and CUDA events           wall clock           (metrics.StragglerTimer)
-    SDPA under determinism     the math kernel                      (already exact)      (model.SDPAttention)
-    megatron-core's fused      torch.compile'd at their first call  run as written       (_compile_on_first_
-    kernels (megatron/core/                                                               call)
-    jit.py)
-    flash decoding's kernels   flash-attn's, if installed           torch versions with  (_flash_attn_
-    (generate.py's cached                                           flash-attn's contract answers, in shim())
-    decode steps)
+docs/cpu.md has the two tables: each call the shim answers (`_cpu_answers`, `_flash_attn_answers`), where
+megatron-core 0.19.2 makes it (file:line) and the answer; and what else differs between the machines, each answered
+here once (`bind_local_gpu`, `backend`, `to_device`) or where the table names. `torch.cuda.is_available()` stays
+False: code that asks it (ours, torch's) still learns the truth. Only the wrapped torch functions (`_takes_a_device`)
+and Tensor's `to`, `cuda` and `type` pass through Python on their way to torch (a `TorchFunctionMode` put every op
+through Python: 6% of train.py's step at nanoGPT's shape; docs/benchmarks.md).
 """
 
 import contextlib
@@ -471,7 +394,7 @@ def _flash_attn_answers() -> list:
 
 
 def _cpu_answers() -> list:
-    """(owner, name, answer) for each callable the shim replaces: the rows of the table above."""
+    """(owner, name, answer) for each callable the shim replaces: the rows of docs/cpu.md's table."""
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
@@ -505,7 +428,7 @@ def shim():
     model loading and generation, peft.py's merge, bench.py), and nothing after it: importing this project leaves
     torch as it was, and a notebook that imports `train` then does its own torch work sees plain torch.
 
-    - Without CUDA, the CPU shim (the table above): torch's functions that take a device, Tensor's `to`, `cuda` and
+    - Without CUDA, the CPU shim (docs/cpu.md's table): torch's functions that take a device, Tensor's `to`, `cuda` and
       `type`, torch.cuda's stream, device and RNG calls and megatron-core's three answered on the CPU, and any
       function megatron-core decorated with the real torch.compile (when it was imported before this module) run as
       written, as `_compile_on_first_call` runs them: the numbers do not depend on the import order.
@@ -546,7 +469,7 @@ _INHERITED = object()  # a replaced name its owner did not hold itself (Tensor.t
 def _filtered(logger, message: str):
     """`logger` without its records that contain `message`, for the block. The RNG tracker's fork() warns when the
     CPU generator moved while a CUDA stream was swapped in (random.py:331-333); on a CPU the CUDA generator is the
-    CPU's (the table above), so every fork that draws (dropout in a tensor-parallel region) would warn."""
+    CPU's (_cpu_answers), so every fork that draws (dropout in a tensor-parallel region) would warn."""
     quiet = logging.Filter()
     quiet.filter = lambda record: message not in record.getMessage()
     logger.addFilter(quiet)

@@ -36,6 +36,7 @@ from config import (BUILTIN_BPE_VOCAB, MCORE_FLAG_CHANGES, MCORE_FLAGS, MCORE_YA
                     parse_window_size, pipeline_stage_layers, require, section_configs, section_default,
                     uses_builtin_corpus)
 from megatron.core.transformer.enums import AttnBackend  # after config, which first quiets megatron-core's import
+from megatron.training.determinism import ACCEPTED_ENV_VAR_VALUES, ACCEPTED_NCCL_ALGO_TOKENS
 
 
 def gpu_visible() -> bool:
@@ -1281,13 +1282,6 @@ def check_peft(cfg: ConfigContainer) -> None:
     require(p.lora_target_modules, "--lora-target-modules is empty: name at least one linear layer (e.g. linear_qkv)")
 
 
-# Megatron-LM `megatron/training/determinism.py`: the environment a bitwise-reproducible run needs.
-DETERMINISM_ENV_DEFAULTS = {"NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
-                            "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-DETERMINISM_ENV_ACCEPTED = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": ("0",), "CUBLAS_WORKSPACE_CONFIG": (":4096:8", ":16:8")}
-DETERMINISTIC_NCCL_ALGOS = ("Ring", "CollnetDirect", "CollnetChain", "^NVLS")  # Tree's reduction order can vary
-
-
 def check_deterministic_mode(cfg: ConfigContainer, env=None) -> None:
     """Bridge's `_validate_and_apply_deterministic_mode`, Megatron-LM's `apply_determinism_to_args`: refuse
     what cannot be deterministic rather than silently change it. Applying the mode (environment defaults,
@@ -1298,13 +1292,14 @@ def check_deterministic_mode(cfg: ConfigContainer, env=None) -> None:
     require(not cfg.model.cross_entropy_loss_fusion,
             "--deterministic-mode: --cross-entropy-loss-fusion is not deterministic; drop it")
     algo = env.get("NCCL_ALGO")
-    require(algo is None or all(a.strip() in DETERMINISTIC_NCCL_ALGOS for a in algo.split(",") if a.strip()),
+    # megatron-core's wheel's own tables (megatron/training/determinism.py): its apply_determinism_env asserts
+    require(algo is None or all(a.strip() in ACCEPTED_NCCL_ALGO_TOKENS for a in algo.split(",") if a.strip()),
             f"--deterministic-mode: NCCL_ALGO={algo} may reduce in a varying order; unset it or use one of "
-            f"{', '.join(DETERMINISTIC_NCCL_ALGOS)}")
-    for name, accepted in DETERMINISM_ENV_ACCEPTED.items():
+            f"{', '.join(sorted(ACCEPTED_NCCL_ALGO_TOKENS))}")
+    for name, accepted in ACCEPTED_ENV_VAR_VALUES.items():
         require(env.get(name) is None or env[name] in accepted,
                 f"--deterministic-mode: {name}={env.get(name)} is not deterministic; unset it or use "
-                f"{' or '.join(accepted)}")
+                f"{' or '.join(sorted(accepted))}")
 
 
 def check_callbacks(cfg: ConfigContainer) -> None:

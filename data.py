@@ -33,6 +33,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from megatron.training.datasets import data_samplers
 
 # --------------------------------------------------------------------------------------------------
 # Tokenizers: what megatron-core's datasets need of one is vocab_size, eod, pad and unique_identifiers.
@@ -633,47 +634,21 @@ class MegatronPaddedBatchSampler(MegatronPretrainingSampler):
             yield [(i % n, longest) for i in micro]
 
 
-class MegatronPretrainingRandomSampler:
-    """The cyclic sampler: each epoch a fresh permutation seeded by the epoch number alone, as Megatron-LM's and
-    Bridge's (megatron/training/datasets/data_samplers.py:374,381; Bridge's data/samplers.py:491,498): the same order
-    whatever --seed, and for the training, validation and test sets alike. Each DP rank draws from its own contiguous
-    bucket (`data_sharding`), or without it every rank takes its stride of one permutation of the whole dataset;
-    resumes mid-epoch from `consumed_samples`."""
+class MegatronPretrainingRandomSampler(data_samplers.MegatronPretrainingRandomSampler):
+    """The cyclic sampler, Megatron-LM's own (megatron/training/datasets/data_samplers.py:314, Bridge's
+    data/samplers.py alike): each epoch a fresh permutation seeded by the epoch number alone, the same order whatever
+    --seed, each DP rank drawing from its own contiguous bucket (`data_sharding`) or its stride of one permutation;
+    resumes mid-epoch from `consumed_samples`. Its iterator gives one epoch (Megatron-LM iterates the DataLoader
+    anew); this one runs on, epoch after epoch."""
 
     def __init__(self, total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size,
                  data_sharding: bool = True):
-        self.total_samples = total_samples
-        self.consumed_samples = consumed_samples
-        self.micro_batch_size = micro_batch_size
-        self.rank, self.size = data_parallel_rank, data_parallel_size
-        self.data_sharding = data_sharding
-        self.step = micro_batch_size * data_parallel_size
-        self.last_batch_size = total_samples % self.step
-
-    def __len__(self):
-        return self.total_samples
+        super().__init__(None, total_samples, consumed_samples, micro_batch_size, data_parallel_rank,
+                         data_parallel_size, data_sharding)
 
     def __iter__(self):
-        active_total = self.total_samples - self.last_batch_size
         while True:
-            epoch = self.consumed_samples // active_total
-            offset = self.consumed_samples % active_total
-            g = torch.Generator()
-            g.manual_seed(epoch)  # its own generator: the global RNG state is never touched
-            if self.data_sharding:
-                bucket_size = (self.total_samples // self.step) * self.micro_batch_size
-                order = (torch.randperm(bucket_size, generator=g) + self.rank * bucket_size).tolist()[offset // self.size:]
-            else:
-                whole = (self.total_samples // self.micro_batch_size) * self.micro_batch_size
-                order = torch.randperm(whole, generator=g).tolist()[offset:][self.rank::self.size]
-            batch = []
-            for idx in order:
-                batch.append(idx)
-                if len(batch) == self.micro_batch_size:
-                    self.consumed_samples += self.step
-                    yield batch
-                    batch = []
-            self.consumed_samples = (epoch + 1) * active_total
+            yield from super().__iter__()
 
 
 def quiet_broken_connections() -> None:

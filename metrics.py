@@ -24,6 +24,7 @@ import device  # first: it quiets megatron-core's import-time warnings
 from config import moe_layers as config_moe_layers
 from config import pipeline_stage_layers
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.module import param_is_not_shared
 
 # --------------------------------------------------------------------------------------------------
 # Printing from the right rank
@@ -708,11 +709,6 @@ def log_evaluation(prefix: str, losses: dict, iteration: int, samples: int, writ
 # --------------------------------------------------------------------------------------------------
 
 
-def param_is_not_shared(param) -> bool:
-    """True unless the parameter is marked `shared` (a tied weight whose copy is counted on another stage)."""
-    return not getattr(param, "shared", False)
-
-
 def _not_tp_duplicate(p) -> bool:
     """Whether this rank counts a parameter that tensor parallelism may copy (norms, row-parallel biases): on rank 0
     of its tensor-parallel group, the expert one for an expert's (Megatron-LM common_utils.py:124-126), so that with
@@ -818,29 +814,6 @@ def calc_dtensor_params_l2_norm(params) -> float:
         else:
             total = total.to(p.device) + p.detach().float().pow(2).sum()
     return total.sqrt().item()
-
-
-def reduce_max_stat_across_model_parallel_group(stat):
-    """Max of a statistic over the model-parallel group; None-aware: ranks without it pass None, and
-    the result is None only if every rank had None (statistics reported here are never negative)."""
-
-    group = parallel_state.get_model_parallel_group()
-    if torch.distributed.get_world_size(group) == 1:  # nothing to agree on: no tensor, no device round trip
-        return None if stat is None else float(stat)
-    value = torch.tensor([-1.0 if stat is None else float(stat)], device=device.current())
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=group)
-    return None if value.item() == -1.0 else value.item()
-
-
-def logical_and_across_model_parallel_group(input: bool) -> bool:
-    """True if `input` is True on every rank of the model-parallel group."""
-
-    group = parallel_state.get_model_parallel_group()
-    if torch.distributed.get_world_size(group) == 1:
-        return bool(input)
-    value = torch.tensor([int(bool(input))], device=device.current())
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=group)
-    return bool(value.item())
 
 
 def report_l2_norm_grad(model) -> dict:

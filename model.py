@@ -23,7 +23,6 @@ lists each one): the CPU runs the GPU's code path, and the tests exercise what a
 import contextlib
 import dataclasses
 import functools
-import math
 import os
 import random
 import re
@@ -54,13 +53,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:
-    """Round the vocabulary up to a multiple of divisible_by x TP size, as Megatron-LM's
-    `_vocab_size_with_padding` does, so the embedding splits evenly and its matmuls stay aligned."""
-    multiple = divisible_by * tensor_parallel_size
-    return int(math.ceil(vocab_size / multiple) * multiple)
+from megatron.training.vocab_utils import calculate_padded_vocab_size
 
 
 # --------------------------------------------------------------------------------------------------
@@ -335,7 +328,8 @@ def build_model(cfg, vocab_size: int) -> list:
         chunks.append(GPTModel(
             config=config,
             transformer_layer_spec=block_spec(cfg, config, vp_stage if vpp else None),
-            vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, m.tensor_model_parallel_size),
+            vocab_size=calculate_padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by,
+                                                   m.tensor_model_parallel_size, logging_enabled=False),
             max_sequence_length=m.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(**stage),
             post_process=parallel_state.is_pipeline_last_stage(**stage),

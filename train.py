@@ -59,7 +59,7 @@ import torch
 
 from model import (build_model, build_optimizer, build_rerun_state_machine, check_emerging_optimizer_installed,
                    check_optimizer_state, destroy_distributed, get_forward_backward_func, initialize_distributed,
-                   padded_vocab_size, set_random_seed, who_updates_what, wrap_model,
+                   set_random_seed, who_updates_what, wrap_model,
                    zero_grad)  # first: device.py, which model.py imports, quiets megatron-core's import warnings
 from megatron.core import config as mcore_config
 from megatron.core import parallel_state
@@ -70,6 +70,11 @@ from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracke
 from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 from megatron.core.utils import configure_nvtx_profiling, get_batch_on_this_cp_rank, nvtx_range_pop, nvtx_range_push
+from megatron.training.determinism import DETERMINISM_ENV_VAR_DEFAULTS
+from megatron.training.training import disable_forward_pre_hook, enable_forward_pre_hook
+from megatron.training.vocab_utils import calculate_padded_vocab_size
+from megatron.training.utils.common_utils import (logical_and_across_model_parallel_group,
+                                                  reduce_max_stat_across_model_parallel_group)
 
 import checkpoint
 import data
@@ -219,8 +224,8 @@ def setup(cfg: ConfigContainer):
         tokenizer = state.tokenizer = data.build_tokenizer(cfg)
         m = cfg.model
         vocab_size = data.embedding_rows(tokenizer)
-        cfg.padded_vocab_size = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by,
-                                                  m.tensor_model_parallel_size)
+        cfg.padded_vocab_size = calculate_padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by,
+                                                            m.tensor_model_parallel_size, logging_enabled=False)
         if metrics.is_rank_0():
             checks.print_config(cfg)
         if cfg.train.exit_signal_handler:
@@ -319,12 +324,12 @@ def apply_deterministic_mode(cfg: ConfigContainer) -> None:
     """
     if not cfg.model.deterministic_mode:
         return
-    for name, value in checks.DETERMINISM_ENV_DEFAULTS.items():
+    for name, value in DETERMINISM_ENV_VAR_DEFAULTS.items():
         os.environ.setdefault(name, value)
     torch.use_deterministic_algorithms(True)
     if os.environ.get("RANK", "0") == "0":
         print(" > deterministic mode: torch.use_deterministic_algorithms(True), "
-              + ", ".join(f"{k}={os.environ[k]}" for k in checks.DETERMINISM_ENV_DEFAULTS), flush=True)
+              + ", ".join(f"{k}={os.environ[k]}" for k in DETERMINISM_ENV_VAR_DEFAULTS), flush=True)
 
 
 class DistributedSignalHandler:
@@ -642,20 +647,6 @@ def should_disable_forward_pre_hook(use_megatron_fsdp: bool, use_distributed_opt
     return not use_megatron_fsdp and use_distributed_optimizer and overlap_param_gather
 
 
-def enable_forward_pre_hook(model: list) -> None:
-    """Turn on each megatron DDP chunk's forward pre-hooks (they wait for each module's parameter
-    all-gather just before its forward, overlapping the gather with compute)."""
-    for chunk in model:
-        chunk.enable_forward_pre_hook()
-
-
-def disable_forward_pre_hook(model: list, param_sync: bool = True) -> None:
-    """Turn off each megatron DDP chunk's forward pre-hooks; with param_sync, all-gather the
-    updated parameters now (synchronously), so what follows sees them."""
-    for chunk in model:
-        chunk.disable_forward_pre_hook(param_sync=param_sync)
-
-
 def forward_pre_hooks_enabled(model: list) -> bool:
     """Whether megatron DDP's forward pre-hooks are on (its own record of their handles)."""
     return any(chunk.remove_forward_pre_hook_handles for chunk in model)
@@ -771,9 +762,9 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
     # Bridge: model-parallel ranks agree whether the step succeeded (one failing, or frozen, rank makes all skip),
     # and the grad norm is the max over them (ranks without trainable parameters have none).
     if cfg.train.check_optimizer_step_success:
-        update_successful = metrics.logical_and_across_model_parallel_group(update_successful)
+        update_successful = logical_and_across_model_parallel_group(update_successful)
     if not cfg.train.skip_sync_grad_norm_across_mp:
-        grad_norm = metrics.reduce_max_stat_across_model_parallel_group(grad_norm)
+        grad_norm = reduce_max_stat_across_model_parallel_group(grad_norm)
     # The scheduler counts samples: an overflowed (skipped) step does not advance it.
     skipped_iter = 0 if update_successful else 1
     if update_successful:

@@ -11,6 +11,7 @@ import pytest
 
 import checks
 import config
+from megatron.training.determinism import DETERMINISM_ENV_VAR_DEFAULTS
 from conftest import ROOT, config_error
 
 
@@ -435,7 +436,7 @@ def test_deterministic_mode_refuses_a_nondeterministic_environment(name, value, 
 
 
 def test_deterministic_mode_accepts_the_deterministic_environment(monkeypatch):
-    for name, value in checks.DETERMINISM_ENV_DEFAULTS.items():
+    for name, value in DETERMINISM_ENV_VAR_DEFAULTS.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("NCCL_ALGO", "Ring,^NVLS")
     assert parse(["--deterministic-mode"]).model.deterministic_mode

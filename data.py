@@ -31,6 +31,8 @@ from device import any_rank
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.blended_megatron_dataset_config import (convert_split_vector_to_split_matrix,
+                                                                   parse_and_normalize_split)
 from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from megatron.training.datasets import data_samplers
@@ -238,32 +240,23 @@ def build_datasets(cfg, tokenizer) -> list:
     return BlendedMegatronDatasetBuilder(cls, train_valid_test_num_samples(cfg), lambda: True, config).build()
 
 
-def _split_weights(split: str) -> list:
-    weights = ([float(x) for x in split.replace("/", ",").split(",")] + [0.0] * 3)[:3]
-    return [w / sum(weights) for w in weights]
-
-
 def split_document_ranges(num_documents: int, split: str) -> list:
-    """Document index ranges of the train/validation/test splits, as megatron-core's builder computes
-    them (`_get_split_indices`: cumulative rounding, the rounding error taken off the last bounds)."""
-    weights = _split_weights(split)
-    bounds = [0]
-    for w in weights:
-        bounds.append(bounds[-1] + int(round(w * num_documents)))
-    excess = bounds[-1] - num_documents
-    bounds = [bounds[0]] + [b - excess for b in bounds[1:]]
-    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+    """Document index ranges of the train/validation/test splits as megatron-core's builder cuts them
+    (blended_megatron_dataset_builder.py:470-471): the bookends of the normalised --split
+    (blended_megatron_dataset_config.py:155,175) times the document count, rounded; None for a share of 0."""
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    return [None if m is None else (int(round(m[0] * num_documents)), int(round(m[1] * num_documents)))
+            for m in matrix]
 
 
 def check_split_not_empty(prefixes: list, split: str) -> None:
     """megatron-core builds every split with a non-zero share, and a split that gets no documents makes
     its GPTDataset loop forever looking for tokens: refuse it with a clear message instead."""
 
-    weights = _split_weights(split)
     for prefix in prefixes:
         n = len(IndexedDataset(prefix).document_indices) - 1
-        for name, (lo, hi), w in zip(("train", "validation", "test"), split_document_ranges(n, split), weights):
-            if w > 0 and hi <= lo:  # a zero share means "no such set", not an empty one
+        for name, bounds in zip(("train", "validation", "test"), split_document_ranges(n, split)):
+            if bounds is not None and bounds[1] <= bounds[0]:  # a zero share (None) means "no such set"
                 raise ConfigError(f"--split {split} leaves the {name} set of {prefix} empty ({n} documents); "
                                   f"give it a larger share, or a share of 0 to build no {name} set")
 
@@ -517,8 +510,8 @@ def build_sft_datasets(cfg, tokenizer) -> list:
         splits = [load(p) if p else None for p in (d.train_data_path, d.valid_data_path, d.test_data_path)]
     else:
         examples = load(d.data_path)
-        splits = [examples[lo:hi] if w > 0 else None
-                  for (lo, hi), w in zip(split_document_ranges(len(examples), d.split), _split_weights(d.split))]
+        splits = [None if bounds is None else examples[slice(*bounds)]
+                  for bounds in split_document_ranges(len(examples), d.split)]
     if not getattr(d, "do_validation", True):
         splits[1] = None
     if not getattr(d, "do_test", True):

@@ -508,3 +508,27 @@ def test_a_sigterm_during_the_exit_leaves_no_rank_waiting_on_its_workers():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "scripts", "signal_at_exit.py")],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout == "exiting\n", proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("documents, split, empty", [(1, "1,1,1", "train"), (3, "98,2,0", "validation"),
+                                                     (3, "1,1,1", None), (1, "100,0,0", None)])
+def test_a_split_left_empty_is_refused_as_megatron_core_cuts_it(tmp_path, documents, split, empty):
+    """megatron-core 0.19 cuts each split at the rounded bookends of the normalised --split
+    (blended_megatron_dataset_builder.py:470-471): one document under 1,1,1 goes to the validation set (its
+    bookends 1/3 and 2/3 round to 0 and 1), which leaves the training set with none, where a GPTDataset would look
+    for tokens forever. The check refuses exactly the splits megatron-core leaves empty."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    import data
+    from config import ConfigError
+
+    builder = IndexedDatasetBuilder(str(tmp_path / "d.bin"), dtype=np.int32)
+    for i in range(documents):
+        builder.add_document(torch.arange(10, dtype=torch.int32) + i, [10])
+    builder.finalize(str(tmp_path / "d.idx"))
+    if empty is None:
+        data.check_split_not_empty([str(tmp_path / "d")], split)
+    else:
+        with pytest.raises(ConfigError, match=f"leaves the {empty} set of"):
+            data.check_split_not_empty([str(tmp_path / "d")], split)

@@ -71,6 +71,7 @@ from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 from megatron.core.utils import configure_nvtx_profiling, get_batch_on_this_cp_rank, nvtx_range_pop, nvtx_range_push
 from megatron.training.determinism import DETERMINISM_ENV_VAR_DEFAULTS
+from megatron.training.dist_signal_handler import DistributedSignalHandler  # records the signal; the loop saves
 from megatron.training.training import disable_forward_pre_hook, enable_forward_pre_hook
 from megatron.training.vocab_utils import calculate_padded_vocab_size
 from megatron.training.utils.common_utils import (logical_and_across_model_parallel_group,
@@ -229,7 +230,7 @@ def setup(cfg: ConfigContainer):
         if metrics.is_rank_0():
             checks.print_config(cfg)
         if cfg.train.exit_signal_handler:
-            state.signal_handler = DistributedSignalHandler(cfg.train.exit_signal)
+            state.signal_handler = DistributedSignalHandler(cfg.train.exit_signal).__enter__()  # released at exit
         profiling.start_memory_history_recording(cfg.profiling)  # before the model: its allocations in the history
         model = build_model(cfg, vocab_size)
         if parallel_state.get_data_parallel_rank() == 0:
@@ -330,24 +331,6 @@ def apply_deterministic_mode(cfg: ConfigContainer) -> None:
     if os.environ.get("RANK", "0") == "0":
         print(" > deterministic mode: torch.use_deterministic_algorithms(True), "
               + ", ".join(f"{k}={os.environ[k]}" for k in DETERMINISM_ENV_VAR_DEFAULTS), flush=True)
-
-
-class DistributedSignalHandler:
-    """Records that `sig` arrived (instead of dying), so the loop can save and exit cleanly on all ranks."""
-
-    def __init__(self, sig: signal.Signals):
-        self.sig, self.received = sig, False
-        self._previous = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.received = True
-
-    def signals_received(self) -> bool:
-        """Whether any rank has received the signal (a collective: every rank asks)."""
-        return any_rank(self.received)
-
-    def release(self):
-        signal.signal(self.sig, self._previous)
 
 
 class Scheduler(OptimizerParamScheduler):
@@ -1105,7 +1088,7 @@ def checkpoint_and_decide_exit(state: GlobalState, model, optimizer, opt_param_s
         if save and state.last_saved_step != ts.step:
             save_checkpoint_and_time(*args, train_data_iterator=train_data_iterator)
 
-    if state.signal_handler is not None and state.signal_handler.signals_received():
+    if state.signal_handler is not None and any(state.signal_handler.signals_received()):  # one flag per rank
         save_unless_saved()
         print_rank_0(f"exiting program after receiving {cfg.train.exit_signal.name} at iteration {ts.step}.")
         state.exit_code = 0

@@ -294,7 +294,7 @@ def test_the_seeds_exit_decisions_save_on_a_global_state_made_directly(single_ra
     state.start_time -= 61  # --exit-duration-in-mins elapsed
     assert decide(5) and newest() == 5
     cfg.train.exit_duration_in_mins = None
-    state.signal_handler = train.DistributedSignalHandler(signal.SIGUSR1)
+    state.signal_handler = train.DistributedSignalHandler(signal.SIGUSR1).__enter__()
     try:
         os.kill(os.getpid(), signal.SIGUSR1)  # --exit-signal-handler's signal
         assert decide(7) and newest() == 7

@@ -73,9 +73,9 @@ from megatron.core.utils import configure_nvtx_profiling, get_batch_on_this_cp_r
 from megatron.training.determinism import DETERMINISM_ENV_VAR_DEFAULTS
 from megatron.training.dist_signal_handler import DistributedSignalHandler  # records the signal; the loop saves
 from megatron.training.training import disable_forward_pre_hook, enable_forward_pre_hook
-from megatron.training.vocab_utils import calculate_padded_vocab_size
 from megatron.training.utils.common_utils import (logical_and_across_model_parallel_group,
                                                   reduce_max_stat_across_model_parallel_group)
+from megatron.training.vocab_utils import calculate_padded_vocab_size
 
 import checkpoint
 import data

@@ -1,4 +1,5 @@
-"""Run under torchrun with 2 processes: model-parallel reductions of metrics.py over a tensor-parallel pair."""
+"""Run under torchrun with 2 processes: the model-parallel reductions train.py uses (metrics.py's norm, megatron-core's
+agreement on the step and the grad norm) over a tensor-parallel pair."""
 
 import os
 import sys
@@ -11,6 +12,8 @@ import config  # noqa: E402
 import metrics  # noqa: E402
 from model import build_model, build_optimizer, wrap_model  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
+from megatron.training.utils.common_utils import (logical_and_across_model_parallel_group,  # noqa: E402
+                                                  reduce_max_stat_across_model_parallel_group)
 
 import device  # noqa: E402
 
@@ -24,9 +27,9 @@ parallel_state.initialize_model_parallel(2, 1)
 cfg = config.parse_args(flags + ["--tensor-model-parallel-size", "2"], world_size=2, gpu=False)
 torch.manual_seed(0)
 tp2_norm = metrics.calc_params_l2_norm(build_model(cfg, 256))
-largest = metrics.reduce_max_stat_across_model_parallel_group(None if rank == 0 else 3.0)
-none = metrics.reduce_max_stat_across_model_parallel_group(None)
-both = metrics.logical_and_across_model_parallel_group(rank == 0)
+largest = reduce_max_stat_across_model_parallel_group(None if rank == 0 else 3.0)
+none = reduce_max_stat_across_model_parallel_group(None)
+both = logical_and_across_model_parallel_group(rank == 0)
 parallel_state.destroy_model_parallel()
 # The same model unsplit (use_cpu_initialization draws the full matrices, then splits them).
 parallel_state.initialize_model_parallel(1, 1)

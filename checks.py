@@ -90,8 +90,6 @@ def require_finalizes(section) -> None:
     require(refusal is None, f"megatron-core's {type(section).__name__} refuses these settings: {refusal}")
 
 
-
-
 def derive(cfg: ConfigContainer) -> None:
     """Every fill-in and rewrite, in the order they depend on each other."""
     derive_bridge_sections(cfg)  # first: they set settings of the other sections (at the end of the module)
@@ -213,15 +211,10 @@ def check_model_sizes(cfg: ConfigContainer) -> None:
             f"that divide it (or set --kv-channels)")
     require(m.num_query_groups > 0 and m.num_attention_heads % m.num_query_groups == 0,
             f"--num-query-groups {m.num_query_groups} must divide --num-attention-heads {m.num_attention_heads}")
-    require(not (m.swiglu and m.openai_gelu), "--openai-gelu is a GeLU, --swiglu replaces GeLU: give one")
     require(m.position_embedding_type != "learned_absolute" or m.max_position_embeddings >= m.seq_length,
             f"--max-position-embeddings {m.max_position_embeddings} is shorter than --seq-length {m.seq_length}")
     for name in ("hidden_dropout", "attention_dropout"):
         require(0.0 <= getattr(m, name) < 1.0, f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(m, name)}")
-
-
-
-
 
 
 def check_architecture(cfg: ConfigContainer) -> None:
@@ -241,8 +234,8 @@ def check_architecture(cfg: ConfigContainer) -> None:
         require(m.num_query_groups == m.num_attention_heads, f"--num-query-groups {m.num_query_groups} groups the keys "
                 "and values of grouped-query attention; multi-latent attention shares one latent among all heads "
                 "instead: drop --num-query-groups and --group-query-attention")
-        require(not m.qk_l2_norm, "--qk-l2-norm is not built for multi-latent attention (megatron-core refuses it); "
-                                  "use --qk-layernorm (the latents' norms) or drop it")
+        require(not m.qk_l2_norm, "--qk-l2-norm is not built for multi-latent attention (megatron-core's layer specs "
+                                  "refuse it); use --qk-layernorm (the latents' norms) or drop it")
         require(cfg.peft.peft == "none", f"--peft {cfg.peft.peft} adapts linear_qkv, linear_proj and the MLP here; "
                                          f"multi-latent attention's projections are not among its targets yet: drop "
                                          f"--peft or --multi-latent-attention")
@@ -273,10 +266,6 @@ def check_architecture(cfg: ConfigContainer) -> None:
 
 
 # -- parallelism: tensor, pipeline (virtual stages, recomputation), context --------------------------
-
-
-
-
 
 
 def derive_parallelism(cfg: ConfigContainer) -> None:
@@ -379,9 +368,6 @@ def check_recompute(cfg: ConfigContainer) -> None:
     m = cfg.model
     require(not m.recompute_activations or m.recompute_granularity == "selective",
             "--recompute-activations means --recompute-granularity selective, not full; give one")
-    require(m.recompute_granularity != "selective" or m.recompute_method is None,
-            "--recompute-method applies to --recompute-granularity full; selective recomputation recomputes the core "
-            "attention of every layer")
     require(m.recompute_granularity == "full" or not (m.recompute_method or m.recompute_num_layers),
             "--recompute-method and --recompute-num-layers need --recompute-granularity full")
     if m.recompute_granularity == "full":
@@ -413,8 +399,6 @@ def check_context_parallel(cfg: ConfigContainer) -> None:
 
 
 # -- Mixture of Experts ----------------------------------------------------------------------------
-
-
 
 
 def derive_moe(cfg: ConfigContainer) -> None:
@@ -473,8 +457,6 @@ def check_moe(cfg: ConfigContainer) -> None:
             f"--moe-router-num-groups {g} must divide --num-experts {n}, and --moe-router-group-topk {gk} be at most it")
     require(not m.moe_shared_expert_overlap or m.moe_shared_expert_intermediate_size,
             "--moe-shared-expert-overlap overlaps the shared experts: add --moe-shared-expert-intermediate-size")
-    require(not m.moe_shared_expert_overlap or m.moe_token_dispatcher_type in ("alltoall", "allgather"),
-            "--moe-shared-expert-overlap works with the alltoall or allgather dispatcher")
     require(not (m.add_bias_linear and m.moe_shared_expert_intermediate_size),
             "megatron-core's shared experts have no biases (shared_experts.py); add --disable-bias-linear, or drop "
             "--moe-shared-expert-intermediate-size")
@@ -836,8 +818,6 @@ def check_schedule_lengths(cfg: ConfigContainer) -> None:
 # -- data and the tokenizer ------------------------------------------------------------------------
 
 
-
-
 def derive_data(cfg: ConfigContainer) -> None:
     d, tk = cfg.dataset, cfg.tokenizer
     if getattr(d, "dataset_root", None):  # Bridge's finetuning layout: one file per split
@@ -868,14 +848,6 @@ def derive_data(cfg: ConfigContainer) -> None:
         derive_value(cfg, "tokenizer.tokenizer_model", builtin_bpe_path(cfg),
                      f"the built-in corpus's byte-level BPE tokenizer ({BUILTIN_BPE_VOCAB:,} tokens), trained on it on "
                      f"first use")
-
-
-
-
-
-
-
-
 
 
 def check_data(cfg: ConfigContainer) -> None:
@@ -1338,10 +1310,6 @@ def check_callbacks(cfg: ConfigContainer) -> None:
 # --------------------------------------------------------------------------------------------------
 # Printing the config: Megatron's argument list, or Bridge's summary of non-default values
 # --------------------------------------------------------------------------------------------------
-
-
-
-
 
 
 def print_config(cfg: ConfigContainer, file=None) -> None:

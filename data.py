@@ -262,8 +262,9 @@ def check_split_not_empty(prefixes: list, split: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Fill-in-the-Middle (--fim-data): Megatron-LM's GPTFIMDataset (megatron/training/datasets/fim_dataset.py),
-# which megatron-core 0.19.2 does not ship
+# Fill-in-the-Middle (--fim-data): Megatron-LM's GPTFIMDataset (megatron/training/datasets/fim_dataset.py, in
+# megatron-core's wheel too) cuts between characters, re-tokenizes and draws from one stream per dataset, so a resumed
+# run sees other samples; this one cuts between tokens and seeds each sample on its own (GPTFIMDataset below)
 # --------------------------------------------------------------------------------------------------
 
 

@@ -34,7 +34,6 @@ from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLine
                                            gather_from_tensor_model_parallel_region)
 
 
-
 def module_matches(full_name: str, name: str, pattern: str) -> bool:
     """Whether `pattern` names this module: its own name, or its full dotted name with `*` wildcards
     (`*.layers.0.*.linear_qkv`)."""

@@ -349,6 +349,9 @@ def test_a_checkpoint_of_the_other_kind_names_both_shapes(saved, loading, expect
      "--moe-aux-loss-coeff gives 1 values for 2"),
     (["--moe-use-upcycling"], 1, "Mixture-of-Experts machinery beyond megatron-core's MoELayer"),
     (["--num-experts", "4", "--moe-shared-expert-intermediate-size", "64"], 1, "shared experts have no biases"),
+    (["--num-experts", "4", "--disable-bias-linear", "--moe-shared-expert-intermediate-size", "64",
+      "--moe-shared-expert-overlap", "--moe-token-dispatcher-type", "allgather"], 1,
+     "moe_shared_expert_overlap only works with alltoall or flex token dispatcher"),
 ])
 def test_bad_moe_settings_are_one_line(flags, world_size, expected, capsys):
     assert expected in config_error([*TINY, *flags], capsys, world_size=world_size)

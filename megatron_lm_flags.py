@@ -69,7 +69,7 @@ MEGATRON_LM_INERT_FLAGS = [
         ("--no-tokenizer-sentencepiece-ignore-extra-whitespaces", None),
         ("--disable-tokenizer-sentencepiece-ignore-extra-whitespaces", None), ("--chat-template", str))),
     ("a logging setting of Megatron-LM's", (
-        ("--log-progress", None), ("--timing-log-option", ["max", "minmax", "all"]), ("--tensorboard-queue-size", int),
+        ("--log-progress", None), ("--tensorboard-queue-size", int),
         ("--no-log-loss-scale-to-tensorboard", None), ("--disable-log-loss-scale-to-tensorboard", None),
         ("--log-memory-interval", int), ("--log-device-memory-used", None), ("--log-max-attention-logit", None),
         ("--no-barrier-with-level-1-timing", None), ("--log-world-size-to-tensorboard", None), ("--log-energy", None),

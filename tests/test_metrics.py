@@ -289,6 +289,24 @@ def test_tensorboard_reports_of_a_run(mock_run):
     assert rows and all(len(r) == 48 for r in rows), rows
 
 
+def test_timing_log_option_picks_megatron_cores_timer_block(single_rank_groups):
+    """--timing-log-option is Megatron-LM's flag, and megatron-core's LoggerConfig field: the log line's timer block
+    is the max over ranks, their (min, max) (the default) or every rank's time (timers.py:339-361)."""
+    import device
+    import train
+
+    heads = {}
+    for option in (None, "max", "minmax", "all"):
+        flags = ["--timing-log-level", "1"] + (["--timing-log-option", option] if option else [])
+        state = train.GlobalState(config.parse_args(flags, world_size=1, gpu=False))
+        with device.shim():
+            state.timers("forward-backward", log_level=1).start()
+            state.timers("forward-backward").stop()
+            heads[option] = state.timers.get_all_timers_string(metrics.TIMERS_TO_LOG, normalizer=1).splitlines()[0]
+    assert heads == {None: "(min, max) time across ranks (ms):", "max": "max time across ranks (ms):",
+                     "minmax": "(min, max) time across ranks (ms):", "all": "times across ranks (ms):"}, heads
+
+
 def test_model_parallel_reductions_over_two_ranks():
     proc = torchrun([], nproc=2, script="tests/scripts/mp_reductions.py")
     assert proc.returncode == 0, proc.stderr[-2000:]

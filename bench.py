@@ -1078,8 +1078,6 @@ if __name__ == "__main__":
 
     with device.shim():  # megatron-core on this machine, for the benchmark (train.py's runs enter it too)
         if name == "_one_size":  # a ladder size in its own process (bench_ladder runs it)
-            import json
-
             print(json.dumps(_one_size(sys.argv[2:])))
             sys.exit(0)
         if name not in benches:

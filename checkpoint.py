@@ -63,8 +63,9 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from megatron.core.utils import unwrap_model
 from metrics import print_rank_0
-from model import layer_wise, unwrap
+from model import layer_wise
 
 TRACKER = "latest_checkpointed_iteration.txt"
 LATEST_TRAIN_STATE = "latest_train_state.pt"
@@ -436,7 +437,7 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
         # (checkpointing.py:733-741): by data-parallel rank 0 or expert-data-parallel rank 0, between them one rank
         # of each such file (replicas hold identical weights, optimizer and RNG states).
         if parallel_state.get_data_parallel_rank() == 0 or parallel_state.get_expert_data_parallel_rank() == 0:
-            payload = {**_model_keys(model, lambda chunk: unwrap(chunk).state_dict()), **common}
+            payload = {**_model_keys(model, lambda chunk: unwrap_model(chunk).state_dict()), **common}
             if scheduler is not None:
                 payload["opt_param_scheduler"] = scheduler.state_dict()
             if ck.save_optim and optimizer is not None:
@@ -475,8 +476,8 @@ def model_sharded_state_dict(model: list, adapters_only: bool = False) -> dict:
     """The model chunks' sharded state dicts under Megatron-LM's keys: each tensor named by its place in the
     whole model (global layer numbers, full shapes), so any tensor/pipeline layout can read it back. A PEFT
     run's keeps its adapters only (the base weights are the pretrained checkpoint's)."""
-    return _model_keys(model, lambda chunk: keep_adapters(unwrap(chunk).sharded_state_dict()) if adapters_only
-                       else unwrap(chunk).sharded_state_dict())
+    return _model_keys(model, lambda chunk: keep_adapters(unwrap_model(chunk).sharded_state_dict()) if adapters_only
+                       else unwrap_model(chunk).sharded_state_dict())
 
 
 def sharded_state_dict_metadata(cfg) -> dict:
@@ -1296,11 +1297,11 @@ def _load_weights(model, payload, directory, partial: bool) -> None:
     try:
         for chunk, key in zip(model, _model_keys(model, lambda chunk: None)):  # "model", or "model0", "model1", ...
             if partial:
-                missing = unwrap(chunk).load_state_dict(payload[key], strict=False).missing_keys
+                missing = unwrap_model(chunk).load_state_dict(payload[key], strict=False).missing_keys
                 if any(".adapter." in name for name in missing):
                     raise RuntimeError(f"adapters missing from the checkpoint:\n{missing[0]}")
             else:
-                unwrap(chunk).load_state_dict(payload[key], strict=True)
+                unwrap_model(chunk).load_state_dict(payload[key], strict=True)
     except RuntimeError as e:
         first = [line.strip() for line in str(e).splitlines() if line.strip()][1:2]
         raise CheckpointError(f"{directory}: weights do not fit this model ({first[0] if first else e}); "

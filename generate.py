@@ -87,11 +87,12 @@ if __name__ == "__main__":
 import torch
 import yaml
 
-from model import build_model, set_random_seed, unwrap  # (first: quiets megatron-core's import warnings)
+from model import build_model, set_random_seed  # (first: quiets megatron-core's import warnings)
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.inference.utils import InferenceMode
 from megatron.core.transformer import attention as mcore_attention
+from megatron.core.utils import unwrap_model
 
 import device
 
@@ -177,7 +178,7 @@ def load_model(load: str, ckpt_step=None, text: bool = False, expert_parallel: i
     model = build_model(cfg, data.embedding_rows(tokenizer))
     state = types.SimpleNamespace(cfg=cfg, tokenizer=tokenizer, train_state=TrainState())
     checkpoint.load_checkpoint(state, model, None, None, directory, finetune=True)  # weights only
-    model = unwrap(model[0])
+    model = unwrap_model(model[0])
     # Inference: dropout off, and frozen weights, which megatron-core's linear layers multiply through their lighter
     # autograd function (linear_with_frozen_weight: 5% of a small model's decode step, measured).
     model.eval().requires_grad_(False)

@@ -25,6 +25,7 @@ from config import moe_layers as config_moe_layers
 from config import pipeline_stage_layers
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import param_is_not_shared
+from megatron.core.utils import unwrap_model
 
 # --------------------------------------------------------------------------------------------------
 # Printing from the right rank
@@ -761,7 +762,7 @@ def calc_params_l2_norm(model, model_config=None, use_megatron_fsdp: bool = Fals
     params = {False: ([], []), True: ([], [])}  # expert? -> (whole, sharded)
     any_sharded = False
     model = model if isinstance(model, list) else [model]
-    bf16 = getattr(model_config or unwrap_config(model[0]), "bf16", False)
+    bf16 = getattr(model_config or getattr(unwrap_model(model[0]), "config", None), "bf16", False)
     for _, p in _counted_params(model):
         whole, sharded = params[_is_expert(p)]
         main = getattr(p, "main_param", None)
@@ -790,13 +791,6 @@ def calc_params_l2_norm(model, model_config=None, use_megatron_fsdp: bool = Fals
             squares = squares + _sum_over(_squares(sharded, where), dp_group)
         total += _sum_over(squares, mp_group)
     return total.sqrt().item()
-
-
-def unwrap_config(chunk):
-    """The megatron-core TransformerConfig of a (wrapped) model chunk."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return getattr(chunk, "config", None)
 
 
 def calc_dtensor_params_l2_norm(params) -> float:
@@ -830,7 +824,7 @@ def report_l2_norm_grad(model) -> dict:
     report, total = {}, torch.zeros((), device=device.current())
     for expert in (False, True):
         part = [(n, p) for n, p in named if _is_expert(p) == expert]
-        if expert and not getattr(unwrap_config(model[0]), "num_moe_experts", None):
+        if expert and not getattr(getattr(unwrap_model(model[0]), "config", None), "num_moe_experts", None):
             break
         squares = torch.stack([
             _grad_of(p).float().pow(2).sum()

@@ -53,6 +53,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from megatron.core.utils import unwrap_model
 from megatron.training.vocab_utils import calculate_padded_vocab_size
 
 
@@ -346,13 +347,6 @@ def build_model(cfg, vocab_size: int) -> list:
     return chunks
 
 
-def unwrap(module):
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(module, "module"):
-        module = module.module
-    return module
-
-
 # --------------------------------------------------------------------------------------------------
 # Data parallelism
 # --------------------------------------------------------------------------------------------------
@@ -391,7 +385,7 @@ def wrap_model(cfg, model: list) -> list:
             expert_data_parallel_world_size=parallel_state.get_expert_data_parallel_world_size())
             for i, m in enumerate(model)]
     # Only the first chunk overlaps its reduce in buckets: the others' gradients are ready together at the end.
-    model = [DistributedDataParallel(config=unwrap(m).config, ddp_config=ddp_config, module=m, disable_bucketing=i > 0,
+    model = [DistributedDataParallel(config=unwrap_model(m).config, ddp_config=ddp_config, module=m, disable_bucketing=i > 0,
                                      full_param_layout=layouts[i])
              for i, m in enumerate(model)]
     for m in model:
@@ -651,7 +645,7 @@ def get_forward_backward_func(model: list, optimizer, timers=None):
     1F1B over virtual stages. The schedule reads its hooks from the model config, set here: gradient sync
     deferred to the last microbatch (no_sync), then finalize_model_grads (data-parallel reduce, tied-embedding
     all-reduce); the fp16 loss scale; the timers. optimizer None: evaluation (no loss scaling, no timers)."""
-    config = unwrap(model[0]).config
+    config = unwrap_model(model[0]).config
     config.no_sync_func = model[0].no_sync if len(model) == 1 else [m.no_sync for m in model]
     config.finalize_model_grads_func = finalize_model_grads
     mla_q_norm = config.multi_latent_attention and config.qk_layernorm and not config.sequence_parallel

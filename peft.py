@@ -236,8 +236,8 @@ def merge_checkpoint(cfg) -> int:
 
     import checkpoint
     import data
-    import device
-    from model import build_model, destroy_distributed, initialize_distributed, unwrap
+    from megatron.core.utils import unwrap_model
+    from model import build_model, destroy_distributed, initialize_distributed
 
     with device.shim():  # megatron-core on this machine, for the merge
         initialize_distributed(cfg)
@@ -248,7 +248,7 @@ def merge_checkpoint(cfg) -> int:
             checkpoint.load_checkpoint(state, model, None, None, cfg.checkpoint.pretrained_checkpoint, finetune=True)
             apply_peft(cfg, model)
             checkpoint.load_checkpoint(state, model, None, None, cfg.checkpoint.load)
-            n = merge_adapters([unwrap(chunk) for chunk in model])
+            n = merge_adapters([unwrap_model(chunk) for chunk in model])
             cfg.peft.peft = "none"  # what run_config.yaml will say: a plain model, standing on its own
             cfg.checkpoint.load = cfg.checkpoint.pretrained_checkpoint = None
             cfg.train.train_iters = state.train_state.step

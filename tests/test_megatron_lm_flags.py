@@ -7,7 +7,6 @@ What Megatron-LM's own parser says is written here as data (its defaults, with w
 core_v0.19.0 added and dropped since core_v0.16.1): CI has no Megatron-LM checkout. Where megatron-core 0.19's wheel
 (which ships megatron.training) is installed, one test also reads its parser."""
 
-import dataclasses
 import enum
 import io
 import os
@@ -185,7 +184,8 @@ def test_decoupled_lr_gives_the_embedding_and_output_layer_their_own_schedule(si
     """--decoupled-lr / --decoupled-min-lr as megatron-core's get_standard_config_overrides: the parameters megatron-core
     marks is_embedding_or_output_parameter follow their own peak and final rate; the rest keep --lr / --min-lr."""
     import train
-    from model import build_model, build_optimizer, unwrap, wrap_model
+    from megatron.core.utils import unwrap_model
+    from model import build_model, build_optimizer, wrap_model
 
     cfg = config.parse_args([*TINY, "--untie-embeddings-and-output-weights", "--lr-warmup-iters", "0",
                              "--lr-decay-style", "linear", "--train-iters", "10", "--lr", "1e-3", "--min-lr", "1e-4",
@@ -193,7 +193,7 @@ def test_decoupled_lr_gives_the_embedding_and_output_layer_their_own_schedule(si
     model = wrap_model(cfg, build_model(cfg, 256))
     optimizer = build_optimizer(cfg, model)
     scheduler = train.build_scheduler(cfg, optimizer)
-    gpt = unwrap(model[0])
+    gpt = unwrap_model(model[0])
     decoupled = {id(gpt.embedding.word_embeddings.weight), id(gpt.output_layer.weight)}
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     for _ in range(5):

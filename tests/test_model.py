@@ -90,14 +90,15 @@ def test_gpt_variants_train_on_cpu(single_rank_groups, flags):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.module import Float16Module
 
-    from model import build_model, build_optimizer, get_forward_backward_func, set_random_seed, unwrap, wrap_model
+    from megatron.core.utils import unwrap_model
+    from model import build_model, build_optimizer, get_forward_backward_func, set_random_seed, wrap_model
 
     cfg = config.parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                              "--seq-length", "32", "--hidden-dropout", "0", "--attention-dropout", "0", *flags],
                             world_size=1, gpu=False)
     set_random_seed(0)
     model = wrap_model(cfg, build_model(cfg, vocab_size=100))
-    gpt = unwrap(model[0])
+    gpt = unwrap_model(model[0])
     assert isinstance(model[0], DistributedDataParallel)
     assert isinstance(model[0].module, Float16Module) == ("--bf16" in flags)
     assert (gpt.output_layer.weight is None) == (not cfg.model.untie_embeddings_and_output_weights)

@@ -89,9 +89,9 @@ def test_override_provider_changes_a_groups_lr_and_weight_decay(single_rank_grou
     cfg = parse(CONSTANT_LR)
     cfg.optimizer_config_override_provider = EmbeddingOverrides()
     model, optimizer, scheduler = build(cfg)
-    from model import unwrap
+    from megatron.core.utils import unwrap_model
 
-    embedding = unwrap(model[0]).embedding.word_embeddings.weight
+    embedding = unwrap_model(model[0]).embedding.word_embeddings.weight
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     assert group_of[id(embedding)]["params"] == [embedding]  # a group of its own
     for _ in range(3):  # the scheduler keeps writing each group's own lr and decay

@@ -8,7 +8,7 @@ import torch
 
 import checks
 import config
-from conftest import REORDERED, TINY, config_error, log_lines, torchrun
+from conftest import REORDERED, TINY, config_error, log_lines
 
 
 def _cfg(*flags, world_size=1):
@@ -23,7 +23,8 @@ def _loss(model, tokens):
 
 @pytest.mark.parametrize("kind", ["lora", "dora"])
 def test_adapters_start_at_the_base_model_and_only_they_train(single_rank_groups, kind):
-    from model import build_model, build_optimizer, get_forward_backward_func, set_random_seed, unwrap, wrap_model
+    from megatron.core.utils import unwrap_model
+    from model import build_model, build_optimizer, get_forward_backward_func, set_random_seed, wrap_model
     import peft
 
     cfg = _cfg("--peft", kind, "--lora-dim", "4")
@@ -44,7 +45,7 @@ def test_adapters_start_at_the_base_model_and_only_they_train(single_rank_groups
 
     model = wrap_model(cfg, model)
     optimizer = build_optimizer(cfg, model)
-    adapters = [p for p in unwrap(model[0]).parameters() if p.requires_grad]
+    adapters = [p for p in unwrap_model(model[0]).parameters() if p.requires_grad]
     # megatron-core's DDP and optimizer skip frozen parameters: only the adapters have grad buffers and state.
     assert sum(p.numel() for buffer in model[0].buffers for p in buffer.params) == trainable
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(adapters)
@@ -61,7 +62,7 @@ def test_adapters_start_at_the_base_model_and_only_they_train(single_rank_groups
         fbf(forward_step_func=forward_step, data_iterator=iter([]), model=model, num_microbatches=1, seq_length=64,
             micro_batch_size=2)
         assert optimizer.step()[0]
-    after = dict(unwrap(model[0]).named_parameters())
+    after = dict(unwrap_model(model[0]).named_parameters())
     assert all(torch.equal(after[n], p) for n, p in base.items())  # base weights: bitwise unchanged
     assert all(not torch.equal(p, b) for p, b in zip(adapters, before) if p.dim() == 2)  # every A and B moved
 

@@ -101,8 +101,8 @@ MCORE_FLAGS = {
                  "end_weight_decay weight_decay_incr_style override_opt_param_scheduler use_checkpoint_opt_param_scheduler",
     "logger": "log_interval tensorboard_dir tensorboard_log_interval log_throughput log_params_norm log_num_zeros_in_grad "
               "log_memory_to_tensorboard log_timers_to_tensorboard log_runtime_to_tensorboard throughput_window_size "
-              "log_validation_ppl_to_tensorboard timing_log_level timing_log_option logging_level wandb_project wandb_exp_name "
-              "wandb_save_dir wandb_entity",
+              "log_validation_ppl_to_tensorboard timing_log_level timing_log_option logging_level wandb_project "
+              "wandb_exp_name wandb_save_dir wandb_entity",
     "checkpoint": "save load save_interval save_optim save_rng load_optim load_rng finetune pretrained_checkpoint "
                   "ckpt_step most_recent_k ckpt_format dist_ckpt_optim_fully_reshardable async_save async_strategy",
     "dist": "distributed_backend distributed_timeout_minutes",

@@ -385,8 +385,8 @@ def wrap_model(cfg, model: list) -> list:
             expert_data_parallel_world_size=parallel_state.get_expert_data_parallel_world_size())
             for i, m in enumerate(model)]
     # Only the first chunk overlaps its reduce in buckets: the others' gradients are ready together at the end.
-    model = [DistributedDataParallel(config=unwrap_model(m).config, ddp_config=ddp_config, module=m, disable_bucketing=i > 0,
-                                     full_param_layout=layouts[i])
+    model = [DistributedDataParallel(config=unwrap_model(m).config, ddp_config=ddp_config, module=m,
+                                     disable_bucketing=i > 0, full_param_layout=layouts[i])
              for i, m in enumerate(model)]
     for m in model:
         m.broadcast_params()

@@ -119,6 +119,7 @@ if __name__ == "__main__" and sys.argv[1:2] == ["_plain"]:
     sys.exit(0)
 
 import config as config_lib  # noqa: E402 (after the plain loop, which must not import megatron-core)
+import checks
 
 
 def _dir_bytes(path: str) -> int:
@@ -130,7 +131,7 @@ def bench_checkpoint(argv) -> list:
     model and optimizer state, and beside raw file writes and reads of as many bytes, on one process."""
     defaults = ["--num-layers", "16", "--hidden-size", "768", "--num-attention-heads", "12", "--seq-length", "1024",
                 "--mock-data"]
-    cfg = config_lib.parse_args(defaults + argv, world_size=1)
+    cfg = checks.parse_args(defaults + argv, world_size=1)
     import torch
 
     import checkpoint
@@ -208,7 +209,7 @@ def bench_checkpoint(argv) -> list:
 def bench_logging(argv) -> list:
     """Time spent in metrics.log_step (accumulating, TensorBoard, the log line) beside the whole
     iteration, over a real single-process run of the default model at the default --log-interval."""
-    cfg = config_lib.parse_args(["--mock-data", "--train-iters", "60", "--eval-iters", "0", "--num-workers", "0"] + argv,
+    cfg = checks.parse_args(["--mock-data", "--train-iters", "60", "--eval-iters", "0", "--num-workers", "0"] + argv,
                                 world_size=1)
     import contextlib
     import io
@@ -277,7 +278,7 @@ def bench_data(argv) -> list:
 
         import train
 
-        cfg = config_lib.parse_args(["--data-path", stats["text"]["prefix"], "--num-workers", "0", "--eval-iters", "0",
+        cfg = checks.parse_args(["--data-path", stats["text"]["prefix"], "--num-workers", "0", "--eval-iters", "0",
                                      "--data-cache-path", os.path.join(work, "cache"), "--train-iters", "50"] + argv,
                                     world_size=1)
         torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
@@ -391,7 +392,7 @@ def bare_seconds_per_iteration(cfg, warmup: int = 3) -> float:
 
 
 def _run_cfg(argv: list, iters: int):
-    return config_lib.parse_args(["--mock-data", "--eval-iters", "0", "--train-iters", str(iters)] + argv, world_size=1)
+    return checks.parse_args(["--mock-data", "--eval-iters", "0", "--train-iters", str(iters)] + argv, world_size=1)
 
 
 def bench_overhead(argv) -> list:
@@ -548,7 +549,7 @@ def bench_hotpath(argv) -> list:
     from model import build_model
 
     rows = []
-    cfg = config_lib.parse_args(["--mock-data"] + argv, world_size=1)
+    cfg = checks.parse_args(["--mock-data"] + argv, world_size=1)
     torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     train.parallel_state.initialize_model_parallel(1, 1)
     try:
@@ -584,7 +585,7 @@ def bench_hotpath(argv) -> list:
     base = ["--mock-data", "--eval-iters", "0", "--train-iters", "25", *argv]
     for what, extra in (("untied embeddings", ["--untie-embeddings-and-output-weights"]), ("tied (default)", []),
                         ("no prefetch (--num-workers 0)", ["--num-workers", "0"]), ("2 prefetch workers (default)", [])):
-        run = train_py_run(config_lib.parse_args(base + extra, world_size=1))
+        run = train_py_run(checks.parse_args(base + extra, world_size=1))
         rows.append(("", "train.py" if "untied" in what else "", what, f"{1000 * run['seconds']:.1f} ms/it",
                      f"{run['params'] / 1e6:.2f}M params"))
     return rows
@@ -619,7 +620,7 @@ def _generate_rows(argv, caches, label="generate") -> list:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    cfg = config_lib.parse_args(["--mock-data", "--no-save", "--no-tensorboard", "--hidden-dropout", "0",
+    cfg = checks.parse_args(["--mock-data", "--no-save", "--no-tensorboard", "--hidden-dropout", "0",
                                  "--attention-dropout", "0", *argv], world_size=1)
     initialize_distributed(cfg)
     set_random_seed(cfg.rng.seed)
@@ -706,7 +707,7 @@ def bench_parallel(argv) -> list:
                 if out.returncode or not times:
                     sys.exit(f"bench.py parallel: {name} failed:\n{out.stderr[-2000:]}")
                 best[name] = min(best[name], times[len(times) // 2])
-    cfg = config_lib.parse_args(base, world_size=2)
+    cfg = checks.parse_args(base, world_size=2)
     setup = (f"{cfg.model.num_layers}x{cfg.model.hidden_size}, seq {cfg.model.seq_length}, gbs "
              f"{cfg.train.global_batch_size}, 2 processes x 1 thread")
     tp2 = best["TP=2"]
@@ -1007,7 +1008,7 @@ def bench_ops(argv) -> list:
         metrics.log_step = lambda *a, **k: (tick(), log_step(*a, **k))[1]
         try:
             with redirect_stdout(io.StringIO()):
-                train.pretrain(config_lib.parse_args(runs["train.py"][2:], world_size=1))
+                train.pretrain(checks.parse_args(runs["train.py"][2:], world_size=1))
         finally:
             metrics.log_step = log_step
         with redirect_stdout(io.StringIO()):
@@ -1037,7 +1038,7 @@ def _decode_ops(argv, new=200) -> list:
     from megatron.core import parallel_state
     from model import build_model, initialize_distributed, set_random_seed
 
-    cfg = config_lib.parse_args(["--mock-data", "--no-save", "--no-tensorboard", "--hidden-dropout", "0",
+    cfg = checks.parse_args(["--mock-data", "--no-save", "--no-tensorboard", "--hidden-dropout", "0",
                                  "--attention-dropout", "0", *argv], world_size=1)
     initialize_distributed(cfg)
     set_random_seed(cfg.rng.seed)

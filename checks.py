@@ -17,6 +17,7 @@ Bridge sections and the NVIDIA service configs, which have no machinery of their
 
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
 import glob
@@ -28,7 +29,10 @@ import signal
 import sys
 from typing import Any, Optional
 
-from config import (BUILTIN_BPE_VOCAB, MCORE_FLAG_CHANGES, MCORE_FLAGS, MCORE_YAML_ONLY, MEGATRON_LM_EMERGING_OPTIMIZERS,
+from megatron_lm_flags import unsupported_flag
+
+from config import (BUILTIN_BPE_VOCAB, INERT_DEST, OPTIONAL_SECTIONS, MixedPrecisionConfig, apply_overrides,
+                    build_parser, default_of, load_yaml, plain_value, yaml_settings, MCORE_FLAG_CHANGES, MCORE_FLAGS, MCORE_YAML_ONLY, MEGATRON_LM_EMERGING_OPTIMIZERS,
                     MEGATRON_LM_INERT_FLAGS, MEGATRON_LM_TOKENIZERS, SECTIONS, ConfigContainer, ConfigError,
                     FinetuningDatasetConfig, GPTDatasetConfig, GPTModelProvider, OptimizerConfig, TokenizerConfig,
                     _names, _virtual_stages_split, backend, blend_of, builtin_bpe_path, flag_of,
@@ -37,6 +41,8 @@ from config import (BUILTIN_BPE_VOCAB, MCORE_FLAG_CHANGES, MCORE_FLAGS, MCORE_YA
                     uses_builtin_corpus)
 from megatron.core.transformer.enums import AttnBackend  # after config, which first quiets megatron-core's import
 from megatron.training.determinism import ACCEPTED_ENV_VAR_VALUES, ACCEPTED_NCCL_ALGO_TOKENS
+
+import metrics  # the theoretical memory's own count (check_fits_in_memory)
 
 
 def gpu_visible() -> bool:
@@ -49,6 +55,168 @@ def gpu_visible() -> bool:
 def package_installed(module: str) -> bool:
     """Whether a package can be imported (e.g. transformer_engine), answered without importing it."""
     return importlib.util.find_spec(module) is not None
+
+
+def parse_args(argv: Optional[list] = None, world_size: Optional[int] = None, gpu: Optional[bool] = None,
+               run: bool = False) -> ConfigContainer:
+    """Parse flags (and an optional YAML file under them) into a validated ConfigContainer.
+
+    A bad flag, a bad YAML value or an impossible combination prints one line to stderr and exits with code 2.
+    `world_size` defaults to $WORLD_SIZE (set by torchrun) and `gpu` to whether a GPU is visible. `run`: the config
+    is this machine's run (train.py's command line), which must also fit in its memory (check_fits_in_memory); a
+    config alone may describe any model (its FLOPs and memory can be computed for a model no laptop holds).
+    """
+    parser = build_parser()
+    try:
+        cfg = config_from_flags(argv, world_size, gpu, parser)
+        if run:
+            check_fits_in_memory(cfg)
+        return cfg
+    except ConfigError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+
+
+def config_from_flags(argv: list, world_size: Optional[int] = None, gpu: Optional[bool] = None,
+                      parser: Optional[argparse.ArgumentParser] = None) -> ConfigContainer:
+    """parse_args without the exit: an impossible combination raises ConfigError (for callers that are not the
+    command line, such as hf.py's import). The YAML file's settings go in first, the flags over them: a flag given
+    with the file wins, and what the file's run derived is derived again (settings_from_yaml)."""
+    parser = parser or build_parser()
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        reasons = [unsupported_flag(t) for t in unknown if t.startswith("--")]
+        if any(reasons):
+            raise ConfigError(next(r for r in reasons if r))
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    ns = vars(ns)
+    cfg = ConfigContainer()
+    inert = [(dest[len(INERT_DEST):], ns.pop(dest)) for dest in list(ns) if dest.startswith(INERT_DEST)]
+    cfg.megatron_lm_inert = [flag if value is True else " ".join([flag, *map(str, value)]) if isinstance(value, list)
+                             else f"{flag} {value}" for flag, value in inert] or None
+    flags: dict = {}
+    for dest, value in ns.items():
+        if dest != "config_file":
+            section, name = dest.split(".", 1)
+            flags.setdefault(section, {})[name] = value
+    if "config_file" in ns:
+        settings = settings_from_yaml(ns["config_file"], parser, world_size, gpu)
+        apply_overrides(cfg, bridge_sections_under_flags(settings, flags), source="--config-file")
+    apply_overrides(cfg, flags, source="flags")
+    return validate(cfg, world_size=world_size, gpu=gpu)
+
+
+def settings_from_yaml(path: str, parser: argparse.ArgumentParser, world_size: Optional[int] = None,
+                       gpu: Optional[bool] = None) -> dict:
+    """A YAML file's settings (`{section: {name: value}}`), each value read as its flag reads it (type, choices: a
+    bad one is the flag's one line), without the values the writing run's validation derived, which this run derives
+    again from the file's other settings and the flags given with it: the ones the file lists under `derived:`
+    (run_config.yaml), or, in a file without that list (Bridge's, or one written before it), each value that
+    validation puts back when it alone is left out."""
+    data = load_yaml(path)
+    derived = data.get("derived")
+    settings = yaml_settings(data)
+    actions = flag_actions(parser)
+    defaults = ConfigContainer()
+    for section, values in settings.items():
+        if not isinstance(values, dict) or section in OPTIONAL_SECTIONS:
+            continue
+        for name, value in values.items():
+            action = actions.get(f"{section}.{name}")
+            sub = getattr(defaults, section, None)
+            if hasattr(sub, name) and value == plain_value(default_of(sub, section, name)):
+                values[name] = default_of(sub, section, name)  # the default, as the class holds it
+            elif action is not None:
+                values[name] = flag_value(action, value, f"--config-file {path}: {section}.{name}")
+            elif hasattr(sub, name):
+                meta = next(f.metadata for f in dataclasses.fields(sub) if f.name == name)
+                require(value is None or not meta.get("choices") or value in meta["choices"],
+                        f"--config-file {path}: {section}.{name} {value!r} is not one of {meta.get('choices')}")
+    if derived is not None:
+        for setting in derived:
+            section, name = setting.split(".")
+            if isinstance(settings.get(section), dict):
+                settings[section].pop(name, None)
+        return settings
+    again = rederived(settings, world_size, gpu)
+    return {section: ({name: value for name, value in values.items() if (section, name) not in again}
+                      if isinstance(values, dict) else values) for section, values in settings.items()}
+
+
+def flag_actions(parser: argparse.ArgumentParser) -> dict:
+    """{"section.name": the argparse action that reads its value}: a setting's flag (not its --no-* switch)."""
+    actions = {}
+    for action in parser._actions:
+        if "." in action.dest and not action.dest.startswith(INERT_DEST) and \
+                type(action) is not argparse._StoreConstAction:  # not a --no-* unset, nor a switch to one value
+            actions.setdefault(action.dest, action)
+    return actions
+
+
+def flag_value(action: argparse.Action, value: Any, where: str) -> Any:
+    """A YAML value read as its flag reads its words (argparse's own conversion and choices); null stays unset."""
+    if value is None:
+        return None
+    if action.nargs == 0:  # a switch
+        require(isinstance(value, bool), f"{where}: {value!r} is not true or false ({action.option_strings[0]} is a "
+                                         f"switch)")
+        return value
+    if isinstance(value, dict):  # KEY=VALUE words (made a dict by validation)
+        value = [f"{k}={v}" for k, v in value.items()]
+    words = [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
+    if action.nargs is None and len(words) != 1:
+        raise ConfigError(f"{where}: {value!r} is a list; {action.option_strings[0]} takes one value")
+    try:
+        return argparse.ArgumentParser()._get_values(action, words)  # argparse's own reading of a flag's words
+    except argparse.ArgumentError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def rederived(settings: dict, world_size: Optional[int], gpu: Optional[bool]) -> set:
+    """The file's values that validation puts back when the file leaves that one alone out: values the writing run
+    derived (its defaults' replacements), not ones it was given. {(section, name)}."""
+    base = ConfigContainer()
+    try:
+        apply_overrides(base, settings, source="--config-file")
+    except ConfigError:
+        return set()  # apply_overrides will say why
+    base.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    base.use_gpu = gpu_visible() if gpu is None else gpu
+    found = set()
+    for section, sub in section_configs(base):
+        for name, value in (settings.get(section) or {}).items():
+            if not hasattr(sub, name) or getattr(sub, name) == default_of(sub, section, name):
+                continue
+            trial = copy.deepcopy(base)
+            setattr(getattr(trial, section), name, default_of(sub, section, name))
+            try:
+                derive(trial)
+            except Exception:  # noqa: BLE001  inputs validation refuses: the check will say so, with the value kept
+                continue
+            if plain_value(getattr(getattr(trial, section), name)) == plain_value(value):
+                found.add((section, name))
+    return found
+
+
+def bridge_sections_under_flags(settings: dict, flags: dict) -> dict:
+    """A file's Bridge sections (mixed_precision, comm_overlap) set settings that flags also set (--bf16,
+    --overlap-grad-reduce): where a flag given with the file sets one, the section gives way to its settings, so that
+    the flag wins."""
+    settings = dict(settings)
+    recipe = settings.get("mixed_precision")
+    precision = {"model": ("bf16", "fp16"), "ddp": ("grad_reduce_in_fp32",), "optimizer": LOSS_SCALING}
+    if recipe is not None and any(name in flags.get(section, {}) for section, names in precision.items()
+                                  for name in names):
+        mp = get_mixed_precision_config(recipe if isinstance(recipe, str) else MixedPrecisionConfig(**recipe))
+        settings["model"] = {**settings.get("model", {}), "bf16": mp.bf16, "fp16": mp.fp16}
+        settings["ddp"] = {**settings.get("ddp", {}), "grad_reduce_in_fp32": mp.grad_reduce_in_fp32 if (mp.bf16 or mp.fp16) else None}
+        if mp.fp16:
+            settings["optimizer"] = {**settings.get("optimizer", {}), **{n: getattr(mp, n) for n in LOSS_SCALING}}
+        settings["mixed_precision"] = None
+    overlap = settings.get("comm_overlap")
+    if isinstance(overlap, dict):
+        settings["comm_overlap"] = {name: (None if name in flags.get("ddp", {}) or name in flags.get("model", {}) else value)
+                                    for name, value in overlap.items()}
+    return settings
 
 
 def validate(cfg: ConfigContainer, world_size: Optional[int] = None, gpu: Optional[bool] = None) -> ConfigContainer:
@@ -75,6 +243,8 @@ def derive_value(cfg: ConfigContainer, setting: str, value: Any, why: str) -> No
     sub = getattr(cfg, section)
     if getattr(sub, name) == value and type(getattr(sub, name)) is type(value):
         return
+    if getattr(sub, name) == default_of(sub, section, name) and setting not in cfg.filled_in:
+        cfg.filled_in.append(setting)  # filled in, not rewritten: run_config.yaml's `derived:` list
     setattr(sub, name, value)
     cfg.derived[setting] = (value, why)
 
@@ -1201,7 +1371,6 @@ def check_fits_in_memory(cfg: ConfigContainer) -> None:
     precision, the optimizer's part sharded by --use-distributed-optimizer), one microbatch's logits and layer inputs
     (metrics.activation_floor); and megatron-core's sample index, 16 bytes per sample (its sample-to-document pairs
     and its shuffle)."""
-    import metrics  # the theoretical memory's own count (imported here: metrics imports this module)
 
     m, t = cfg.model, cfg.train
     total = machine_memory_bytes(cfg)

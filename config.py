@@ -326,6 +326,14 @@ def section_default(cls, section: str):
     return cls(**{k.split(".")[1]: v for k, (v, _) in DEFAULTS.items() if k.split(".")[0] == section})
 
 
+def default_of(sub, section: str, name: str):
+    """A setting's default: DEFAULTS', else its class's (the section `sub` is an instance of)."""
+    if f"{section}.{name}" in DEFAULTS:
+        return DEFAULTS[f"{section}.{name}"][0]
+    f = next(f for f in dataclasses.fields(sub) if f.name == name)
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
 def _names(table: dict, section: str) -> list:
     return table.get(section, "").split()
 
@@ -989,20 +997,21 @@ class ConfigContainer:
     megatron_lm_inert: Optional[list] = None
     # What validation filled in or rewrote (derive_value): {"section.name": (value, why)}, printed with the config.
     derived: dict = field(default_factory=dict)
+    # Of those, the settings validation filled in (they held their defaults): run_config.yaml lists them under
+    # `derived:`, and --config-file derives them again from the file's other settings and the flags given with it.
+    filled_in: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
         """The settings, section by section: of megatron-core's classes, the fields this trainer acts on (the others
         hold their defaults, which check_mcore_fields ensures); a signal by its name."""
-        def plain(value):
-            return value.name if isinstance(value, enum.Enum) else dataclasses.asdict(value) if \
-                dataclasses.is_dataclass(value) else [plain(v) for v in value] if isinstance(value, (tuple, list)) else value
         d = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name in SECTIONS and dataclasses.is_dataclass(value):
-                d[f.name] = {name: plain(getattr(value, name)) for name in settings_of(f.name, value)}
-            elif f.name != "derived":  # said in the sections themselves
-                d[f.name] = plain(value)
+                d[f.name] = {name: plain_value(getattr(value, name)) for name in settings_of(f.name, value)
+                             if (f.name, name) not in NOT_CARRIED}
+            elif f.name not in ("derived", "filled_in"):  # said in the sections themselves
+                d[f.name] = plain_value(value)
         d["logger"]["comet_api_key"] = None  # a secret: kept out of run_config.yaml and the trackers' copies
         return d
 
@@ -1225,63 +1234,15 @@ def apply_overrides(cfg: ConfigContainer, overrides: dict, source: str) -> None:
             setattr(sub, key, value)
 
 
-def parse_args(argv: Optional[list] = None, world_size: Optional[int] = None, gpu: Optional[bool] = None,
-               run: bool = False) -> ConfigContainer:
-    """Parse flags (and an optional YAML file under them) into a validated ConfigContainer.
-
-    A bad flag or an impossible combination prints one line to stderr and exits with code 2.
-    `world_size` defaults to $WORLD_SIZE (set by torchrun) and `gpu` to whether a GPU is visible. `run`: the config
-    is this machine's run (train.py's command line), which must also fit in its memory (check_fits_in_memory); a
-    config alone may describe any model (its FLOPs and memory can be computed for a model no laptop holds).
-    """
-    import checks  # validation (it imports this module)
-
-    parser = build_parser()
-    try:
-        cfg = config_from_flags(argv, world_size, gpu, parser)
-        if run:
-            checks.check_fits_in_memory(cfg)
-        return cfg
-    except ConfigError as e:
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
-
-
-def config_from_flags(argv: list, world_size: Optional[int] = None, gpu: Optional[bool] = None,
-                      parser: Optional[argparse.ArgumentParser] = None) -> ConfigContainer:
-    """parse_args without the exit: an impossible combination raises ConfigError (for callers that are not the
-    command line, such as hf.py's import)."""
-    parser = parser or build_parser()
-    ns, unknown = parser.parse_known_args(argv)
-    if unknown:
-        reasons = [unsupported_flag(t) for t in unknown if t.startswith("--")]
-        if any(reasons):
-            raise ConfigError(next(r for r in reasons if r))
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    ns = vars(ns)
-    cfg = ConfigContainer()
-    if "config_file" in ns:
-        apply_overrides(cfg, _load_yaml(ns.pop("config_file")), source="--config-file")
-    inert = [(dest[len(INERT_DEST):], ns.pop(dest)) for dest in list(ns) if dest.startswith(INERT_DEST)]
-    cfg.megatron_lm_inert = [flag if value is True else " ".join([flag, *map(str, value)]) if isinstance(value, list)
-                             else f"{flag} {value}" for flag, value in inert] or None
-    flags: dict = {}
-    for dest, value in ns.items():
-        section, name = dest.split(".", 1)
-        flags.setdefault(section, {})[name] = value
-    apply_overrides(cfg, flags, source="flags")
-    import checks  # validation (it imports this module)
-
-    return checks.validate(cfg, world_size=world_size, gpu=gpu)
-
-
-def _load_yaml(path: str) -> dict:
+def load_yaml(path: str) -> dict:
+    """A YAML file's mapping of sections, or a one-line ConfigError."""
     import yaml
 
     if not os.path.isfile(path):
         raise ConfigError(f"--config-file {path}: no such file")
     try:
         with open(path) as fh:
-            data = yaml.safe_load(fh) or {}
+            data = yaml.load(fh, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}  # libyaml's: 10x faster
     except yaml.YAMLError as e:
         raise ConfigError(f"--config-file {path}: not valid YAML ({str(e).splitlines()[0]})")
     if not isinstance(data, dict):
@@ -1289,12 +1250,59 @@ def _load_yaml(path: str) -> dict:
     return data
 
 
+# Values a run_config.yaml never carries to another run: a process's own (megatron-core's default reads $LOCAL_RANK).
+NOT_CARRIED = {("dist", "local_rank")}
+# Bridge's deprecated spellings (train.eval_*), which its finalize copies to the validation section when set: a file's
+# are moved there as it is read, so that a flag given with the file wins over them.
+DEPRECATED_IN_TRAIN = ("eval_iters", "eval_interval", "skip_train")
+
+
+def yaml_settings(data: dict) -> dict:
+    """A run_config.yaml's sections as settings: `{section: {name: value}}` under today's names (FORMER_NAMES), with
+    Bridge's deprecated train.eval_* moved to the validation section and a process's own values dropped. The
+    `derived:` list (what the writing run's validation filled in) is the caller's to read."""
+    out, deprecated = {}, {}
+    for section, values in data.items():
+        if section == "derived":
+            continue
+        if not isinstance(values, dict):  # a recipe's name, or an empty section
+            out[section] = values
+            continue
+        for key, value in values.items():
+            key = key.replace("-", "_")
+            where, name = section, key
+            if (section, key) in FORMER_NAMES:
+                name, convert = FORMER_NAMES[section, key]
+                value = convert(value) if convert else value
+                where, name = name.split(".") if "." in name else (section, name)
+            if (where, name) in NOT_CARRIED:
+                continue
+            if where == "train" and name in DEPRECATED_IN_TRAIN:
+                if value is not None:
+                    deprecated[name] = value
+                continue
+            if not isinstance(out.get(where), dict):
+                out[where] = {}
+            out[where][name] = value
+    if deprecated:
+        out["validation"] = {**(out.get("validation") or {}), **deprecated}
+    return out
+
+
+def plain_value(value):
+    """A setting as YAML writes it: an enum by its name, a tuple as a list, a dataclass as a mapping."""
+    return value.name if isinstance(value, enum.Enum) else dataclasses.asdict(value) if \
+        dataclasses.is_dataclass(value) else [plain_value(v) for v in value] if isinstance(value, (tuple, list)) else value
+
+
 def to_yaml(cfg: ConfigContainer) -> str:
-    """The resolved config as YAML: what `run_config.yaml` holds and `--config-file` reads back."""
+    """The resolved config as YAML: what `run_config.yaml` holds and `--config-file` reads back. Every setting, as
+    Bridge writes it, and under `derived:` the ones this run's validation filled in (sizes, step counts, the machine's
+    answers): `--config-file` derives those again from the file's other settings and the flags given with it."""
     import yaml
 
     d = cfg.to_dict()
-    return yaml.safe_dump({s: d[s] for s in SECTIONS}, sort_keys=False)
+    return yaml.safe_dump({**{s: d[s] for s in SECTIONS}, "derived": sorted(cfg.filled_in)}, sort_keys=False)
 
 
 # --------------------------------------------------------------------------------------------------

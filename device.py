@@ -176,15 +176,10 @@ def cuda() -> bool:
 def bind_local_gpu(gpu_visible: bool, external_mapping: bool = False) -> None:
     """Bind this process to its rank's GPU (LOCAL_RANK) when the config saw one (checks.gpu_visible, asked
     without torch), or to device 0 when the launcher gave each process its own GPU (Bridge's
-    external_gpu_device_mapping); a GPU this torch cannot use (a CPU-only build) is a one-line error. Nothing on
-    a CPU."""
+    external_gpu_device_mapping). Nothing on a CPU (model.initialize_distributed refuses a GPU this torch cannot
+    use)."""
     if not gpu_visible:
         return
-    if not cuda():
-        from config import ConfigError
-
-        raise ConfigError("a GPU is visible but this torch cannot use it (a CPU-only build?); install a CUDA build "
-                          "of torch, or train on CPU with CUDA_VISIBLE_DEVICES=''")
     torch.cuda.set_device(0 if external_mapping else int(os.environ.get("LOCAL_RANK", "0")))
 
 

@@ -726,7 +726,7 @@ def import_hf(directory: str, save: str) -> str:
     else:  # ids only: the rows of the model's vocabulary, the last as end-of-document (a NullTokenizer's)
         flags += ["--tokenizer-type", "NullTokenizer", "--vocab-size", hf["vocab_size"]]
     flags += ["--transformer-impl", "local", "--mock-data", "--save", save, "--train-iters", "0"]
-    cfg = config_lib.config_from_flags([str(f) for f in flags], world_size=1)
+    cfg = checks.config_from_flags([str(f) for f in flags], world_size=1)
     checks.check_fits_in_memory(cfg)  # its weights, on this machine
     files = safetensors_files(directory)
     check_experts(files, hf, layout, path)

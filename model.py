@@ -21,6 +21,7 @@ lists each one): the CPU runs the GPU's code path, and the tests exercise what a
 """
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import os
@@ -37,7 +38,8 @@ import torch
 import torch.nn.functional as F
 
 import device  # first: it quiets megatron-core's import-time warnings
-from config import backend, moe_layers
+from config import (MEGATRON_LM_EMERGING_OPTIMIZERS, ConfigError, OptimizerConfigOverrideProviderContext, backend,
+                    moe_layers)
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core import rerun_state_machine as mcore_rerun
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
@@ -188,9 +190,12 @@ def context_parallel_causal_mask(local_len: int, cp_group, device) -> torch.Tens
 
 
 def transformer_config(cfg) -> TransformerConfig:
-    """megatron-core's TransformerConfig: the model section itself (config.GPTModelProvider), finalized."""
-    cfg.model.finalize()
-    return cfg.model
+    """megatron-core's TransformerConfig: the model section (config.GPTModelProvider), finalized. A copy: the section
+    keeps the settings as given, which run_config.yaml holds (finalize() adds megatron-core's derived fields and this
+    machine's answers, such as CPU initialisation without a GPU, which must not travel to another run)."""
+    config = copy.deepcopy(cfg.model)
+    config.finalize()
+    return config
 
 
 def layer_spec(cfg, num_experts: Optional[int] = None):
@@ -418,7 +423,6 @@ def layer_wise(cfg) -> bool:
     """--use-distributed-optimizer with an emerging optimizer (Muon, ...): megatron-core's LayerWiseDistributedOptimizer,
     as Megatron-LM 0.19 builds it. Each data-parallel rank updates whole matrices (Newton-Schulz needs a whole one) and
     the ranks gather them after the step; megatron-core's DistributedOptimizer shards what Adam updates, byte-wise."""
-    from config import MEGATRON_LM_EMERGING_OPTIMIZERS
 
     return cfg.optimizer.optimizer in MEGATRON_LM_EMERGING_OPTIMIZERS and cfg.optimizer.use_distributed_optimizer
 
@@ -443,7 +447,6 @@ def check_emerging_optimizer_installed(cfg) -> None:
     own muon and adaptive_muon and what the installed emerging-optimizers package registers
     (megatron/core/optimizer/emerging_optimizers.py:463-501), from version 0.2 on (megatron/core/optimizer/__init__.py:45).
     A name it lacks is one line here, before any model is built, not megatron-core's error after it."""
-    from config import MEGATRON_LM_EMERGING_OPTIMIZERS, ConfigError
 
     name = cfg.optimizer.optimizer
     if name not in MEGATRON_LM_EMERGING_OPTIMIZERS:
@@ -562,7 +565,6 @@ def check_optimizer_state(cfg) -> None:
     asserts for SGD); its emerging-optimizer path, which builds this project's own, refuses fp16
     (optimizer/__init__.py:769); torch_dist saves an optimizer's state sharded as its weights, and SOAP's
     preconditioners are square (dist_checkpointing/optimizer.py:100 asserts at the first save)."""
-    from config import ConfigError
 
     o, ck, name = cfg.optimizer, cfg.checkpoint, cfg.optimizer.optimizer
     if (name == "sgd" or name in OWN_OPTIMIZERS) and o.use_distributed_optimizer:
@@ -585,7 +587,6 @@ def build_optimizer(cfg, model: list, timers=None):
     `cfg.optimizer_config_override_provider` returns (by default: no weight decay on biases and 1-D
     parameters, `wd_mult` 0, as Megatron does).
     """
-    from config import OptimizerConfigOverrideProviderContext
 
     config = megatron_optimizer_config(cfg, timers)
     context = OptimizerConfigOverrideProviderContext(scheduler_config=cfg.scheduler, optimizer_config=config, model=model)
@@ -760,6 +761,9 @@ def zero_grad(model: list, optimizer) -> None:
 def initialize_distributed(cfg) -> None:
     """One process per device. torchrun sets RANK/WORLD_SIZE/MASTER_*; a plain `python train.py` is a
     world of one. Then megatron-core's tensor/pipeline/context/data-parallel groups."""
+    if cfg.use_gpu and not device.cuda():
+        raise ConfigError("a GPU is visible but this torch cannot use it (a CPU-only build?); install a CUDA build "
+                          "of torch, or train on CPU with CUDA_VISIBLE_DEVICES=''")
     device.bind_local_gpu(cfg.use_gpu, cfg.dist.external_gpu_device_mapping)
     backend = cfg.dist.distributed_backend or device.backend()
     timeout = timedelta(minutes=cfg.dist.distributed_timeout_minutes)

@@ -210,12 +210,14 @@ def main(argv) -> int:
 
     import config as config_lib
 
+    import checks
+
     try:
         from checkpoint import resolve_load_dir
         directory = resolve_load_dir(args.load, args.ckpt_step)
         if directory is None:
             raise config_lib.ConfigError(f"--load {args.load}: no checkpoint there")
-        cfg = config_lib.parse_args(["--config-file", os.path.join(directory, "run_config.yaml"),
+        cfg = checks.parse_args(["--config-file", os.path.join(directory, "run_config.yaml"),
                                      "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
                                      "--load", args.load, "--save", args.save, "--no-save-optim", "--no-load-optim",
                                      "--use-checkpoint-opt-param-scheduler", "--eval-iters", "0", "--num-workers", "0"]

@@ -40,7 +40,7 @@ import checks
 if __name__ == "__main__":
     # Parse and validate before the imports below: `--help` and a bad flag answer in a fraction of a
     # second instead of after megatron-core's ~8 s import, and no process starts work it cannot finish.
-    CLI_CONFIG = config_lib.parse_args(sys.argv[1:] or config_lib.QUICK_START, run=True)
+    CLI_CONFIG = checks.parse_args(sys.argv[1:] or config_lib.QUICK_START, run=True)
     if not sys.argv[1:] and os.environ.get("RANK", "0") == "0":
         print("quick start (no flag given): " + " ".join(config_lib.QUICK_START), flush=True)
 

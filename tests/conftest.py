@@ -63,9 +63,10 @@ def config_error(argv, capsys, world_size=1, gpu=False, run=False) -> str:
     """Parse `argv` expecting a validation error: exit code 2 and a one-line message on stderr, returned. `run`: as
     train.py's command line parses it (the run must also fit this machine)."""
     import config
+    import checks
 
     with pytest.raises(SystemExit) as e:
-        config.parse_args(argv, world_size=world_size, gpu=gpu, run=run)
+        checks.parse_args(argv, world_size=world_size, gpu=gpu, run=run)
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1, err
     return err
@@ -189,6 +190,8 @@ def train_here(argv) -> str:
     import io
 
     import config
+
+    import checks
     import torch
     import train
 
@@ -196,7 +199,7 @@ def train_here(argv) -> str:
     torch.set_num_threads(1)
     try:
         with contextlib.redirect_stdout(out):
-            train.pretrain(config.parse_args(argv, world_size=1, gpu=False))
+            train.pretrain(checks.parse_args(argv, world_size=1, gpu=False))
     finally:
         torch.set_num_threads(threads)
     return out.getvalue()
@@ -388,9 +391,10 @@ def single_rank_groups():
 def _trained_in_process(out, flags) -> str:
     """A tiny model of `flags` trained for a few steps in this process, saved as torch_dist; its save directory."""
     import config
+    import checks
     import train
 
-    cfg = config.parse_args([*TINY, *flags, "--mock-data", "--train-iters", "4", "--eval-iters", "0",
+    cfg = checks.parse_args([*TINY, *flags, "--mock-data", "--train-iters", "4", "--eval-iters", "0",
                              "--num-workers", "0", "--save", str(out / "ckpt"), "--data-cache-path", str(out / "cache")],
                             world_size=1, gpu=False)
     train.pretrain(cfg)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import config
+import checks
 from conftest import TINY, config_error, torchrun
 
 STRAGGLER_LINE = re.compile(r"^ \[[\d :-]+\] \| MnRtt/Rnk: ([\d.]+)ms/(\d+) \| MxRtt/Rnk: ([\d.]+)ms/(\d+) \| "
@@ -19,7 +20,7 @@ STRAGGLER_LINE = re.compile(r"^ \[[\d :-]+\] \| MnRtt/Rnk: ([\d.]+)ms/(\d+) \| M
 
 
 def _cfg(tmp_path, *extra, gpu=False):
-    return config.parse_args([*TINY, "--mock-data", "--num-workers", "0", "--data-cache-path", str(tmp_path / "cache"),
+    return checks.parse_args([*TINY, "--mock-data", "--num-workers", "0", "--data-cache-path", str(tmp_path / "cache"),
                               *extra], world_size=1, gpu=gpu)
 
 

@@ -14,11 +14,12 @@ import torch
 import checkpoint
 from megatron.core import dist_checkpointing
 import config
+import checks
 from conftest import ROOT, TINY, checkpoint_keys, config_error, free_port, log_lines, torchrun
 
 
 def _cfg(tmp_path, *extra, world_size=1):
-    return config.parse_args([*TINY, "--mock-data", "--num-workers", "0", "--eval-iters", "0",
+    return checks.parse_args([*TINY, "--mock-data", "--num-workers", "0", "--eval-iters", "0",
                               "--data-cache-path", str(tmp_path / "cache"), *extra], world_size=world_size, gpu=False)
 
 
@@ -352,7 +353,7 @@ def _continued_here(args, capsys, *more):
         else:
             kept.append(a)
     capsys.readouterr()
-    train.pretrain(config.parse_args([*kept, "--num-workers", "0", *more], world_size=1, gpu=False))
+    train.pretrain(checks.parse_args([*kept, "--num-workers", "0", *more], world_size=1, gpu=False))
     return capsys.readouterr().out
 
 
@@ -505,7 +506,7 @@ def test_saving_an_iteration_again_never_leaves_it_missing(tmp_path, capsys):
             "--micro-batch-size", "1", "--global-batch-size", "2", "--mock-data", "--eval-iters", "0",
             "--num-workers", "0", "--save", str(ck), "--save-interval", "1", "--log-interval", "1",
             "--data-cache-path", str(tmp_path / "cache")]
-    train.pretrain(config.parse_args([*args, "--train-iters", "3"], world_size=1, gpu=False))
+    train.pretrain(checks.parse_args([*args, "--train-iters", "3"], world_size=1, gpu=False))
     again = ["--load", str(ck), "--ckpt-step", "2", "--override-opt-param-scheduler"]
     _continued_here([*args, "--train-iters", "3", "--lr", "1e-3"], capsys, *again)
     assert (ck / "latest_checkpointed_iteration.txt").read_text() == "3"

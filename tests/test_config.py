@@ -16,7 +16,7 @@ from conftest import ROOT, config_error
 
 
 def parse(argv, world_size=1, gpu=False):
-    return config.parse_args(argv, world_size=world_size, gpu=gpu)
+    return checks.parse_args(argv, world_size=world_size, gpu=gpu)
 
 
 def test_defaults_and_derived_values():
@@ -79,7 +79,7 @@ def test_pipeline_p2p_settings_follow_megatron_lm():
     import config
 
     def p2p(argv, world_size):
-        m = config.parse_args(argv, world_size=world_size, gpu=False).model
+        m = checks.parse_args(argv, world_size=world_size, gpu=False).model
         return m.overlap_p2p_comm, m.batch_p2p_comm
 
     vpp = ["--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "16"]
@@ -97,13 +97,13 @@ def test_megatron_lm_cpu_command_line_switches_are_accepted_and_named_as_inert(s
 
     switches = ["--no-persist-layer-norm", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
                 "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion"]
-    cfg = config.parse_args([*switches, "--use-cpu-initialization"], world_size=1, gpu=True)
+    cfg = checks.parse_args([*switches, "--use-cpu-initialization"], world_size=1, gpu=True)
     out = io.StringIO()
     checks.print_config(cfg, out)
     assert out.getvalue().count(" inert here (fused GPU kernels the local layers never use): "
                                 + " ".join(switches) + "\n") == 1
     assert transformer_config(cfg).use_cpu_initialization
-    tc = transformer_config(config.parse_args([], world_size=1, gpu=False))  # the fusions stay off either way
+    tc = transformer_config(checks.parse_args([], world_size=1, gpu=False))  # the fusions stay off either way
     assert not (tc.persist_layer_norm or tc.gradient_accumulation_fusion or tc.masked_softmax_fusion
                 or tc.bias_activation_fusion or tc.bias_dropout_fusion or tc.apply_rope_fusion)
 
@@ -244,10 +244,10 @@ def test_out_of_range_numbers_stop_before_any_process_group():
 def test_context_parallelism_alone_gathers_keys_and_values_on_the_local_layers():
     """--context-parallel-size 2 without --cp-comm-type: Megatron-LM's p2p is transformer-engine's ring, so on the
     local layers all_gather is derived and named in the printed config; without CP the default stays p2p."""
-    cfg = config.parse_args(["--context-parallel-size", "2"], world_size=2, gpu=False)
+    cfg = checks.parse_args(["--context-parallel-size", "2"], world_size=2, gpu=False)
     assert cfg.model.cp_comm_type == ["all_gather"]
     assert "--context-parallel-size 2 on the local layers" in cfg.derived["model.cp_comm_type"][1]
-    plain = config.parse_args([], world_size=1, gpu=False)
+    plain = checks.parse_args([], world_size=1, gpu=False)
     assert plain.model.cp_comm_type == ["p2p"] and "Megatron-LM's default" in plain.derived["model.cp_comm_type"][1]
 
 
@@ -280,7 +280,7 @@ def test_the_fit_counts_the_experts_each_rank_builds(capsys):
     assert "--num-experts 512 x --moe-ffn-hidden-size 32768 over --expert-model-parallel-size 1" in err
     import metrics
 
-    cfg = config.parse_args(flags, world_size=1, gpu=False)  # a config alone: accepted
+    cfg = checks.parse_args(flags, world_size=1, gpu=False)  # a config alone: accepted
     [(dense, experts)] = metrics.parameters_per_stage(cfg, 512)[2]  # one stage's (non-expert, expert) on a rank
     cfg.model.expert_model_parallel_size, cfg.model.expert_tensor_parallel_size = 8, 1
     [(dense_ep8, experts_ep8)] = metrics.parameters_per_stage(cfg, 512)[2]
@@ -298,7 +298,7 @@ def test_a_config_larger_than_this_machine_is_accepted_and_its_run_refused(capsy
              "--position-embedding-type", "rope", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
              "--tokenizer-type", "NullTokenizer", "--vocab-size", "128255", "--make-vocab-size-divisible-by", "128",
              "--seq-length", "8192", "--global-batch-size", "8", "--bf16"]
-    cfg = config.parse_args(flags, world_size=1, gpu=False)
+    cfg = checks.parse_args(flags, world_size=1, gpu=False)
     params = metrics.parameters_per_stage(cfg, 128256)[1]
     assert 70.5e9 < params < 70.6e9  # 70.55 B, LLaMA-3 70B's count (its 8192 x 128256 embeddings untied)
     assert metrics.num_floating_point_operations(cfg, 1, 128256) > 6 * params * 8192  # 6 N per token, and attention
@@ -314,9 +314,9 @@ def test_a_run_that_does_not_train_needs_room_for_its_weights_alone():
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     hidden = int(math.sqrt(ram / 8 / 24)) // 64 * 64  # 2 layers of ~12 h^2 parameters: weights ~ RAM / 2
     flags = ["--num-layers", "2", "--hidden-size", str(hidden), "--num-attention-heads", "4", "--mock-data"]
-    checks.check_fits_in_memory(config.config_from_flags([*flags, "--train-iters", "0"], world_size=1, gpu=False))
+    checks.check_fits_in_memory(checks.config_from_flags([*flags, "--train-iters", "0"], world_size=1, gpu=False))
     with pytest.raises(config.ConfigError, match="for its weights, gradients, optimizer state and one microbatch"):
-        checks.check_fits_in_memory(config.config_from_flags(flags, world_size=1, gpu=False))
+        checks.check_fits_in_memory(checks.config_from_flags(flags, world_size=1, gpu=False))
 
 
 def test_the_fit_check_and_the_theoretical_memory_report_are_one_count(capsys):
@@ -329,7 +329,7 @@ def test_the_fit_check_and_the_theoretical_memory_report_are_one_count(capsys):
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
     def cfg_of(hidden):
-        return config.config_from_flags(
+        return checks.config_from_flags(
             ["--mock-data", "--num-layers", "2", "--hidden-size", str(hidden), "--num-attention-heads", "4", "--bf16",
              "--optimizer", "sgd", "--position-embedding-type", "rope", "--tokenizer-type", "NullTokenizer",
              "--vocab-size", "1000", "--seq-length", "64", "--micro-batch-size", "1", "--global-batch-size", "1",
@@ -497,7 +497,7 @@ def test_log_non_default_values_switches_the_printed_config():
 def _yaml(tmp_path, text, *flags):
     path = tmp_path / "bridge.yaml"
     path.write_text(text)
-    return config.parse_args(["--config-file", str(path), *flags], world_size=1, gpu=False)
+    return checks.parse_args(["--config-file", str(path), *flags], world_size=1, gpu=False)
 
 
 def test_a_bridge_style_yaml_with_each_section_loads(tmp_path):

@@ -29,7 +29,7 @@ def unvalidated(argv, monkeypatch):
     """The container as the command line sets it, before validation (config_from_flags with validate held back)."""
     with monkeypatch.context() as m:
         m.setattr(checks, "validate", lambda cfg, world_size=None, gpu=None: cfg)
-        return config.config_from_flags(argv)
+        return checks.config_from_flags(argv)
 
 
 def settings(cfg):
@@ -54,7 +54,7 @@ def test_every_value_validation_changes_is_named_in_the_printed_config(argv, mon
 
 @pytest.mark.parametrize("argv", COMMAND_LINES)
 def test_check_changes_nothing_and_derive_is_done_once(argv):
-    cfg = config.parse_args(argv, world_size=2, gpu=False)
+    cfg = checks.parse_args(argv, world_size=2, gpu=False)
     validated = copy.deepcopy(cfg)
     checks.check(cfg)
     assert cfg == validated
@@ -63,7 +63,7 @@ def test_check_changes_nothing_and_derive_is_done_once(argv):
 
 
 def test_rewrites_of_settings_given_are_named_with_their_reason():
-    cfg = config.parse_args(["--fp16", "--sequence-parallel"], world_size=1, gpu=False)
+    cfg = checks.parse_args(["--fp16", "--sequence-parallel"], world_size=1, gpu=False)
     assert cfg.derived["train.check_for_nan_in_loss_and_grad"] == (
         False, "--fp16's dynamic loss scaling skips steps with Inf/NaN")
     assert cfg.derived["model.sequence_parallel"] == (False, "no tensor parallelism to split the sequence over")
@@ -75,7 +75,7 @@ def test_rewrites_of_settings_given_are_named_with_their_reason():
 
 def test_a_derived_value_is_not_blamed_on_a_flag_nobody_gave(capsys):
     with pytest.raises(SystemExit):
-        config.parse_args(["--hidden-size", "-8"], world_size=1, gpu=False)  # derives --kv-channels -2
+        checks.parse_args(["--hidden-size", "-8"], world_size=1, gpu=False)  # derives --kv-channels -2
     assert "--hidden-size must be positive, got -8" in capsys.readouterr().err
 
 
@@ -110,5 +110,5 @@ def test_the_printed_config_goes_to_stdout_as_it_is_at_the_call():
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        checks.print_config(config.parse_args([], world_size=1, gpu=False))
+        checks.print_config(checks.parse_args([], world_size=1, gpu=False))
     assert "------------------------ arguments ------------------------" in out.getvalue()

@@ -18,12 +18,13 @@ def test_every_flag_of_before_the_move_is_still_a_flag():
 
 def test_a_run_config_yaml_written_before_the_move_still_loads():
     path = os.path.join(BEFORE, "run_config.yaml")
-    cfg = config.parse_args(["--config-file", path], world_size=1, gpu=False)
+    cfg = checks.parse_args(["--config-file", path], world_size=1, gpu=False)
     assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.train.train_iters) == (2, 64, 5)
     assert (cfg.scheduler.lr_warmup_iters, cfg.checkpoint.save_interval, cfg.train.exit_signal_handler) == (2, 3, True)
     # Every setting the file holds is the config's, under its name now (config.FORMER_NAMES), but for the settings that
     # moved: the evaluation settings are the validation section's (train's are Bridge's deprecated spellings, copied
-    # there), megatron-core's post-init makes the async strategy mcore without --async-save, and megatron-core's
+    # there as the file is read, so that --eval-interval given with it wins), megatron-core's post-init makes the async
+    # strategy mcore without --async-save, and megatron-core's
     # create_attention_mask is derived off without --reset-attention-mask (the mask that was never built before either).
     import signal
 
@@ -37,12 +38,13 @@ def test_a_run_config_yaml_written_before_the_move_still_loads():
                 name, convert = config.FORMER_NAMES[section, key]
                 where, name = name.split(".") if "." in name else (section, name)
             now = getattr(getattr(cfg, where), name)
-            now = now.name if isinstance(now, signal.Signals) else list(now) if isinstance(now, tuple) else now
+            now = config.plain_value(now)
             if now != (convert(value) if convert else value):
                 differ[f"{section}.{key}"] = (value, now)
     t = written["train"]
     assert differ == {"validation.eval_iters": (None, t["eval_iters"]), "validation.eval_interval": (None, t["eval_interval"]),
-                      "validation.skip_train": (None, t["skip_train"]), "checkpoint.async_strategy": ("nvrx", "mcore"),
+                      "validation.skip_train": (None, t["skip_train"]), "train.eval_iters": (t["eval_iters"], None),
+                      "train.eval_interval": (t["eval_interval"], None), "train.skip_train": (t["skip_train"], None), "checkpoint.async_strategy": ("nvrx", "mcore"),
                       "dataset.create_attention_mask_in_dataloader": (True, False)}
 
 
@@ -56,7 +58,7 @@ def test_a_finetuning_run_config_yaml_written_before_the_move_still_loads(tmp_pa
         (tmp_path / f"{name}.jsonl").write_text('{"prompt": "a", "response": "b"}\n')
     written["dataset"].update(sft=True, dataset_root=str(tmp_path), do_test=False)
     (tmp_path / "run_config.yaml").write_text(yaml.safe_dump(written))
-    cfg = config.parse_args(["--config-file", str(tmp_path / "run_config.yaml")], world_size=1, gpu=False)
+    cfg = checks.parse_args(["--config-file", str(tmp_path / "run_config.yaml")], world_size=1, gpu=False)
     assert type(cfg.dataset) is config.FinetuningDatasetConfig
     assert cfg.dataset.train_data_path == [str(tmp_path / "training.jsonl")] and cfg.dataset.split == "969,30,1"
 
@@ -87,7 +89,7 @@ def test_megatron_cores_own_refusals_are_one_line():
 
     import pytest
 
-    base = config.parse_args(["--train-iters", "5"], world_size=1, gpu=False)
+    base = checks.parse_args(["--train-iters", "5"], world_size=1, gpu=False)
     cfg = copy.deepcopy(base)
     cfg.model.recompute_granularity = "full"  # without a recompute method
     with pytest.raises(config.ConfigError, match="^megatron-core's TransformerConfig refuses these settings: Using "

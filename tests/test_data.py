@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import config
+import checks
 from conftest import ROOT, TINY, log_lines, torchrun
 
 
@@ -129,7 +130,7 @@ def test_training_tokenizes_text_as_megatron_cores_huggingface_tokenizer(flags):
     import data
 
     model = os.path.join(ROOT, "tests", "fixtures", "preprocess", "tokenizer_bos")
-    ours = data.build_tokenizer(config.parse_args(["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", model,
+    ours = data.build_tokenizer(checks.parse_args(["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", model,
                                                    *flags], world_size=1, gpu=False))
     args = _add_tokenizer_args(argparse.ArgumentParser()).parse_args(
         ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", model, *flags])
@@ -191,7 +192,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_training(tmp_path):
 
     prefix = str(tmp_path / "big_ids")
     write_indexed_dataset([" ".join(str(i) for i in range(500, 900))] * 50, NullTokenizer(1000), prefix)
-    cfg = config.parse_args([*TINY, "--data-path", prefix, "--split", "1,0,0", "--eval-iters", "0", "--num-workers", "0",
+    cfg = checks.parse_args([*TINY, "--data-path", prefix, "--split", "1,0,0", "--eval-iters", "0", "--num-workers", "0",
                              "--data-cache-path", str(tmp_path / "c")], world_size=1, gpu=False)
     # the end-of-document of a NullTokenizer of 1000 ids is id 999, the largest id written
     with pytest.raises(config.ConfigError, match=r"big_ids.bin holds token id 999 but the vocabulary has 257 ids"):
@@ -206,7 +207,7 @@ def test_megatron_cores_builder_is_handed_the_dataset_section(prefixes, tmp_path
     import data
 
     a, _ = prefixes
-    cfg = config.parse_args([*TINY, "--data-path", a, "--no-mmap-bin-files", "--data-cache-path", str(tmp_path / "c"),
+    cfg = checks.parse_args([*TINY, "--data-path", a, "--no-mmap-bin-files", "--data-cache-path", str(tmp_path / "c"),
                              "--train-iters", "2"], world_size=1, gpu=False)
     train_set = data.build_datasets(cfg, data.ByteTokenizer())[0]
     assert type(train_set.config) is config.GPTDatasetConfig and train_set.config.blend == ([a], None)
@@ -219,7 +220,7 @@ def test_bin_without_idx_is_refused_at_parse_time(prefixes, tmp_path, capsys):
     lone = tmp_path / "lone"
     (tmp_path / "lone.bin").write_bytes(open(a + ".bin", "rb").read()[:64])
     with pytest.raises(SystemExit):
-        config.parse_args(["--data-path", str(lone)], world_size=1, gpu=False)
+        checks.parse_args(["--data-path", str(lone)], world_size=1, gpu=False)
     assert f"{lone}.idx not found" in capsys.readouterr().err
 
 
@@ -252,7 +253,7 @@ def test_a_custom_dataset_provider_feeds_pretrain(tmp_path, capsys):
             return (Counting(context.train_samples, self.seq_length), Counting(context.valid_samples, self.seq_length),
                     None)
 
-    cfg = config.parse_args([*TINY, "--train-iters", "30", "--log-interval", "10", "--eval-interval", "30",
+    cfg = checks.parse_args([*TINY, "--train-iters", "30", "--log-interval", "10", "--eval-interval", "30",
                              "--eval-iters", "1"], world_size=1, gpu=False)
     cfg.dataset = CountingDataset()
     state = train.pretrain(cfg)
@@ -338,7 +339,7 @@ def test_document_resets_reach_megatron_core(prefixes, tmp_path):
              "--seq-length", "1024"]  # paragraphs average ~180 bytes: a 1024-token sample spans several
     torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     try:
-        cfg = config.parse_args(flags + ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"],
+        cfg = checks.parse_args(flags + ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"],
                                 world_size=1, gpu=False)
         sample = data.build_datasets(cfg, data.ByteTokenizer())[0][0]
     finally:
@@ -388,7 +389,7 @@ def test_huggingface_tokenizer_preprocess_train_and_checkpoint(corpora, hf_token
 
     flags = [*TINY, "--data-path", str(tmp_path / "hf_text_document"), "--train-iters", "4", "--eval-iters", "0",
              "--num-workers", "0", "--data-cache-path", str(tmp_path / "c"), "--save", str(tmp_path / "ck")]
-    state = train.pretrain(config.parse_args(flags + ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+    state = train.pretrain(checks.parse_args(flags + ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
                                                       str(hf_tokenizer)], world_size=1, gpu=False))
     assert state.train_state.step == 4
     saved = tmp_path / "ck" / "iter_0000004"
@@ -396,7 +397,7 @@ def test_huggingface_tokenizer_preprocess_train_and_checkpoint(corpora, hf_token
     assert json.loads((saved / "tokenizer" / "identity.json").read_text())["class"] == "HuggingFaceTokenizer"
     # Resuming with another tokenizer is refused, naming both.
     with pytest.raises(checkpoint.CheckpointError, match="were trained with tokenizer .*HuggingFaceTokenizer.* but the flags give"):
-        train.pretrain(config.parse_args(flags + ["--load", str(tmp_path / "ck"), "--train-iters", "4",
+        train.pretrain(checks.parse_args(flags + ["--load", str(tmp_path / "ck"), "--train-iters", "4",
                                                   "--data-path", str(tmp_path / "hf_text_document")],
                                          world_size=1, gpu=False))
 
@@ -417,7 +418,7 @@ def test_resume_mid_epoch_on_a_real_blend_reads_what_a_straight_run_reads(prefix
         return forward_step
 
     def run(tag, *extra):
-        cfg = config.parse_args([*TINY, "--data-path", "0.6", a, "0.4", b, "--split", "99,1,0", "--train-iters", "8",
+        cfg = checks.parse_args([*TINY, "--data-path", "0.6", a, "0.4", b, "--split", "99,1,0", "--train-iters", "8",
                                  "--log-interval", "1",
                                  "--eval-iters", "0", "--num-workers", "0", "--data-cache-path", str(tmp_path / "c"),
                                  *extra], world_size=1, gpu=False)
@@ -436,7 +437,7 @@ def test_separate_train_and_validation_paths(prefixes, tmp_path, capsys):
     import train
 
     a, b = prefixes
-    cfg = config.parse_args([*TINY, "--train-data-path", a, "--valid-data-path", b, "--train-iters", "4",
+    cfg = checks.parse_args([*TINY, "--train-data-path", a, "--valid-data-path", b, "--train-iters", "4",
                              "--eval-interval", "2", "--eval-iters", "1", "--num-workers", "0",
                              "--data-cache-path", str(tmp_path / "c")], world_size=1, gpu=False)
     train.pretrain(cfg)
@@ -458,7 +459,7 @@ def boom(data_iterator, model):
     next(data_iterator)
     raise RuntimeError("a forward step that fails")
 
-cfg = config.parse_args([*{TINY!r}, "--mock-data", "--train-iters", "5", "--eval-iters", "0", "--num-workers", "2",
+cfg = checks.parse_args([*{TINY!r}, "--mock-data", "--train-iters", "5", "--eval-iters", "0", "--num-workers", "2",
                          "--data-cache-path", {str(tmp_path / "cache")!r}], world_size=1, gpu=False)
 train.pretrain(cfg, forward_step_func=boom)
 """

@@ -52,11 +52,11 @@ def test_a_run_that_returned_leaves_torch_megatron_core_and_wandb_as_they_were(t
              "--save", str(tmp_path / "ckpt"), "--save-interval", "1", "--data-cache-path", str(tmp_path / "cache")]
     flags = [f for f in flags if f != "--no-save"]
     _python(f"""
-        import config, train
+        import checks, config, train
         from megatron.core.dist_checkpointing.strategies import filesystem_async
         from megatron.core.transformer import attention
         queue, kernel = filesystem_async._results_queue, attention.flash_attn_with_kvcache
-        train.pretrain(config.parse_args({flags!r}, world_size=1, gpu=False))
+        train.pretrain(checks.parse_args({flags!r}, world_size=1, gpu=False))
         assert filesystem_async._results_queue is queue, filesystem_async._results_queue  # the save replaced it
         assert attention.flash_attn_with_kvcache is kernel
         import wandb, megatron.core.timers as timers

@@ -216,12 +216,14 @@ def test_megatron_engine_pieces_are_in_use(single_rank_groups):
     from megatron.core.transformer.module import Float16Module
 
     import config
+
+    import checks
     from model import build_model, build_optimizer, wrap_model
 
     for flags, optimizer_type, dtype in ((["--bf16"], Float16OptimizerWithFloat16Params, torch.bfloat16),
                                          (["--fp16"], Float16OptimizerWithFloat16Params, torch.float16),
                                          (["--use-distributed-optimizer"], DistributedOptimizer, torch.float32)):
-        cfg = config.parse_args([*TINY, *flags], world_size=1, gpu=False)
+        cfg = checks.parse_args([*TINY, *flags], world_size=1, gpu=False)
         model = wrap_model(cfg, build_model(cfg, 100))
         assert isinstance(model[0], DistributedDataParallel)
         assert isinstance(model[0].module, Float16Module) == (dtype != torch.float32)
@@ -242,6 +244,8 @@ def test_the_distributed_optimizers_layout_is_the_one_megatron_core_would_comput
     from megatron.core.distributed import DistributedDataParallel
 
     import config
+
+    import checks
     from model import build_model, build_optimizer, megatron_ddp_config, wrap_model, zero_grad
 
     def by_name(layout, module) -> dict:
@@ -251,7 +255,7 @@ def test_the_distributed_optimizers_layout_is_the_one_megatron_core_would_comput
                 for key, part in layout.layouts.items()}
 
     for flags in ([], ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"]):
-        cfg = config.parse_args([*TINY, "--use-distributed-optimizer", *flags], world_size=1, gpu=False)
+        cfg = checks.parse_args([*TINY, "--use-distributed-optimizer", *flags], world_size=1, gpu=False)
         caplog.clear()
         model = wrap_model(cfg, build_model(cfg, 100))
         assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import config
+import checks
 from conftest import TINY, log_lines, torchrun
 
 
@@ -25,7 +26,7 @@ def build(corpus, tmp_path, *flags):
     """(tokenizer, train dataset) as train.py builds them, in a one-process world."""
     import data
 
-    cfg = config.parse_args([*TINY, "--data-path", corpus, "--data-cache-path", str(tmp_path / "cache"),
+    cfg = checks.parse_args([*TINY, "--data-path", corpus, "--data-cache-path", str(tmp_path / "cache"),
                              "--train-iters", "10", "--seq-length", "256", *flags], world_size=1, gpu=False)
     torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     try:
@@ -144,7 +145,7 @@ def test_fim_tokens_must_be_in_a_huggingface_vocabulary(tmp_path):
         tok.save(str(tmp_path / "tokenizer.json"))
         return data.HuggingFaceTokenizer(str(tmp_path / "tokenizer.json"))
 
-    cfg = config.parse_args(["--fim-data"], world_size=1, gpu=False)
+    cfg = checks.parse_args(["--fim-data"], world_size=1, gpu=False)
     with pytest.raises(config.ConfigError, match=r"has no token '<fim_prefix>' \(--fim-prefix-token\)"):
         data.add_fim_tokens(tokenizer_json(["<|endoftext|>"]), cfg.dataset)
     tok = tokenizer_json(["<|endoftext|>", "<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>"])

@@ -6,6 +6,7 @@ import json
 import pytest
 
 import config
+import checks
 from conftest import TINY, log_lines
 
 
@@ -67,7 +68,7 @@ def test_packing_restarts_positions_and_attention():
 def test_finetune_from_a_pretrained_checkpoint(tmp_path, capsys):
     import train
 
-    train.pretrain(config.parse_args([*TINY, "--train-iters", "6", "--eval-iters", "0", "--num-workers", "0",
+    train.pretrain(checks.parse_args([*TINY, "--train-iters", "6", "--eval-iters", "0", "--num-workers", "0",
                                       "--save", str(tmp_path / "base"), "--data-cache-path", str(tmp_path / "c")],
                                      world_size=1, gpu=False))
     capsys.readouterr()
@@ -79,7 +80,7 @@ def test_finetune_from_a_pretrained_checkpoint(tmp_path, capsys):
         masks.append((batch["tokens"], batch["loss_mask"]))
         return train.forward_step(state, iter([batch]), model)
 
-    cfg = config.parse_args([*TINY, "--sft", "--data-path", str(data), "--split", "90,10,0", "--train-iters", "30",
+    cfg = checks.parse_args([*TINY, "--sft", "--data-path", str(data), "--split", "90,10,0", "--train-iters", "30",
                              "--global-batch-size", "4", "--log-interval", "10", "--eval-interval", "30",
                              "--eval-iters", "1", "--num-workers", "0", "--pretrained-checkpoint", str(tmp_path / "base"),
                              "--lr", "1e-3"], world_size=1, gpu=False)

@@ -7,6 +7,7 @@ import re
 import pytest
 
 import config
+import checks
 import schedules
 from conftest import PRINTED, TINY, log_lines, train_here
 
@@ -17,7 +18,7 @@ def test_a_schedule_of_ones_own_is_one_function_and_one_choice(tmp_path, capsys)
     import train
 
     gbs, iters, warmup, lr, min_lr = 4, 8, 2, 3e-3, 1e-5
-    cfg = config.parse_args([*TINY, "--mock-data", "--num-workers", "0", "--eval-iters", "0", "--log-interval", "1",
+    cfg = checks.parse_args([*TINY, "--mock-data", "--num-workers", "0", "--eval-iters", "0", "--log-interval", "1",
                              "--global-batch-size", str(gbs), "--train-iters", str(iters), "--min-lr", str(min_lr),
                              "--lr-decay-style", "step", "--data-cache-path", str(tmp_path / "cache")],
                             world_size=1, gpu=False)
@@ -75,7 +76,7 @@ def test_a_new_scalar_is_one_line_of_the_step_report(tmp_path, capsys, monkeypat
 
         monkeypatch.setattr(metrics, "log_step", via_training_log)
     flags = [a for a in TINY if a != "--no-tensorboard"]
-    cfg = config.parse_args([*flags, "--mock-data", "--num-workers", "0", "--eval-iters", "0", "--log-interval", "2",
+    cfg = checks.parse_args([*flags, "--mock-data", "--num-workers", "0", "--eval-iters", "0", "--log-interval", "2",
                              "--global-batch-size", "4", "--train-iters", "4", "--tensorboard-dir", str(tmp_path / "tb"),
                              "--data-cache-path", str(tmp_path / "cache")], world_size=1, gpu=False)
     train.pretrain(cfg)
@@ -110,7 +111,7 @@ def test_another_core_attention_is_a_class_and_one_line_of_layer_spec(single_ran
             HotAttention.calls += 1
             return super().forward(query * 2.0, key, value, *args, **kwargs)  # scores twice as sharp
 
-    cfg = config.parse_args([*TINY, "--mock-data", "--hidden-dropout", "0", "--attention-dropout", "0"], world_size=1,
+    cfg = checks.parse_args([*TINY, "--mock-data", "--hidden-dropout", "0", "--attention-dropout", "0"], world_size=1,
                             gpu=False)
     tokens = torch.arange(2 * 64).reshape(2, 64) % 200
     positions = torch.arange(64).repeat(2, 1)

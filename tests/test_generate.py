@@ -136,10 +136,11 @@ def test_the_cache_holds_the_prompt_and_the_new_tokens_and_decodes_as_the_plain_
 def random_model(flags, gpu: bool = False):
     """A tiny GPT of `flags`, randomly initialised in this process (a world of one), for inference."""
     import config
+    import checks
     import data
     from model import build_model, initialize_distributed, set_random_seed
 
-    cfg = config.parse_args(["--mock-data", *TINY, "--hidden-dropout", "0", "--attention-dropout", "0", *flags],
+    cfg = checks.parse_args(["--mock-data", *TINY, "--hidden-dropout", "0", "--attention-dropout", "0", *flags],
                             world_size=1, gpu=gpu)
     if not torch.distributed.is_initialized():
         initialize_distributed(cfg)
@@ -386,6 +387,7 @@ def test_expert_parallelism_a_checkpoint_or_the_ranks_cannot_take_is_one_line(ll
     is built (inference_config reads run_config.yaml only)."""
     import checkpoint
     import config
+    import checks
     import generate
 
     dense, moe = (checkpoint.resolve_load_dir(d, None) for d in (llama_ckpt, moe_ckpts["mixtral"]))
@@ -411,6 +413,7 @@ def test_quick_start_outputs_feed_generate_with_no_flag_under_tensor_parallelism
 
     import checkpoint
     import config
+    import checks
     import data
     import generate
     import train
@@ -418,7 +421,7 @@ def test_quick_start_outputs_feed_generate_with_no_flag_under_tensor_parallelism
     monkeypatch.chdir(tmp_path)
     shrunk = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--train-iters", "20",
               "--eval-iters", "0", "--num-workers", "0", "--data-cache-path", str(tmp_path / "cache")]
-    cfg = config.parse_args([*config.QUICK_START, *shrunk], world_size=1, gpu=False)
+    cfg = checks.parse_args([*config.QUICK_START, *shrunk], world_size=1, gpu=False)
     assert (cfg.checkpoint.save, cfg.logger.tensorboard_dir) == ("checkpoints", "runs")
     bpe = tmp_path / "cache" / "pydoc_topics_bpe2048" / "tokenizer.json"
     assert cfg.tokenizer.tokenizer_model == str(bpe) and not bpe.exists()  # derived, trained at setup
@@ -442,7 +445,7 @@ def test_quick_start_outputs_feed_generate_with_no_flag_under_tensor_parallelism
     other.train_from_iterator(paragraphs, trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>"],
                                                               show_progress=False))
     other.save(str(tmp_path / "other.json"))
-    wrong = config.parse_args([*config.QUICK_START, *shrunk, "--tokenizer-model", str(tmp_path / "other.json"),
+    wrong = checks.parse_args([*config.QUICK_START, *shrunk, "--tokenizer-model", str(tmp_path / "other.json"),
                                "--load", "checkpoints", "--no-save", "--train-iters", "21"], world_size=1, gpu=False)
     with pytest.raises(checkpoint.CheckpointError, match=r"trained with tokenizer .*'vocab_size': 2048.* but the flags "
                                                          r"give .*'vocab_size': 600") as e:
@@ -463,8 +466,9 @@ def test_quick_start_outputs_feed_generate_with_no_flag_under_tensor_parallelism
 
 def test_the_default_folders_can_be_turned_off():
     import config
+    import checks
 
-    cfg = config.parse_args(["--no-save", "--no-tensorboard"], world_size=1, gpu=False)
+    cfg = checks.parse_args(["--no-save", "--no-tensorboard"], world_size=1, gpu=False)
     assert cfg.checkpoint.save is None and cfg.logger.tensorboard_dir is None
-    cfg = config.parse_args(["--no-save", "--save", "elsewhere", "--tensorboard-dir", "tb"], world_size=1, gpu=False)
+    cfg = checks.parse_args(["--no-save", "--save", "elsewhere", "--tensorboard-dir", "tb"], world_size=1, gpu=False)
     assert (cfg.checkpoint.save, cfg.logger.tensorboard_dir) == ("elsewhere", "tb")  # the last of the two wins

@@ -38,6 +38,8 @@ def test_sdpa_attention_matches_megatron_local_attention_on_gpu():
     from megatron.core.transformer.enums import AttnMaskType
 
     import config
+
+    import checks
     from model import SDPAttention, set_random_seed, transformer_config
 
     torch.distributed.init_process_group("nccl", store=torch.distributed.HashStore(), rank=0, world_size=1)
@@ -45,7 +47,7 @@ def test_sdpa_attention_matches_megatron_local_attention_on_gpu():
     try:
         # megatron-core's DotProductAttention forks the RNG tracker's model-parallel stream for its dropout on a GPU
         set_random_seed(1234)
-        cfg = config.parse_args(["--attention-dropout", "0", "--num-query-groups", "2"], world_size=1, gpu=True)
+        cfg = checks.parse_args(["--attention-dropout", "0", "--num-query-groups", "2"], world_size=1, gpu=True)
         tc = transformer_config(cfg)
         ours = SDPAttention(tc, 1, AttnMaskType.causal).cuda()
         ref = DotProductAttention(tc, 1, AttnMaskType.causal, "self").cuda()

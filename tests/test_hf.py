@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import config
+import checks
 from conftest import HF_LOGITS, LLAMA_FLAGS, MIXTRAL_FLAGS, TINY
 
 transformers = pytest.importorskip("transformers", reason="transformers is in requirements.txt; this checks the HF layouts")
@@ -165,7 +166,7 @@ def test_a_transformers_moe_model_trains_on_in_train_py_and_goes_back(kind, tmp_
     directory = hf.import_hf(str(tmp_path / "in"), str(tmp_path / "base"))
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
-    cfg = config.parse_args(["--config-file", os.path.join(directory, "run_config.yaml"), "--pretrained-checkpoint",
+    cfg = checks.parse_args(["--config-file", os.path.join(directory, "run_config.yaml"), "--pretrained-checkpoint",
                              str(tmp_path / "base"), "--seq-length", "32", "--micro-batch-size", "2", "--lr", "1e-2",
                              "--train-iters", "3", "--eval-iters", "0", "--num-workers", "0", "--save",
                              str(tmp_path / "trained"), "--data-cache-path", str(tmp_path / "cache")],
@@ -196,7 +197,7 @@ def test_imported_weights_start_a_lora_run(tmp_path, capsys):
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
-    cfg = config.parse_args(["--config-file", os.path.join(directory, "run_config.yaml"), "--pretrained-checkpoint",
+    cfg = checks.parse_args(["--config-file", os.path.join(directory, "run_config.yaml"), "--pretrained-checkpoint",
                              str(tmp_path / "base"), "--peft", "lora", "--seq-length", "32", "--micro-batch-size", "2",
                              "--train-iters", "2", "--eval-iters", "0", "--num-workers", "0", "--save",
                              str(tmp_path / "lora"), "--data-cache-path", str(tmp_path / "cache"), "--log-interval", "1"],
@@ -209,14 +210,14 @@ def test_imported_weights_start_a_lora_run(tmp_path, capsys):
 def test_a_model_no_layout_can_express_is_one_line_naming_the_differences():
     import hf
 
-    m = config.parse_args(["--position-embedding-type", "rope", "--mock-data"], world_size=1, gpu=False).model
+    m = checks.parse_args(["--position-embedding-type", "rope", "--mock-data"], world_size=1, gpu=False).model
     with pytest.raises(config.ConfigError) as e:
         hf.choose_layout(m)
     message = str(e.value)
     assert "\n" not in message
     assert "GPT-2 needs learned_absolute positions (has rope)" in message
     assert "LLaMA needs RMSNorm (has LayerNorm), SwiGLU (has GeLU)" in message
-    assert hf.choose_layout(config.parse_args(["--mock-data", *LLAMA_FLAGS], world_size=1, gpu=False).model) == "llama"
+    assert hf.choose_layout(checks.parse_args(["--mock-data", *LLAMA_FLAGS], world_size=1, gpu=False).model) == "llama"
 
 
 @pytest.mark.parametrize("flags, named", [(["--qk-layernorm"], "no --qk-layernorm"),
@@ -227,7 +228,7 @@ def test_megatron_lm_variants_no_layout_has_are_refused_by_name(flags, named):
     """A LLaMA-like model with one of Megatron-LM's variants exports to no layout: the error names it."""
     import hf
 
-    m = config.parse_args(["--mock-data", *LLAMA_FLAGS, *flags], world_size=1, gpu=False).model
+    m = checks.parse_args(["--mock-data", *LLAMA_FLAGS, *flags], world_size=1, gpu=False).model
     with pytest.raises(config.ConfigError, match=f"LLaMA needs .*{re.escape(named)}"):
         hf.choose_layout(m)
 
@@ -262,7 +263,7 @@ def test_moe_models_transformers_cannot_express_are_refused_by_name(flags, named
     without Qwen3's q/k norms: each named."""
     import hf
 
-    m = config.parse_args(["--mock-data", *TINY, *MIXTRAL_FLAGS, *flags], world_size=1, gpu=False).model
+    m = checks.parse_args(["--mock-data", *TINY, *MIXTRAL_FLAGS, *flags], world_size=1, gpu=False).model
     with pytest.raises(config.ConfigError, match=re.escape(named)) as e:
         hf.choose_layout(m)
     assert "\n" not in str(e.value)

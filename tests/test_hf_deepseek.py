@@ -14,6 +14,7 @@ import torch
 import yaml
 
 import config
+import checks
 from test_hf import _our_logits, _text_batch, one_process_world  # noqa: F401 (an autouse fixture, used here too)
 from test_mtp import V3
 
@@ -41,7 +42,7 @@ def v3_ckpt(tmp_path_factory):
     import train
 
     out = tmp_path_factory.mktemp("deepseek_v3")
-    train.pretrain(config.parse_args([*FLAGS, "--mock-data", "--train-iters", "2", "--eval-iters", "0",
+    train.pretrain(checks.parse_args([*FLAGS, "--mock-data", "--train-iters", "2", "--eval-iters", "0",
                                       "--num-workers", "0", "--save", str(out / "ckpt"), "--data-cache-path",
                                       str(out / "cache")], world_size=1, gpu=False))
     return str(out / "ckpt")
@@ -165,7 +166,7 @@ def test_a_model_the_layout_cannot_express_is_refused_by_name(flags, named):
     YaRN softmax scale under plain rope (megatron-core applies it there too), no norms on the latents."""
     import hf
 
-    m = config.parse_args(["--mock-data", *flags], world_size=1, gpu=False).model
+    m = checks.parse_args(["--mock-data", *flags], world_size=1, gpu=False).model
     with pytest.raises(config.ConfigError, match=f"^this model fits no transformers layout: DeepSeek-V3 needs .*"
                                                  f"{re.escape(named)}") as e:
         hf.choose_layout(m)

@@ -67,7 +67,7 @@ def printed_config(cfg) -> str:
 def test_gpt3_175b_script_parses_and_validates_for_its_128_rank_layout(tmp_path, gpu):
     argv = script_flags(GPT3, tmp_path)
     assert unknown_flags(argv) == []
-    cfg = config.config_from_flags(argv, world_size=128, gpu=gpu)  # 8 GPUs x 16 nodes: tensor 8 x pipeline 16
+    cfg = checks.config_from_flags(argv, world_size=128, gpu=gpu)  # 8 GPUs x 16 nodes: tensor 8 x pipeline 16
     m, t, o, s = cfg.model, cfg.train, cfg.optimizer, cfg.scheduler
     assert (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, cfg.data_parallel_size) == (8, 16, 1)
     assert (m.num_layers, m.num_attention_heads, m.kv_channels, m.ffn_hidden_size) == (16, 8, 8, 256)
@@ -107,7 +107,7 @@ def test_llama3_8b_fp8_script_fp8_lines_are_one_line_without_transformer_engine(
 def test_llama3_8b_fp8_script_validates_without_its_fp8_lines(tmp_path, capsys, with_te):
     """On the GPU machine with transformer-engine the script is written for, every line but the FP8 ones validates,
     and each means what it means in Megatron-LM (or is named once as inert)."""
-    cfg = config.config_from_flags(script_flags(LLAMA3_FP8, tmp_path, drop=("--fp8-",)), world_size=8, gpu=True)
+    cfg = checks.config_from_flags(script_flags(LLAMA3_FP8, tmp_path, drop=("--fp8-",)), world_size=8, gpu=True)
     m, t, s, d = cfg.model, cfg.train, cfg.scheduler, cfg.dataset
     assert m.transformer_impl == "transformer_engine" and m.layernorm_zero_centered_gamma and m.attention_backend == "fused"
     assert (m.num_attention_heads, m.num_query_groups, m.kv_channels, m.ffn_hidden_size) == (4, 1, 16, 224)
@@ -163,7 +163,7 @@ def test_the_example_scripts_flags_are_accepted_by_the_parser(flags):
     (["--num-query-groups", "2"], 2),                             # ours: the groups alone suffice
 ])
 def test_group_query_attention_as_megatron_lm(argv, num_query_groups):
-    assert config.parse_args(argv, world_size=1, gpu=False).model.num_query_groups == num_query_groups
+    assert checks.parse_args(argv, world_size=1, gpu=False).model.num_query_groups == num_query_groups
 
 
 @pytest.mark.parametrize("argv, fp32", [
@@ -176,7 +176,7 @@ def test_group_query_attention_as_megatron_lm(argv, num_query_groups):
 def test_gradient_reduction_dtype_follows_megatron_lm(argv, fp32):
     from model import megatron_ddp_config
 
-    cfg = config.parse_args(argv, world_size=1, gpu=False)
+    cfg = checks.parse_args(argv, world_size=1, gpu=False)
     assert megatron_ddp_config(cfg).grad_reduce_in_fp32 is fp32
 
 
@@ -187,7 +187,7 @@ def test_decoupled_lr_gives_the_embedding_and_output_layer_their_own_schedule(si
     from megatron.core.utils import unwrap_model
     from model import build_model, build_optimizer, wrap_model
 
-    cfg = config.parse_args([*TINY, "--untie-embeddings-and-output-weights", "--lr-warmup-iters", "0",
+    cfg = checks.parse_args([*TINY, "--untie-embeddings-and-output-weights", "--lr-warmup-iters", "0",
                              "--lr-decay-style", "linear", "--train-iters", "10", "--lr", "1e-3", "--min-lr", "1e-4",
                              "--decoupled-lr", "5e-3", "--decoupled-min-lr", "5e-4"], world_size=1, gpu=False)
     model = wrap_model(cfg, build_model(cfg, 256))
@@ -227,7 +227,7 @@ def test_what_cannot_mean_its_flag_here_is_one_line(argv, message, capsys):
 
 
 def test_recompute_activations_is_selective_recomputation():
-    assert config.parse_args(["--recompute-activations"], world_size=1, gpu=False).model.recompute_granularity == "selective"
+    assert checks.parse_args(["--recompute-activations"], world_size=1, gpu=False).model.recompute_granularity == "selective"
 
 
 def test_the_gpt2_bpe_conversion_the_error_gives_makes_a_tokenizer_json_that_runs(tmp_path, capsys):
@@ -242,7 +242,7 @@ def test_the_gpt2_bpe_conversion_the_error_gives_makes_a_tokenizer_json_that_run
     command = re.search(r'python -c "([^"]+)"', err).group(1)
     subprocess.run([sys.executable, "-c", command], cwd=tmp_path, check=True, timeout=60)
     tokenizer_json = str(tmp_path / "tokenizer.json")
-    cfg = config.parse_args(["--mock-data", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+    cfg = checks.parse_args(["--mock-data", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
                              tokenizer_json], world_size=1, gpu=False)
     from data import build_tokenizer
 
@@ -260,28 +260,32 @@ def test_inert_switches_are_named_once_and_only_where_they_are_inert(with_te):
              "--no-create-attention-mask-in-dataloader", "--tiktoken-pattern", "v1"]
     # local layers: SDPA picks its own kernel; --no-mmap-bin-files is megatron-core's mmap_bin_files, which its indexed
     # datasets read: not inert
-    cfg = config.parse_args([*fused, *other, "--no-mmap-bin-files"], world_size=1, gpu=False)
+    cfg = checks.parse_args([*fused, *other, "--no-mmap-bin-files"], world_size=1, gpu=False)
     lines = [line for line in printed_config(cfg).splitlines() if line.startswith(" inert here")]
     assert lines == [" inert here (fused GPU kernels the local layers never use): --no-persist-layer-norm --no-rope-fusion",
                      " inert here (Megatron-LM placement, memory, logging and deprecated switches with no effect in this "
                      "trainer): " + " ".join(other)]
     # transformer-engine layers: --attention-backend picks TE's kernel, it is not inert
-    cfg = config.parse_args(["--attention-backend", "flash"], world_size=1, gpu=True)
+    cfg = checks.parse_args(["--attention-backend", "flash"], world_size=1, gpu=True)
     assert cfg.model.transformer_impl == "transformer_engine" and checks.inert_flags(cfg) == []
-    assert "inert here" not in printed_config(config.parse_args([], world_size=1, gpu=False))
+    assert "inert here" not in printed_config(checks.parse_args([], world_size=1, gpu=False))
 
 
 def test_the_model_section_is_the_transformer_config_megatron_core_gets(with_te):
     """--calculate-per-token-loss, --apply-layernorm-1p and --attention-backend set megatron-core's TransformerConfig
-    fields of the model section, which model.transformer_config hands megatron-core itself (no copy)."""
+    fields of the model section, which model.transformer_config hands megatron-core finalized: a copy of the section
+    itself, which keeps the settings as given (run_config.yaml's)."""
     from megatron.core.transformer.enums import AttnBackend
 
     from model import transformer_config
 
-    cfg = config.parse_args(["--calculate-per-token-loss"], world_size=1, gpu=False)
+    cfg = checks.parse_args(["--calculate-per-token-loss"], world_size=1, gpu=False)
     tc = transformer_config(cfg)
-    assert tc is cfg.model and (tc.calculate_per_token_loss, tc.layernorm_zero_centered_gamma) == (True, False)
-    cfg = config.parse_args(["--apply-layernorm-1p", "--attention-backend", "fused"], world_size=1, gpu=True)
+    assert type(tc) is type(cfg.model) and (tc.calculate_per_token_loss, tc.layernorm_zero_centered_gamma) == (True, False)
+    # finalize() filled in megatron-core's fields and this machine's answer on the copy only
+    assert (tc.use_cpu_initialization, tc.embedding_init_method_std) == (True, tc.init_method_std)
+    assert (cfg.model.use_cpu_initialization, cfg.model.embedding_init_method_std) == (False, None)
+    cfg = checks.parse_args(["--apply-layernorm-1p", "--attention-backend", "fused"], world_size=1, gpu=True)
     tc = transformer_config(cfg)
     assert tc.layernorm_zero_centered_gamma and tc.attention_backend == AttnBackend.fused
 
@@ -514,7 +518,7 @@ def test_settings_that_change_what_is_computed_default_to_megatron_lms(flag, meg
 def test_defaults_megatron_lm_derives_are_derived_the_same():
     from model import megatron_ddp_config
 
-    cfg = config.parse_args([], world_size=1, gpu=False)
+    cfg = checks.parse_args([], world_size=1, gpu=False)
     m = cfg.model
     # TransformerConfig.__post_init__: 4 x hidden MLP, hidden / heads per head; arguments.py: one key/value group per
     # head without --group-query-attention (core_transformer_config_from_args passes num_query_groups None)
@@ -864,7 +868,7 @@ def test_architecture_flags_are_transformer_config_fields_a_cpu_gpt_runs_with(si
 
     matmul = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction  # the last case sets it, as Megatron
     try:
-        cfg = config.parse_args([*ARCH, *flags], world_size=1, gpu=False)
+        cfg = checks.parse_args([*ARCH, *flags], world_size=1, gpu=False)
         assert config_holds(transformer_config(cfg))
         set_random_seed(0)
         gpt = build_model(cfg, vocab_size=128)[0]
@@ -890,7 +894,7 @@ def test_no_initialization_leaves_the_weights_to_a_checkpoint(single_rank_groups
     calls = []
     normal = torch.nn.init.normal_
     monkeypatch.setattr(torch.nn.init, "normal_", lambda *a, **k: calls.append(1) or normal(*a, **k))
-    cfg = config.parse_args([*ARCH, *flags, "--position-embedding-type", "rope", "--load", str(tmp_path)], world_size=1,
+    cfg = checks.parse_args([*ARCH, *flags, "--position-embedding-type", "rope", "--load", str(tmp_path)], world_size=1,
                             gpu=False)
     assert transformer_config(cfg).perform_initialization is initialised
     build_model(cfg, vocab_size=128)
@@ -903,7 +907,7 @@ def test_transformer_engine_only_flags_reach_its_config(with_te, monkeypatch):
     from model import transformer_config
 
     monkeypatch.setenv("NVTE_APPLY_QK_LAYER_SCALING", "1")
-    cfg = config.parse_args(["--bf16", "--fp32-residual-connection", "--apply-query-key-layer-scaling",
+    cfg = checks.parse_args(["--bf16", "--fp32-residual-connection", "--apply-query-key-layer-scaling",
                              "--qk-layernorm", "--window-size", "128,0", "--softmax-type", "learnable"],
                             world_size=1, gpu=True)
     assert cfg.model.transformer_impl == "transformer_engine"
@@ -923,7 +927,7 @@ def test_transformer_engine_only_flags_reach_its_config(with_te, monkeypatch):
 def test_ddp_flags_are_megatron_core_ddp_config_fields(argv, ddp_field, value):
     from model import megatron_ddp_config
 
-    assert getattr(megatron_ddp_config(config.parse_args(argv, world_size=1, gpu=False)), ddp_field) == value
+    assert getattr(megatron_ddp_config(checks.parse_args(argv, world_size=1, gpu=False)), ddp_field) == value
 
 
 def test_ddp_flags_train_on_cpu(single_rank_groups):
@@ -933,7 +937,7 @@ def test_ddp_flags_train_on_cpu(single_rank_groups):
 
     from model import build_model, build_optimizer, get_forward_backward_func, set_random_seed, wrap_model
 
-    cfg = config.parse_args([*ARCH, "--overlap-grad-reduce", "--ddp-bucket-size", "20000",
+    cfg = checks.parse_args([*ARCH, "--overlap-grad-reduce", "--ddp-bucket-size", "20000",
                              "--ddp-pad-buckets-for-high-nccl-busbw", "--ddp-average-in-collective",
                              "--check-for-large-grads"], world_size=1, gpu=False)
     set_random_seed(0)
@@ -966,16 +970,16 @@ def test_ddp_flags_train_on_cpu(single_rank_groups):
     (["--use-persistent-ckpt-worker"], "checkpoint", "use_persistent_ckpt_worker", True),
 ])
 def test_megatron_lm_spellings_set_the_same_setting(argv, section, name, value):
-    assert getattr(getattr(config.parse_args(argv, world_size=1, gpu=False), section), name) == value
+    assert getattr(getattr(checks.parse_args(argv, world_size=1, gpu=False), section), name) == value
 
 
 def test_virtual_stages_per_pipeline_rank_as_megatron_lm():
-    m = config.parse_args(["--num-layers", "8", "--pipeline-model-parallel-size", "2",
+    m = checks.parse_args(["--num-layers", "8", "--pipeline-model-parallel-size", "2",
                            "--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "8"], world_size=2,
                           gpu=False).model
     assert (m.num_layers_per_virtual_pipeline_stage, m.virtual_pipeline_model_parallel_size) == (2, 2)
     assert m.num_virtual_stages_per_pipeline_rank is None  # said once, as layers per stage: what generate.py resets
-    m = config.parse_args(["--num-virtual-stages-per-pipeline-rank", "1"], world_size=1, gpu=False).model
+    m = checks.parse_args(["--num-virtual-stages-per-pipeline-rank", "1"], world_size=1, gpu=False).model
     assert m.virtual_pipeline_model_parallel_size is None  # one virtual stage is none (Megatron-LM: None)
 
 
@@ -986,7 +990,7 @@ def test_every_inert_flag_is_accepted_and_named_once_as_given():
             argv += [flag] if takes is None else [flag, "a", "b"] if takes == "*" else \
                 [flag, takes[-1]] if isinstance(takes, list) else [flag, "3"]
     assert unknown_flags(argv) == []
-    cfg = config.parse_args(argv, world_size=1, gpu=False)
+    cfg = checks.parse_args(argv, world_size=1, gpu=False)
     fused, other = [line.split(": ", 1)[1] for line in printed_config(cfg).splitlines() if line.startswith(" inert here")]
     assert fused == ("--disable-jit-fuser --use-te-activation-func --cross-entropy-fusion-impl te "
                      "--flash-attention-version 3 --use-transformer-engine-op-fuser --fused-residual-rmsnorm "
@@ -1013,7 +1017,7 @@ def test_every_inert_flag_is_accepted_and_named_once_as_given():
     (["--fp32-residual-connection"], False, "--fp32-residual-connection"),  # fp32 training: fp32 already
 ])
 def test_settings_named_inert_exactly_where_they_change_nothing(argv, gpu, inert):
-    cfg = config.parse_args([*argv, "--transformer-impl", "local"], world_size=1, gpu=gpu)
+    cfg = checks.parse_args([*argv, "--transformer-impl", "local"], world_size=1, gpu=gpu)
     assert checks.inert_flags(cfg) == ([inert] if inert else [])
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import config
+import checks
 import metrics
 from conftest import torchrun
 
@@ -16,7 +17,7 @@ from conftest import torchrun
 # rel=1e-12 below: two float64 evaluations of one closed-form count (exact integers up to 2^53; each of a few dozen
 # operations rounds at 2^-53 ~ 1e-16 at most).
 def _cfg(*flags, world_size=1, gpu=False):
-    cfg = config.parse_args(list(flags), world_size=world_size, gpu=gpu)
+    cfg = checks.parse_args(list(flags), world_size=world_size, gpu=gpu)
     cfg.padded_vocab_size = 384
     return cfg
 
@@ -298,7 +299,7 @@ def test_timing_log_option_picks_megatron_cores_timer_block(single_rank_groups):
     heads = {}
     for option in (None, "max", "minmax", "all"):
         flags = ["--timing-log-level", "1"] + (["--timing-log-option", option] if option else [])
-        state = train.GlobalState(config.parse_args(flags, world_size=1, gpu=False))
+        state = train.GlobalState(checks.parse_args(flags, world_size=1, gpu=False))
         with device.shim():
             state.timers("forward-backward", log_level=1).start()
             state.timers("forward-backward").stop()
@@ -382,7 +383,7 @@ def test_the_log_lines_interval_averages_under_fp16_skips_are_megatron_lms(tmp_p
         output, loss_func = train.forward_step(state, data_iterator, model)
         return (output * float("nan") if state.train_state.step == 5 else output), loss_func
 
-    cfg = config.parse_args([*TINY, *MOE_MTP, "--mock-data", "--num-workers", "0", "--eval-iters", "0",
+    cfg = checks.parse_args([*TINY, *MOE_MTP, "--mock-data", "--num-workers", "0", "--eval-iters", "0",
                              "--data-cache-path", str(tmp_path / "cache"), "--fp16", "--initial-loss-scale", str(2 ** 19),
                              "--train-iters", "8", "--log-interval", "4", "--tensorboard-dir", str(tmp_path / "tb")],
                             world_size=1, gpu=False)
@@ -418,7 +419,7 @@ def test_a_nan_loss_on_an_iteration_that_advanced_is_no_nan_iteration(tmp_path, 
         output, loss_func = train.forward_step(state, data_iterator, model)
         return (output * float("nan") if state.train_state.step == 1 else output), loss_func
 
-    cfg = config.parse_args([*TINY, "--mock-data", "--num-workers", "0", "--eval-iters", "0", "--train-iters", "2",
+    cfg = checks.parse_args([*TINY, "--mock-data", "--num-workers", "0", "--eval-iters", "0", "--train-iters", "2",
                              "--data-cache-path", str(tmp_path / "cache"), "--log-interval", "2",
                              "--no-check-for-nan-in-loss-and-grad"], world_size=1, gpu=False)
     train.pretrain(cfg, forward_step)

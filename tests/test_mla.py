@@ -42,11 +42,12 @@ def test_multi_latent_attention_builds_megatron_cores_mla_and_learns(runs):
 
 def test_mla_model_is_megatron_cores_mla_with_our_core_attention_and_norms(single_rank_groups):
     import config
+    import checks
     import model
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 
-    cfg = config.parse_args(FLAGS, world_size=1, gpu=False)
+    cfg = checks.parse_args(FLAGS, world_size=1, gpu=False)
     assert cfg.model.rope_type == "yarn"  # derived: Megatron-LM's default under --multi-latent-attention
     attention = model.build_model(cfg, 256)[0].decoder.layers[0].self_attention
     assert isinstance(attention, MLASelfAttention) and isinstance(attention.rotary_pos_emb, YarnRotaryEmbedding)
@@ -78,8 +79,9 @@ def test_the_query_latents_norm_gets_the_one_process_gradient(runs, name):
 
 def _cfg(*flags):
     import config
+    import checks
 
-    cfg = config.parse_args([*TINY, "--mock-data", *flags], world_size=1, gpu=False)
+    cfg = checks.parse_args([*TINY, "--mock-data", *flags], world_size=1, gpu=False)
     cfg.padded_vocab_size = 384
     return cfg
 

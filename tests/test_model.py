@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import config
+import checks
 
 
 def reference_attention(q, k, v):
@@ -24,7 +25,7 @@ def test_sdpa_attention_is_causal_attention_with_gqa(single_rank_groups):
 
     from model import SDPAttention, transformer_config
 
-    cfg = config.parse_args(["--attention-dropout", "0", "--num-query-groups", "2"], world_size=1, gpu=False)
+    cfg = checks.parse_args(["--attention-dropout", "0", "--num-query-groups", "2"], world_size=1, gpu=False)
     attention = SDPAttention(transformer_config(cfg), 1, AttnMaskType.causal)
     torch.manual_seed(0)
     q, k, v = torch.randn(16, 2, 4, 64), torch.randn(16, 2, 2, 64), torch.randn(16, 2, 2, 64)
@@ -44,7 +45,7 @@ def test_one_query_against_cached_keys_is_the_last_row_of_causal_attention(singl
 
     from model import SDPAttention, transformer_config
 
-    cfg = config.parse_args(["--attention-dropout", "0", "--num-query-groups", "2"], world_size=1, gpu=False)
+    cfg = checks.parse_args(["--attention-dropout", "0", "--num-query-groups", "2"], world_size=1, gpu=False)
     attention = SDPAttention(transformer_config(cfg), 1, AttnMaskType.causal)
     torch.manual_seed(0)
     q, k, v = torch.randn(16, 2, 4, 64), torch.randn(16, 2, 2, 64), torch.randn(16, 2, 2, 64)
@@ -93,7 +94,7 @@ def test_gpt_variants_train_on_cpu(single_rank_groups, flags):
     from megatron.core.utils import unwrap_model
     from model import build_model, build_optimizer, get_forward_backward_func, set_random_seed, wrap_model
 
-    cfg = config.parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    cfg = checks.parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                              "--seq-length", "32", "--hidden-dropout", "0", "--attention-dropout", "0", *flags],
                             world_size=1, gpu=False)
     set_random_seed(0)
@@ -130,7 +131,7 @@ def _activations_loss_and_grads(flags):
     once, the weights included alike), the loss and the gradients."""
     from model import build_model, set_random_seed
 
-    cfg = config.parse_args(["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    cfg = checks.parse_args(["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
                              "--seq-length", "128", "--hidden-dropout", "0", "--attention-dropout", "0", *flags],
                             world_size=1, gpu=False)
     set_random_seed(0)
@@ -169,7 +170,7 @@ def test_recompute_keeps_fewer_activations_for_the_same_loss_and_gradients(singl
 def test_no_weight_decay_on_biases_and_norms(single_rank_groups):
     from model import build_model, build_optimizer, wrap_model
 
-    cfg = config.parse_args(["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4"],
+    cfg = checks.parse_args(["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4"],
                             world_size=1, gpu=False)
     model = wrap_model(cfg, build_model(cfg, vocab_size=100))
     groups = build_optimizer(cfg, model).param_groups
@@ -186,7 +187,7 @@ def test_norm_is_a_module_of_its_own_with_torchs_arithmetic_and_names():
     zero-centred gamma (transformer-engine's)."""
     from model import Norm, transformer_config
 
-    settings = transformer_config(config.parse_args(["--sequence-parallel", "--tensor-model-parallel-size", "2"],
+    settings = transformer_config(checks.parse_args(["--sequence-parallel", "--tensor-model-parallel-size", "2"],
                                                     world_size=2, gpu=False))
     x = torch.randn(5, 3, 16, generator=torch.Generator().manual_seed(0))
     for kind, reference in (("LayerNorm", torch.nn.LayerNorm(16, eps=1e-5)), ("RMSNorm", torch.nn.RMSNorm(16, eps=1e-5))):

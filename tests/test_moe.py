@@ -170,9 +170,10 @@ def test_expert_parallel_checkpoints_cross_expert_parallel_sizes(runs):
     assert_bitwise(ep2_resumed(runs), straight, [7, 8, 9], METRICS)
     import checkpoint
     import config
+    import checks
     import train
 
-    cfg = config.parse_args([*FLAGS, "--load", runs.ckpt("ep2_alltoall"), "--ckpt-step", "6", "--data-cache-path",
+    cfg = checks.parse_args([*FLAGS, "--load", runs.ckpt("ep2_alltoall"), "--ckpt-step", "6", "--data-cache-path",
                              str(runs.out / "cache"), "--no-tensorboard"], world_size=1, gpu=False)
     with pytest.raises(checkpoint.CheckpointError) as e:
         train.pretrain(cfg)
@@ -285,10 +286,11 @@ def test_experts_with_biases_train_at_expert_parallel_size_1(capsys):
     output projection returned (mlp.py:247), which at EP=1 is the reduce Function's own input, and autograd refuses
     (ExpertRowParallelLinear leaves it to the dispatcher, as at EP>1). Six iterations that learn: the loss falls."""
     import config
+    import checks
     import train
     from conftest import log_lines
 
-    cfg = config.parse_args([*TINY, "--num-experts", "4", "--mock-data", "--train-iters", "6", "--eval-iters", "0",
+    cfg = checks.parse_args([*TINY, "--num-experts", "4", "--mock-data", "--train-iters", "6", "--eval-iters", "0",
                              "--num-workers", "0", "--log-interval", "1"], world_size=1, gpu=False)
     assert cfg.model.add_bias_linear
     state = train.pretrain(cfg)
@@ -313,11 +315,12 @@ def test_a_checkpoint_of_the_other_kind_names_both_shapes(saved, loading, expect
     """What a checkpoint's `args` say against this run's model, before any weight loads: one line."""
     import checkpoint
     import config
+    import checks
 
     (tmp_path / ".metadata").touch()  # a torch_dist checkpoint: the message names its common state
-    args = vars(checkpoint.megatron_lm_args(config.parse_args([*TINY, *saved], world_size=1, gpu=False),
+    args = vars(checkpoint.megatron_lm_args(checks.parse_args([*TINY, *saved], world_size=1, gpu=False),
                                             checkpoint.TrainState()))
-    cfg = config.parse_args([*TINY, *loading], world_size=1, gpu=False)
+    cfg = checks.parse_args([*TINY, *loading], world_size=1, gpu=False)
     with pytest.raises(checkpoint.CheckpointError) as e:
         checkpoint.check_saved_model(cfg, str(tmp_path), {"checkpoint_version": checkpoint.CHECKPOINT_VERSION}, args,
                                      "common.pt", finetune=False)
@@ -361,10 +364,11 @@ def test_bridges_moe_settings_in_yaml_are_the_flags(tmp_path):
     """A Bridge-style model section (TransformerConfig's names: num_moe_experts, moe_*, expert_*) sets what the
     flags set."""
     import config
+    import checks
 
     (tmp_path / "moe.yaml").write_text("model:\n  num_moe_experts: 8\n  moe_router_topk: 1\n  moe_router_pre_softmax: "
                                        "true\n  expert_model_parallel_size: 2\n  moe_token_dispatcher_type: alltoall\n")
-    cfg = config.parse_args([*TINY, "--config-file", str(tmp_path / "moe.yaml")], world_size=2, gpu=False)
+    cfg = checks.parse_args([*TINY, "--config-file", str(tmp_path / "moe.yaml")], world_size=2, gpu=False)
     m = cfg.model
     assert (m.num_moe_experts, m.moe_router_topk, m.expert_model_parallel_size, m.moe_token_dispatcher_type) == \
         (8, 1, 2, "alltoall")
@@ -378,13 +382,14 @@ def test_flops_count_the_routed_and_shared_experts_as_megatron_lm():
     + moe-ffn x top-k x MoE layers + shared x MoE layers) x (3 with SwiGLU, else 2), beside the attention and logits
     terms of a dense GPT (test_metrics checks those)."""
     import config
+    import checks
     import metrics
 
     flags = [*TINY, "--num-layers", "4", "--hidden-size", "128", "--swiglu", "--disable-bias-linear"]
-    moe = config.parse_args([*flags, "--num-experts", "8", "--moe-router-topk", "2", "--moe-layer-freq", "2",
+    moe = checks.parse_args([*flags, "--num-experts", "8", "--moe-router-topk", "2", "--moe-layer-freq", "2",
                              "--moe-ffn-hidden-size", "96", "--moe-shared-expert-intermediate-size", "64"],
                             world_size=1, gpu=False)
-    dense = config.parse_args(flags, world_size=1, gpu=False)
+    dense = checks.parse_args(flags, world_size=1, gpu=False)
     b, s, h, ffn = 8, 64, 128, dense.model.ffn_hidden_size
     mlp = lambda width_by_layer: b * s * 3 * 2 * h * sum(width_by_layer) * 3
     difference = metrics.num_floating_point_operations(moe, b, 384) - metrics.num_floating_point_operations(dense, b, 384)
@@ -396,17 +401,18 @@ def test_memory_estimate_counts_the_built_moe_model_and_shards_experts_over_ep(s
     share of the most loaded shard halves, and the distributed optimizer shards their Adam state over the expert
     data-parallel ranks, the rest over the data-parallel ranks."""
     import config
+    import checks
     import metrics
     from model import build_model
 
     flags = [*TINY, "--num-layers", "4", *MOE, "--position-embedding-type", "rope", "--hidden-size", "128"]
-    cfg = config.parse_args(flags, world_size=1, gpu=False)
+    cfg = checks.parse_args(flags, world_size=1, gpu=False)
     cfg.padded_vocab_size = 384
     model = build_model(cfg, 384)
     n = sum(p.numel() for p in model[0].parameters())
     experts = sum(p.numel() for name, p in model[0].named_parameters() if ".experts." in name)
     assert metrics.compute_weight_and_optimizer_memory(cfg) == pytest.approx(16 * n)
-    ep2 = config.parse_args([*flags, *EP2, *DOPT, "--bf16"], world_size=8, gpu=False)  # DP 8, expert DP 4
+    ep2 = checks.parse_args([*flags, *EP2, *DOPT, "--bf16"], world_size=8, gpu=False)  # DP 8, expert DP 4
     ep2.padded_vocab_size = 384
     assert metrics.compute_weight_and_optimizer_memory(ep2) == pytest.approx(
         (n - experts) * (6 + 12 / 8) + experts / 2 * (6 + 12 / 4))
@@ -480,10 +486,11 @@ def test_a_torch_format_checkpoint_at_other_parallel_sizes_is_one_line(torch_run
     """One rank loading a 2-rank torch-format checkpoint: one line naming both layouts, before any weight."""
     import checkpoint
     import config
+    import checks
     import train
 
     torch_format(torch_runs, name)
-    cfg = config.parse_args([*FLAGS, "--ckpt-format", "torch", "--load", torch_runs.ckpt(name), "--ckpt-step", "2",
+    cfg = checks.parse_args([*FLAGS, "--ckpt-format", "torch", "--load", torch_runs.ckpt(name), "--ckpt-step", "2",
                              "--data-cache-path", str(torch_runs.out / "cache"), "--no-tensorboard"],
                             world_size=1, gpu=False)
     with pytest.raises(checkpoint.CheckpointError) as e:

@@ -63,12 +63,13 @@ def test_the_mtp_loss_is_on_the_log_line_and_in_tensorboard_under_megatron_lms_n
 
 def test_the_model_is_megatron_cores_mtp_block_with_the_last_layers_kind(single_rank_groups):
     import config
+    import checks
     import model
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
     from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
 
-    gpt = model.build_model(config.parse_args(FLAGS, world_size=1, gpu=False), 256)[0]
+    gpt = model.build_model(checks.parse_args(FLAGS, world_size=1, gpu=False), 256)[0]
     assert isinstance(gpt.mtp, MultiTokenPredictionBlock) and len(gpt.mtp.layers) == 1
     layer = gpt.mtp.layers[0]
     # The decoder's last layer is MoE: so is the MTP layer's (Megatron-LM's gpt_builders); its norms are Norm.
@@ -104,8 +105,9 @@ def test_under_context_parallelism_each_rank_weighs_its_own_mtp_tokens(runs):
 
 def _cfg(*flags):
     import config
+    import checks
 
-    cfg = config.parse_args([*TINY, "--mock-data", *flags], world_size=1, gpu=False)
+    cfg = checks.parse_args([*TINY, "--mock-data", *flags], world_size=1, gpu=False)
     cfg.padded_vocab_size = 384
     return cfg
 

@@ -298,12 +298,13 @@ def test_a_layer_wise_optimizer_state_on_another_data_parallel_size_is_one_line(
     KeyError from inside megatron-core's load, "the checkpoint is corrupt"), and with it the weights continue."""
     import checkpoint
     import config
+    import checks
     import train
 
     layer_wise(runs)
     flags = [*FLAGS, *DP2_BF16, "--load", runs.ckpt("dp2_layer_wise"), "--ckpt-step", "3", "--no-save"]
     with pytest.raises(checkpoint.CheckpointError) as e:
-        train.pretrain(config.parse_args(flags, world_size=1, gpu=False))
+        train.pretrain(checks.parse_args(flags, world_size=1, gpu=False))
     assert "its optimizer state was saved by megatron-core's layer-wise distributed optimizer at data-parallel size " \
            "2, and this run has another optimizer at 1" in str(e.value) and "--no-load-optim" in str(e.value)
     out = train_here([*flags, "--no-load-optim"])
@@ -316,9 +317,10 @@ def test_a_tensor_parallel_moe_checkpoints_optimizer_on_one_rank_is_one_line(v3,
     before any state is read, naming --no-load-optim (the one-rank run with it is test_muon's "one_fresh")."""
     import checkpoint
     import config
+    import checks
     import train
 
-    cfg = config.parse_args([*V3_FLAGS, "--load", v3.ckpt("tp2_sp_duplicated"), "--ckpt-step", "5", "--no-tensorboard",
+    cfg = checks.parse_args([*V3_FLAGS, "--load", v3.ckpt("tp2_sp_duplicated"), "--ckpt-step", "5", "--no-tensorboard",
                              "--data-cache-path", str(tmp_path)], world_size=1, gpu=False)
     with pytest.raises(checkpoint.CheckpointError) as e:
         train.pretrain(cfg)
@@ -339,9 +341,10 @@ def test_the_layer_wise_optimizers_buckets_are_sized_as_megatron_lm_sizes_them(s
     resolves (training.py:1552-1567): --ddp-bucket-size, or at least 40M parameters, with --overlap-grad-reduce, and
     none without. Buckets of megatron-core's DDP on one rank: [Adam's buffer, Muon's matrices]."""
     import config
+    import checks
     from model import build_model, set_random_seed, wrap_model
 
-    cfg = config.parse_args([*LAYER_WISE, *flags], world_size=1, gpu=False)
+    cfg = checks.parse_args([*LAYER_WISE, *flags], world_size=1, gpu=False)
     set_random_seed(0)
     model = wrap_model(cfg, build_model(cfg, vocab_size=128))
     assert [len(b.buckets) for b in model[0].buffers] == buckets
@@ -394,11 +397,12 @@ def test_an_optimizer_the_installed_package_lacks_is_one_line_before_any_model(t
     """megatron-core builds what the installed emerging-optimizers registers: an older package without Lion (here, the
     registry without its entry) is one line through train.py's command line, exit 2, before any model is built."""
     import config
+    import checks
     import train
     from megatron.core.optimizer.emerging_optimizers import _EMERGING_OPTIMIZERS
 
     monkeypatch.delitem(_EMERGING_OPTIMIZERS, "lion")
-    cfg = config.parse_args([*FLAGS, "--optimizer", "lion", "--save", str(tmp_path / "ck")], world_size=1, gpu=False)
+    cfg = checks.parse_args([*FLAGS, "--optimizer", "lion", "--save", str(tmp_path / "ck")], world_size=1, gpu=False)
     assert train.main(cfg) == 2
     out, err = capsys.readouterr()
     assert err.startswith("train.py: error: --optimizer lion: the installed emerging-optimizers 0.3.0 does not "

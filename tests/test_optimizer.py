@@ -14,7 +14,7 @@ from conftest import TINY, config_error, torchrun
 
 
 def parse(argv, world_size=1, gpu=False):
-    return config.parse_args(argv, world_size=world_size, gpu=gpu)
+    return checks.parse_args(argv, world_size=world_size, gpu=gpu)
 
 
 def build(cfg):

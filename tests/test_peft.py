@@ -12,7 +12,7 @@ from conftest import REORDERED, TINY, config_error, log_lines
 
 
 def _cfg(*flags, world_size=1):
-    return config.parse_args([*TINY, "--hidden-dropout", "0", "--attention-dropout", "0", "--pretrained-checkpoint",
+    return checks.parse_args([*TINY, "--hidden-dropout", "0", "--attention-dropout", "0", "--pretrained-checkpoint",
                               "base", *flags], world_size=world_size, gpu=False)
 
 
@@ -152,7 +152,7 @@ def test_merged_checkpoint_loads_without_peft_and_gives_the_adapted_logits(lora_
     tokens = torch.arange(2 * 64).reshape(2, 64) % 90 + 10
 
     def logits(*flags):
-        cfg = config.parse_args([*flags, "--num-workers", "0", "--eval-iters", "0", "--use-checkpoint-opt-param-scheduler"],
+        cfg = checks.parse_args([*flags, "--num-workers", "0", "--eval-iters", "0", "--use-checkpoint-opt-param-scheduler"],
                                 world_size=1, gpu=False)
         state, model, _, _, _ = train.setup(cfg)
         try:

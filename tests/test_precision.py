@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import config
+import checks
 from conftest import ROOT, TINY, config_error, torchrun
 
 COMMON = [*TINY, "--mock-data", "--num-workers", "0", "--eval-iters", "0", "--log-interval", "1"]
@@ -45,7 +46,7 @@ def expected_loss_scales(skipped: list, initial: float, window: int, hysteresis:
 def _pretrain(tmp_path, *extra):
     import train
 
-    cfg = config.parse_args([*COMMON, "--data-cache-path", str(tmp_path / "cache"), *extra], world_size=1, gpu=False)
+    cfg = checks.parse_args([*COMMON, "--data-cache-path", str(tmp_path / "cache"), *extra], world_size=1, gpu=False)
     return train.pretrain(cfg)
 
 
@@ -90,8 +91,8 @@ def test_constant_loss_scale(tmp_path, capsys):
 
 
 def test_dynamic_loss_scaling_turns_off_the_nan_check_as_megatron_does():
-    dynamic = config.parse_args(["--fp16"], world_size=1, gpu=False)
-    static = config.parse_args(["--fp16", "--loss-scale", "128"], world_size=1, gpu=False)
+    dynamic = checks.parse_args(["--fp16"], world_size=1, gpu=False)
+    static = checks.parse_args(["--fp16", "--loss-scale", "128"], world_size=1, gpu=False)
     assert dynamic.train.check_for_nan_in_loss_and_grad is False  # an Inf gradient is the scaler's signal
     assert static.train.check_for_nan_in_loss_and_grad is True
     assert dynamic.optimizer.initial_loss_scale == 2.0 ** 32 and dynamic.optimizer.hysteresis == 2

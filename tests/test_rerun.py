@@ -8,6 +8,7 @@ import re
 import pytest
 
 import config
+import checks
 from conftest import TINY, config_error, log_lines, torchrun
 
 # Four microbatches of 2 samples per step: megatron-core's spiky-loss window (the first 100 validated losses)
@@ -29,7 +30,7 @@ def _run(tmp_path, *extra, poison_at=None, factor=1.0):
             output = output * factor
         return output, loss_func
 
-    cfg = config.parse_args([*COMMON, "--data-cache-path", str(tmp_path / "cache"), *extra], world_size=1, gpu=False)
+    cfg = checks.parse_args([*COMMON, "--data-cache-path", str(tmp_path / "cache"), *extra], world_size=1, gpu=False)
     return train.pretrain(cfg, forward_step), calls
 
 
@@ -121,11 +122,11 @@ def test_rerun_settings_errors_are_one_line_with_exit_code_2(argv, message, caps
 
 
 def test_rerun_settings_in_the_config():
-    cfg = config.parse_args(["--rerun-mode", "validate_results", "--check-for-spiky-loss", "--spiky-loss-factor", "5"],
+    cfg = checks.parse_args(["--rerun-mode", "validate_results", "--check-for-spiky-loss", "--spiky-loss-factor", "5"],
                             world_size=1, gpu=False)
     r = cfg.rerun_state_machine
     assert (r.rerun_mode, r.check_for_spiky_loss, r.spiky_loss_factor, r.check_for_nan_in_loss) == \
         ("validate_results", True, 5.0, True)
     assert "rerun_state_machine:" in config.to_yaml(cfg)  # saved with every checkpoint's run_config.yaml
-    off = config.parse_args(["--no-check-for-nan-in-loss-and-grad"], world_size=1, gpu=False)
+    off = checks.parse_args(["--no-check-for-nan-in-loss-and-grad"], world_size=1, gpu=False)
     assert off.rerun_state_machine.check_for_nan_in_loss is False and off.rerun_state_machine.rerun_mode == "disabled"

@@ -157,7 +157,7 @@ def test_a_custom_checkpoint_manager_does_the_saves_and_the_loads(tmp_path):
 def test_a_manager_that_does_not_import_or_lacks_a_method_is_one_line_before_the_model(path, message, tmp_path, capsys):
     import train
 
-    cfg = config.parse_args([*RUN, "--train-iters", "2", "--enable-experimental", "--config-file",
+    cfg = checks.parse_args([*RUN, "--train-iters", "2", "--enable-experimental", "--config-file",
                              yaml_file(tmp_path, f"checkpoint:\n  custom_manager_class: {path}\n")], world_size=1, gpu=False)
     assert train.main(cfg) == 2
     from megatron.core import config as mcore_config
@@ -185,11 +185,11 @@ def test_async_strategy_nvrx_falls_back_to_mcore_without_nvidia_resiliency_ext()
     why = checks.nvrx_async_unusable()
     if why is None:
         pytest.skip("nvidia-resiliency-ext 0.6+ is installed: nvrx is used as given")
-    cfg = config.parse_args(["--mock-data", "--async-save"], world_size=1, gpu=False)
+    cfg = checks.parse_args(["--mock-data", "--async-save"], world_size=1, gpu=False)
     assert cfg.checkpoint.async_strategy == "mcore"
     assert cfg.derived["checkpoint.async_strategy"] == ("mcore", why)  # named in the printed config
     # Without --async-save megatron-core's own post-init makes it mcore (training_config.py:631-632), named too.
-    plain = config.parse_args(["--mock-data"], world_size=1, gpu=False)
+    plain = checks.parse_args(["--mock-data"], world_size=1, gpu=False)
     assert plain.derived["checkpoint.async_strategy"] == ("mcore", "megatron-core's CheckpointConfig post-init")
 
 
@@ -206,11 +206,11 @@ def test_skip_train_metrics_log_silences_the_log_line_and_the_training_scalars(t
 def test_the_loader_settings_reach_the_dataloader(tmp_path, single_rank_groups):
     import data
 
-    cfg = config.parse_args(["--mock-data", "--num-workers", "1"], world_size=1, gpu=False)
+    cfg = checks.parse_args(["--mock-data", "--num-workers", "1"], world_size=1, gpu=False)
     assert (cfg.dataset.pin_memory, cfg.dataset.persistent_workers) == (False, True)  # derived: no GPU
     loader = data.build_data_loader(list(range(40)), 0, cfg)
     assert (loader.pin_memory, loader.persistent_workers, loader.num_workers) == (False, True, 1)
-    cfg = config.parse_args(["--mock-data", "--num-workers", "0"], world_size=1, gpu=False)
+    cfg = checks.parse_args(["--mock-data", "--num-workers", "0"], world_size=1, gpu=False)
     assert data.build_data_loader(list(range(40)), 0, cfg).persistent_workers is False  # torch's rule: no workers
 
 
@@ -265,7 +265,7 @@ def test_a_finetuning_dataset_root_in_bridges_layout(tmp_path, capsys):
     write_jsonl(root / "validation.jsonl", [{"q": "valid q", "a": "valid a"}])
     settings = yaml_file(tmp_path, f"dataset:\n  dataset_root: {root}\n  do_test: false\n  max_train_samples: 3\n"
                                    f"  dataset_kwargs: {{prompt_key: q, response_key: a}}\n")
-    cfg = config.parse_args([*TINY, "--config-file", settings, "--train-iters", "2"], world_size=1, gpu=False)
+    cfg = checks.parse_args([*TINY, "--config-file", settings, "--train-iters", "2"], world_size=1, gpu=False)
     assert type(cfg.dataset) is config.FinetuningDatasetConfig and cfg.dataset.sft
     assert (cfg.dataset.train_data_path, cfg.dataset.valid_data_path, cfg.dataset.test_data_path) == (
         [str(root / "training.jsonl")], [str(root / "validation.jsonl")], None)
@@ -299,7 +299,7 @@ def test_bridges_packed_sequence_file_gives_the_packed_samples(tmp_path):
                                    f"{path}\n    packed_sequence_size: {seq_length}\n")
     train_data = tmp_path / "unused.jsonl"
     write_jsonl(train_data, records)
-    cfg = config.parse_args([*TINY, "--seq-length", str(seq_length), "--config-file", settings, "--data-path",
+    cfg = checks.parse_args([*TINY, "--seq-length", str(seq_length), "--config-file", settings, "--data-path",
                              str(train_data), "--eval-iters", "0"], world_size=1, gpu=False)
     from_file = data.build_sft_datasets(cfg, tokenizer)[0]
     assert len(from_file) == 2
@@ -322,7 +322,7 @@ def test_experimental_features_and_fp32_local_accumulation_reach_megatron_core(t
                      {name: p.main_grad.dtype for name, p in model.named_parameters()}))
         return train.forward_step(state, data_iterator, model)
 
-    cfg = config.parse_args([*RUN, "--train-iters", "2", "--bf16", "--grad-reduce-in-bf16", "--enable-experimental",
+    cfg = checks.parse_args([*RUN, "--train-iters", "2", "--bf16", "--grad-reduce-in-bf16", "--enable-experimental",
                              "--ddp-param-name-patterns-for-fp32-local-accumulation", "*.bias", "--no-save",
                              "--data-cache-path", str(tmp_path / "cache")], world_size=1, gpu=False)
     train.pretrain(cfg, forward_step)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import config
+import checks
 from conftest import PRINTED, REORDERED, TINY, checkpoint_keys, log_lines, torchrun, train_here
 
 
@@ -77,7 +78,7 @@ def test_checkpoint_layout(mock_run):
     # Only the interval saves: the final save at 30 is not written twice.
     assert sorted(p for p in os.listdir(ckpt) if p.startswith("iter_")) == ["iter_0000015", "iter_0000030"]
     # run_config.yaml is a config file the CLI takes back.
-    cfg = config.parse_args(["--config-file", str(ckpt / "iter_0000030" / "run_config.yaml")], world_size=2, gpu=False)
+    cfg = checks.parse_args(["--config-file", str(ckpt / "iter_0000030" / "run_config.yaml")], world_size=2, gpu=False)
     assert cfg.model.hidden_size == 64 and cfg.train.train_iters == 30 and cfg.dataset.mock
 
 
@@ -153,7 +154,7 @@ def test_an_exception_mid_run_ends_the_rank_and_its_data_workers(tmp_path):
 
 
 def _cfg(tmp_path, *extra):
-    return config.parse_args([*TINY, "--mock-data", "--num-workers", "0", "--data-cache-path", str(tmp_path / "cache"),
+    return checks.parse_args([*TINY, "--mock-data", "--num-workers", "0", "--data-cache-path", str(tmp_path / "cache"),
                               *extra], world_size=1, gpu=False)
 
 

@@ -9,6 +9,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import config  # noqa: E402
+import checks
 import train  # noqa: E402
 
 default_forward_step = train.forward_step
@@ -31,4 +32,4 @@ def forward_step(state, data_iterator, model):
 
 
 train.forward_step = forward_step  # pretrain's default step, looked up when it runs
-sys.exit(train.main(config.parse_args(sys.argv[1:], run=True)))
+sys.exit(train.main(checks.parse_args(sys.argv[1:], run=True)))

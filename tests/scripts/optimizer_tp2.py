@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 import config  # noqa: E402
+import checks
 import train  # noqa: E402
 
 import device  # noqa: E402
@@ -23,7 +24,7 @@ import device  # noqa: E402
 device.install_cpu_shim()  # a program that is one run: megatron-core on this machine for all of it
 
 out_dir, flags = sys.argv[1], sys.argv[2:]
-cfg = config.parse_args(flags)
+cfg = checks.parse_args(flags)
 state, model, optimizer, scheduler, (train_it, _, _) = train.setup(cfg)
 rank = torch.distributed.get_rank()
 forward_step = train.prepare_forward_step_func(train.forward_step, state)

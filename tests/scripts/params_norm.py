@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 import config  # noqa: E402
+import checks
 import device  # noqa: E402
 import metrics  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
@@ -31,7 +32,7 @@ SMALL = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2
 
 def built(flags, tp=1, ep=1):
     parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
-    cfg = config.parse_args(SMALL + flags, world_size=2, gpu=False)
+    cfg = checks.parse_args(SMALL + flags, world_size=2, gpu=False)
     torch.manual_seed(0)
     model = wrap_model(cfg, build_model(cfg, 64))
     optimizer = build_optimizer(cfg, model)

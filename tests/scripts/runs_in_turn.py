@@ -14,6 +14,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import config  # noqa: E402
+import checks
 import train  # noqa: E402
 
 with open(sys.argv[1]) as f:
@@ -24,7 +25,7 @@ for run in plan:
     with open(f"{run['stdout']}.rank{os.environ['RANK']}", "w") as out:
         os.dup2(out.fileno(), 1)
         try:
-            code = train.main(config.parse_args(run["argv"], run=True))
+            code = train.main(checks.parse_args(run["argv"], run=True))
         finally:
             sys.stdout.flush()
             os.dup2(saved, 1)

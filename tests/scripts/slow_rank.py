@@ -10,6 +10,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 import config  # noqa: E402
+import checks
 import train  # noqa: E402
 
 import device  # noqa: E402
@@ -26,5 +27,5 @@ def forward_step(state: train.GlobalState, data_iterator, model):
 
 
 if __name__ == "__main__":
-    state = train.pretrain(config.parse_args(sys.argv[1:]), forward_step)
+    state = train.pretrain(checks.parse_args(sys.argv[1:]), forward_step)
     sys.exit(state.exit_code or 0)

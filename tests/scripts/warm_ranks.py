@@ -18,6 +18,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import config  # noqa: E402
+import checks
 import train  # noqa: E402
 
 
@@ -27,7 +28,7 @@ def run(request: dict) -> int:
             import generate
 
             return generate.main(generate.parse_args(request["argv"])) or 0
-        return train.main(config.parse_args(request["argv"], run=True)) or 0
+        return train.main(checks.parse_args(request["argv"], run=True)) or 0
     except SystemExit as e:  # a command line the parser refuses exits 2, as `python train.py` would
         return e.code if isinstance(e.code, int) else 1
     except BaseException:  # noqa: B036 -- a traceback, as the rank would print it, and its exit code

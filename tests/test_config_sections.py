@@ -26,9 +26,8 @@ def test_a_run_config_yaml_written_before_the_move_still_loads():
     # there as the file is read, so that --eval-interval given with it wins), megatron-core's post-init makes the async
     # strategy mcore without --async-save, and megatron-core's
     # create_attention_mask is derived off without --reset-attention-mask (the mask that was never built before either).
-    import signal
-
     import yaml
+
     written = yaml.safe_load(open(path))
     differ = {}
     for section, values in written.items():

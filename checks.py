@@ -123,14 +123,16 @@ def settings_from_yaml(path: str, parser: argparse.ArgumentParser, world_size: O
         for name, value in values.items():
             action = actions.get(f"{section}.{name}")
             sub = getattr(defaults, section, None)
-            if hasattr(sub, name) and value == plain_value(default_of(sub, section, name)):
-                values[name] = default_of(sub, section, name)  # the default, as the class holds it
-            elif action is not None:
+            default = default_of(sub, section, name) if hasattr(sub, name) else None
+            if action is not None:
                 values[name] = flag_value(action, value, f"--config-file {path}: {section}.{name}")
+                if value is None and isinstance(default, list) or default is not None and values[name] == \
+                        flag_value(action, plain_value(default), "the default"):
+                    values[name] = default  # the default, as the class holds it (a list's also written as null)
             elif hasattr(sub, name):
                 meta = next(f.metadata for f in dataclasses.fields(sub) if f.name == name)
                 require(value is None or not meta.get("choices") or value in meta["choices"],
-                        f"--config-file {path}: {section}.{name} {value!r} is not one of {meta.get('choices')}")
+                        f"--config-file {path}: {section}.{name}: {value!r} is not one of {meta.get('choices')}")
     if derived is not None:
         for setting in derived:
             section, name = setting.split(".")

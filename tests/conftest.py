@@ -388,16 +388,18 @@ def single_rank_groups():
     torch.distributed.destroy_process_group()
 
 
+def trained_in_process_flags(out, flags) -> list:
+    """The command line of _trained_in_process's run in folder `out`."""
+    return [*TINY, *flags, "--mock-data", "--train-iters", "4", "--eval-iters", "0", "--num-workers", "0",
+            "--save", os.path.join(out, "ckpt"), "--data-cache-path", os.path.join(out, "cache")]
+
+
 def _trained_in_process(out, flags) -> str:
     """A tiny model of `flags` trained for a few steps in this process, saved as torch_dist; its save directory."""
-    import config
     import checks
     import train
 
-    cfg = checks.parse_args([*TINY, *flags, "--mock-data", "--train-iters", "4", "--eval-iters", "0",
-                             "--num-workers", "0", "--save", str(out / "ckpt"), "--data-cache-path", str(out / "cache")],
-                            world_size=1, gpu=False)
-    train.pretrain(cfg)
+    train.pretrain(checks.parse_args(trained_in_process_flags(str(out), flags), world_size=1, gpu=False))
     return str(out / "ckpt")
 
 

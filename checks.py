@@ -206,8 +206,10 @@ def bridge_sections_under_flags(settings: dict, flags: dict) -> dict:
     settings = dict(settings)
     recipe = settings.get("mixed_precision")
     precision = {"model": ("bf16", "fp16"), "ddp": ("grad_reduce_in_fp32",), "optimizer": LOSS_SCALING}
-    if recipe is not None and any(name in flags.get(section, {}) for section, names in precision.items()
-                                  for name in names):
+    if recipe is not None and {"bf16", "fp16"} & set(flags.get("model", {})):
+        settings["mixed_precision"] = None  # --bf16 or --fp16 names the precision: the recipe gives way entirely
+    elif recipe is not None and any(name in flags.get(section, {}) for section, names in precision.items()
+                                    for name in names):
         mp = get_mixed_precision_config(recipe if isinstance(recipe, str) else MixedPrecisionConfig(**recipe))
         settings["model"] = {**settings.get("model", {}), "bf16": mp.bf16, "fp16": mp.fp16}
         settings["ddp"] = {**settings.get("ddp", {}), "grad_reduce_in_fp32": mp.grad_reduce_in_fp32 if (mp.bf16 or mp.fp16) else None}

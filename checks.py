@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 from megatron_lm_flags import unsupported_flag
 
-from config import (BUILTIN_BPE_VOCAB, INERT_DEST, OPTIONAL_SECTIONS, MixedPrecisionConfig, apply_overrides,
+from config import (BUILTIN_BPE_VOCAB, FIM_EXTRA_TOKENS, INERT_DEST, OPTIONAL_SECTIONS, MixedPrecisionConfig, apply_overrides,
                     build_parser, default_of, load_yaml, plain_value, yaml_settings, MCORE_FLAG_CHANGES, MCORE_FLAGS, MCORE_YAML_ONLY, MEGATRON_LM_EMERGING_OPTIMIZERS,
                     MEGATRON_LM_INERT_FLAGS, MEGATRON_LM_TOKENIZERS, SECTIONS, ConfigContainer, ConfigError,
                     FinetuningDatasetConfig, GPTDatasetConfig, GPTModelProvider, OptimizerConfig, TokenizerConfig,
@@ -274,6 +274,7 @@ def derive(cfg: ConfigContainer) -> None:
     derive_precision(cfg)
     derive_optimizer_and_schedule(cfg)
     derive_data(cfg)
+    derive_fim(cfg)
     derive_loggers(cfg)
     derive_checkpointing(cfg)
     derive_machine(cfg)
@@ -388,7 +389,7 @@ def check_model_sizes(cfg: ConfigContainer) -> None:
     require(m.position_embedding_type != "learned_absolute" or m.max_position_embeddings >= m.seq_length,
             f"--max-position-embeddings {m.max_position_embeddings} is shorter than --seq-length {m.seq_length}")
     for name in ("hidden_dropout", "attention_dropout"):
-        require(0.0 <= getattr(m, name) < 1.0, f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(m, name)}")
+        require(0.0 <= getattr(m, name) <= 1.0, f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(m, name)}")
 
 
 def check_architecture(cfg: ConfigContainer) -> None:
@@ -425,7 +426,8 @@ def check_architecture(cfg: ConfigContainer) -> None:
             f"--no-position-embedding is deprecated, and Megatron-LM refuses it without rope too "
             f"(--position-embedding-type {m.position_embedding_type}); use --position-embedding-type none for no "
             f"position embedding")
-    for on, flag in ((m.rotary_interleaved, "--rotary-interleaved"), (m.no_rope_freq is not None, "--no-rope-freq")):
+    for on, flag in ((m.rotary_interleaved, "--rotary-interleaved"), (m.no_rope_freq is not None, "--no-rope-freq"),
+                     (m.rotary_seq_len_interpolation_factor is not None, "--rotary-seq-len-interpolation-factor")):
         require(not on or m.position_embedding_type == "rope",
                 f"{flag} changes the rotary embedding, but --position-embedding-type is {m.position_embedding_type}; "
                 f"add --position-embedding-type rope or drop it")
@@ -487,6 +489,9 @@ def check_parallelism(cfg: ConfigContainer) -> None:
             f"{cfg.world_size}; launch a multiple of {mp} processes or reduce the parallel sizes")
     require(m.num_query_groups % tp == 0,
             f"--tensor-model-parallel-size {tp} must divide the number of query groups {m.num_query_groups}")
+    require(cfg.rng.seed + 100 * (pp - 1) < 2 ** 32,
+            f"--seed {cfg.rng.seed}: each pipeline rank seeds numpy with it plus 100 x its rank (Megatron-LM's "
+            f"set_random_seed), and numpy takes seeds below 2^32; use a seed below {2 ** 32 - 100 * (pp - 1)}")
     check_pipeline_split(cfg)
     check_virtual_pipeline(cfg)
     check_recompute(cfg)
@@ -932,7 +937,7 @@ def check_optimizer_and_schedule(cfg: ConfigContainer) -> None:
     require_finalizes(dataclasses.replace(d, grad_reduce_in_fp32=bool(d.grad_reduce_in_fp32)))
     if o.optimizer in MEGATRON_LM_EMERGING_OPTIMIZERS:
         check_emerging_optimizer(cfg)
-    require(o.lr > 0, f"--lr must be positive, got {o.lr}")
+    require(o.lr >= 0, f"--lr must be non-negative, got {o.lr}")  # 0, as in Megatron-LM: the weights stay
     require(0 <= o.min_lr <= o.lr, f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}")
     require(o.clip_grad >= 0, f"--clip-grad must be non-negative, got {o.clip_grad}")
     require(o.decoupled_min_lr is None or o.decoupled_lr is not None,
@@ -1143,6 +1148,13 @@ def check_megatron_lm_tokenizer(tk: TokenizerConfig) -> None:
             f"tokenizer.json")
 
 
+def derive_fim(cfg: ConfigContainer) -> None:
+    """Bridge's fim_extra_tokens names the sentinels that the --fim-*-token flags name."""
+    for key, value in (getattr(cfg.dataset, "fim_extra_tokens", None) or {}).items():
+        if key in FIM_EXTRA_TOKENS:
+            derive_value(cfg, f"dataset.{FIM_EXTRA_TOKENS[key]}", value, f"dataset.fim_extra_tokens {key}")
+
+
 def check_fim(cfg: ConfigContainer) -> None:
     """--fim-* settings: FIM needs real data and its sentinel tokens."""
     d = cfg.dataset
@@ -1156,6 +1168,9 @@ def check_fim(cfg: ConfigContainer) -> None:
     for flag, rate in (("--fim-rate", d.fim_rate), ("--fim-spm-rate", d.fim_spm_rate),
                        ("--fim-fragment-rate", d.fim_fragment_rate)):
         require(rate is None or 0.0 <= rate <= 1.0, f"{flag} is a probability; give a value in [0, 1], got {rate}")
+    extra = getattr(d, "fim_extra_tokens", None) or {}
+    require(set(extra) <= {*FIM_EXTRA_TOKENS, "eod"}, f"dataset.fim_extra_tokens names {sorted(extra)}; it takes "
+                                                      f"prefix, middle, suffix, pad and eod")
     names = [d.fim_prefix_token, d.fim_middle_token, d.fim_suffix_token, d.fim_pad_token]
     require(all(names) and len(set(names)) == 4,
             f"--fim-prefix/middle/suffix/pad-token must be four different non-empty names, got {names}")
@@ -1235,8 +1250,13 @@ def check_checkpointing(cfg: ConfigContainer) -> None:
     require(c.save_interval is None or c.save_interval > 0, f"--save-interval must be positive, got {c.save_interval}")
     require(c.most_recent_k == -1 or c.most_recent_k > 0, f"--most-recent-k must be positive or -1, got {c.most_recent_k}")
     require(c.ckpt_format == "torch_dist" or not o.use_distributed_optimizer,
-            "--ckpt-format torch keeps one copy of the optimizer per tensor/pipeline rank, but --use-distributed-optimizer "
-            "shards it over data-parallel ranks; use --ckpt-format torch_dist")
+            "--ckpt-format torch with --use-distributed-optimizer is Megatron-LM's distrib_optim.pt beside each rank's "
+            "file (the optimizer's shards gathered on each data-parallel group's first rank), which this trainer does "
+            "not write; use --ckpt-format torch_dist, which saves the shards and reshards them on load")
+    require(not c.async_save or c.ckpt_format == "torch_dist",
+            f"--async-save writes megatron-core's distributed checkpoint in the background, and --ckpt-format "
+            f"{c.ckpt_format} is saved in the foreground (Megatron-LM refuses it too); use --ckpt-format torch_dist or "
+            f"drop --async-save")
     # Megatron-LM's torch format names its files by tensor, pipeline and expert rank (mp_rank_TT_PPP_EEE): the experts'
     # tensor-parallel rank must follow from the tensor-parallel one
     tp, etp = cfg.model.tensor_model_parallel_size, cfg.model.expert_tensor_parallel_size

@@ -104,14 +104,15 @@ MCORE_FLAGS = {
               "log_validation_ppl_to_tensorboard timing_log_level timing_log_option logging_level wandb_project "
               "wandb_exp_name wandb_save_dir wandb_entity",
     "checkpoint": "save load save_interval save_optim save_rng load_optim load_rng finetune pretrained_checkpoint "
-                  "ckpt_step most_recent_k ckpt_format dist_ckpt_optim_fully_reshardable async_save async_strategy",
+                  "ckpt_step most_recent_k ckpt_format dist_ckpt_optim_fully_reshardable async_save async_strategy "
+                  "use_persistent_ckpt_worker",
     "dist": "distributed_backend distributed_timeout_minutes",
     "rng": "seed",
     "profiling": "use_nsys_profiler use_pytorch_profiler profile_step_start profile_step_end profile_ranks "
                  "pytorch_profiler_collect_shapes pytorch_profiler_collect_callstack record_shapes "
                  "record_memory_history memory_snapshot_path nvtx_ranges",
     "straggler": "log_straggler straggler_minmax_count",
-    "rerun_state_machine": "error_injection_rate error_injection_type check_for_spiky_loss",
+    "rerun_state_machine": "rerun_mode error_injection_rate error_injection_type check_for_spiky_loss",
     "tokenizer": "tokenizer_type vocab_size tokenizer_model vocab_file merge_file tokenizer_hf_no_include_special_tokens "
                  "tiktoken_pattern",
     "optimizer": "optimizer lr min_lr decoupled_lr decoupled_min_lr weight_decay adam_beta1 adam_beta2 adam_eps "
@@ -147,6 +148,7 @@ MCORE_FLAGS = {
 }
 # megatron-core's fields this trainer acts on without a flag (Megatron-LM has none either): YAML only.
 MCORE_YAML_ONLY = {"rerun_state_machine": "check_for_nan_in_loss",
+                   "checkpoint": "strict_fsdp_dtensor_load",  # Bridge's; only False here (check_checkpointing)
                    # derived by validate() from the other settings (the distributed optimizer's, the NaN check's)
                    "ddp": "use_distributed_optimizer grad_reduce_in_fp32 check_for_nan_in_grad",
                    "validation": "eval_global_batch_size eval_micro_batch_size",
@@ -162,7 +164,24 @@ MCORE_FLAG_CHANGES = {
     "scheduler.lr_decay_style": dict(choices=["constant", "linear", "cosine", "inverse-square-root", "WSD",
                                               *schedules.LR_SCHEDULES]),  # schedules of your own (schedules.py)
     "scheduler.lr_warmup_init": dict(bounds="[0, inf)"),
-    "checkpoint.ckpt_format": dict(choices=["torch", "torch_dist"]),  # the two formats this trainer writes
+    # megatron-core's docstrings say an unset value skips evaluation; here each must be set (DEFAULTS)
+    "validation.eval_iters": dict(help="Iterations of each evaluation: of the validation set, and at the end of the "
+                                       "test set too. 0 evaluates nothing."),
+    "validation.eval_interval": dict(help="Iterations between evaluations of the validation set (there is one at the "
+                                          "end too)."),
+    # the two formats this trainer writes (megatron-core's torch_dcp and fsdp_dtensor are FSDP's)
+    "checkpoint.ckpt_format": dict(choices=["torch", "torch_dist"], help="Checkpoint format: torch (one file per "
+                                   "rank, torch.save) or torch_dist (megatron-core's distributed checkpoint, "
+                                   "reshardable). torch_dcp and fsdp_dtensor are Megatron FSDP's, which is not here."),
+    "checkpoint.use_persistent_ckpt_worker": dict(flags=["--no-use-persistent-ckpt-worker"],
+                                                  help="--async-save with torch_dist: a fork per save instead of one "
+                                                       "long-lived writer process (GPU)."),
+    "rerun_state_machine.rerun_mode": dict(
+        choices=["disabled", "validate_results", "report_determinism_stats"],  # megatron-core's RerunMode values
+        help="disabled: the loss is checked once per step (see --no-check-for-nan-in-loss-and-grad). "
+             "validate_results: check each microbatch's loss and, on a NaN/Inf, rerun the step to tell a transient "
+             "fault from a reproducible one, then stop. report_determinism_stats: run every step twice and report how "
+             "much the losses differ."),
     "checkpoint.save": dict(off="--no-save"),  # the default saves (DEFAULTS): --no-save saves nothing
     "logger.tensorboard_dir": dict(off="--no-tensorboard"),
     # Fractions of a minute, where Megatron-LM takes whole ones: a hung rank's test, a short run's deadline.
@@ -170,8 +189,9 @@ MCORE_FLAG_CHANGES = {
     "train.exit_duration_in_mins": dict(type=float, bounds="(0, inf)"),
     # A signal's name (SIGTERM), made a signal.Signals by validate; megatron-core's enum parser raises a KeyError
     # (a traceback) on a wrong name.
-    "train.exit_signal": dict(type=str, choices=None),
-    "rng.seed": dict(bounds="[0, 2147483647]"),  # numpy refuses negative seeds and seeds from 2**32
+    "train.exit_signal": dict(type=str, choices=None, help="Signal for the signal handler to detect, by name "
+                                                           "(SIGTERM, SIGINT, SIGUSR1, ...)."),
+    "rng.seed": dict(bounds="[0, 4294967295]"),  # numpy's legacy seeding takes [0, 2**32) (check_parallelism: + PP)
     "train.rampup_batch_size": dict(nargs="+"),  # any count, so that check_rampup's one line names the three numbers
     # This trainer's ByteTokenizer beside megatron-core's HuggingFace and Null ones; Megatron-LM's other types are
     # accepted and refused with what to use instead (check_tokenizer).
@@ -180,7 +200,10 @@ MCORE_FLAG_CHANGES = {
     # Megatron-LM's choices and names (arguments.py, core_v0.19.0), where megatron-core's field is a plain str or its
     # name is not the flag's; the bounds are what torch's optimizers assert.
     "optimizer.optimizer": dict(choices=["adam", "sgd", "signsgd", *MEGATRON_LM_EMERGING_OPTIMIZERS]),
-    "optimizer.weight_decay": dict(bounds="[0, inf)"),
+    "optimizer.weight_decay": dict(bounds="[0, inf)", help="Weight decay coefficient, decoupled from the gradient "
+                                                           "(AdamW's), on the weight matrices and embeddings: biases "
+                                                           "and norms' weights take none (megatron-core's default "
+                                                           "param groups)."),
     "optimizer.adam_beta1": dict(bounds="[0, 1)"),
     "optimizer.adam_beta2": dict(bounds="[0, 1)"),
     "optimizer.adam_eps": dict(bounds="[0, inf)"),
@@ -266,6 +289,24 @@ MCORE_FLAG_CHANGES = {
 }
 # This trainer's defaults where they differ from megatron-core's dataclass, on purpose, each with its reason.
 DEFAULTS = {
+    "model.num_query_groups": (None, "derived: --num-attention-heads (no grouping), 1 with --group-query-attention "
+                                     "alone"),
+    "model.kv_channels": (None, "derived: --hidden-size / --num-attention-heads"),
+    "model.ffn_hidden_size": (None, "derived: 4 x --hidden-size, 2/3 of it rounded to 64 with --swiglu (Megatron-LM's)"),
+    "model.moe_ffn_hidden_size": (None, "derived: --ffn-hidden-size"),
+    "model.expert_tensor_parallel_size": (None, "derived: --tensor-model-parallel-size"),
+    "model.cp_comm_type": (None, "derived: p2p (Megatron-LM's), all_gather on the local layers with "
+                                 "--context-parallel-size above 1"),
+    "train.global_batch_size": (None, "derived: --micro-batch-size x data-parallel size"),
+    "train.train_iters": (None, "derived: --train-samples / --global-batch-size, else 300 (a run of minutes on a "
+                                "laptop)"),
+    "scheduler.lr_decay_iters": (None, "--train-iters"),
+    "scheduler.lr_decay_samples": (None, "--train-samples"),
+    "scheduler.start_weight_decay": (None, "derived: --weight-decay"),
+    "scheduler.end_weight_decay": (None, "derived: --weight-decay"),
+    "checkpoint.use_persistent_ckpt_worker": (True, "Bridge's default (megatron-core's is off)"),
+    "checkpoint.strict_fsdp_dtensor_load": (False, "no FSDP here (megatron-core's default is on)"),
+    "rerun_state_machine.rerun_mode": ("disabled", "Bridge's default (megatron-core's is validate_results)"),
     "model.num_layers": (4, "megatron-core has none (Megatron-LM asks for it); a model a laptop trains in minutes"),
     "model.hidden_size": (256, "megatron-core has none (Megatron-LM asks for it); a model a laptop trains"),
     "model.num_attention_heads": (4, "megatron-core has none (Megatron-LM asks for it); 64-wide heads"),
@@ -284,8 +325,10 @@ DEFAULTS = {
     "model.moe_aux_loss_coeff": ([0.0], "Megatron-LM's: a list, one coefficient per load-balancing type"),
     "model.rotary_base": (10000, "Megatron-LM's integer default (MLATransformerConfig's float)"),
     "train.micro_batch_size": (4, "megatron-core has none (Megatron-LM asks for it); a batch a laptop trains"),
-    "validation.eval_iters": (10, "a short evaluation of the small models this trainer runs first (Megatron-LM: 100)"),
-    "validation.eval_interval": (100, "an evaluation within the quick start's 300 iterations (Megatron-LM: 1000)"),
+    "validation.eval_iters": (10, "a short evaluation of the small models this trainer runs first (Megatron-LM: 100); "
+                                  "0 evaluates nothing, None is refused"),
+    "validation.eval_interval": (100, "a few evaluations in a run of a few hundred iterations (Megatron-LM: None); "
+                                      "None is refused: a large number evaluates once, at the end"),
     "logger.log_interval": (10, "a log line every few seconds for a small model (Megatron-LM: 100)"),
     "logger.tensorboard_dir": ("runs", "TensorBoard files by default, git-ignored (`tensorboard --logdir runs`)"),
     "checkpoint.save": ("checkpoints", "a run leaves a checkpoint by default; generate.py reads it by default"),
@@ -296,6 +339,10 @@ DEFAULTS = {
     "optimizer.muon_momentum": (0.9, "Megatron-LM's default (arguments.py, core_v0.19.0); megatron-core's is 0.95"),
     "ddp.grad_reduce_in_fp32": (None, "derived from the precision, as Megatron-LM: fp32 with --bf16, else the "
                                       "parameters' dtype"),
+    "dataset.path_to_cache": (None, "the built-in corpus's datasets in ~/.cache/train-py; megatron-core's next to "
+                                    "--data-path's"),
+    "tokenizer.vocab_size": (None, "derived: the tokenizer's"),
+    "tokenizer.tokenizer_model": (None, "derived: the built-in corpus's BPE with HuggingFaceTokenizer and no data"),
     "dataset.split": ("969,30,1", "Megatron-LM's when --data-path comes without --split (arguments.py validate_args)"),
     "dataset.reset_position_ids": (False, "Megatron-LM's; megatron-core's None must be set"),
     "dataset.reset_attention_mask": (False, "Megatron-LM's; megatron-core's None must be set"),
@@ -408,6 +455,10 @@ class GPTModelProvider(MLATransformerConfig):
         False, "Give the output layer its own weights instead of sharing the input embedding's.")
     position_embedding_type: str = arg(
         "learned_absolute", "Position embedding.", choices=["learned_absolute", "rope", "none"])
+    rotary_seq_len_interpolation_factor: Optional[int] = arg(
+        None, "Divide the positions the rotary embedding sees by this factor (linear position interpolation, to run "
+              "past the trained length): megatron-core GPTModel's seq_len_interpolation_factor, as Megatron-LM hands "
+              "it.", bounds="[1, inf)")
     # The MLP's activation, Megatron-LM's switches: megatron-core's activation_func and gated_linear_unit (derived).
     swiglu: bool = arg(False, "Use the SwiGLU gated activation in the MLP instead of GeLU.")
     openai_gelu: bool = arg(False, "GeLU's tanh approximation, as OpenAI's GPT-2 (Hugging Face's gelu_new) and "
@@ -504,9 +555,6 @@ class CheckpointConfig(mcore_training.CheckpointConfig):
     """Bridge's CheckpointConfig: megatron-core's (megatron.training.config), with Bridge's defaults and fields, and
     megatron-core's post-init deferred to finalize() (as Bridge), so that settings may change after construction."""
 
-    use_persistent_ckpt_worker: bool = arg(
-        True, "--async-save with torch_dist: one long-lived writer process instead of a fork per save (GPU).",
-        flag="--no-use-persistent-ckpt-worker")
     storage_writers_per_rank: int = arg(
         1, "torch_dist: files each saving rank writes in parallel (megatron-core's writer threads); a save holds "
            "saving ranks x this many .distcp files. (Megatron-LM's --dist-ckpt-workers, which it applies to async saves "
@@ -514,9 +562,6 @@ class CheckpointConfig(mcore_training.CheckpointConfig):
     async_write_results_mp_mode: str = arg(
         "fork", "--async-save with torch_dist: how the process serving the writer's results queue is started.",
         choices=["fork", "spawn", "forkserver"], cli=False)
-    strict_fsdp_dtensor_load: bool = arg(
-        False, "Bridge's strict loading of FSDP DTensor checkpoints. Only False here: there is no FSDP and no "
-               "fsdp_dtensor format.", cli=False)
     custom_manager_class: Optional[str] = arg(
         None, "Dotted path of your own checkpoint manager class (Bridge's CheckpointManager protocol: __init__(checkpoint "
               "config), save(ctx, callback_manager), load(ctx) -> (iteration, FLOPs so far), finalize_async_saves(state, "
@@ -548,15 +593,9 @@ class DistributedInitConfig(mcore_training.DistributedInitConfig):
 
 @dataclass
 class RerunStateMachineConfig(mcore_training.RerunStateMachineConfig):
-    """Bridge's RerunStateMachineConfig: megatron-core's (megatron.training.config), with Bridge's default mode and its
-    spiky-loss factor."""
+    """Bridge's RerunStateMachineConfig: megatron-core's (megatron.training.config), with its spiky-loss factor (Bridge's
+    default mode is DEFAULTS')."""
 
-    rerun_mode: str = arg(
-        "disabled", "disabled: the loss is checked once per step (see --no-check-for-nan-in-loss-and-grad). "
-                    "validate_results: check each microbatch's loss and, on a NaN/Inf, rerun the step to tell a "
-                    "transient fault from a reproducible one, then stop. report_determinism_stats: run every step "
-                    "twice and report how much the losses differ.",
-        choices=["disabled", "validate_results", "report_determinism_stats"])
     spiky_loss_factor: float = arg(
         10.0, "Factor for detecting spiky loss: a loss this many times the largest observed over the sample window.")
 
@@ -716,6 +755,22 @@ class GPTDatasetConfig(mcore_gpt_dataset.GPTDatasetConfig, DataSourceConfig):
         """megatron-core's post-init, as Bridge's finalize: its checks, the split matrix, mock without a blend; not
         GPTDatasetConfig's own, whose token dtype (from the tokenizer) only per-dataset sequence counts would read."""
         super(mcore_gpt_dataset.GPTDatasetConfig, self).__post_init__()
+
+
+@dataclass
+class GPTFIMDatasetConfig(GPTDatasetConfig):
+    """Configuration object for GPT FIM datasets (Bridge's): the dataset section of a Fill-in-the-Middle run, made one
+    when --fim-data is given (its rates and sentinels are the --fim-* flags, declared on GPTDatasetConfig, where the
+    command line is generated from). `fim_extra_tokens` is Bridge's way to name the sentinels."""
+
+    fim_data: bool = True
+    fim_extra_tokens: Optional[dict] = arg(
+        None, "Bridge's sentinel tokens, {prefix, middle, suffix, pad, eod}: the first four instead of --fim-*-token; "
+              "eod must be the tokenizer's end-of-document.", cli=False)
+
+
+FIM_EXTRA_TOKENS = {"prefix": "fim_prefix_token", "middle": "fim_middle_token", "suffix": "fim_suffix_token",
+                    "pad": "fim_pad_token"}
 
 
 @dataclass
@@ -978,7 +1033,8 @@ class ConfigContainer:
         default_factory=OptimizerConfigOverrideProvider, metadata={"section": False})  # code, not settings
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     straggler: StragglerDetectionConfig = field(default_factory=StragglerDetectionConfig)
-    rerun_state_machine: RerunStateMachineConfig = field(default_factory=RerunStateMachineConfig)
+    rerun_state_machine: RerunStateMachineConfig = field(
+        default_factory=lambda: section_default(RerunStateMachineConfig, "rerun_state_machine"))
     ft: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     nvrx_straggler: NVRxStragglerDetectionConfig = field(default_factory=NVRxStragglerDetectionConfig)
     inprocess_restart: InProcessRestartConfig = field(default_factory=InProcessRestartConfig)
@@ -1097,12 +1153,18 @@ def _field_meta(section: str, f, hints: dict, factory) -> Optional[dict]:
         kwargs = factory._build_argparse_kwargs_from_field(f)
     except TypeInferenceError:  # a type argparse has no form for (a tuple): MCORE_FLAG_CHANGES gives it
         kwargs = dict(arg_names=[factory._format_arg_name(f.name)], help=factory.field_docstrings.get(f.name, ""))
-    meta = dict(flags=kwargs.pop("arg_names"), help=kwargs.get("help", ""), choices=kwargs.get("choices"),
+    meta = dict(flags=[f for f in kwargs.pop("arg_names") if f not in NOT_MEGATRON_LM_FLAGS], help=kwargs.get("help", ""), choices=kwargs.get("choices"),
                 bounds=None, off=None, derived=False, cli=True, nargs=kwargs.get("nargs"), action=kwargs.get("action"),
                 type=kwargs.get("type"))
     meta.update(MCORE_FLAG_CHANGES.get(f"{section}.{f.name}", {}))
     meta["flag"] = meta["flags"][0]
     return meta
+
+
+# Generated aliases Megatron-LM does not have: it declares these settings' --no-* flags by hand and leaves the fields
+# out of its ArgumentGroupFactory (arguments.py, core_v0.19.0: 2871, 3132), which would add the --disable-* spelling.
+NOT_MEGATRON_LM_FLAGS = {"--disable-save-optim", "--disable-save-rng", "--disable-load-optim", "--disable-load-rng",
+                         "--disable-mmap-bin-files"}
 
 
 def _cli_fields():
@@ -1125,6 +1187,18 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message):  # one line, exit code 2, no usage dump
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def help_with_default(section: str, name: str, meta: dict, default) -> str:
+    """A flag's help and its default: DEFAULTS' value and reason where this trainer decides it (a switch's too), the
+    declaration's otherwise (a signal by its name; none for a switch, nor where the help text says it)."""
+    if f"{section}.{name}" in DEFAULTS:
+        value, why = DEFAULTS[f"{section}.{name}"]
+        return f"{meta['help']} (default: {why})" if value is None else \
+            f"{meta['help']} (default: {plain_value(value)}: {why})"
+    if meta.get("action") in ("store_true", "store_false") or meta["type"] is bool or "Default:" in meta["help"]:
+        return meta["help"]
+    return f"{meta['help']} (default: {plain_value(default)})"
 
 
 # Megatron-LM switches that set one of those settings to one value: (switch, section, field, value, help).
@@ -1157,15 +1231,16 @@ def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
         tp = meta["type"]
         if tp is bool or meta.get("action") in ("store_true", "store_false"):
             action = "store_false" if default else "store_true"
-            group.add_argument(*flags, dest=dest, action=action, help=meta["help"])
+            group.add_argument(*flags, dest=dest, action=action, help=help_with_default(section, f.name, meta, None))
         elif isinstance(tp, tuple) or meta.get("nargs"):  # a list of values
             nargs = meta.get("nargs") or "+"
             group.add_argument(*flags, dest=dest, nargs=nargs, type=tp[1] if isinstance(tp, tuple) else tp,
-                               metavar=f.name.upper().split("_")[-1], help=meta["help"] + " (default: %s)" % (default,))
+                               metavar=f.name.upper().split("_")[-1],
+                               help=help_with_default(section, f.name, meta, default))
         else:
             group.add_argument(*flags, dest=dest, type=tp, choices=meta["choices"],
                                metavar=None if meta["choices"] else f.name.upper(),
-                               help=meta["help"] + " (default: %s)" % (default,))
+                               help=help_with_default(section, f.name, meta, default))
         if meta["off"]:
             group.add_argument(meta["off"], dest=dest, action="store_const", const=None,
                                help=f"Unset {meta['flag']} (the last of the two given wins).")
@@ -1212,6 +1287,11 @@ def apply_overrides(cfg: ConfigContainer, overrides: dict, source: str) -> None:
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: section '{section}' must be a mapping of settings")
         sub = getattr(cfg, section)
+        if section == "dataset" and type(sub) is GPTDatasetConfig and (values.get("fim_data") or
+                                                                        values.get("fim_extra_tokens")):
+            # A FIM run's dataset is a GPTFIMDatasetConfig (Bridge's), keeping what was set before.
+            sub = cfg.dataset = GPTFIMDatasetConfig(**{f.name: getattr(sub, f.name) for f in dataclasses.fields(sub)
+                                                       if f.init and f.name != "fim_data"})
         if section == "dataset" and type(sub) is GPTDatasetConfig and set(values) & FINETUNING_ONLY:
             # A finetuning dataset's own settings (dataset_root, ...) make it one, keeping what was set before.
             sub = cfg.dataset = FinetuningDatasetConfig(**{f.name: getattr(sub, f.name) for f in dataclasses.fields(

@@ -234,7 +234,7 @@ def build_datasets(cfg, tokenizer) -> list:
             error = e
     if any_rank(error is not None):
         raise error or ConfigError("the data holds token ids outside the vocabulary (see rank 0's error)")
-    cls = MockGPTDataset if config.mock else GPTFIMDataset if d.fim_data else GPTDataset
+    cls = MockGPTDataset if config.mock else GPTFIMDataset if getattr(d, "fim_data", False) else GPTDataset
     # Tensor-parallel ranks of one data-parallel rank read the same samples; megatron-core builds the
     # index caches on global rank 0 first, then everywhere else.
     return BlendedMegatronDatasetBuilder(cls, train_valid_test_num_samples(cfg), lambda: True, config).build()
@@ -290,6 +290,10 @@ def add_fim_tokens(tokenizer, d) -> dict:
         tokenizer.pad = ids["pad"] = tokenizer.vocab_size
     if d.fim_split_sample:
         token_id_of(tokenizer, d.fim_split_sample, "--fim-split-sample")  # one token, or a one-line error now
+    eod = (getattr(d, "fim_extra_tokens", None) or {}).get("eod")
+    if eod is not None and token_id_of(tokenizer, eod, "dataset.fim_extra_tokens eod") != tokenizer.eod:
+        raise ConfigError(f"dataset.fim_extra_tokens eod {eod!r} is not the tokenizer's end-of-document (id "
+                          f"{tokenizer.eod}), which ends each FIM sample; drop it or name that token")
     tokenizer.fim_ids = ids
     tokenizer.unique_identifiers = {**tokenizer.unique_identifiers, "fim_tokens": names}
     return ids

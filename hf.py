@@ -135,7 +135,8 @@ def layout_mismatches(m, layout: str) -> list:
     needs += [(not getattr(m, flag, False), f"no --{flag.replace('_', '-')}") for flag in
               ("add_qkv_bias", "qk_l2_norm", "squared_relu", "quick_geglu", "layernorm_zero_centered_gamma",
                "attention_output_gate", "rotary_interleaved", "window_size", "activation_func_clamp_value",
-               "no_rope_freq", "multi_latent_attention", "mtp_num_layers", "qk_layernorm")
+               "no_rope_freq", "multi_latent_attention", "mtp_num_layers", "qk_layernorm",
+               "rotary_seq_len_interpolation_factor")
               if flag not in has.get(layout, ())]
     needs += [(not getattr(m, "glu_linear_offset", 0.0), "no --glu-linear-offset"),
               (getattr(m, "softmax_type", "vanilla") == "vanilla", "the plain softmax (has --softmax-type)")]

@@ -29,7 +29,7 @@ MEGATRON_LM_INERT_FLAGS = [
         ("--use-flash-attn", None), ("--no-async-tensor-model-parallel-allreduce", None),
         ("--disable-async-tensor-model-parallel-allreduce", None), ("--use-dist-ckpt", None),
         ("--dist-ckpt-format", str), ("--ckpt-fully-parallel-save", None), ("--apply-residual-connection-post-layernorm", None),
-        ("--rotary-seq-len-interpolation-factor", int), ("--rope-scaling-factor", float), ("--onnx-safe", str),
+        ("--rope-scaling-factor", float), ("--onnx-safe", str),
         ("--no-use-tokenizer-model-from-checkpoint-args", None),  # with --use-checkpoint-args only
         ("--disable-use-tokenizer-model-from-checkpoint-args", None))),
     ("a GPU placement, overlap, memory or launcher setting: it changes speed and memory, not what is computed", (

@@ -343,6 +343,7 @@ def build_model(cfg, vocab_size: int) -> list:
             position_embedding_type=m.position_embedding_type,
             rotary_percent=m.rotary_percent,
             rotary_base=m.rotary_base,
+            seq_len_interpolation_factor=m.rotary_seq_len_interpolation_factor,
             mtp_block_spec=mtp_block_spec(cfg, config, vp_stage if vpp else None) if m.mtp_num_layers else None,
             vp_stage=vp_stage if vpp else None,
         ))

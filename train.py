@@ -105,12 +105,25 @@ def main(cfg: ConfigContainer) -> int:
     except (config_lib.ConfigError, checkpoint.CheckpointError) as e:
         _say(f"train.py: error: {e}")
         return 2
+    except RunStopped as e:  # the loop has said why, in its one line
+        return e.exit_code
     except JobSignal as e:
         name = signal.Signals(e.args[0]).name
         _say(f"train.py: stopped by {name}; nothing saved at the signal (--exit-signal-handler --exit-signal {name} "
              f"saves a checkpoint and exits 0)")
         return 128 + e.args[0]
     return state.exit_code or 0
+
+
+class RunStopped(RuntimeError):
+    """pretrain() stopped on a NaN or Inf loss or gradient (exit_code 1, or the rerun state machine's 16 or 17), as
+    Bridge's and Megatron-LM's stop with a RuntimeError: a script that calls pretrain() does not end with 0. The
+    run's GlobalState is `.state`."""
+
+    def __init__(self, state: "GlobalState"):
+        self.state, self.exit_code = state, state.exit_code
+        super().__init__(f"training stopped at iteration {state.train_state.step + 1} on a NaN or Inf loss or gradient "
+                         f"(exit code {state.exit_code}); nothing of that iteration was saved")
 
 
 class JobSignal(BaseException):
@@ -136,7 +149,8 @@ def pretrain(config: ConfigContainer, forward_step_func: Optional[Callable] = No
 
     `forward_step_func(data_iterator, model)` returns (output, loss_func); it may take the GlobalState
     first (see needs_global_state_injection); None is the default GPT step, `forward_step`. Returns the
-    GlobalState; `.exit_code` is non-zero if the run stopped on a NaN.
+    GlobalState (`.exit_code` 0 if it stopped early on purpose: a signal, --exit-interval, --exit-duration-in-mins);
+    raises RunStopped if it stopped on a NaN or Inf.
     """
     forward_step_func = forward_step_func or forward_step
     # On a CPU, megatron-core's CUDA calls are answered there (device.py's shim) for this run, and only for it
@@ -180,6 +194,8 @@ def pretrain(config: ConfigContainer, forward_step_func: Optional[Callable] = No
                 chunk.__dict__.clear()
             del model, optimizer, scheduler, train_it, valid_it, test_it
             gc.collect()
+        if state.exit_code:
+            raise RunStopped(state)
         return state
 
 

@@ -550,3 +550,39 @@ def test_bridge_dataset_classes_and_runtime_config_update():
     sft = config.FinetuningDatasetConfig(data_path=["train.jsonl"])
     assert sft.sft and isinstance(sft, config.DataloaderConfig) and sft.num_workers == 2
     assert config.get_mixed_precision_config("bf16_mixed").bf16
+
+
+def test_help_says_each_default_this_trainer_decides_and_why():
+    """One table decides a default that differs from megatron-core's (config.DEFAULTS), and --help prints its reason;
+    no flag whose value the run picks says "(default: None)"; a signal is shown by its name."""
+    import dataclasses
+
+    parser = config.build_parser()
+    helps = {dest: " ".join(a.help.split()) for dest, a in checks.flag_actions(parser).items()}
+    decided = [key for key in config.DEFAULTS if key in helps]
+    assert len(decided) > 40
+    for key in decided:
+        value, why = config.DEFAULTS[key]
+        assert " ".join(why.split()) in helps[key] and "(default: None)" not in helps[key], key
+    for argv, world_size in (([], 1), (["--num-experts", "4", "--swiglu", "--train-samples", "64", "--context-parallel-size", "2"], 2)):
+        cfg = checks.config_from_flags(argv, world_size=world_size, gpu=False)
+        for setting in cfg.filled_in:
+            assert "(default: None)" not in helps.get(setting, ""), setting
+    assert "(default: SIGTERM)" in helps["train.exit_signal"] and "(default: 15)" not in helps["train.exit_signal"]
+    assert "torch_dcp" not in str(parser._option_string_actions["--ckpt-format"].choices)
+    assert "biases and norms" in helps["optimizer.weight_decay"]
+    assert "None is refused" in helps["validation.eval_interval"] and "will not run" not in helps["validation.eval_iters"]
+    # megatron-core's fields whose default differs are not declared again: DEFAULTS changes them
+    for section, name in (("checkpoint", "use_persistent_ckpt_worker"), ("checkpoint", "strict_fsdp_dtensor_load"),
+                          ("rerun_state_machine", "rerun_mode")):
+        sub = getattr(config.ConfigContainer(), section)
+        assert f"{section}.{name}" in config.DEFAULTS
+        assert "help" not in next(f for f in dataclasses.fields(sub) if f.name == name).metadata
+        assert getattr(sub, name) == config.DEFAULTS[f"{section}.{name}"][0]
+
+
+def test_the_generated_flags_megatron_lm_does_not_have_are_not_flags():
+    flags = {o for a in config.build_parser()._actions for o in a.option_strings}
+    assert {"--no-save-optim", "--no-save-rng", "--no-load-optim", "--no-load-rng", "--no-mmap-bin-files"} <= flags
+    assert not {"--disable-save-optim", "--disable-save-rng", "--disable-load-optim", "--disable-load-rng",
+                "--disable-mmap-bin-files"} & flags

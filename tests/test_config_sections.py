@@ -43,7 +43,9 @@ def test_a_run_config_yaml_written_before_the_move_still_loads():
     t = written["train"]
     assert differ == {"validation.eval_iters": (None, t["eval_iters"]), "validation.eval_interval": (None, t["eval_interval"]),
                       "validation.skip_train": (None, t["skip_train"]), "train.eval_iters": (t["eval_iters"], None),
-                      "train.eval_interval": (t["eval_interval"], None), "train.skip_train": (t["skip_train"], None), "checkpoint.async_strategy": ("nvrx", "mcore"),
+                      "train.eval_interval": (t["eval_interval"], None), "train.skip_train": (t["skip_train"], None),
+                      # the default as its flag reads it is the default as the class holds it (an empty list was null)
+                      "model.moe_layer_freq": ("1", 1), "train.iterations_to_skip": (None, []), "checkpoint.async_strategy": ("nvrx", "mcore"),
                       "dataset.create_attention_mask_in_dataloader": (True, False)}
 
 

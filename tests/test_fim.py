@@ -162,3 +162,32 @@ def test_two_rank_training_on_fim_data_learns(corpus, tmp_path, warm_torchrun):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     losses = [line[3] for line in log_lines(proc.stdout)]
     assert len(losses) == 6 and losses[-1] < losses[0] - 1.0, losses
+
+
+def test_a_fim_runs_dataset_is_the_seeds_gpt_fim_dataset_config(tmp_path):
+    """Bridge's GPTFIMDatasetConfig, a GPTDatasetConfig: --fim-data makes the section one, and its fim_extra_tokens
+    names the sentinels (the eod must be the tokenizer's), through a YAML file too."""
+    import dataclasses
+
+    import tokenizers
+    import yaml
+
+    import data
+
+    assert issubclass(config.GPTFIMDatasetConfig, config.GPTDatasetConfig)
+    assert "fim_extra_tokens" in {f.name for f in dataclasses.fields(config.GPTFIMDatasetConfig)}
+    assert type(checks.parse_args(["--fim-data"], world_size=1, gpu=False).dataset) is config.GPTFIMDatasetConfig
+    assert type(checks.parse_args([], world_size=1, gpu=False).dataset) is config.GPTDatasetConfig
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))
+    tok.add_special_tokens(["<eos>", "<P>", "<M>", "<S>", "<pad>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    extra = {"prefix": "<P>", "middle": "<M>", "suffix": "<S>", "pad": "<pad>", "eod": "<eos>"}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({"dataset": {"fim_extra_tokens": extra}}))
+    cfg = checks.parse_args(["--config-file", str(tmp_path / "run.yaml")], world_size=1, gpu=False)
+    assert type(cfg.dataset) is config.GPTFIMDatasetConfig and cfg.dataset.fim_data
+    assert (cfg.dataset.fim_prefix_token, cfg.dataset.fim_pad_token) == ("<P>", "<pad>")
+    hf_tokenizer = data.HuggingFaceTokenizer(str(tmp_path / "tokenizer.json"))
+    assert data.add_fim_tokens(hf_tokenizer, cfg.dataset) == {"prefix": 3, "middle": 4, "suffix": 5, "pad": 6}
+    cfg.dataset.fim_extra_tokens["eod"] = "a"
+    with pytest.raises(config.ConfigError, match=r"fim_extra_tokens eod 'a' is not the tokenizer's end-of-document"):
+        data.add_fim_tokens(data.HuggingFaceTokenizer(str(tmp_path / "tokenizer.json")), cfg.dataset)

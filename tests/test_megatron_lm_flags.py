@@ -1159,3 +1159,59 @@ def test_query_key_layer_scaling_agrees_with_transformer_engines_environment(wit
         monkeypatch.setenv("NVTE_APPLY_QK_LAYER_SCALING", env)
     argv = ["--apply-query-key-layer-scaling"] if flag_given else []
     assert config_error(argv, capsys, gpu=True).startswith(f"train.py: error: {message}")
+
+
+def test_rotary_seq_len_interpolation_factor_reaches_megatron_cores_rotary_embedding(single_rank_groups, capsys):
+    """As core_v0.19.0's pretrain_gpt.py hands it to GPTModel (its RotaryEmbedding divides the positions by it): the
+    same weights give other logits; it needs rope, and no transformers layout has it (the export refuses it)."""
+    import torch
+
+    import device
+    import hf
+    import model
+    from megatron.core import tensor_parallel
+
+    flags = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4", "--position-embedding-type",
+             "rope", "--mock-data", "--hidden-dropout", "0", "--attention-dropout", "0"]
+    outputs = []
+    with device.shim():
+        for extra in ([], ["--rotary-seq-len-interpolation-factor", "4"]):
+            cfg = checks.parse_args([*flags, *extra], world_size=1, gpu=False)
+            torch.manual_seed(0)
+            tensor_parallel.model_parallel_cuda_manual_seed(0)
+            gpt = model.build_model(cfg, 256)[0]
+            assert gpt.rotary_pos_emb.seq_len_interpolation_factor == (4 if extra else None)
+            tokens = torch.arange(16).unsqueeze(0)
+            with torch.no_grad():
+                outputs.append(gpt(tokens, torch.arange(16).unsqueeze(0), attention_mask=None))
+    assert not torch.equal(*outputs)
+    assert "--rotary-seq-len-interpolation-factor changes the rotary embedding, but --position-embedding-type is " \
+           "learned_absolute" in config_error(["--rotary-seq-len-interpolation-factor", "4"], capsys)
+    assert "no --rotary-seq-len-interpolation-factor" in hf.layout_mismatches(cfg.model, "llama")
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--async-save", "--ckpt-format", "torch"], "--async-save writes megatron-core's distributed checkpoint in the "
+                                                 "background, and --ckpt-format torch is saved in the foreground"),
+    (["--ckpt-format", "torch", "--use-distributed-optimizer"], "Megatron-LM's distrib_optim.pt beside each rank's file"),
+    (["--seed", str(2 ** 32)], "--seed 4294967296 is out of range: it must lie in [0, 4294967295]"),
+    (["--seed", str(2 ** 32 - 50), "--pipeline-model-parallel-size", "2"], "each pipeline rank seeds numpy with it plus "
+                                                                        "100 x its rank"),
+    (["--lr", "-1"], "--lr must be non-negative"),
+    (["--hidden-dropout", "1.5"], "--hidden-dropout must be in [0, 1]"),
+])
+def test_what_megatron_lm_refuses_or_this_trainer_cannot_do_is_one_line_saying_why(argv, line, capsys):
+    assert line in config_error(argv, capsys, world_size=2)
+
+
+def test_what_megatron_lm_accepts_is_accepted(tmp_path):
+    """--lr 0 (the weights stay: the parameters' norm does not move), seeds from 2^31, dropout 1.0."""
+    from conftest import train_here
+
+    for argv in (["--seed", str(2 ** 31)], ["--seed", str(2 ** 32 - 1)], ["--hidden-dropout", "1.0"],
+                 ["--attention-dropout", "1.0"], ["--lr", "0"]):
+        checks.parse_args(argv, world_size=1, gpu=False)
+    out = train_here([*TINY, "--mock-data", "--lr", "0", "--train-iters", "3", "--log-interval", "1", "--eval-iters",
+                      "0", "--log-params-norm", "--seed", str(2 ** 32 - 1), "--data-cache-path", str(tmp_path)])
+    norms = re.findall(r"params norm: (\S+)", out)
+    assert len(norms) == 3 and len(set(norms)) == 1

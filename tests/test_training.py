@@ -198,8 +198,10 @@ def test_nan_loss_stops_the_run_without_a_checkpoint(tmp_path, capsys):
 
     cfg = _cfg(tmp_path, "--train-iters", "6", "--eval-iters", "0", "--save", str(tmp_path / "ckpt"),
                "--save-interval", "2")
-    state = train.pretrain(cfg, poisoned_forward_step)
-    out = capsys.readouterr().out
+    with pytest.raises(train.RunStopped, match=r"^training stopped at iteration 3 on a NaN or Inf loss or gradient "
+                                               r"\(exit code 1\)") as stopped:  # as Bridge's: a script does not end 0
+        train.pretrain(cfg, poisoned_forward_step)
+    state, out = stopped.value.state, capsys.readouterr().out
     assert state.exit_code == 1 and state.train_state.step == 2
     assert "lm loss is NaN or Inf at iteration 3" in out
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["iter_0000002", "latest_checkpointed_iteration.txt",
@@ -345,8 +347,9 @@ def test_a_nan_gradient_under_a_finite_loss_stops_before_the_step_with_the_last_
     save = tmp_path / "ckpt"
     cfg = _cfg(tmp_path, *MOE_MTP, "--train-iters", "5", "--log-interval", "1", "--eval-iters", "0",
                "--save", str(save), "--save-interval", "1", "--rerun-mode", mode)
-    state = train.pretrain(cfg, forward_step)
-    out = capsys.readouterr().out
+    with pytest.raises(train.RunStopped) as stopped:
+        train.pretrain(cfg, forward_step)
+    state, out = stopped.value.state, capsys.readouterr().out
     assert state.exit_code == code and state.train_state.step == 2
     assert [l[0] for l in log_lines(out)] == [1, 2] and "grad norm: nan" not in out
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"

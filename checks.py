@@ -1,7 +1,7 @@
 """checks.py: a run's settings derived, checked against each other and the machine, and printed (Megatron-LM's
 `validate_args` and `print_args`, Bridge's `ConfigContainer.validate` and `runtime_config_update`).
 
-config.py declares the settings and makes the command line; `config.parse_args` hands the container to `validate`
+config.py declares the settings and makes the command line; `parse_args` here reads it and hands the container to `validate`
 here, which runs two passes:
 
   derive: every value validation fills in or rewrites, set through derive_value(), which names it (with its reason)
@@ -662,7 +662,7 @@ def check_moe(cfg: ConfigContainer) -> None:
 
 def derive_batch_sizes_and_length(cfg: ConfigContainer) -> None:
     """The global batch (one micro batch per data-parallel rank) and --train-iters (from --train-samples, else the
-    quick start's 300)."""
+    300: a run of minutes on a laptop)."""
     t = cfg.train
     if t.global_batch_size is None:
         derive_value(cfg, "train.global_batch_size", t.micro_batch_size * cfg.data_parallel_size,
@@ -671,7 +671,7 @@ def derive_batch_sizes_and_length(cfg: ConfigContainer) -> None:
     if t.train_samples is not None and gbs > 0 and t.train_iters is None:
         derive_value(cfg, "train.train_iters", t.train_samples // gbs, "--train-samples / --global-batch-size")
     elif t.train_samples is None and t.train_iters is None:
-        derive_value(cfg, "train.train_iters", 300, "neither --train-iters nor --train-samples: the quick start's")
+        derive_value(cfg, "train.train_iters", 300, "neither --train-iters nor --train-samples: a run of minutes on a laptop")
 
 
 def check_batch_sizes_and_length(cfg: ConfigContainer) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import abc
 import argparse
 import ast
+import copy
 import dataclasses
 import enum
 import functools
@@ -555,6 +556,9 @@ class CheckpointConfig(mcore_training.CheckpointConfig):
     """Bridge's CheckpointConfig: megatron-core's (megatron.training.config), with Bridge's defaults and fields, and
     megatron-core's post-init deferred to finalize() (as Bridge), so that settings may change after construction."""
 
+    # Bridge's defaults of megatron-core's fields, decided in DEFAULTS (with their reasons, which --help prints)
+    use_persistent_ckpt_worker: bool = DEFAULTS["checkpoint.use_persistent_ckpt_worker"][0]
+    strict_fsdp_dtensor_load: bool = DEFAULTS["checkpoint.strict_fsdp_dtensor_load"][0]
     storage_writers_per_rank: int = arg(
         1, "torch_dist: files each saving rank writes in parallel (megatron-core's writer threads); a save holds "
            "saving ranks x this many .distcp files. (Megatron-LM's --dist-ckpt-workers, which it applies to async saves "
@@ -596,6 +600,7 @@ class RerunStateMachineConfig(mcore_training.RerunStateMachineConfig):
     """Bridge's RerunStateMachineConfig: megatron-core's (megatron.training.config), with its spiky-loss factor (Bridge's
     default mode is DEFAULTS')."""
 
+    rerun_mode: str = DEFAULTS["rerun_state_machine.rerun_mode"][0]  # Bridge's, decided in DEFAULTS (with why)
     spiky_loss_factor: float = arg(
         10.0, "Factor for detecting spiky loss: a loss this many times the largest observed over the sample window.")
 
@@ -1149,6 +1154,9 @@ def _field_meta(section: str, f, hints: dict, factory) -> Optional[dict]:
         return meta if meta["cli"] else None
     if f.name not in _names(MCORE_FLAGS, section):
         return None
+    if isinstance(f.type, str):  # re-declared here, under `from __future__ import annotations`: the type itself
+        f = copy.copy(f)
+        f.type = hints[f.name]
     try:
         kwargs = factory._build_argparse_kwargs_from_field(f)
     except TypeInferenceError:  # a type argparse has no form for (a tuple): MCORE_FLAG_CHANGES gives it

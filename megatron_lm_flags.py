@@ -7,7 +7,7 @@ trainer does not have. Rather than argparse's "unrecognized arguments", each get
     UNSUPPORTED_FLAGS          refused in one line naming the machinery (a name ending in "-" is a prefix)
     MEGATRON_LM_REFUSED_FLAGS  refused in one line with a reason of their own (read before UNSUPPORTED_FLAGS)
 
-config.build_parser adds the inert flags to the parser; config.config_from_flags asks `unsupported_flag` about
+config.build_parser adds the inert flags to the parser; checks.config_from_flags asks `unsupported_flag` about
 every flag the parser does not know.
 """
 
@@ -242,8 +242,8 @@ MEGATRON_LM_REFUSED_FLAGS = [
     (("--no-pad-vocab-size", "--disable-pad-vocab-size"), "is not supported: the vocabulary is always padded from the "
                                                           "tokenizer's size with --make-vocab-size-divisible-by"),
     (("--null-tokenizer-eod-id", "--null-tokenizer-pad-id"),
-     "is not supported: the NullTokenizer here takes ids 0 to --vocab-size - 1, ends documents with id --vocab-size "
-     "(as megatron-core 0.16's) and pads past the vocabulary; drop it"),
+     "is not supported: the NullTokenizer here takes ids 0 to --vocab-size - 1, the last of them its end-of-document "
+     "(as Megatron-LM's from core_v0.17), and has no pad id; drop it"),
     (("--tokenizer-metadata", "--tokenizer-special-tokens"), "is not read by the tokenizers here (HuggingFaceTokenizer: "
                                                              "put special tokens in its tokenizer.json)"),
     (("--tokenizer-hf-include-special-tokens",), "is Megatron-LM 0.16's: 0.19, and this trainer, include special "

@@ -38,8 +38,9 @@ import config as config_lib  # first: it quiets megatron-core's import-time noti
 import checks
 
 if __name__ == "__main__":
-    # Parse and validate before the imports below: `--help` and a bad flag answer in a fraction of a
-    # second instead of after megatron-core's ~8 s import, and no process starts work it cannot finish.
+    # Parse and validate before the imports below: `--help` and a bad flag answer once the settings' classes
+    # (megatron-core's) are imported, before any process group, model or dataset, so no process starts work it
+    # cannot finish.
     CLI_CONFIG = checks.parse_args(sys.argv[1:] or config_lib.QUICK_START, run=True)
     if not sys.argv[1:] and os.environ.get("RANK", "0") == "0":
         print("quick start (no flag given): " + " ".join(config_lib.QUICK_START), flush=True)

@@ -572,7 +572,7 @@ def test_help_says_each_default_this_trainer_decides_and_why():
     assert "torch_dcp" not in str(parser._option_string_actions["--ckpt-format"].choices)
     assert "biases and norms" in helps["optimizer.weight_decay"]
     assert "None is refused" in helps["validation.eval_interval"] and "will not run" not in helps["validation.eval_iters"]
-    # megatron-core's fields whose default differs are not declared again: DEFAULTS changes them
+    # megatron-core's fields whose default Bridge's class changes take it from DEFAULTS, where the reason is
     for section, name in (("checkpoint", "use_persistent_ckpt_worker"), ("checkpoint", "strict_fsdp_dtensor_load"),
                           ("rerun_state_machine", "rerun_mode")):
         sub = getattr(config.ConfigContainer(), section)

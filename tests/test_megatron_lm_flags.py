@@ -1098,8 +1098,8 @@ REFUSED = [
     ("--pytorch-profiler-collect-chakra", "(Chakra execution traces) is not collected by the PyTorch profiler here"),
     ("--no-pad-vocab-size", "is not supported: the vocabulary is always padded from the tokenizer's size"),
     ("--disable-pad-vocab-size", "is not supported: the vocabulary is always padded from the tokenizer's size"),
-    ("--null-tokenizer-eod-id", "is not supported: the NullTokenizer here takes ids 0 to --vocab-size - 1, ends "
-                                "documents with id --vocab-size"),
+    ("--null-tokenizer-eod-id", "is not supported: the NullTokenizer here takes ids 0 to --vocab-size - 1, the last "
+                                "of them its end-of-document"),
     ("--null-tokenizer-pad-id", "is not supported: the NullTokenizer here"),
     ("--fp8-output-proj", "is a setting of transformer-engine's FP8 training, which this trainer does not drive"),
 ]

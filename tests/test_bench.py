@@ -21,7 +21,7 @@ def test_ops_profiles_both_sides_over_the_same_iterations():
     rows = bench.bench_ops([])
     (_, _, ours, ours_time, _), (_, _, plain, plain_time, _) = rows[:2]
     assert (ours, plain) == ("train.py", "plain loop") and "ms/it" in ours_time and "ms/it" in plain_time
-    ops = {row[2]: row[3:] for row in rows[2:]}
+    ops = {row[2]: row[3:] for row in rows[2:]}  # counts, not a ranking by time: a loaded machine reorders those
     # both sides multiply matrices; only train.py runs megatron-core's linear layers (autograd functions of its own)
     assert all(not side.endswith(" (0x)") for side in ops["aten::mm"]), ops["aten::mm"]
     linear = ops["LinearWithGradAccumulationAndAsyncCommunication"]

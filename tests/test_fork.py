@@ -2,6 +2,7 @@
 (metrics.step_report), another core attention (model.layer_spec), an optimizer of one's own (model.OWN_OPTIMIZERS;
 its save and resume and what it refuses: test_optimizer.py)."""
 
+import os
 import re
 
 import pytest
@@ -159,3 +160,59 @@ def test_an_optimizer_of_ones_own_trains_every_parameter(tmp_path):
     # From ln 384 = 5.95 (the uniform guess): every weight moves by lr = 3e-3 a step past warm-up; 0.2 in 6 steps is
     # far above noise.
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.2, losses
+
+
+FLAG_RECIPE = '''    my_coeff: float = arg(0.0, "My experiment's coefficient.", bounds="[0, 1]")
+'''
+DEFAULT_RECIPE = '''    "optimizer.weight_decay": (0.1, "my experiments decay more"),
+'''
+CHECK_IN_THE_COPY = '''
+import contextlib, io, os, sys
+import checks, config
+parser = config.build_parser()
+help_text = " ".join(parser.format_help().split())
+assert "--my-coeff MY_COEFF My experiment's coefficient. (default: 0.0)" in help_text, "help"
+assert "(default: 0.1: my experiments decay more)" in help_text, "the default's reason"
+cfg = checks.parse_args(["--my-coeff", "0.5"], world_size=1, gpu=False)
+assert cfg.train.my_coeff == 0.5 and cfg.optimizer.weight_decay == 0.1 and cfg.scheduler.start_weight_decay == 0.1
+printed = io.StringIO()
+checks.print_config(cfg, printed)
+assert "train.my_coeff" in printed.getvalue() and "0.5" in printed.getvalue(), "printed"
+open("run_config.yaml", "w").write(config.to_yaml(cfg))
+assert "my_coeff: 0.5" in open("run_config.yaml").read(), "written"
+again = checks.parse_args(["--config-file", "run_config.yaml"], world_size=1, gpu=False)
+assert again.to_dict() == cfg.to_dict(), "round trip"
+edited = checks.parse_args(["--config-file", "run_config.yaml", "--my-coeff", "0.25"], world_size=1, gpu=False)
+assert edited.train.my_coeff == 0.25
+err = io.StringIO()
+with contextlib.redirect_stderr(err):
+    try:
+        checks.parse_args(["--my-coeff", "2"], world_size=1, gpu=False)
+    except SystemExit as e:
+        assert e.code == 2
+assert "--my-coeff 2.0 is out of range: it must lie in [0, 1]" in err.getvalue(), err.getvalue()
+print("recipe ok")
+'''
+
+
+def test_a_flag_of_ones_own_is_one_declaration_and_a_default_one_line_of_defaults(tmp_path):
+    """docs/fork.md's recipe carried out on a copy of the code: one arg() line in a section's class gives the flag,
+    its --help, its bounds' one-line error, its line in the printed config and in run_config.yaml, and the round trip
+    through --config-file; one line of config.DEFAULTS changes a default, with the reason --help prints."""
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    for name in os.listdir(ROOT):
+        if name.endswith(".py"):
+            shutil.copy(os.path.join(ROOT, name), tmp_path / name)
+    source = (tmp_path / "config.py").read_text()
+    anchor = '''    """Bridge's TrainingConfig: megatron-core's (megatron.training.config), plus Bridge's own fields."""\n'''
+    assert source.count(anchor) == 1 and source.count("DEFAULTS = {\n") == 1
+    source = source.replace(anchor, anchor + "\n" + FLAG_RECIPE).replace("DEFAULTS = {\n", "DEFAULTS = {\n" + DEFAULT_RECIPE)
+    (tmp_path / "config.py").write_text(source)
+    proc = subprocess.run([sys.executable, "-c", CHECK_IN_THE_COPY], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "recipe ok" in proc.stdout, proc.stderr[-3000:]

@@ -1298,8 +1298,11 @@ def apply_overrides(cfg: ConfigContainer, overrides: dict, source: str) -> None:
         if section == "dataset" and type(sub) is GPTDatasetConfig and (values.get("fim_data") or
                                                                         values.get("fim_extra_tokens")):
             # A FIM run's dataset is a GPTFIMDatasetConfig (Bridge's), keeping what was set before.
-            sub = cfg.dataset = GPTFIMDatasetConfig(**{f.name: getattr(sub, f.name) for f in dataclasses.fields(sub)
-                                                       if f.init and f.name != "fim_data"})
+            fim = GPTFIMDatasetConfig()
+            for f in dataclasses.fields(sub):  # init or not (mock): everything set before, but the switch itself
+                if f.name != "fim_data":
+                    setattr(fim, f.name, getattr(sub, f.name))
+            sub = cfg.dataset = fim
         if section == "dataset" and type(sub) is GPTDatasetConfig and set(values) & FINETUNING_ONLY:
             # A finetuning dataset's own settings (dataset_root, ...) make it one, keeping what was set before.
             sub = cfg.dataset = FinetuningDatasetConfig(**{f.name: getattr(sub, f.name) for f in dataclasses.fields(

@@ -453,7 +453,7 @@ def test_a_rank_that_fails_with_loader_workers_exits(tmp_path):
     script = f"""
 import sys
 sys.path.insert(0, {ROOT!r})
-import config, train
+import checks, config, train
 
 def boom(data_iterator, model):
     next(data_iterator)

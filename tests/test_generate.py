@@ -96,7 +96,7 @@ def test_kv_cached_decoding_gives_the_full_forward_tokens_past_the_context(kind,
     load = {"gpt2": str(mock_run["dir"] / "ckpt"), "llama": llama_ckpt}.get(kind) or moe_ckpts[kind]
     load = with_attention_backend(load, backend, tmp_path)
     model, tokenizer, cfg = generate.load_model(load)
-    assert cfg.model.attention_backend.name == backend and model.max_sequence_length == 64  # megatron-core's AttnBackend
+    assert model.config.attention_backend.name == backend and model.max_sequence_length == 64  # megatron-core's AttnBackend
     assert (cfg.model.position_embedding_type, cfg.model.num_query_groups, cfg.model.num_moe_experts) == \
         {"gpt2": ("learned_absolute", 4, None), "llama": ("rope", 2, None), "mixtral": ("rope", 2, 4)}[kind]
     never_stops = types.SimpleNamespace(vocab_size=tokenizer.vocab_size, eod=-1)  # all 300 tokens, no early end

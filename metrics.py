@@ -22,7 +22,7 @@ import torch
 
 import device  # first: it quiets megatron-core's import-time warnings
 from config import moe_layers as config_moe_layers
-from config import pipeline_stage_layers
+from config import layer_pattern, pipeline_stage_layers
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.utils import unwrap_model
@@ -508,7 +508,6 @@ def moe_auxiliary_losses(cfg, num_microbatches: int) -> dict:
         return {}
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-    from config import layer_pattern
 
     collected = _Collected()
     get_moe_metrics_tracker().report(

@@ -23,12 +23,18 @@ Checkpoints of a PEFT run hold the adapters only (`sharded_state_dict` filtered 
 their optimizer state, the train state and RNG; the base weights come from --pretrained-checkpoint again.
 """
 
+import os
 import re
 import sys
 
 import torch
 
 import device  # noqa: F401  (first: megatron-core imported the way every module here imports it)
+import checkpoint
+import checks
+import data
+from config import ConfigError
+from model import build_model, destroy_distributed, initialize_distributed, transformer_config
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                            gather_from_tensor_model_parallel_region)
@@ -134,8 +140,6 @@ def _sum_over_tensor_parallel(value: torch.Tensor) -> torch.Tensor:
 def apply_peft(cfg, model: list) -> dict:
     """Freeze every weight of the bare model chunks, then wrap each targeted linear layer. Returns
     {pattern: modules matched}. A pattern that matches nothing is a one-line ConfigError."""
-    from config import ConfigError
-    from model import transformer_config
 
     p = cfg.peft
     config = transformer_config(cfg)
@@ -206,17 +210,10 @@ def main(argv) -> int:
     parser.add_argument("--save", required=True, help="Where to write the merged checkpoint.")
     parser.add_argument("--ckpt-step", type=int, default=None, help="Which iteration (default: the newest).")
     args = parser.parse_args(argv)
-    import os
-
-    import config as config_lib
-
-    import checks
-
     try:
-        from checkpoint import resolve_load_dir
-        directory = resolve_load_dir(args.load, args.ckpt_step)
+        directory = checkpoint.resolve_load_dir(args.load, args.ckpt_step)
         if directory is None:
-            raise config_lib.ConfigError(f"--load {args.load}: no checkpoint there")
+            raise ConfigError(f"--load {args.load}: no checkpoint there")
         cfg = checks.parse_args(["--config-file", os.path.join(directory, "run_config.yaml"),
                                      "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
                                      "--load", args.load, "--save", args.save, "--no-save-optim", "--no-load-optim",
@@ -224,9 +221,9 @@ def main(argv) -> int:
                                     + (["--ckpt-step", str(args.ckpt_step)] if args.ckpt_step is not None else []),
                                     world_size=1)
         if cfg.peft.peft == "none":
-            raise config_lib.ConfigError(f"{directory} is not a PEFT run's checkpoint (its run_config.yaml has no peft)")
+            raise ConfigError(f"{directory} is not a PEFT run's checkpoint (its run_config.yaml has no peft)")
         return merge_checkpoint(cfg)
-    except (config_lib.ConfigError, RuntimeError) as e:
+    except (ConfigError, RuntimeError) as e:
         sys.stderr.write(f"peft.py: error: {e}\n")
         return 2
 
@@ -236,10 +233,7 @@ def merge_checkpoint(cfg) -> int:
     checkpoint), fold, and save it plainly: weights only, no optimizer."""
     import types
 
-    import checkpoint
-    import data
     from megatron.core.utils import unwrap_model
-    from model import build_model, destroy_distributed, initialize_distributed
 
     with device.shim():  # megatron-core on this machine, for the merge
         initialize_distributed(cfg)

@@ -31,14 +31,14 @@ from typing import Any, Optional
 
 from megatron_lm_flags import unsupported_flag
 
-from config import (BUILTIN_BPE_VOCAB, FIM_EXTRA_TOKENS, INERT_DEST, OPTIONAL_SECTIONS, MixedPrecisionConfig, apply_overrides,
-                    build_parser, default_of, load_yaml, plain_value, yaml_settings, MCORE_FLAG_CHANGES, MCORE_FLAGS, MCORE_YAML_ONLY, MEGATRON_LM_EMERGING_OPTIMIZERS,
-                    MEGATRON_LM_INERT_FLAGS, MEGATRON_LM_TOKENIZERS, SECTIONS, ConfigContainer, ConfigError,
-                    FinetuningDatasetConfig, GPTDatasetConfig, GPTModelProvider, OptimizerConfig, TokenizerConfig,
-                    _names, _virtual_stages_split, backend, blend_of, builtin_bpe_path, flag_of,
-                    get_mixed_precision_config, layer_pattern, moe_layers,
-                    parse_window_size, pipeline_stage_layers, require, section_configs, section_default,
-                    uses_builtin_corpus)
+from config import (BUILTIN_BPE_VOCAB, FIM_EXTRA_TOKENS, INERT_DEST, MCORE_FLAG_CHANGES, MCORE_FLAGS, MCORE_YAML_ONLY,
+                    MEGATRON_LM_EMERGING_OPTIMIZERS, MEGATRON_LM_INERT_FLAGS, MEGATRON_LM_TOKENIZERS, OPTIONAL_SECTIONS,
+                    SECTIONS, ConfigContainer, ConfigError, FinetuningDatasetConfig, GPTDatasetConfig, GPTModelProvider,
+                    MixedPrecisionConfig, OptimizerConfig, TokenizerConfig, _names, _virtual_stages_split,
+                    apply_overrides, backend, blend_of, build_parser, builtin_bpe_path, default_of, flag_of,
+                    get_mixed_precision_config, layer_pattern, load_yaml, moe_layers, parse_window_size,
+                    pipeline_stage_layers, plain_value, require, section_configs, section_default,
+                    uses_builtin_corpus, yaml_settings)
 from megatron.core.transformer.enums import AttnBackend  # after config, which first quiets megatron-core's import
 from megatron.training.determinism import ACCEPTED_ENV_VAR_VALUES, ACCEPTED_NCCL_ALGO_TOKENS
 
@@ -212,14 +212,15 @@ def bridge_sections_under_flags(settings: dict, flags: dict) -> dict:
                                     for name in names):
         mp = get_mixed_precision_config(recipe if isinstance(recipe, str) else MixedPrecisionConfig(**recipe))
         settings["model"] = {**settings.get("model", {}), "bf16": mp.bf16, "fp16": mp.fp16}
-        settings["ddp"] = {**settings.get("ddp", {}), "grad_reduce_in_fp32": mp.grad_reduce_in_fp32 if (mp.bf16 or mp.fp16) else None}
+        settings["ddp"] = {**settings.get("ddp", {}),
+                           "grad_reduce_in_fp32": mp.grad_reduce_in_fp32 if (mp.bf16 or mp.fp16) else None}
         if mp.fp16:
             settings["optimizer"] = {**settings.get("optimizer", {}), **{n: getattr(mp, n) for n in LOSS_SCALING}}
         settings["mixed_precision"] = None
     overlap = settings.get("comm_overlap")
     if isinstance(overlap, dict):
-        settings["comm_overlap"] = {name: (None if name in flags.get("ddp", {}) or name in flags.get("model", {}) else value)
-                                    for name, value in overlap.items()}
+        given = {*flags.get("ddp", {}), *flags.get("model", {})}
+        settings["comm_overlap"] = {name: None if name in given else value for name, value in overlap.items()}
     return settings
 
 

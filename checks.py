@@ -601,6 +601,8 @@ def check_multi_token_prediction(cfg: ConfigContainer) -> None:
         return
     require(cfg.peft.peft == "none", f"--peft {cfg.peft.peft} with --mtp-num-layers: the adapters' targets in the MTP "
                                      f"layers are not defined here yet; drop one")
+    require(not m.z_loss_coeff, "--z-loss-coeff with --mtp-num-layers: megatron-core scores each MTP head through the "
+                                "same compute_language_model_loss, whose z-loss is the main head's only here; drop one")
 
 
 def check_moe(cfg: ConfigContainer) -> None:

@@ -460,6 +460,10 @@ class GPTModelProvider(MLATransformerConfig):
         None, "Divide the positions the rotary embedding sees by this factor (linear position interpolation, to run "
               "past the trained length): megatron-core GPTModel's seq_len_interpolation_factor, as Megatron-LM hands "
               "it.", bounds="[1, inf)")
+    z_loss_coeff: float = arg(
+        0.0, "Add a z-loss, this times the mean over the loss mask's tokens of logsumexp(logits)^2 (PaLM's, keeping the "
+             "softmax's log-normaliser near 0), to the training loss; shown as 'z loss' beside the lm loss. 0: off "
+             "(megatron-core's GPTModel as it is). Not a Megatron-LM flag.", bounds="[0, inf)")
     # The MLP's activation, Megatron-LM's switches: megatron-core's activation_func and gated_linear_unit (derived).
     swiglu: bool = arg(False, "Use the SwiGLU gated activation in the MLP instead of GeLU.")
     openai_gelu: bool = arg(False, "GeLU's tanh approximation, as OpenAI's GPT-2 (Hugging Face's gelu_new) and "

@@ -320,6 +320,36 @@ class ExpertRowParallelLinear(RowParallelLinear):
         self.explicit_expert_comm = self.is_expert
 
 
+def vocab_parallel_logsumexp(logits: torch.Tensor, tp_group) -> torch.Tensor:
+    """log(sum over the vocabulary of exp(logits)), from this rank's slice of the vocabulary: [s, b, v/tp] -> [s, b].
+
+    The trap: tensor parallelism splits the vocabulary (the output layer is a ColumnParallelLinear that does not gather
+    its output), so a sum over the vocabulary is a sum over the tensor-parallel group too, as megatron-core's
+    vocab-parallel cross-entropy does it (tensor_parallel/cross_entropy.py:130-150). The maximum is a constant shift
+    for exp's range (no gradient: log-sum-exp's is the softmax whatever the shift); the sum goes through
+    megatron-core's reduce_from_tensor_model_parallel_region, an all-reduce whose backward passes the gradient
+    through, since every rank of the group computes the same loss from the sum."""
+    top = logits.detach().max(dim=-1).values
+    torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=tp_group)
+    sum_exp = torch.exp(logits - top.unsqueeze(-1)).sum(dim=-1)
+    return torch.log(tensor_parallel.reduce_from_tensor_model_parallel_region(sum_exp, group=tp_group)) + top
+
+
+class GPTModelWithZLoss(GPTModel):
+    """megatron-core's GPTModel with a z-loss term (--z-loss-coeff; PaLM, Chowdhery et al. 2022, section 5: it pulls
+    the softmax's log-normaliser towards 0), through megatron-core's seam for a loss on the logits:
+    compute_language_model_loss (language_module.py:155), which GPTModel.forward calls with the labels and the output
+    layer's logits (gpt_model.py:794). It returns per token [cross-entropy, coeff x logsumexp(logits)^2], stacked on a
+    last dimension, for train.masked_token_loss to add and report. Only the main head's: with --mtp-num-layers
+    megatron-core calls the same method for each MTP head's logits and wants one loss per token (refused, checks)."""
+
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        # First: megatron-core's cross-entropy overwrites the logits in place (cross_entropy.py:42 and 62)
+        z = self.config.z_loss_coeff * vocab_parallel_logsumexp(logits.float(), self.tp_group).square()
+        cross_entropy = super().compute_language_model_loss(labels, logits)  # [b, s]
+        return torch.stack([cross_entropy, z.transpose(0, 1)], dim=-1)  # [s, b] -> [b, s]
+
+
 def build_model(cfg, vocab_size: int) -> list:
     """The GPT, as a list of model chunks: one, or one per virtual pipeline stage (interleaved schedule).
 
@@ -331,7 +361,7 @@ def build_model(cfg, vocab_size: int) -> list:
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = dict(ignore_virtual=False, vp_stage=vp_stage) if vpp else {}
-        chunks.append(GPTModel(
+        chunks.append((GPTModelWithZLoss if m.z_loss_coeff else GPTModel)(
             config=config,
             transformer_layer_spec=block_spec(cfg, config, vp_stage if vpp else None),
             vocab_size=calculate_padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by,

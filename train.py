@@ -1003,12 +1003,15 @@ def masked_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     The report is a `[sum, count]` pair, so train_step can average over every token of every
     microbatch and data-parallel rank, weighting each by its number of tokens.
     """
-    losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask)
     num_tokens = mask.sum().to(torch.int)
-    report = torch.cat([loss.detach().view(1), num_tokens.detach().float().view(1)])
-    return loss, num_tokens, {"lm loss": report}
+    count = num_tokens.detach().float().view(1)
+    if output_tensor.dim() == 3:  # [b, s, 2]: cross-entropy and z-loss per token (model.GPTModelWithZLoss)
+        lm_loss, z_loss = (torch.sum(terms.reshape(-1) * mask) for terms in output_tensor.float().unbind(-1))
+        return (lm_loss + z_loss, num_tokens, {"lm loss": torch.cat([lm_loss.detach().view(1), count]),
+                                                "z loss": torch.cat([z_loss.detach().view(1), count])})
+    loss = torch.sum(output_tensor.float().view(-1) * mask)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), count])}
 
 
 def forward_step(state: GlobalState, data_iterator, model, return_schedule_plan: bool = False):

@@ -59,6 +59,40 @@ LOG_LINE = re.compile(
     r"number of skipped iterations: +(\d+) \| number of nan iterations: +(\d+) \|$", re.M)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", default=False,
+                     help="the full proof: also the tests marked `full` (every layout against one process, every "
+                          "feature across layouts, the interchange fixtures, kills and signals); docs/testing.md")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without --full, the tests marked `full` are deselected (pytest says how many), unless named on the command line
+    by their node id: `python -m pytest tests/test_engine.py::test_x` runs test_x whatever its mark."""
+    if config.getoption("full"):
+        return
+    invoked = config.invocation_params.dir
+    named = [os.path.relpath(os.path.join(invoked, arg.split("::")[0]), config.rootpath) + "::" + arg.split("::", 1)[1]
+             for arg in config.args if "::" in arg]
+    fast = [item for item in items if not item.get_closest_marker("full") or any(
+        item.nodeid == name or item.nodeid.startswith(name + "[") or item.nodeid.startswith(name + "::")
+        for name in named)]
+    if len(fast) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in fast])
+        items[:] = fast
+
+
+def selected_params(request, argname: str) -> set:
+    """The values of parameter `argname` of this module's tests that this session runs: what a module's fixture
+    needs to make (without --full, the layouts marked `full` are not run, so neither are their runs)."""
+    return {item.callspec.params[argname] for item in request.session.items
+            if item.module is request.module and argname in getattr(getattr(item, "callspec", None), "params", {})}
+
+
+def selected_tests(request) -> set:
+    """The names (without parameters) of this module's tests that this session runs."""
+    return {item.originalname for item in request.session.items if item.module is request.module}
+
+
 def config_error(argv, capsys, world_size=1, gpu=False, run=False) -> str:
     """Parse `argv` expecting a validation error: exit code 2 and a one-line message on stderr, returned. `run`: as
     train.py's command line parses it (the run must also fit this machine)."""

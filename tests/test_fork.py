@@ -216,3 +216,55 @@ def test_a_flag_of_ones_own_is_one_declaration_and_a_default_one_line_of_default
     proc = subprocess.run([sys.executable, "-c", CHECK_IN_THE_COPY], cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and "recipe ok" in proc.stdout, proc.stderr[-3000:]
+
+
+RECORDING = '''
+import os, runpy, sys
+sys.path.insert(0, sys.argv.pop(1))  # the project
+import data
+
+def recorded(self, iterate=data.MegatronPretrainingSampler.__iter__):
+    for batch in iterate(self):
+        with open(f"samples.rank{os.environ['RANK']}", "a") as f:
+            f.write(" ".join(map(str, batch)) + "\\n")
+        yield batch
+
+data.MegatronPretrainingSampler.__iter__ = recorded  # which samples this rank's loader asks the dataset for
+sys.argv.pop(0)  # my_data.py's command line: my_data.py docs.jsonl [flags]
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+
+
+def test_a_data_source_of_ones_own_splits_samples_over_data_parallel_ranks_and_resumes_exactly(tmp_path):
+    """docs/fork.md's JSON-lines DatasetProvider, the page's block as it is, on two ranks (DP=2, micro-batches of 2, 2
+    per rank per step): each rank reads its two of each four consecutive samples, the ranks together every sample
+    once; a run resumed from the checkpoint of iteration 3 reads the samples the uninterrupted run read after it and
+    prints its losses bit for bit (dropout on, Megatron-LM's default: its random stream resumes too)."""
+    import json
+
+    from conftest import ROOT, torchrun
+
+    page = open(os.path.join(ROOT, "docs", "fork.md")).read()
+    recipe = page[page.index("## A data source of your own"):]
+    (tmp_path / "my_data.py").write_text(re.search(r"```python\n(.*?)```", recipe, re.S)[1])
+    (tmp_path / "record.py").write_text(RECORDING)
+    paragraphs = [p for p in open(os.path.join(ROOT, "README.md")).read().split("\n\n") if p.strip()]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs))
+    flags = [*TINY, "--train-iters", "6", "--global-batch-size", "8", "--log-interval", "1", "--eval-iters", "0"]
+
+    def run(name, *more):
+        (tmp_path / name).mkdir()
+        proc = torchrun([ROOT, str(tmp_path / "my_data.py"), str(tmp_path / "docs.jsonl"), *flags, *more],
+                        script=os.path.relpath(tmp_path / "record.py", ROOT), cwd=tmp_path / name)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        samples = [[[int(i) for i in line.split()] for line in open(tmp_path / name / f"samples.rank{rank}")]
+                   for rank in range(2)]
+        return log_lines(proc.stdout), samples
+
+    straight, (rank0, rank1) = run("straight", "--save", str(tmp_path / "ckpt"), "--save-interval", "3")
+    assert rank0[:2] == [[0, 1], [4, 5]] and rank1[:2] == [[2, 3], [6, 7]]
+    assert sorted(i for batch in rank0[:12] + rank1[:12] for i in batch) == list(range(48))  # 6 steps of 8, once each
+    resumed, (again0, again1) = run("resumed", "--load", str(tmp_path / "ckpt"), "--ckpt-step", "3")
+    assert again0[:6] == rank0[6:12] and again1[:6] == rank1[6:12]  # samples 24-47, as the straight run read them
+    assert [line[0] for line in resumed] == [4, 5, 6]
+    assert [line[3] for line in resumed] == [line[3] for line in straight[3:]]

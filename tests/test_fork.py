@@ -1,6 +1,8 @@
 """The seams a fork changes in one place (docs/fork.md): a learning-rate schedule (schedules.py), a new scalar
 (metrics.step_report), another core attention (model.layer_spec), an optimizer of one's own (model.OWN_OPTIMIZERS;
-its save and resume and what it refuses: test_optimizer.py)."""
+its save and resume and what it refuses: test_optimizer.py), a flag and a default, a data source (a DatasetProvider)
+and a layer (a module in megatron-core's ModuleSpec), the last two run from the page's own blocks. The loss term on
+the logits: test_z_loss.py."""
 
 import os
 import re
@@ -268,3 +270,64 @@ def test_a_data_source_of_ones_own_splits_samples_over_data_parallel_ranks_and_r
     assert again0[:6] == rank0[6:12] and again1[:6] == rank1[6:12]  # samples 24-47, as the straight run read them
     assert [line[0] for line in resumed] == [4, 5, 6]
     assert [line[3] for line in resumed] == [line[3] for line in straight[3:]]
+
+
+def _fork_page_blocks(section: str) -> list:
+    """The python blocks of docs/fork.md's section `section`, in order."""
+    from conftest import ROOT
+
+    page = open(os.path.join(ROOT, "docs", "fork.md")).read()
+    start = page.index(f"## {section}\n")
+    end = page.find("\n## ", start + 1)
+    return re.findall(r"```python\n(.*?)```", page[start:end if end > 0 else None], re.S)
+
+
+def test_a_layer_of_ones_own_trains_at_tp2_as_at_tp1_and_saves_split(tmp_path):
+    """docs/fork.md's ScaledRowParallelLinear, both blocks as the page has them, put in a copy of model.py: one process
+    saves at iteration 3 (the scales trained away from 1: lr 3e-3, 3 steps); TP=2 and TP=2 with sequence parallelism
+    load it resharded and give the one-process lm loss, grad norm and the scales' own gradient norm at iterations 4-6
+    (REORDERED; read back from TensorBoard at full precision); the checkpoint holds each layer's scale as one tensor
+    of the MLP's width.""" 
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import REORDERED, ROOT, tensorboard_scalars, torchrun
+
+    for name in os.listdir(ROOT):
+        if name.endswith(".py"):
+            shutil.copy(os.path.join(ROOT, name), tmp_path / name)
+    the_class, the_line = _fork_page_blocks("A layer of your own")
+    source = (tmp_path / "model.py").read_text()
+    anchor = "        attention.core_attention = SDPAttention\n"
+    assert source.count(anchor) == 1 and the_class.startswith("# model.py\n") and the_line.startswith("# layer_spec")
+    source = source.replace(anchor, anchor + the_line.split("\n", 1)[1])
+    source = source.replace("\ndef layer_spec(", "\n" + the_class.split("\n", 1)[1] + "\n\ndef layer_spec(")
+    (tmp_path / "model.py").write_text(source)
+    flags = [*TINY, "--mock-data", "--global-batch-size", "4", "--train-iters", "6", "--log-interval", "1",
+             "--eval-iters", "0", "--num-workers", "0", "--log-l2-norm-grad", "--hidden-dropout", "0", "--attention-dropout", "0",
+             "--data-cache-path", str(tmp_path / "cache")]  # no dropout: a TP rank draws its own (as the matrix)
+    one = subprocess.run([sys.executable, str(tmp_path / "train.py"), *flags, "--save", str(tmp_path / "ckpt"),
+                          "--tensorboard-dir", str(tmp_path / "tb_one"),
+                          "--save-interval", "3"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "ScaledRowParallelLinear" in open(tmp_path / "model.py").read()
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(tmp_path / "ckpt" / "iter_0000003")).read_metadata().state_dict_metadata
+    scales = {k: tuple(v.size) for k, v in saved.items() if k.endswith("input_scale") and "optimizer" not in k}
+    assert scales == {"decoder.layers.mlp.linear_fc2.input_scale": (2, 256)}, scales  # 2 layers x 4 x 64 hidden units
+    scale_grad = "l2_norm/grad/decoder.layers.0.mlp.linear_fc2.input_scale"
+    reference = tensorboard_scalars(tmp_path / "tb_one")
+    for name, layout in (("tp2", ["--tensor-model-parallel-size", "2"]),
+                         ("tp2_sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"])):
+        proc = torchrun([*flags, *layout, "--make-vocab-size-divisible-by", "64", "--load", str(tmp_path / "ckpt"),
+                         "--ckpt-step", "3", "--tensorboard-dir", str(tmp_path / f"tb_{name}")],
+                        script=str(tmp_path / "train.py"), cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert [line[0] for line in log_lines(proc.stdout)] == [4, 5, 6]
+        ours = tensorboard_scalars(tmp_path / f"tb_{name}")
+        for tag in ("lm loss", "grad-norm", scale_grad):
+            for it in (4, 5, 6):
+                assert ours[tag][it] == pytest.approx(reference[tag][it], rel=REORDERED), (name, tag, it)

@@ -1179,6 +1179,14 @@ NOT_MEGATRON_LM_FLAGS = {"--disable-save-optim", "--disable-save-rng", "--disabl
                          "--disable-mmap-bin-files"}
 
 
+@functools.cache
+def _argument_factory(cls) -> ArgumentGroupFactory:
+    """megatron-core's flag generator for a config class. Once per class and process: it reads the fields' docstrings
+    from the class's source (inspect.getsource and an ast walk, argument_utils.py:233), about a second for all the
+    sections, which every parser built (each run's, each test's) would otherwise pay again for the same text."""
+    return ArgumentGroupFactory(cls)
+
+
 def _cli_fields():
     """Yield (section, dataclass field, how it appears on the command line) for every field that has a flag."""
     defaults = ConfigContainer()
@@ -1187,7 +1195,7 @@ def _cli_fields():
             continue
         cls = type(getattr(defaults, section))
         hints = typing.get_type_hints(cls)
-        factory = ArgumentGroupFactory(cls) if section in MCORE_FLAGS else None
+        factory = _argument_factory(cls) if section in MCORE_FLAGS else None
         for f in dataclasses.fields(cls):
             meta = _field_meta(section, f, hints, factory)
             if meta is not None:

@@ -65,6 +65,10 @@ def pytest_addoption(parser):
                           "feature across layouts, the interchange fixtures, kills and signals); docs/testing.md")
 
 
+def pytest_configure(config):
+    Launches.lazy = not config.getoption("full")
+
+
 def pytest_collection_modifyitems(config, items):
     """Without --full, the tests marked `full` are deselected (pytest says how many), unless named on the command line
     by their node id: `python -m pytest tests/test_engine.py::test_x` runs test_x whatever its mark."""
@@ -79,6 +83,12 @@ def pytest_collection_modifyitems(config, items):
     if len(fast) < len(items):
         config.hook.pytest_deselected(items=[item for item in items if item not in fast])
         items[:] = fast
+
+
+def two_ranks_at_most(names, ranks_of) -> list:
+    """pytest parameters of `names`, those run on more than two ranks (a product of layouts: 4 or 8 ranks on this
+    2-core machine) marked `full`: the fast command runs every layout at two ranks, the full proof their products."""
+    return [pytest.param(name, marks=pytest.mark.full) if ranks_of(name) > 2 else name for name in names]
 
 
 def selected_params(request, argname: str) -> set:
@@ -249,9 +259,14 @@ class Launches:
     one torchrun job (tests/scripts/runs_in_turn.py), whose processes import torch and megatron-core once for the
     stretch. The tests then ask for the same runs and get what they printed."""
 
+    # Without --full (pytest_configure), `together()` only plans its runs and each is made when a test first asks for
+    # it (a run it resumes first): the tests the fast command leaves out never pay for theirs.
+    lazy = False
+
     def __init__(self, out, flags: list, metrics: tuple, warm=None):
         self.out, self.flags, self.metrics, self.done, self.noted = out, flags, metrics, {}, None
         self.warm = warm  # the session's WarmRanks: two-rank runs go to its job
+        self.planned = {}  # name: (nproc, argv) of the runs a lazy together() noted
 
     def __call__(self, name, nproc, *flags):
         argv = [*self.flags, *flags, "--tensorboard-dir", str(self.out / name / "tb"), "--data-cache-path",
@@ -265,7 +280,11 @@ class Launches:
                 if name not in noted:
                     self.noted.append((name, nproc, argv))
                 return None
-            self._run([(name, nproc, argv)])
+            if name in self.planned:
+                assert self.planned[name][1] == argv, f"run {name} planned with other flags"
+                self._make_planned(name)
+            else:
+                self._run([(name, nproc, argv)])
         return self.done[name]
 
     @contextlib.contextmanager
@@ -276,6 +295,9 @@ class Launches:
             runs = self.noted
         finally:
             self.noted = None
+        if self.lazy:
+            self.planned.update({name: (nproc, argv) for name, nproc, argv in runs})
+            return
         for _, stretch in itertools.groupby(runs, key=lambda run: run[1]):
             self._run(list(stretch))
 
@@ -312,7 +334,17 @@ class Launches:
         return ["--save", self.ckpt(name), "--save-interval", str(every)]
 
     def resume(self, name, nproc, source, step, *flags):
+        if self.noted is None and source not in self.done and source in self.planned:  # lazy: its checkpoint first
+            self._make_planned(source)
         return self(name, nproc, *flags, "--load", self.ckpt(source), "--ckpt-step", str(step))
+
+    def _make_planned(self, name) -> None:
+        """A run a lazy together() planned, after the planned run whose checkpoint it loads."""
+        nproc, argv = self.planned[name]
+        load = argv[argv.index("--load") + 1] if "--load" in argv else None
+        for source in [s for s in self.planned if s not in self.done and self.ckpt(s) == load]:
+            self._make_planned(source)
+        self._run([(name, nproc, argv)])
 
 
 class ContinuedLayouts(Launches):

@@ -1,6 +1,8 @@
 """bench.py small compares like with like: its plain PyTorch loop trains a GPT of train.py's very shape, and both
 runs are read the same way from outside (the benchmark's figures themselves are never asserted on)."""
 
+import pytest
+
 import bench
 
 SHAPE = (2, 64, 4, 32, 2, 100, 4)  # layers, hidden, heads, seq, batch, vocab (train.py pads it to 128), iterations
@@ -16,6 +18,7 @@ def test_small_runs_train_py_and_a_plain_loop_of_the_same_gpt(tmp_path):
     assert 0 < plain_start and 0 < ours_start and 0 < plain_it and 0 < ours_it
 
 
+@pytest.mark.full  # the fast command: bench.py small
 def test_ops_profiles_both_sides_over_the_same_iterations():
     """bench.py ops: torch.profiler's operators of train.py and of the plain loop, per iteration, side by side."""
     rows = bench.bench_ops([])

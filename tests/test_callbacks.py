@@ -99,6 +99,9 @@ def slow_rank_run(tmp_path_factory):
 
 
 def test_straggler_report_names_the_slow_rank(slow_rank_run):
+    """A timing, with its margin: rank 1 sleeps 0.4 s an iteration (2 microbatches), 2 s over a 5-iteration report,
+    about 8 times a step of this model; both ranks run the same work on the same machine, so for rank 0 to report
+    slower another job would have to take 2 s more of its CPU than of rank 1's within those 5 iterations."""
     reports = STRAGGLER_LINE.findall(slow_rank_run["stdout"])
     assert len(reports) == 2  # every --log-interval, printed once (by rank 0)
     for fastest_ms, fastest, slowest_ms, slowest in reports:

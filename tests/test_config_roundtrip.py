@@ -85,11 +85,13 @@ def tp2_run(tmp_path_factory, warm_torchrun):
     return flags, out / "ckpt" / "iter_0000002" / "run_config.yaml"
 
 
+@pytest.mark.full  # the fast command: the one-rank run's file
 def test_every_edit_of_a_two_rank_tensor_parallel_runs_yaml_is_that_command_line_edited(tp2_run):
     run_flags, written = tp2_run
     assert edits_that_differ(run_flags, written, 2) == []
 
 
+@pytest.mark.full  # the fast command: the one-rank run's file
 def test_every_edit_of_the_yaml_written_before_the_move_is_its_command_line_edited():
     """A file without the `derived:` list (Bridge's, or this trainer's before it): the values validation puts back when
     each alone is left out are derived again (--weight-decay reaches the schedule's weight decays, --eval-interval

@@ -61,6 +61,7 @@ def test_preprocess_jsonl_and_read_back_with_megatron_core(corpora, tmp_path):
         assert tokenizer.detokenize(topics[i].tolist()[:-1]) == lines[i]["topic"]
 
 
+@pytest.mark.full  # the fast command: its one-process sibling
 def test_preprocess_a_directory_of_text_files(corpora, tmp_path):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
@@ -173,6 +174,7 @@ def prefixes(corpora, tmp_path_factory):
     return str(out / "a_text_document"), str(out / "b_text_document")
 
 
+@pytest.mark.full  # the fast command: its one-process sibling
 def test_two_rank_training_on_a_weighted_blend(prefixes, tmp_path, warm_torchrun):
     a, b = prefixes
     proc = warm_torchrun([*TINY, "--data-path", "0.7", a, "0.3", b, "--split", "90,8,2", "--train-iters", "20",
@@ -501,6 +503,7 @@ def test_a_data_worker_dies_with_its_rank():
         batches._shutdown_workers()  # the worker ignores SIGTERM (data_worker_init): end it before the exit hooks
 
 
+@pytest.mark.full  # the fast command: its one-process sibling
 def test_a_sigterm_during_the_exit_leaves_no_rank_waiting_on_its_workers():
     """A rank that is ending (another rank failed, its own step raised) gets torchrun's SIGTERM while data.py's exit
     hook shuts its DataLoader workers down: the rank still exits at once. (Without SIG_IGN there, train.py's handler

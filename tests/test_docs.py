@@ -175,7 +175,7 @@ def argument_flags(path: str) -> set:
     with open(path, encoding="utf-8") as fh:
         tree = ast.parse(fh.read())
     return {arg.value for node in ast.walk(tree) if isinstance(node, ast.Call)
-            and getattr(node.func, "attr", None) == "add_argument"
+            and getattr(node.func, "attr", None) in ("add_argument", "addoption")
             for arg in node.args if isinstance(arg, ast.Constant) and str(arg.value).startswith("--")}
 
 
@@ -189,6 +189,7 @@ def known_flags() -> set:
     for module in ("generate", "hf", "data", "peft", "bench"):
         known |= argument_flags(os.path.join(ROOT, f"{module}.py"))
     known |= argument_flags(os.path.join(package_root("torch"), "distributed", "run.py"))  # torchrun
+    known |= argument_flags(os.path.join(ROOT, "tests", "conftest.py"))  # the suite's own: pytest --full
     return known | set(EXTERNAL_FLAGS)
 
 
@@ -252,10 +253,11 @@ def test_the_readme_maps_every_page_and_each_page_says_what_it_answers():
         assert "What this page answers" in read(page), f"{page} does not start with what it answers"
 
 
-def test_the_readmes_test_command_is_what_ci_runs():
-    ci = [line for line in read(".ci/run").splitlines() if line.strip() and not line.startswith("#")][-1]
-    assert ci == "python -m pytest -q tests"
-    assert f"\n{ci}\n" in read("README.md")
+def test_the_readmes_test_commands_are_what_ci_runs():
+    """The fast command, then the full proof: .ci/run's last two lines, both in the README's quick start."""
+    ci = [line for line in read(".ci/run").splitlines() if line.strip() and not line.startswith("#")][-2:]
+    assert ci == ["python -m pytest -q tests", "python -m pytest -q tests --full"]
+    assert f"&& {ci[0]}\n{ci[1]}\n" in read("README.md")
     assert "python3.12 -m venv .venv && . .venv/bin/activate && pip install -r requirements.txt && " \
            "torchrun --nproc-per-node 2 train.py" in read("README.md")
 

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from conftest import REORDERED, TINY, Launches
+from conftest import REORDERED, TINY, Launches, two_ranks_at_most
 from conftest import assert_bitwise as conftest_assert_bitwise
 from conftest import assert_same as conftest_assert_same
 
@@ -119,7 +119,10 @@ def test_the_distributed_optimizer_on_one_rank_is_the_plain_optimizer(runs):
     assert_same(runs.dopt(), runs.plain(), range(1, 7))
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+# The fast command: every layout on two ranks but CP=2 with RoPE; the full proof that and the 4- and 8-rank products.
+@pytest.mark.parametrize("name", two_ranks_at_most([name for name in LAYOUTS if name != "cp2_rope"],
+                                                   lambda name: LAYOUTS[name][0])
+                         + [pytest.param("cp2_rope", marks=pytest.mark.full)])
 def test_every_layout_continues_the_one_rank_checkpoint_with_its_losses_and_grad_norms(runs, name):
     """The same global batches and the same weights, resharded on load into data-parallel replicas,
     tensor-parallel shards, pipeline stages (1F1B, interleaved, uneven) or distributed-optimizer shards:
@@ -154,6 +157,7 @@ def stop_and_resume(runs, name):
     return layout(runs, name), runs.resume(name + "_resumed", nproc, name, 9, *kept, *more)
 
 
+@pytest.mark.full  # 4 and 8 ranks
 @pytest.mark.parametrize("name", RESUMED)
 def test_four_and_eight_rank_layouts_stop_at_9_and_resume_bitwise(runs, name):
     straight, resumed = stop_and_resume(runs, name)
@@ -161,6 +165,7 @@ def test_four_and_eight_rank_layouts_stop_at_9_and_resume_bitwise(runs, name):
     assert_bitwise(resumed, straight, [10, 11, 12])
 
 
+@pytest.mark.full  # 4 and 8 ranks
 def test_a_save_holds_saving_ranks_times_writers_per_rank_files(runs):
     """storage_writers_per_rank (--dist-ckpt-workers 2): each of the 4 ranks of TP 2 x PP 2, every one holding shards
     of its own, writes 2 files: 8 .distcp files (and the resume from them is bitwise, above)."""
@@ -177,6 +182,7 @@ def one_from_cp2(runs):
     return runs.resume("one_from_cp2", 1, "cp2", 12, "--exit-interval", "15")
 
 
+@pytest.mark.full  # 4 and 8 ranks
 def test_the_eight_rank_checkpoint_continues_on_one_rank(runs):
     """dist_checkpointing's promise: TP 2 x PP 2 x DP 2 shards of weights and distributed Adam state, read by a
     single process, continue with the 8-rank run's losses."""
@@ -294,7 +300,8 @@ def _batch_on_rank(rank: int, port: int, tp: int, cp: int, shapes) -> None:
 
 @pytest.mark.parametrize("tp, cp, expected", [
     (2, 1, [list(range(16))] * 2),  # tensor parallelism: every rank the whole sequence
-    (1, 2, [[0, 1, 2, 3, 12, 13, 14, 15], [4, 5, 6, 7, 8, 9, 10, 11]]),  # CP: two chunks each, load-balanced
+    pytest.param(1, 2, [[0, 1, 2, 3, 12, 13, 14, 15], [4, 5, 6, 7, 8, 9, 10, 11]], marks=pytest.mark.full),  # CP: two
+    # chunks each, load-balanced (the fast command: the TP=2 case, the defect's, and the CP=2 layout)
 ])
 def test_each_rank_sees_the_sequence_its_context_parallel_group_gives_it(tp, cp, expected):
     """megatron-core 0.19's get_batch_on_this_cp_rank splits over the world when given no CP group

@@ -282,10 +282,14 @@ def _fork_page_blocks(section: str) -> list:
     return re.findall(r"```python\n(.*?)```", page[start:end if end > 0 else None], re.S)
 
 
-def test_a_layer_of_ones_own_trains_at_tp2_as_at_tp1_and_saves_split(tmp_path):
+@pytest.mark.parametrize("name, layout", [
+    ("tp2", ["--tensor-model-parallel-size", "2"]),
+    pytest.param("tp2_sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], marks=pytest.mark.full),
+])
+def test_a_layer_of_ones_own_trains_at_tp2_as_at_tp1_and_saves_split(tmp_path, name, layout):
     """docs/fork.md's ScaledRowParallelLinear, both blocks as the page has them, put in a copy of model.py: one process
-    saves at iteration 3 (the scales trained away from 1: lr 3e-3, 3 steps); TP=2 and TP=2 with sequence parallelism
-    load it resharded and give the one-process lm loss, grad norm and the scales' own gradient norm at iterations 4-6
+    saves at iteration 3 (the scales trained away from 1: lr 3e-3, 3 steps); TP=2 (or TP=2 with sequence parallelism)
+    loads it resharded and give the one-process lm loss, grad norm and the scales' own gradient norm at iterations 4-6
     (REORDERED; read back from TensorBoard at full precision); the checkpoint holds each layer's scale as one tensor
     of the MLP's width.""" 
     import shutil
@@ -320,14 +324,12 @@ def test_a_layer_of_ones_own_trains_at_tp2_as_at_tp1_and_saves_split(tmp_path):
     assert scales == {"decoder.layers.mlp.linear_fc2.input_scale": (2, 256)}, scales  # 2 layers x 4 x 64 hidden units
     scale_grad = "l2_norm/grad/decoder.layers.0.mlp.linear_fc2.input_scale"
     reference = tensorboard_scalars(tmp_path / "tb_one")
-    for name, layout in (("tp2", ["--tensor-model-parallel-size", "2"]),
-                         ("tp2_sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"])):
-        proc = torchrun([*flags, *layout, "--make-vocab-size-divisible-by", "64", "--load", str(tmp_path / "ckpt"),
-                         "--ckpt-step", "3", "--tensorboard-dir", str(tmp_path / f"tb_{name}")],
-                        script=str(tmp_path / "train.py"), cwd=tmp_path)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-        assert [line[0] for line in log_lines(proc.stdout)] == [4, 5, 6]
-        ours = tensorboard_scalars(tmp_path / f"tb_{name}")
-        for tag in ("lm loss", "grad-norm", scale_grad):
-            for it in (4, 5, 6):
-                assert ours[tag][it] == pytest.approx(reference[tag][it], rel=REORDERED), (name, tag, it)
+    proc = torchrun([*flags, *layout, "--make-vocab-size-divisible-by", "64", "--load", str(tmp_path / "ckpt"),
+                     "--ckpt-step", "3", "--tensorboard-dir", str(tmp_path / f"tb_{name}")],
+                    script=str(tmp_path / "train.py"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert [line[0] for line in log_lines(proc.stdout)] == [4, 5, 6]
+    ours = tensorboard_scalars(tmp_path / f"tb_{name}")
+    for tag in ("lm loss", "grad-norm", scale_grad):
+        for it in (4, 5, 6):
+            assert ours[tag][it] == pytest.approx(reference[tag][it], rel=REORDERED), (name, tag, it)

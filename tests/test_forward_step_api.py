@@ -167,6 +167,7 @@ def test_non_loss_data_pattern(single_rank_groups):
     assert grad is None  # forward only: nothing backpropagated
 
 
+@pytest.mark.full  # the fast command: the loss patterns in one process
 def test_scalar_reports_are_each_ranks_mean_over_its_microbatches(tmp_path):
     """Two data-parallel ranks of two microbatches each, whose loss function reports 10 x rank + the microbatch's
     place: the log line and the validation block (printed by the last rank, rank 1) show rank 1's mean, 10.5, as

@@ -83,8 +83,11 @@ def full_forward_tokens(model, prompt: list, new: list, vocab: int, sampling: di
     return [generate.pick(row[:vocab].float(), *knobs, generator) for row in rows]
 
 
-@pytest.mark.parametrize("kind, backend", [("gpt2", "auto"), ("gpt2", "local"), ("llama", "auto"), ("llama", "local"),
-                                           ("mixtral", "auto")])
+# The fast command: the GPT-2-like and the Mixtral-like model (RoPE, grouped-query attention, a router at every
+# step), each on SDPA; the full proof every pair, megatron-core's local attention too.
+@pytest.mark.parametrize("kind, backend", [("gpt2", "auto"), pytest.param("gpt2", "local", marks=pytest.mark.full),
+                                           pytest.param("llama", "auto", marks=pytest.mark.full),
+                                           pytest.param("llama", "local", marks=pytest.mark.full), ("mixtral", "auto")])
 def test_kv_cached_decoding_gives_the_full_forward_tokens_past_the_context(kind, backend, mock_run, llama_ckpt,
                                                                           moe_ckpts, tmp_path, monkeypatch):
     """300 tokens from a 64-token context, greedy and sampled: the cache serves every token while the sequence
@@ -401,6 +404,7 @@ def test_expert_parallelism_a_checkpoint_or_the_ranks_cannot_take_is_one_line(ll
             m.sequence_parallel) == (1, 2, 1, False)
 
 
+@pytest.mark.full  # the fast command: TP=2 samples = one process's
 def test_quick_start_outputs_feed_generate_with_no_flag_under_tensor_parallelism(tmp_path, monkeypatch):
     """The quick start's configuration (config.QUICK_START: its own BPE tokenizer of the built-in corpus), shrunk, in
     an empty folder and with no output flag: the tokenizer is trained on first use and reads the corpus back exactly;

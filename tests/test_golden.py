@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from conftest import REORDERED, ROOT, TINY, tensorboard_scalars, torchrun
+from conftest import REORDERED, ROOT, TINY, tensorboard_scalars
 
 GOLDEN = os.path.join(ROOT, "tests", "golden", "gpt_tiny_2ranks.json")
 ITERATIONS = 50
@@ -32,8 +32,8 @@ def golden_values(tb: dict) -> dict:
             for name, tag in METRICS.items()}
 
 
-def test_a_two_rank_run_writes_the_golden_values(tmp_path):
-    proc = torchrun([*FLAGS, "--tensorboard-dir", str(tmp_path / "tb"), "--data-cache-path", str(tmp_path / "cache")])
+def test_a_two_rank_run_writes_the_golden_values(tmp_path, warm_torchrun):
+    proc = warm_torchrun([*FLAGS, "--tensorboard-dir", str(tmp_path / "tb"), "--data-cache-path", str(tmp_path / "cache")])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     got = golden_values(tensorboard_scalars(tmp_path / "tb"))
     if os.environ.get("REGENERATE_GOLDEN"):

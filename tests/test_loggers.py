@@ -107,6 +107,7 @@ def check_same_losses(series: dict, tracked_run, name: str) -> None:
         assert series["lm loss validation"][it] == pytest.approx(loss, rel=PRINTED), (name, it)
 
 
+@pytest.mark.full  # the fast command: the trackers' one-line errors and TensorBoard
 def test_wandb_offline_run_holds_the_tensorboard_scalars(tracked_run):
     (run_file,) = glob.glob(str(tracked_run["dir"] / "wandb" / "wandb" / "offline-run-*" / "run-*.wandb"))
     history = wandb_history(run_file)
@@ -117,6 +118,7 @@ def test_wandb_offline_run_holds_the_tensorboard_scalars(tracked_run):
         assert history[tag] == pytest.approx(values, rel=PRINTED), tag  # TensorBoard's fp32 copy
 
 
+@pytest.mark.full  # the fast command: the trackers' one-line errors
 def test_mlflow_file_store_run_read_back_with_the_client(tracked_run, monkeypatch):
     from mlflow.tracking import MlflowClient
 
@@ -134,6 +136,7 @@ def test_mlflow_file_store_run_read_back_with_the_client(tracked_run, monkeypatc
         assert series[tag.replace("/", "_")] == pytest.approx(values, rel=PRINTED), tag  # TensorBoard's fp32 copy
 
 
+@pytest.mark.full  # the fast command: the trackers' one-line errors
 def test_comet_offline_experiment_holds_the_tensorboard_scalars(tracked_run):
     metrics, experiment = comet_metrics(tracked_run["dir"] / "comet")
     assert experiment["project_name"] == "proj" and sorted(experiment["tags"]) == ["cpu", "tiny"]
@@ -147,8 +150,9 @@ def test_comet_offline_experiment_holds_the_tensorboard_scalars(tracked_run):
 
 @pytest.mark.parametrize("package, flags, pip", [
     ("wandb", ["--wandb-project", "p", "--wandb-exp-name", "e"], "pip install wandb"),
-    ("mlflow", ["--mlflow-experiment", "e", "--mlflow-tracking-uri", "http://127.0.0.1:1"], "pip install mlflow-skinny"),
-    ("comet_ml", ["--comet-project", "p"], "pip install comet_ml"),
+    pytest.param("mlflow", ["--mlflow-experiment", "e", "--mlflow-tracking-uri", "http://127.0.0.1:1"],
+                 "pip install mlflow-skinny", marks=pytest.mark.full),  # the fast command: wandb's
+    pytest.param("comet_ml", ["--comet-project", "p"], "pip install comet_ml", marks=pytest.mark.full),
 ])
 def test_a_missing_tracker_package_is_a_one_line_error(tmp_path, package, flags, pip):
     """The package is shadowed by one whose import fails, as on a machine without it."""
@@ -166,8 +170,9 @@ def test_a_missing_tracker_package_is_a_one_line_error(tmp_path, package, flags,
 @pytest.mark.parametrize("flags, env, message", [
     (["--mlflow-experiment", "e", "--mlflow-tracking-uri", "file:///tmp/mlruns"], {"MLFLOW_ALLOW_FILE_STORE": ""},
      "is a file store, which MLflow opens only with MLFLOW_ALLOW_FILE_STORE=true"),
-    (["--comet-project", "p"], {"COMET_START_ONLINE": "", "COMET_API_KEY": ""}, "--comet-project: no Comet API key"),
-    (["--mlflow-run-name", "r"], {}, "--mlflow-run-name needs --mlflow-experiment"),
+    pytest.param(["--comet-project", "p"], {"COMET_START_ONLINE": "", "COMET_API_KEY": ""},
+                 "--comet-project: no Comet API key", marks=pytest.mark.full),  # the fast command: MLflow's
+    pytest.param(["--mlflow-run-name", "r"], {}, "--mlflow-run-name needs --mlflow-experiment", marks=pytest.mark.full),
 ])
 def test_an_unusable_tracker_setting_is_a_one_line_error(tmp_path, flags, env, message):
     env = {k: v for k, v in dict(os.environ, HOME=str(tmp_path), **env).items() if v != ""}

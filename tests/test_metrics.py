@@ -308,6 +308,7 @@ def test_timing_log_option_picks_megatron_cores_timer_block(single_rank_groups):
                      "minmax": "(min, max) time across ranks (ms):", "all": "times across ranks (ms):"}, heads
 
 
+@pytest.mark.full  # the fast command: the layouts' norms (test_engine, test_moe)
 def test_model_parallel_reductions_over_two_ranks():
     proc = torchrun([], nproc=2, script="tests/scripts/mp_reductions.py")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -317,6 +318,7 @@ def test_model_parallel_reductions_over_two_ranks():
         "rank 1: max=3.0 none=None and=False norm_tp2_equals_tp1=True dist_opt_norm_equals_plain=True"], lines
 
 
+@pytest.mark.full  # the fast command: the layouts' norms (test_engine, test_moe)
 def test_params_norm_as_megatron_lms():
     """--log-params-norm (tests/scripts/params_norm.py): at TP=2 with EP=2 and expert TP 1, Megatron-LM's own
     calc_params_l2_norm's figure (rank 1's expert linear_fc2 biases counted); under fp16 the norm of the fp16 weights,

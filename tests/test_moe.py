@@ -99,7 +99,9 @@ def layout(runs, name):
     return runs(name, nproc, *flags)
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+# The fast command: all-to-all at EP=2 (whose checkpoint the crossing test continues); the full proof every layout.
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.full) if name != "ep2_alltoall" else name
+                                  for name in LAYOUTS])
 def test_every_expert_parallel_layout_is_the_one_rank_run(runs, name):
     """The same weights at any EP size, tokens dispatched to the experts' ranks by all-gather or all-to-all, expert
     gradients reduced over the expert data-parallel group, expert parameters counted once in the params norm: the
@@ -157,14 +159,13 @@ def test_expert_parallel_checkpoints_cross_expert_parallel_sizes(runs):
     all, both ways (the one-rank checkpoint at EP=2 gives the uninterrupted one-rank run; EP=2 x DP=2's checkpoint
     on one rank gives the EP=2 x DP=2 run); the plain optimizer's weights with a fresh optimizer, both ways (the
     one-rank continuation with a fresh optimizer), its optimizer state one line naming --no-load-optim. EP=2
-    resumes its own plain checkpoint bitwise."""
+    resumes its own plain checkpoint bitwise. (EP=2 x DP=2's, on 4 ranks:
+    test_the_expert_data_parallel_checkpoint_continues_on_one_rank.)"""
     one, reference = one_rank(runs), one_fresh(runs)
     straight = layout(runs, "ep2_alltoall")
     assert reference["iterations"] == [7, 8, 9]
     sharded = [m for m in METRICS if "l2_norm" not in m]  # the distributed optimizer's shard of each gradient
     assert_same(ep2_from_one(runs), one, [7, 8, 9], sharded)
-    four = layout(runs, "ep2_dp2")
-    assert_same(one_from_ep2_dp2(runs), four, [7, 8, 9], sharded)
     assert_same(ep2_fresh_from_one(runs), reference, [7, 8, 9], METRICS)
     assert_same(one_from_ep2(runs), reference, [7, 8, 9], METRICS)
     assert_bitwise(ep2_resumed(runs), straight, [7, 8, 9], METRICS)
@@ -192,6 +193,7 @@ def stop_and_resume(runs, name, step):
     return layout(runs, name), runs.resume(name + "_resumed", nproc, name, step, *kept, "--exit-interval", "9")
 
 
+@pytest.mark.full  # the fast command: EP=2's own plain checkpoint resumed bitwise (the crossing test)
 @pytest.mark.parametrize("name, step", RESUMED)
 def test_layouts_stop_and_resume_bitwise(runs, name, step):
     """Each layout's own checkpoint, resumed: the same run bit for bit to 9. The experts' distributed Adam state in
@@ -202,6 +204,7 @@ def test_layouts_stop_and_resume_bitwise(runs, name, step):
     assert_bitwise(resumed, straight, range(step + 1, 10), [m for m in METRICS if "l2_norm" not in m])
 
 
+@pytest.mark.full  # its checkpoint is TP=2 + SP x EP=2's, 4 ranks
 def test_generate_splits_the_experts_or_the_matrices_and_samples_as_one_process(runs, warm_torchrun):
     """generate.py on the TP=2 + SP x EP=2 checkpoint, two seeded samples: under torchrun with
     --expert-model-parallel-size 2 (each rank holds 2 of the 4 experts, tokens dispatched all-to-all) and at TP=2
@@ -247,6 +250,7 @@ def ep2_bf16(runs):
     return runs("ep2_bf16", 2, "--bf16", *EP2, *A2A)
 
 
+@pytest.mark.full  # the fast command: fp32 across EP sizes
 def test_bf16_at_expert_parallel_size_2_is_the_one_rank_bf16_run(runs):
     """Mixed precision: bf16 weights, fp32 main weights and gradient reduction. EP=2's experts multiply other
     groupings of tokens (each expert gets both ranks' tokens at once) in bf16, so each expert output, and each
@@ -418,6 +422,7 @@ def test_memory_estimate_counts_the_built_moe_model_and_shards_experts_over_ep(s
         (n - experts) * (6 + 12 / 8) + experts / 2 * (6 + 12 / 4))
 
 
+@pytest.mark.full  # the fast command: fp32 across EP sizes
 def test_fp16_loss_scale_crosses_expert_parallel_sizes(runs):
     """The fp16 loss scaler's state (scale, growth tracker, hysteresis) is part of the optimizer state that regroups
     across the EP=1 / EP>1 line: a one-rank --fp16 run saved at 6 and resumed at EP=2 prints the one-rank run's loss
@@ -432,6 +437,15 @@ def test_fp16_loss_scale_crosses_expert_parallel_sizes(runs):
     assert sorted(second) == [7, 8, 9]
     assert float(first[6][0]) < 2.0 ** 32  # the scale came down from its start: a restart would show
     assert [second[it] for it in (7, 8, 9)] == [first[it] for it in (7, 8, 9)]
+
+
+@pytest.mark.full  # 4 ranks
+def test_the_expert_data_parallel_checkpoint_continues_on_one_rank(runs):
+    """EP=2 x DP=2's fully_reshardable checkpoint (the experts' Adam state in 2 shards) on one rank gives the EP=2 x
+    DP=2 run (the crossing of the test above, from 4 ranks)."""
+    sharded = [m for m in METRICS if "l2_norm" not in m]  # the distributed optimizer's shard of each gradient
+    four = layout(runs, "ep2_dp2")
+    assert_same(one_from_ep2_dp2(runs), four, [7, 8, 9], sharded)
 
 
 # --ckpt-format torch: Megatron-LM's files, one per tensor, pipeline and expert rank, under each layout it can save.
@@ -466,7 +480,9 @@ def torch_runs(tmp_path_factory, warm_torchrun):
     return runs
 
 
-@pytest.mark.parametrize("name", list(TORCH_LAYOUTS))
+# The fast command: EP=2's files; the full proof every layout's.
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.full) if name != "ep2" else name
+                                  for name in TORCH_LAYOUTS])
 def test_the_torch_format_saves_every_layout_as_megatron_lm_and_resumes_bitwise(torch_runs, name):
     """Each rank's file named and written as Megatron-LM names and writes it (checkpointing.py:224-239, 733-741): at
     EP=2 each expert rank's experts and their Adam state are in a file of their own (they were in none: rank 1's were
@@ -480,7 +496,8 @@ def test_the_torch_format_saves_every_layout_as_megatron_lm_and_resumes_bitwise(
 
 @pytest.mark.parametrize("name, saved", [
     ("ep2", "TP 1, PP 1, EP 2, expert TP 1"),  # this rank's file (mp_rank_00) is not there: another's names the sizes
-    ("tp2_sp", "TP 2, PP 1, EP 1, expert TP 1"),  # it is there, tensor rank 0's shards of a TP=2 model
+    pytest.param("tp2_sp", "TP 2, PP 1, EP 1, expert TP 1", marks=pytest.mark.full),  # it is there, tensor rank 0's
+    # shards of a TP=2 model
 ])
 def test_a_torch_format_checkpoint_at_other_parallel_sizes_is_one_line(torch_runs, name, saved):
     """One rank loading a 2-rank torch-format checkpoint: one line naming both layouts, before any weight."""

@@ -108,7 +108,7 @@ def test_muon_updates_the_matrices_and_adam_the_rest_as_megatron_core_chooses(ru
     assert losses[-1] < losses[0] - 0.2, losses
 
 
-@pytest.mark.parametrize("mode", TP_MODES)
+@pytest.mark.parametrize("mode", [TP_MODES[0], pytest.param(TP_MODES[1], marks=pytest.mark.full)])
 def test_tensor_parallel_muon_gathers_or_distributes_to_the_one_process_update(runs, mode):
     """--muon-tp-mode duplicated (each rank orthogonalizes the gathered matrix) and distributed (the Newton-Schulz
     iteration's products summed over the ranks) compute the one-process update: the same lm loss and grad norm at
@@ -119,6 +119,7 @@ def test_tensor_parallel_muon_gathers_or_distributes_to_the_one_process_update(r
     assert_same(tp2(runs, mode), one(runs), range(1, 7), METRICS, rel=REORDERED)
 
 
+@pytest.mark.full  # the fast command: Muon at TP=2 duplicated, resumed, layer-wise at DP=2
 def test_blockwise_tensor_parallel_muon_orthogonalizes_each_shard(runs):
     """--muon-tp-mode blockwise, megatron-core's default, orthogonalizes each rank's shard on its own: another update
     than one process's (an orthogonal matrix's halves are not orthogonal matrices), so the runs part after the first
@@ -173,6 +174,7 @@ def test_adaptive_muon_is_emerging_optimizers_own_on_one_device(method):
     assert torch.equal(weights["ours"], weights["theirs"])
 
 
+@pytest.mark.full  # the fast command: Muon at TP=2 duplicated, resumed, layer-wise at DP=2
 def test_adaptive_muon_learns_and_tensor_parallel_gives_the_one_process_update(runs):
     """The run: the loss falls, TP=2 in --muon-tp-mode duplicated and distributed gives the one-process run (the
     Newton-Schulz of the whole matrix as Muon's, and Muon's scale by the whole matrix's shape: a shard's shape would
@@ -248,6 +250,7 @@ def ep2_from_tp2(runs):
     return runs.resume("ep2_from_tp2", 2, "tp2_sp_duplicated", 5, "--expert-model-parallel-size", "2")
 
 
+@pytest.mark.full  # the fast command: Muon at TP=2 duplicated, resumed, layer-wise at DP=2
 def test_deepseek_v3_with_muon_updates_its_latent_projections_experts_and_mtp_layer_with_muon(v3):
     """megatron-core's choice on DeepSeek-V3's block: every 2-D weight but the embedding and the output layer, the
     latent attention's down- and up-projections, the experts, the router and the MTP layer's projection included;
@@ -269,6 +272,7 @@ def test_deepseek_v3_with_muon_updates_its_latent_projections_experts_and_mtp_la
     assert lm[-1] < lm[0] - 0.2 and mtp[-1] < mtp[0] - 0.2, (lm, mtp)
 
 
+@pytest.mark.full  # the fast command: Muon at TP=2 duplicated, resumed, layer-wise at DP=2
 @pytest.mark.parametrize("name", ["tp2_sp_duplicated", "tp2_sp_distributed", "ep2"])
 def test_deepseek_v3_with_muon_on_two_ranks_is_the_one_process_run(v3, name):
     """TP=2 with sequence parallelism under each --muon-tp-mode that computes the one-process update, and EP=2 (two
@@ -281,6 +285,7 @@ def test_deepseek_v3_with_muon_on_two_ranks_is_the_one_process_run(v3, name):
     assert_same(run, one_rank, [4], ["grad-norm"], rel=REORDERED)
 
 
+@pytest.mark.full  # the fast command: Muon at TP=2 duplicated, resumed, layer-wise at DP=2
 def test_deepseek_v3_with_muon_resumes_bitwise_and_its_momentum_crosses_to_expert_parallelism(v3):
     """TP=2 stopped at 5 and resumed: iteration 6 is the straight run's, bit for bit (momentum and expert bias in the
     checkpoint); EP=2 continuing the same checkpoint, the dense momentum gathered from its TP shards and the experts'
@@ -311,6 +316,7 @@ def test_a_layer_wise_optimizer_state_on_another_data_parallel_size_is_one_line(
     assert [it for it, *_ in log_lines(out)] == [4, 5, 6]
 
 
+@pytest.mark.full  # the fast command: Muon at TP=2 duplicated, resumed, layer-wise at DP=2
 def test_a_tensor_parallel_moe_checkpoints_optimizer_on_one_rank_is_one_line(v3, tmp_path):
     """At TP=2 with expert TP 1 megatron-core sets the experts' optimizer apart (their layers use the expert groups:
     tensor_parallel/layers.py:961-964), at one rank it does not, and it cannot load the one into the other: one line
@@ -350,6 +356,7 @@ def test_the_layer_wise_optimizers_buckets_are_sized_as_megatron_lm_sizes_them(s
     assert [len(b.buckets) for b in model[0].buffers] == buckets
 
 
+@pytest.mark.full  # the fast command: Muon at TP=2 duplicated, resumed, layer-wise at DP=2
 def test_the_layer_wise_optimizer_buckets_the_first_chunk_of_the_first_stage_only(tmp_path):
     """Pipeline stages after the first, and the model chunks after the first, reduce their gradients in one bucket
     (Megatron-LM's training.py:1857-1866): PP=2 with two virtual stages a rank, overlapped 20,000-parameter buckets.

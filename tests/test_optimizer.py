@@ -149,6 +149,7 @@ def test_a_failed_step_is_skipped_and_leaves_the_model_and_schedule_alone(single
         train.mcore_rerun.destroy_rerun_state_machine()  # registered process-wide by megatron-core's design
 
 
+@pytest.mark.full  # the fast command: the layouts' grad norms (test_engine)
 def test_tensor_parallel_ranks_agree_on_steps_and_grad_norms(tmp_path):
     """A tensor-parallel pair over gloo, real train_steps: the grad norm is one number (megatron-core's
     global norm, computed over both ranks' shards) whether or not the reported value is synced; a step

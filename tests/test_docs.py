@@ -71,7 +71,7 @@ def package_root(package: str) -> str:
 def citation_problems(page: str, text: str) -> list:
     problems = []
     roots = {"megatron": os.path.dirname(package_root("megatron.core")), "torch": package_root("torch"),
-             "emerging_optimizers": package_root("emerging_optimizers")}
+             "emerging_optimizers": package_root("emerging_optimizers"), "lm_eval": package_root("lm_eval")}
     for path, spec in CITATION.findall(text):
         top = path.split("/", 1)[0]
         if "/" not in path and path[:-3] in MODULES or path.startswith("tests/"):

@@ -31,9 +31,9 @@ from typing import Any, Optional
 
 from megatron_lm_flags import unsupported_flag
 
-from config import (BUILTIN_BPE_VOCAB, DOWNSTREAM_TASKS, FIM_EXTRA_TOKENS, INERT_DEST, MCORE_FLAG_CHANGES, MCORE_FLAGS, MCORE_YAML_ONLY,
-                    MEGATRON_LM_EMERGING_OPTIMIZERS, MEGATRON_LM_INERT_FLAGS, MEGATRON_LM_TOKENIZERS, OPTIONAL_SECTIONS,
-                    SECTIONS, ConfigContainer, ConfigError, FinetuningDatasetConfig, GPTDatasetConfig, GPTModelProvider,
+from config import (BUILTIN_BPE_VOCAB, DOWNSTREAM_TASKS, FIM_EXTRA_TOKENS, INERT_DEST, MCORE_FLAG_CHANGES, MCORE_FLAGS,
+                    MCORE_YAML_ONLY, MEGATRON_LM_EMERGING_OPTIMIZERS, MEGATRON_LM_INERT_FLAGS, MEGATRON_LM_TOKENIZERS,
+                    OPTIONAL_SECTIONS, SECTIONS, ConfigContainer, ConfigError, FinetuningDatasetConfig, GPTDatasetConfig, GPTModelProvider,
                     MixedPrecisionConfig, OptimizerConfig, TokenizerConfig, _names, _virtual_stages_split,
                     apply_overrides, backend, blend_of, build_parser, builtin_bpe_path, default_of, flag_of,
                     get_mixed_precision_config, layer_pattern, load_yaml, moe_layers, parse_window_size,
@@ -1478,8 +1478,9 @@ def check_eval_tasks(names: list) -> None:
 def check_downstream(cfg: ConfigContainer) -> None:
     d = cfg.downstream
     if d.eval_tasks is None:
-        require(d.eval_tasks_limit is None and d.eval_tasks_interval is None,
-                "--eval-tasks-limit and --eval-tasks-interval need --eval-tasks (the tasks to score)")
+        require(d.eval_tasks_limit is None and d.eval_tasks_interval is None and d.eval_tasks_samples_dir is None,
+                "--eval-tasks-limit, --eval-tasks-interval and --eval-tasks-samples-dir need --eval-tasks (the tasks "
+                "to score)")
         return
     check_eval_tasks(d.eval_tasks.split(","))
 

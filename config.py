@@ -882,6 +882,9 @@ class DownstreamEvalConfig:
     eval_tasks_interval: Optional[int] = arg(
         None, "Iterations between task scorings, and one at the end of training (default: --eval-interval).",
         bounds="(0, inf)")
+    eval_tasks_samples_dir: Optional[str] = arg(
+        None, "Write each scoring's examples (each choice's log-likelihood, the metrics) as JSON lines, "
+              "DIR/iter_<iteration>/<task>.jsonl, as lm-eval's --log_samples.")
 
 
 def LoRA(**fields) -> PEFTConfig:

@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import importlib.util
 import io
+import json
 import math
 import os
 import sys
@@ -237,9 +238,10 @@ def make_lm(model: list, tokenizer, cfg):
     return MegatronLM()
 
 
-def evaluate_tasks(model: list, tokenizer, cfg, tasks: dict, limit=None) -> list:
+def evaluate_tasks(model: list, tokenizer, cfg, tasks: dict, limit=None, samples_dir=None) -> list:
     """[(task, metric, value, stderr, examples, seconds)] of lm-eval's evaluator on the first `limit` examples of each
-    task (all: None), in lm-eval's order of metrics. stderr: lm-eval's (its bootstrap for acc and acc_norm)."""
+    task (all: None), in lm-eval's order of metrics. stderr: lm-eval's (its bootstrap for acc and acc_norm).
+    `samples_dir`: rank 0 writes each task's examples there, <task>.jsonl (write_samples)."""
     from lm_eval.evaluator import evaluate
 
     lm, rows = make_lm(model, tokenizer, cfg), []
@@ -247,11 +249,14 @@ def evaluate_tasks(model: list, tokenizer, cfg, tasks: dict, limit=None) -> list
         began, bars = time.monotonic(), io.StringIO()
         try:  # lm-eval draws a progress bar on every rank as it builds the requests: kept out of the log
             with contextlib.redirect_stderr(bars):
-                results = evaluate(lm, {name: task}, limit=limit, bootstrap_iters=100000, verbosity="ERROR")
+                results = evaluate(lm, {name: task}, limit=limit, bootstrap_iters=100000, verbosity="ERROR",
+                                   log_samples=samples_dir is not None)
         except BaseException:
             sys.stderr.write(bars.getvalue())
             raise
         seconds = time.monotonic() - began
+        if samples_dir is not None:
+            write_samples(os.path.join(samples_dir, f"{name}.jsonl"), results["samples"][name])
         figures, examples = results["results"][name], results["n-samples"][name]["effective"]
         for key, value in figures.items():
             metric, _, filt = key.partition(",")
@@ -261,6 +266,21 @@ def evaluate_tasks(model: list, tokenizer, cfg, tasks: dict, limit=None) -> list
             rows.append((name, metric, float(value), float(stderr) if isinstance(stderr, (int, float)) else None,
                          examples, seconds))
     return rows
+
+
+def write_samples(path: str, samples: list) -> None:
+    """Rank 0: one JSON line per example, as lm-eval's --log_samples keeps them: its doc_id, target, each choice's
+    log-likelihood and whether it was greedy, and its metrics."""
+    import torch
+
+    if torch.distributed.get_rank() != 0:
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as fh:
+        for s in samples:
+            answers = [resp[0] for resp in s["resps"]]
+            fh.write(json.dumps(dict(doc_id=s["doc_id"], target=s["target"], loglikelihoods=[a[0] for a in answers],
+                                     greedy=[a[1] for a in answers], **{m: s[m] for m in s["metrics"]})) + "\n")
 
 
 def task_block(prefix: str, rows: list) -> str:
@@ -296,6 +316,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--eval-tasks", required=True, help=f"Comma-separated: {','.join(DOWNSTREAM_TASKS)}.")
     parser.add_argument("--eval-tasks-limit", type=int, default=None,
                         help="The first N examples of each task's validation split (default: all).")
+    parser.add_argument("--eval-tasks-samples-dir", default=None,
+                        help="Write each task's examples (log-likelihoods per choice, metrics) to DIR/<task>.jsonl.")
     args = parser.parse_args(argv)
     try:
         args.eval_tasks = args.eval_tasks.split(",")
@@ -313,7 +335,7 @@ def main(args) -> int:
     model, tokenizer, cfg = generate.load_model(args.load, args.ckpt_step)
     cfg.train.micro_batch_size = 8  # rows per forward; the checkpoint's setting is training's
     tasks = build_tasks(args.eval_tasks)
-    rows = evaluate_tasks([model], tokenizer, cfg, tasks, args.eval_tasks_limit)
+    rows = evaluate_tasks([model], tokenizer, cfg, tasks, args.eval_tasks_limit, args.eval_tasks_samples_dir)
     log_tasks(f"checkpoint {args.load}", rows, 0, None)
     return 0
 

@@ -1065,9 +1065,10 @@ def downstream_interval(cfg: ConfigContainer) -> int:
 def score_downstream_tasks(state: GlobalState, model) -> None:
     """--eval-tasks on the live model: lm-eval's figures (downstream.py), a block beside the validation block and a
     TensorBoard tag each (`hellaswag/acc_norm`), at the step."""
-    step = state.train_state.step
-    rows = downstream.evaluate_tasks(model, state.tokenizer, state.cfg, state.downstream_tasks,
-                                     state.cfg.downstream.eval_tasks_limit)
+    step, d = state.train_state.step, state.cfg.downstream
+    samples = os.path.join(d.eval_tasks_samples_dir, f"iter_{step:07d}") if d.eval_tasks_samples_dir else None
+    rows = downstream.evaluate_tasks(model, state.tokenizer, state.cfg, state.downstream_tasks, d.eval_tasks_limit,
+                                     samples)
     downstream.log_tasks(f"iteration {step}", rows, step, state.writers)
     state.downstream_scored_at = step
 

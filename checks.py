@@ -125,9 +125,9 @@ def settings_from_yaml(path: str, parser: argparse.ArgumentParser, world_size: O
             sub = getattr(defaults, section, None)
             default = default_of(sub, section, name) if hasattr(sub, name) else None
             if action is not None:
-                values[name] = flag_value(action, value, f"--config-file {path}: {section}.{name}")
+                values[name] = flag_value(parser, action, value, f"--config-file {path}: {section}.{name}")
                 if value is None and isinstance(default, list) or default is not None and values[name] == \
-                        flag_value(action, plain_value(default), "the default"):
+                        flag_value(parser, action, plain_value(default), "the default"):
                     values[name] = default  # the default, as the class holds it (a list's also written as null)
             elif hasattr(sub, name):
                 meta = next(f.metadata for f in dataclasses.fields(sub) if f.name == name)
@@ -154,8 +154,8 @@ def flag_actions(parser: argparse.ArgumentParser) -> dict:
     return actions
 
 
-def flag_value(action: argparse.Action, value: Any, where: str) -> Any:
-    """A YAML value read as its flag reads its words (argparse's own conversion and choices); null stays unset."""
+def flag_value(parser: argparse.ArgumentParser, action: argparse.Action, value: Any, where: str) -> Any:
+    """A YAML value read as its flag reads its words (the parser's own conversion and choices); null stays unset."""
     if value is None:
         return None
     if action.nargs == 0:  # a switch
@@ -168,7 +168,7 @@ def flag_value(action: argparse.Action, value: Any, where: str) -> Any:
     if action.nargs is None and len(words) != 1:
         raise ConfigError(f"{where}: {value!r} is a list; {action.option_strings[0]} takes one value")
     try:
-        return argparse.ArgumentParser()._get_values(action, words)  # argparse's own reading of a flag's words
+        return parser._get_values(action, words)  # argparse's own reading of a flag's words
     except argparse.ArgumentError as e:
         raise ConfigError(f"{where}: {e}") from None
 

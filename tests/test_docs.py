@@ -256,7 +256,7 @@ def test_the_readme_maps_every_page_and_each_page_says_what_it_answers():
 def test_the_readmes_test_commands_are_what_ci_runs():
     """The fast command, then the full proof: .ci/run's last two lines, both in the README's quick start."""
     ci = [line for line in read(".ci/run").splitlines() if line.strip() and not line.startswith("#")][-2:]
-    assert ci == ["python -m pytest -q tests", "python -m pytest -q tests --full"]
+    assert ci == ["python -m pytest -q -n 2 tests", "python -m pytest -q -n 2 tests --full"]
     assert f"&& {ci[0]}\n{ci[1]}\n" in read("README.md")
     install = "pip install -r requirements.txt && pip install --no-deps -r requirements-tasks.txt"
     assert f"python3.12 -m venv .venv && . .venv/bin/activate && {install} && torchrun --nproc-per-node 2 train.py" \

@@ -221,8 +221,8 @@ def test_a_flag_of_ones_own_is_one_declaration_and_a_default_one_line_of_default
 
 
 RECORDING = '''
-import os, runpy, sys
-sys.path.insert(0, sys.argv.pop(1))  # the project
+import json, os, runpy, sys
+sys.path.insert(0, sys.argv[1])  # the project
 import data
 
 def recorded(self, iterate=data.MegatronPretrainingSampler.__iter__):
@@ -232,8 +232,18 @@ def recorded(self, iterate=data.MegatronPretrainingSampler.__iter__):
         yield batch
 
 data.MegatronPretrainingSampler.__iter__ = recorded  # which samples this rank's loader asks the dataset for
-sys.argv.pop(0)  # my_data.py's command line: my_data.py docs.jsonl [flags]
-runpy.run_path(sys.argv[0], run_name="__main__")
+# record.py PROJECT PLAN: each of PLAN's runs ({"cwd", "argv": my_data.py's command line, my_data.py docs.jsonl
+# [flags]}) in turn, in this job (one start for both), each as `torchrun my_data.py ...` would run it
+for run in json.load(open(sys.argv[2])):
+    os.chdir(run["cwd"])
+    sys.argv = run["argv"]
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as e:
+        if e.code:
+            raise
+    if os.environ["RANK"] == str(int(os.environ["WORLD_SIZE"]) - 1):  # the rank that prints the log lines
+        print("=== run done", flush=True)
 '''
 
 
@@ -254,19 +264,27 @@ def test_a_data_source_of_ones_own_splits_samples_over_data_parallel_ranks_and_r
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs))
     flags = [*TINY, "--train-iters", "6", "--global-batch-size", "8", "--log-interval", "1", "--eval-iters", "0"]
 
-    def run(name, *more):
+    runs = {"straight": ["--save", str(tmp_path / "ckpt"), "--save-interval", "3"],
+            "resumed": ["--load", str(tmp_path / "ckpt"), "--ckpt-step", "3"]}
+    for name in runs:
         (tmp_path / name).mkdir()
-        proc = torchrun([ROOT, str(tmp_path / "my_data.py"), str(tmp_path / "docs.jsonl"), *flags, *more],
-                        script=os.path.relpath(tmp_path / "record.py", ROOT), cwd=tmp_path / name)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-        samples = [[[int(i) for i in line.split()] for line in open(tmp_path / name / f"samples.rank{rank}")]
-                   for rank in range(2)]
-        return log_lines(proc.stdout), samples
+    (tmp_path / "plan.json").write_text(json.dumps([
+        dict(cwd=str(tmp_path / name), argv=[str(tmp_path / "my_data.py"), str(tmp_path / "docs.jsonl"), *flags, *more])
+        for name, more in runs.items()]))
+    proc = torchrun([ROOT, str(tmp_path / "plan.json")], script=os.path.relpath(tmp_path / "record.py", ROOT),
+                    cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    printed = proc.stdout.split("=== run done\n")
+    assert len(printed) == 3, proc.stdout[-2000:]
 
-    straight, (rank0, rank1) = run("straight", "--save", str(tmp_path / "ckpt"), "--save-interval", "3")
+    def samples(name):
+        return [[[int(i) for i in line.split()] for line in open(tmp_path / name / f"samples.rank{rank}")]
+                for rank in range(2)]
+
+    straight, (rank0, rank1) = log_lines(printed[0]), samples("straight")
     assert rank0[:2] == [[0, 1], [4, 5]] and rank1[:2] == [[2, 3], [6, 7]]
     assert sorted(i for batch in rank0[:12] + rank1[:12] for i in batch) == list(range(48))  # 6 steps of 8, once each
-    resumed, (again0, again1) = run("resumed", "--load", str(tmp_path / "ckpt"), "--ckpt-step", "3")
+    resumed, (again0, again1) = log_lines(printed[1]), samples("resumed")
     assert again0[:6] == rank0[6:12] and again1[:6] == rank1[6:12]  # samples 24-47, as the straight run read them
     assert [line[0] for line in resumed] == [4, 5, 6]
     assert [line[3] for line in resumed] == [line[3] for line in straight[3:]]

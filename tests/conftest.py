@@ -69,11 +69,11 @@ def pytest_configure(config):
     Launches.lazy = not config.getoption("full")
 
 
-# The files whose tests take longest (docs/testing.md, "Where the suite's time goes") come first: with `-n 2`, pytest.ini's
-# `--dist loadfile` hands each worker the next whole file in collection order, so a long file begun last would leave
-# one worker running alone at the end. Within a file the order is as written.
-SLOWEST_FIRST = ("test_restarts.py", "test_checkpoint.py", "test_fork.py", "test_generate.py", "test_config_roundtrip.py",
-                 "test_data.py", "test_loggers.py", "test_training.py", "test_engine.py", "test_device.py")
+# The files whose tests take longest in either command (docs/testing.md, "Where the suite's time goes") come first:
+# with `-n 2`, pytest.ini's `--dist loadfile` hands each worker the next whole file in collection order, so a long
+# file begun last would leave one worker running alone at the end. Within a file the order is as written.
+SLOWEST_FIRST = ("test_restarts.py", "test_engine.py", "test_fork.py", "test_checkpoint.py", "test_moe.py",
+                 "test_config_roundtrip.py", "test_generate.py", "test_data.py", "test_device.py", "test_training.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -175,7 +175,7 @@ def argument_flags(path: str) -> set:
     with open(path, encoding="utf-8") as fh:
         tree = ast.parse(fh.read())
     return {arg.value for node in ast.walk(tree) if isinstance(node, ast.Call)
-            and getattr(node.func, "attr", None) in ("add_argument", "addoption")
+            and getattr(node.func, "attr", None) in ("add_argument", "addoption", "_addoption")
             for arg in node.args if isinstance(arg, ast.Constant) and str(arg.value).startswith("--")}
 
 
@@ -190,6 +190,7 @@ def known_flags() -> set:
         known |= argument_flags(os.path.join(ROOT, f"{module}.py"))
     known |= argument_flags(os.path.join(package_root("torch"), "distributed", "run.py"))  # torchrun
     known |= argument_flags(os.path.join(ROOT, "tests", "conftest.py"))  # the suite's own: pytest --full
+    known |= argument_flags(os.path.join(package_root("xdist"), "plugin.py"))  # pytest-xdist's: -n, --dist
     return known | set(EXTERNAL_FLAGS)
 
 

@@ -107,6 +107,7 @@ def check_same_losses(series: dict, tracked_run, name: str) -> None:
         assert series["lm loss validation"][it] == pytest.approx(loss, rel=PRINTED), (name, it)
 
 
+@pytest.mark.full  # the fast command: the trackers' one-line errors and TensorBoard
 def test_wandb_offline_run_holds_the_tensorboard_scalars(tracked_run):
     (run_file,) = glob.glob(str(tracked_run["dir"] / "wandb" / "wandb" / "offline-run-*" / "run-*.wandb"))
     history = wandb_history(run_file)
@@ -117,6 +118,7 @@ def test_wandb_offline_run_holds_the_tensorboard_scalars(tracked_run):
         assert history[tag] == pytest.approx(values, rel=PRINTED), tag  # TensorBoard's fp32 copy
 
 
+@pytest.mark.full  # the fast command: the trackers' one-line errors
 def test_mlflow_file_store_run_read_back_with_the_client(tracked_run, monkeypatch):
     from mlflow.tracking import MlflowClient
 
@@ -134,6 +136,7 @@ def test_mlflow_file_store_run_read_back_with_the_client(tracked_run, monkeypatc
         assert series[tag.replace("/", "_")] == pytest.approx(values, rel=PRINTED), tag  # TensorBoard's fp32 copy
 
 
+@pytest.mark.full  # the fast command: the trackers' one-line errors
 def test_comet_offline_experiment_holds_the_tensorboard_scalars(tracked_run):
     metrics, experiment = comet_metrics(tracked_run["dir"] / "comet")
     assert experiment["project_name"] == "proj" and sorted(experiment["tags"]) == ["cpu", "tiny"]

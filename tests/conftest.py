@@ -69,19 +69,10 @@ def pytest_configure(config):
     Launches.lazy = not config.getoption("full")
 
 
-# The files whose tests take longest in either command (docs/testing.md, "Where the suite's time goes") come first:
-# with `-n 2`, pytest.ini's `--dist loadfile` hands each worker the next whole file in collection order, so a long
-# file begun last would leave one worker running alone at the end. Within a file the order is as written.
-SLOWEST_FIRST = ("test_restarts.py", "test_engine.py", "test_fork.py", "test_checkpoint.py", "test_moe.py",
-                 "test_config_roundtrip.py", "test_generate.py", "test_data.py", "test_device.py", "test_training.py")
-
-
 def pytest_collection_modifyitems(config, items):
-    """The slowest files first (SLOWEST_FIRST). Without --full, the tests marked `full` are deselected (pytest says how
-    many when it runs in one process), unless named on the command line by their node id: `python -m pytest
-    tests/test_engine.py::test_x` runs test_x whatever its mark."""
-    first = {name: place for place, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: the rest as collected
+    """Without --full, the tests marked `full` are deselected (pytest says how many when it runs in one process),
+    unless named on the command line by their node id: `python -m pytest tests/test_engine.py::test_x` runs test_x
+    whatever its mark."""
     if config.getoption("full"):
         return
     invoked = config.invocation_params.dir

@@ -276,7 +276,7 @@ def megatron_lm_args(cfg, ts) -> argparse.Namespace:
     name, as Megatron-LM's argparse names it (`--no-save-rng` is no_save_rng = not save_rng), plus the sizes it
     derives."""
     args, defaults = {}, config_lib.ConfigContainer()
-    for section, f, meta in config_lib._cli_fields():
+    for section, f, meta in config_lib._cli_fields(help_texts=False):
         flag = meta["flag"]
         # a FinetuningDatasetConfig (a DataloaderConfig, as Bridge's) has no pretraining data settings: their defaults
         value = getattr(getattr(cfg, section), f.name, getattr(getattr(defaults, section), f.name))

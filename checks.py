@@ -57,6 +57,11 @@ def package_installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+def asks_for_help(argv: Optional[list]) -> bool:
+    """Whether a command line (sys.argv's when None) asks for --help: only then does its parser need the help texts."""
+    return any(a in ("-h", "--help") for a in (sys.argv[1:] if argv is None else argv))
+
+
 def parse_args(argv: Optional[list] = None, world_size: Optional[int] = None, gpu: Optional[bool] = None,
                run: bool = False) -> ConfigContainer:
     """Parse flags (and an optional YAML file under them) into a validated ConfigContainer.
@@ -66,7 +71,7 @@ def parse_args(argv: Optional[list] = None, world_size: Optional[int] = None, gp
     is this machine's run (train.py's command line), which must also fit in its memory (check_fits_in_memory); a
     config alone may describe any model (its FLOPs and memory can be computed for a model no laptop holds).
     """
-    parser = build_parser()
+    parser = build_parser(help_texts=asks_for_help(argv))
     try:
         cfg = config_from_flags(argv, world_size, gpu, parser)
         if run:
@@ -81,7 +86,7 @@ def config_from_flags(argv: list, world_size: Optional[int] = None, gpu: Optiona
     """parse_args without the exit: an impossible combination raises ConfigError (for callers that are not the
     command line, such as hf.py's import). The YAML file's settings go in first, the flags over them: a flag given
     with the file wins, and what the file's run derived is derived again (settings_from_yaml)."""
-    parser = parser or build_parser()
+    parser = parser or build_parser(help_texts=asks_for_help(argv))
     ns, unknown = parser.parse_known_args(argv)
     if unknown:
         reasons = [unsupported_flag(t) for t in unknown if t.startswith("--")]

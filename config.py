@@ -1204,23 +1204,32 @@ NOT_MEGATRON_LM_FLAGS = {"--disable-save-optim", "--disable-save-rng", "--disabl
                          "--disable-mmap-bin-files"}
 
 
+class _FlagsWithoutHelp(ArgumentGroupFactory):
+    """megatron-core's flag generator, without the help texts: it reads them from the fields' docstrings in each
+    class's source (inspect.getsource and an ast walk, argument_utils.py:233), half a second or more a process for
+    all the sections, which a run's parse (every rank's) and a checkpoint's `args` never show."""
+
+    def _get_field_docstrings(self, src_cfg_class: type) -> dict:
+        return {}
+
+
 @functools.cache
-def _argument_factory(cls) -> ArgumentGroupFactory:
-    """megatron-core's flag generator for a config class. Once per class and process: it reads the fields' docstrings
-    from the class's source (inspect.getsource and an ast walk, argument_utils.py:233), about a second for all the
-    sections, which every parser built (each run's, each test's) would otherwise pay again for the same text."""
-    return ArgumentGroupFactory(cls)
+def _argument_factory(cls, help_texts: bool) -> ArgumentGroupFactory:
+    """megatron-core's flag generator for a config class, once per class and process (each parser built, each run's
+    and each test's, would otherwise read the same source again)."""
+    return ArgumentGroupFactory(cls) if help_texts else _FlagsWithoutHelp(cls)
 
 
-def _cli_fields():
-    """Yield (section, dataclass field, how it appears on the command line) for every field that has a flag."""
+def _cli_fields(help_texts: bool = True):
+    """Yield (section, dataclass field, how it appears on the command line) for every field that has a flag;
+    `help_texts=False`: the same, each megatron-core field's help empty."""
     defaults = ConfigContainer()
     for section in SECTIONS:
         if section in OPTIONAL_SECTIONS:
             continue
         cls = type(getattr(defaults, section))
         hints = typing.get_type_hints(cls)
-        factory = _argument_factory(cls) if section in MCORE_FLAGS else None
+        factory = _argument_factory(cls, help_texts) if section in MCORE_FLAGS else None
         for f in dataclasses.fields(cls):
             meta = _field_meta(section, f, hints, factory)
             if meta is not None:
@@ -1257,8 +1266,9 @@ FLAG_SWITCHES = [
 INERT_DEST = "megatron_lm_inert."  # argparse dest prefix of MEGATRON_LM_INERT_FLAGS
 
 
-def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
-    """The argparse parser: one argument group per config section, one flag per field."""
+def build_parser(prog: str = "train.py", help_texts: bool = True) -> argparse.ArgumentParser:
+    """The argparse parser: one argument group per config section, one flag per field. `help_texts=False`: the
+    same flags, megatron-core's fields without their help (a parse that is not asked for --help)."""
     parser = OneLineParser(
         prog=prog,
         description="Pretrain a megatron-core GPT. Flags follow Megatron-LM; --config-file takes a YAML file that flags override.",
@@ -1268,7 +1278,7 @@ def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
     parser.add_argument("--config-file", help="YAML file with one mapping per section (model:, train:, ...).")
     groups = {}
     defaults = ConfigContainer()
-    for section, f, meta in _cli_fields():
+    for section, f, meta in _cli_fields(help_texts):
         group = groups.get(section) or groups.setdefault(section, parser.add_argument_group(section))
         dest = f"{section}.{f.name}"
         default = getattr(getattr(defaults, section), f.name)

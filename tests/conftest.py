@@ -69,10 +69,27 @@ def pytest_configure(config):
     Launches.lazy = not config.getoption("full")
 
 
+# With `-n 2`, each worker takes the next whole file in collection order (pytest.ini: `--dist loadfile
+# --no-loadscope-reorder`), which is this: test_restarts.py first, as its jobs mostly wait (a stopped rank's timeout,
+# then torchrun's 30 s before the SIGKILL that reaches it; three restarts), which the other worker's files fill;
+# then the files with the most tests first (xdist's own order, which mixes the many one-process tests with the few
+# multi-rank ones; docs/testing.md). Within a file the order is as written.
+WAITS_FIRST = "test_restarts.py"
+
+
+def order_files(items) -> None:
+    files = [item.nodeid.split("::")[0] for item in items]
+    count = {f: files.count(f) for f in set(files)}
+    first = {f: files.index(f) for f in set(files)}
+    key = {id(item): (os.path.basename(f) != WAITS_FIRST, -count[f], first[f]) for item, f in zip(items, files)}
+    items.sort(key=lambda item: key[id(item)])
+
+
 def pytest_collection_modifyitems(config, items):
     """Without --full, the tests marked `full` are deselected (pytest says how many when it runs in one process),
     unless named on the command line by their node id: `python -m pytest tests/test_engine.py::test_x` runs test_x
     whatever its mark."""
+    order_files(items)
     if config.getoption("full"):
         return
     invoked = config.invocation_params.dir
@@ -129,12 +146,13 @@ class WarmRanks:
     def __init__(self, folder):
         self.folder, self.job, self.n = folder, None, 0
 
-    def __call__(self, args, cwd=None, timeout=300, script="train.py") -> subprocess.CompletedProcess:
+    def __call__(self, args, cwd=None, timeout=300, script="train.py", env=None) -> subprocess.CompletedProcess:
+        """`env`: variables set in the ranks' environment for this run only (as a launch with them would pass)."""
         if self.job is None or self.job.poll() is not None:
             self._start()
         request = os.path.join(self.job_dir, f"{self.n}.json")
         with open(request + ".tmp", "w") as f:
-            json.dump(dict(script=script, argv=[str(a) for a in args], cwd=str(cwd or os.getcwd())), f)
+            json.dump(dict(script=script, argv=[str(a) for a in args], cwd=str(cwd or os.getcwd()), env=env or {}), f)
         os.replace(request + ".tmp", request)
         codes = [os.path.join(self.job_dir, f"{self.n}.code.rank{rank}") for rank in range(2)]
         deadline = time.monotonic() + timeout

@@ -57,6 +57,20 @@ def test_every_field_has_help_and_a_flag():
         assert flag in text
 
 
+def test_a_parse_not_asked_for_help_has_every_flag_as_the_help_parser():
+    """A run's parse does not read megatron-core's docstrings (checks.asks_for_help): its parser has every flag of
+    the one `--help` prints, with the same destination, default, type, choices and arity; only help texts differ."""
+    def shape(parser):
+        return [(a.option_strings, a.dest, a.default, getattr(a.type, "__qualname__", a.type), a.choices, a.nargs,
+                 a.const, a.metavar) for a in parser._actions]
+
+    with_help, without = config.build_parser(), config.build_parser(help_texts=False)
+    assert shape(without) == shape(with_help)
+    differ = [a.option_strings[0] for a, b in zip(with_help._actions, without._actions) if a.help != b.help]
+    assert "--hidden-size" in differ and "--mock-data" not in differ  # megatron-core's field; this trainer's own
+    assert checks.asks_for_help(["--num-layers", "2", "--help"]) and not checks.asks_for_help(["--num-layers", "2"])
+
+
 def test_yaml_file_with_flags_overriding(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("model:\n  num_layers: 8\n  hidden_size: 128\ntrain:\n  train_iters: 50\n")
@@ -208,6 +222,7 @@ def _run_cli(*argvs):
 def test_help_and_errors_answer_before_any_process_group():
     out, errs = _run_cli(["--help"], ["--num-attention-heads", "3"])
     assert "--num-layers" in out and "exit 0 process group: False" in out
+    assert "Transformer hidden size." in " ".join(out.split())  # megatron-core's docstring: asked for, read
     assert "exit 2 process group: False" in out
     assert errs[1].strip().startswith("train.py: error: --num-attention-heads 3 does not divide")
     assert "Traceback" not in errs[1]

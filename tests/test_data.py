@@ -503,7 +503,6 @@ def test_a_data_worker_dies_with_its_rank():
         batches._shutdown_workers()  # the worker ignores SIGTERM (data_worker_init): end it before the exit hooks
 
 
-@pytest.mark.full  # the fast command: its one-process sibling
 def test_a_sigterm_during_the_exit_leaves_no_rank_waiting_on_its_workers():
     """A rank that is ending (another rank failed, its own step raised) gets torchrun's SIGTERM while data.py's exit
     hook shuts its DataLoader workers down: the rank still exits at once. (Without SIG_IGN there, train.py's handler

@@ -20,8 +20,9 @@ VALIDATION = re.compile(r" validation loss at iteration (\d+)(?: on \w+ set)? \|
 
 
 @pytest.fixture(scope="module")
-def tracked_run(tmp_path_factory):
-    """12 iterations on mock data, a log line per iteration, validation at 6 and 12, every tracker offline."""
+def tracked_run(tmp_path_factory, warm_torchrun):
+    """12 iterations on mock data, a log line per iteration, validation at 6 and 12, every tracker offline; on the
+    warm ranks, with the trackers' environment set for the run (as a launch with it would pass it on)."""
     out = tmp_path_factory.mktemp("trackers")
     env = {"WANDB_MODE": "offline", "WANDB_CONFIG_DIR": str(out / "wandb_config"), "WANDB_CACHE_DIR": str(out / "wandb_cache"),
            "WANDB_DATA_DIR": str(out / "wandb_data"), "MLFLOW_ALLOW_FILE_STORE": "true", "COMET_START_ONLINE": "0",
@@ -30,17 +31,14 @@ def tracked_run(tmp_path_factory):
            # servers and DNS names; a test reaches nothing outside this machine.
            "WANDB_X_DISABLE_STATS": "true", "WANDB_X_DISABLE_META": "true", "WANDB_X_DISABLE_MACHINE_INFO": "true",
            "COMET_AUTO_LOG_ENV_DETAILS": "false"}
-    with pytest.MonkeyPatch.context() as mp:  # torchrun passes this process's environment on
-        for key, value in env.items():
-            mp.setenv(key, value)
-        proc = torchrun([*TINY, "--mock-data", "--train-iters", "12", "--global-batch-size", "8", "--log-interval", "1",
-                         "--eval-interval", "6", "--eval-iters", "2", "--data-cache-path", str(out / "cache"),
-                         "--tensorboard-dir", str(out / "tb"), "--log-throughput", "--throughput-window-size", "2",
-                         "--log-memory-to-tensorboard",
-                         "--wandb-project", "proj", "--wandb-exp-name", "run-a", "--wandb-save-dir", str(out / "wandb"),
-                         "--mlflow-experiment", "exp", "--mlflow-run-name", "run-a",
-                         "--mlflow-tracking-uri", (out / "mlruns").as_uri(), "--mlflow-tags", "team=nlp", "size=tiny",
-                         "--comet-project", "proj", "--comet-experiment-name", "run-a", "--comet-tags", "cpu", "tiny"])
+    proc = warm_torchrun([*TINY, "--mock-data", "--train-iters", "12", "--global-batch-size", "8", "--log-interval", "1",
+                          "--eval-interval", "6", "--eval-iters", "2", "--data-cache-path", str(out / "cache"),
+                          "--tensorboard-dir", str(out / "tb"), "--log-throughput", "--throughput-window-size", "2",
+                          "--log-memory-to-tensorboard",
+                          "--wandb-project", "proj", "--wandb-exp-name", "run-a", "--wandb-save-dir", str(out / "wandb"),
+                          "--mlflow-experiment", "exp", "--mlflow-run-name", "run-a",
+                          "--mlflow-tracking-uri", (out / "mlruns").as_uri(), "--mlflow-tags", "team=nlp", "size=tiny",
+                          "--comet-project", "proj", "--comet-experiment-name", "run-a", "--comet-tags", "cpu", "tiny"], env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     losses = {it: loss for it, _, _, loss, _, _ in log_lines(proc.stdout)}
     assert sorted(losses) == list(range(1, 13))
@@ -107,7 +105,6 @@ def check_same_losses(series: dict, tracked_run, name: str) -> None:
         assert series["lm loss validation"][it] == pytest.approx(loss, rel=PRINTED), (name, it)
 
 
-@pytest.mark.full  # the fast command: the trackers' one-line errors and TensorBoard
 def test_wandb_offline_run_holds_the_tensorboard_scalars(tracked_run):
     (run_file,) = glob.glob(str(tracked_run["dir"] / "wandb" / "wandb" / "offline-run-*" / "run-*.wandb"))
     history = wandb_history(run_file)
@@ -118,7 +115,6 @@ def test_wandb_offline_run_holds_the_tensorboard_scalars(tracked_run):
         assert history[tag] == pytest.approx(values, rel=PRINTED), tag  # TensorBoard's fp32 copy
 
 
-@pytest.mark.full  # the fast command: the trackers' one-line errors
 def test_mlflow_file_store_run_read_back_with_the_client(tracked_run, monkeypatch):
     from mlflow.tracking import MlflowClient
 
@@ -136,7 +132,6 @@ def test_mlflow_file_store_run_read_back_with_the_client(tracked_run, monkeypatc
         assert series[tag.replace("/", "_")] == pytest.approx(values, rel=PRINTED), tag  # TensorBoard's fp32 copy
 
 
-@pytest.mark.full  # the fast command: the trackers' one-line errors
 def test_comet_offline_experiment_holds_the_tensorboard_scalars(tracked_run):
     metrics, experiment = comet_metrics(tracked_run["dir"] / "comet")
     assert experiment["project_name"] == "proj" and sorted(experiment["tags"]) == ["cpu", "tiny"]

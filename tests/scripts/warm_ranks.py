@@ -1,6 +1,7 @@
 """Run under torchrun: ranks that stay up and run train.py's command lines as the suite asks for them.
 `warm_ranks.py DIR`: each rank waits for DIR/<n>.json (n = 0, 1, 2, ...: {"script": "train.py" or "generate.py",
-"argv": [...], "cwd": "..."}), runs the script's `main` of those flags in that folder with its stdout and stderr (file descriptors 1 and 2, so C-level
+"argv": [...], "cwd": "...", "env": {...}}), runs the script's `main` of those flags in that folder, with those
+environment variables set for the run, with its stdout and stderr (file descriptors 1 and 2, so C-level
 writes too) in DIR/<n>.stdout.rank<R> and DIR/<n>.stderr.rank<R>, and then writes the run's exit code to
 DIR/<n>.code.rank<R>. DIR/quit ends the job.
 
@@ -51,12 +52,19 @@ def serve(folder: str) -> None:
         for fd, out in outputs.items():
             os.dup2(out.fileno(), fd)
         os.chdir(request["cwd"])
+        before = {key: os.environ.get(key) for key in request["env"]}
+        os.environ.update(request["env"])
         try:
             code = run(request)
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
             os.chdir(home)
+            for key, value in before.items():  # the environment as it was, for the next run
+                if value is None:
+                    os.environ.pop(key)
+                else:
+                    os.environ[key] = value
             for fd, out in outputs.items():
                 os.dup2(saved[fd], fd)
                 out.close()

@@ -89,8 +89,8 @@ def pytest_collection_modifyitems(config, items):
     """Without --full, the tests marked `full` are deselected (pytest says how many when it runs in one process),
     unless named on the command line by their node id: `python -m pytest tests/test_engine.py::test_x` runs test_x
     whatever its mark."""
-    order_files(items)
     if config.getoption("full"):
+        order_files(items)
         return
     invoked = config.invocation_params.dir
     named = [os.path.relpath(os.path.join(invoked, arg.split("::")[0]), config.rootpath) + "::" + arg.split("::", 1)[1]
@@ -101,6 +101,7 @@ def pytest_collection_modifyitems(config, items):
     if len(fast) < len(items):
         config.hook.pytest_deselected(items=[item for item in items if item not in fast])
         items[:] = fast
+    order_files(items)  # by the tests selected, as xdist counts them
 
 
 def two_ranks_at_most(names, ranks_of) -> list:

@@ -298,7 +298,6 @@ def test_the_tracker_is_published_durably(tmp_path, monkeypatch):
     assert (tmp_path / checkpoint.TRACKER).read_text() == "30"
 
 
-@pytest.mark.full  # a signal, a kill or a damage of its own kind (the fast command: SIGTERM to the job, kill -9 mid-save)
 def test_truncated_file_stops_every_rank_with_one_line(mock_run, tmp_path):
     ckpt = _copy_ckpt(mock_run, tmp_path)
     target = ckpt / "iter_0000030" / "__0_0.distcp"  # the data-parallel run's one file (rank 0 writes every shard)
@@ -368,7 +367,6 @@ def _wait_for(predicate, timeout=120):
     return False
 
 
-@pytest.mark.full  # a signal, a kill or a damage of its own kind (the fast command: SIGTERM to the job, kill -9 mid-save)
 def test_sigterm_on_one_rank_saves_and_stops_all_ranks(tmp_path):
     log = tmp_path / "log"
     args = [*TINY, "--mock-data", "--train-iters", "3000", "--log-interval", "1", "--eval-iters", "0",
@@ -389,7 +387,6 @@ def test_sigterm_on_one_rank_saves_and_stops_all_ranks(tmp_path):
     assert "rng_state/shard_0.0_1.1" in checkpoint_keys(tmp_path / "ck" / f"iter_{step:07d}")
 
 
-@pytest.mark.full  # the fast command: SIGTERM to the job, kill -9 mid-save
 def test_nothing_outlives_a_killed_rank(tmp_path):
     """`kill -9` of one rank (an OOM kill, say), after its first save: within 10 seconds no process it started is
     left (the --async-save writer's Manager, which blocks SIGTERM and SIGINT, dies with it; DataLoader workers
@@ -436,7 +433,7 @@ def _signal_the_job(args, log, sig, after="iteration        3/"):
     return log.read_text()
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", pytest.param("SIGINT", marks=pytest.mark.full)])
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_a_signal_to_the_whole_job_saves_and_the_run_resumes(tmp_path, sig, capsys):
     """SIGTERM with --async-save: a save before the signal started the writer's Manager, which the signal reaches
     too; it blocks the job's signals, so the signal's own save goes through it. SIGINT with synchronous saves."""
@@ -456,7 +453,6 @@ def test_a_signal_to_the_whole_job_saves_and_the_run_resumes(tmp_path, sig, caps
         assert [line[0] for line in log_lines(resumed)] == [step + 1, step + 2]
 
 
-@pytest.mark.full  # a signal, a kill or a damage of its own kind (the fast command: SIGTERM to the job, kill -9 mid-save)
 def test_a_signal_without_the_handler_ends_each_rank_with_one_line(tmp_path):
     args = [*TINY, "--mock-data", "--train-iters", "3000", "--log-interval", "1", "--eval-iters", "0",
             "--num-workers", "2", "--data-cache-path", str(tmp_path / "cache")]
@@ -466,7 +462,7 @@ def test_a_signal_without_the_handler_ends_each_rank_with_one_line(tmp_path):
     assert "[rank0]: Traceback" not in out and "[rank1]: Traceback" not in out and "KeyboardInterrupt" not in out, out
 
 
-@pytest.mark.parametrize("mode", [[], pytest.param(["--async-save"], marks=pytest.mark.full)], ids=["sync", "async"])
+@pytest.mark.parametrize("mode", [[], ["--async-save"]], ids=["sync", "async"])
 def test_kill_9_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, mode, capsys):
     ck = tmp_path / "ck"
     args = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "64",
@@ -500,7 +496,6 @@ def test_kill_9_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, mode,
     assert (ck / "latest_checkpointed_iteration.txt").read_text() == str(published + 2)
 
 
-@pytest.mark.full  # a signal, a kill or a damage of its own kind (the fast command: SIGTERM to the job, kill -9 mid-save)
 def test_saving_an_iteration_again_never_leaves_it_missing(tmp_path, capsys):
     """--ckpt-step 2 below the tracker's 3, saving into the same directory: iteration 3, the one the tracker names, is
     saved again. Done, the new one has taken its place and nothing is left aside; killed with -9 in the middle of

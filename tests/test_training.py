@@ -135,7 +135,6 @@ def test_tensor_parallel_with_the_default_dropout_stops_and_resumes_bitwise(tmp_
     assert [second[it] for it in (4, 5, 6)] == [first[it] for it in (4, 5, 6)]
 
 
-@pytest.mark.full  # the fast command: its one-process or warm-rank sibling
 def test_an_exception_mid_run_ends_the_rank_and_its_data_workers(tmp_path):
     """Rank 0 raises at iteration 4 with two DataLoader workers per rank: the job ends (torchrun stops rank 1) with
     the exception on stderr and a non-zero code, and no process of it is left (a rank that waited on its workers at
@@ -361,7 +360,6 @@ def test_a_nan_gradient_under_a_finite_loss_stops_before_the_step_with_the_last_
         and "at iteration 3 on rank 0" in errors[0], errors
 
 
-@pytest.mark.full  # the fast command: its one-process or warm-rank sibling
 def test_a_nan_gradient_on_one_rank_stops_every_rank_with_one_line(tmp_path):
     """Two data-parallel ranks, rank 0's gradient NaN at iteration 3 (tests/scripts/nan_gradient.py): rank 0's bucket
     check finds it before the reduce, and both ranks stop before the optimizer step (not rank 0 alone, which would

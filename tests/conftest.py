@@ -70,9 +70,8 @@ def pytest_configure(config):
 
 
 # With `-n 2`, each worker takes the next whole file in collection order (pytest.ini: `--dist loadfile
-# --no-loadscope-reorder`), which is this: test_restarts.py first, as its jobs (the full proof's) mostly wait (a
-# stopped rank's timeout, then torchrun's 30 s before the SIGKILL that reaches it; three restarts), which the other
-# worker's files fill;
+# --no-loadscope-reorder`), which is this: test_restarts.py first, as its jobs mostly wait (a stopped rank's timeout,
+# then torchrun's 30 s before the SIGKILL that reaches it; three restarts), which the other worker's files fill;
 # then the files with the most tests first (xdist's own order, which mixes the many one-process tests with the few
 # multi-rank ones; docs/testing.md). Within a file the order is as written.
 WAITS_FIRST = "test_restarts.py"

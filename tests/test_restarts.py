@@ -96,7 +96,6 @@ def uninterrupted(tmp_path_factory, warm_torchrun):
     return run
 
 
-@pytest.mark.full  # a torchrun job restarted three times: the full proof
 @pytest.mark.parametrize("nproc, flags", [
     (2, []),
     pytest.param(4, ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"],  # TP=2 x DP=2
@@ -141,7 +140,6 @@ def test_a_job_whose_ranks_are_killed_three_times_resumes_bitwise(tmp_path, unin
           f"{straight_seconds:.1f} s uninterrupted (with no start-up on warm ranks); resumed at {resumed_at}")
 
 
-@pytest.mark.full  # torchrun's restarts: the full proof (the fast command: every signal and kill of one job)
 def test_a_stopped_rank_fails_the_others_at_the_timeout_and_the_job_restarts(tmp_path, uninterrupted):
     """A rank stopped with SIGSTOP (a read that never returns) hangs no one for ever: the other rank's collective
     fails after --distributed-timeout-minutes (here 0.1, six seconds; megatron-core's own groups get it too),

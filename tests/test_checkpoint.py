@@ -404,6 +404,8 @@ def test_nothing_outlives_a_killed_rank(tmp_path):
         # the writer's Manager (forked, Bridge's async_write_results_mp_mode default) blocks SIGTERM and SIGINT
         assert any(_blocks(p, signal.SIGTERM) and _blocks(p, signal.SIGINT) for p in helpers), helpers
         rank.kill()
+        # The kernel kills them with the rank (PR_SET_PDEATHSIG: data.die_with_parent, checkpoint.py's writer): a
+        # scheduling delay, which 10 s outlasts on a loaded machine; without it the writer's Manager would live on.
         gone, alive = psutil.wait_procs(helpers, timeout=10)
         assert not alive, [" ".join(p.cmdline()) for p in alive]
         assert proc.wait(timeout=150) != 0

@@ -4,6 +4,7 @@ import contextlib
 import itertools
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -123,10 +124,49 @@ def config_error(argv, capsys, world_size=1, gpu=False, run=False) -> str:
     return err
 
 
+def ephemeral_ports() -> range:
+    """The kernel's ephemeral range: the local ports it gives outgoing connections and binds to port 0 (Linux's
+    default, 32768-60999, where /proc does not say; macOS's and Windows' start higher)."""
+    try:
+        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    except OSError:
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+def port_block(worker: str, size=1000) -> range:
+    """The ports xdist worker `worker` ("gw0", "gw1", ...; "" in a run without xdist) draws from: the blocks of
+    `size` below the ephemeral range, one per worker, so no two of the suite's processes draw the same port."""
+    n = int(worker[2:]) if worker.startswith("gw") else 0
+    top = ephemeral_ports().start - n * size
+    assert top - size >= 1024, f"no room below the ephemeral range {ephemeral_ports()} for worker {worker}"
+    return range(top - size, top)
+
+
+def _drawn(block):
+    start = random.Random().randrange(len(block))  # a run started just after another begins elsewhere in the block
+    for i in itertools.count():
+        yield block[(start + i) % len(block)]
+
+
+_PORTS = _drawn(port_block(os.environ.get("PYTEST_XDIST_WORKER", "")))
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a job's rendezvous store (torchrun's --master-port) that nothing else takes before torchrun binds it.
+    A port the kernel picks (bind to port 0) comes from its ephemeral range, which every outgoing connection draws
+    from too: gloo's between the ranks and the store clients of the jobs running beside this one, one of which
+    once took it in the gap (EADDRINUSE at torchrun's rendezvous: a module's tests lost in a CI run). Below that range only
+    an explicit bind takes a port, and each worker binds only in a block of its own; a port still bound, or in
+    TIME_WAIT after an earlier job, fails the bind here (no SO_REUSEADDR) and is passed over."""
+    for port in itertools.islice(_PORTS, 1000):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in this worker's block")
 
 
 def torchrun(args, nproc=2, script="train.py", timeout=300, cwd=None):

@@ -17,6 +17,11 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+# One thread for torch's (and numpy's) operators in the test processes, as torchrun gives each rank, read when torch
+# first runs one: `-n 2` puts two workers on two cores, and a worker's second OpenMP thread spins while it waits for
+# the first, on the core the other worker or a job's rank needs (docs/testing.md, "What changed", item 11).
+os.environ["OMP_NUM_THREADS"] = "1"
+
 # A tiny model, and no default outputs (train.py saves to checkpoints/ and writes TensorBoard files to runs/
 # unless told otherwise): a test that wants them names its own --save / --tensorboard-dir after these.
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
@@ -284,16 +289,11 @@ def train_here(argv) -> str:
     import config
 
     import checks
-    import torch
     import train
 
-    threads, out = torch.get_num_threads(), io.StringIO()
-    torch.set_num_threads(1)
-    try:
-        with contextlib.redirect_stdout(out):
-            train.pretrain(checks.parse_args(argv, world_size=1, gpu=False))
-    finally:
-        torch.set_num_threads(threads)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train.pretrain(checks.parse_args(argv, world_size=1, gpu=False))
     return out.getvalue()
 
 

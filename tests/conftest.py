@@ -149,7 +149,7 @@ def port_block(worker: str, size=1000) -> range:
 
 
 def _drawn(block):
-    start = random.Random().randrange(len(block))  # a run started just after another begins elsewhere in the block
+    start = random.Random().randrange(len(block))  # not where the run before left its ports in TIME_WAIT
     for i in itertools.count():
         yield block[(start + i) % len(block)]
 
@@ -161,9 +161,9 @@ def free_port() -> int:
     """A port for a job's rendezvous store (torchrun's --master-port) that nothing else takes before torchrun binds it.
     A port the kernel picks (bind to port 0) comes from its ephemeral range, which every outgoing connection draws
     from too: gloo's between the ranks and the store clients of the jobs running beside this one, one of which
-    once took it in the gap (EADDRINUSE at torchrun's rendezvous: a module's tests lost in a CI run). Below that range only
-    an explicit bind takes a port, and each worker binds only in a block of its own; a port still bound, or in
-    TIME_WAIT after an earlier job, fails the bind here (no SO_REUSEADDR) and is passed over."""
+    once took it in the gap (EADDRINUSE at torchrun's rendezvous: a module's tests lost in a CI run). Below that
+    range only an explicit bind takes a port, and each worker binds only in a block of its own; a port still bound,
+    or in TIME_WAIT after an earlier job, fails the bind here (no SO_REUSEADDR) and is passed over."""
     for port in itertools.islice(_PORTS, 1000):
         with socket.socket() as s:
             try:

@@ -176,4 +176,3 @@ def test_max_restarts_without_save_and_load_on_one_directory_is_named_at_start(t
     assert lines == ["WARNING: torchrun --max-restarts 3 restarts this job from the newest checkpoint in --load, which "
                      f"must be where --save writes (now --save {tmp_path / 'ck'}, --load None): a restart would train "
                      "from scratch"]
-

@@ -114,7 +114,9 @@ def continuation_scores(logits, targets, mask, vocab: int, tp_group):
     logits = logits.float().masked_fill(ids >= vocab, float("-inf"))
     local = targets - first
     here = (local >= 0) & (local < rows)
-    picked = logits.gather(-1, local.clamp(0, rows - 1).unsqueeze(-1)).squeeze(-1) * here
+    # Zero where another rank holds the target, by selection: a slice of only padding gathers -inf there, and
+    # -inf x 0 would be NaN in every rank's sum (megatron-core's cross-entropy assigns 0 the same way)
+    picked = torch.where(here, logits.gather(-1, local.clamp(0, rows - 1).unsqueeze(-1)).squeeze(-1), 0.0)
     top = logits.max(dim=-1).values
     torch.distributed.all_reduce(picked, group=tp_group)
     torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=tp_group)

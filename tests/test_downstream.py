@@ -14,7 +14,8 @@ TASKS, LIMIT = ["arc_easy", "piqa"], 20
 # are near chance, and the comparison with the hf backend holds whatever they are. 128 tokens: PIQA's and ARC's
 # longest requests here are cut from the left, as both sides cut them. 4 layers: two virtual stages of two pipeline
 # stages.
-FLAGS = [*TINY, "--num-layers", "4", "--seq-length", "128", "--global-batch-size", "4",
+# The vocabulary (2,049 tokens) padded to 4,352 rows: at TP=2 (below) the second rank's slice is all padding.
+FLAGS = [*TINY, "--num-layers", "4", "--seq-length", "128", "--global-batch-size", "4", "--make-vocab-size-divisible-by", "4352",
          "--tokenizer-type", "HuggingFaceTokenizer", "--train-iters", "4",
          "--eval-iters", "0", "--num-workers", "0", "--eval-tasks", ",".join(TASKS), "--eval-tasks-limit", str(LIMIT)]
 BLOCK_ROW = re.compile(r"^ (\w+)/(\w+): (\S+) \| stderr: (\S+) \| examples: (\d+) \| seconds: \S+ \|$", re.M)
@@ -170,14 +171,16 @@ def test_a_checkpoint_is_scored_from_the_command_line_as_in_the_loop(scored_run,
 
 
 # Two ranks, each layout: the requests split over the data-parallel ranks, the model over the others.
-TP2 = ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"]  # the one process's 2176 rows
+# The one process's 4,352 rows; the second rank's 2,176 are all padding (its target logits are -inf, gathered nowhere)
+TP2 = ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "2176"]
 LAYOUTS = {"dp2": [], "tp2": TP2, "tp2_sp": [*TP2, "--sequence-parallel"],
            "pp2_vpp2": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
            "cp2": ["--context-parallel-size", "2"]}
 MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
 
 
-@pytest.mark.parametrize("name", [n if n == "pp2_vpp2" else pytest.param(n, marks=pytest.mark.full) for n in LAYOUTS])
+@pytest.mark.parametrize("name", [n if n in ("pp2_vpp2", "tp2") else pytest.param(n, marks=pytest.mark.full)
+                                  for n in LAYOUTS])
 def test_every_layout_scores_the_one_process_accuracies(scored_run, warm_torchrun, name, tmp_path):
     """The one-process run's checkpoint of iteration 4, loaded by two ranks at `name` with nothing left to train:
     the final scoring prints the one process's figures, once (rank 0), and each example's log-likelihoods are the

@@ -124,6 +124,32 @@ def continuation_scores(logits, targets, mask, vocab: int, tp_group):
     return torch.stack([(logprob * mask).sum(-1), ((picked < top).float() * mask).sum(-1)], dim=-1)
 
 
+@contextlib.contextmanager
+def dropping_no_tokens(model: list):
+    """MoE's expert capacity lifted for the call (--moe-expert-capacity-factor, --moe-pad-expert-input-to-capacity):
+    the capacity is a share of the microbatch's tokens, so the padding rows and positions that scoring adds, and the
+    other requests in a row's microbatch, would compete with a request's tokens for it, and a score would depend on
+    --micro-batch-size. Without it every token reaches its experts, as in transformers' MoE models (what `hf.py
+    export` writes and lm-eval's `hf` backend scores). The router reads the factor from its config at each forward
+    (router.py:788); the all-to-all dispatcher caches its padding at construction (token_dispatcher.py:443)."""
+    modules = [m for chunk in model for m in chunk.modules()]
+    configs = list({id(c): c for m in modules if (c := getattr(m, "config", None)) is not None
+                    and getattr(c, "moe_expert_capacity_factor", None) is not None}.values())
+    dispatchers = [d for m in modules if hasattr(d := getattr(m, "token_dispatcher", None), "drop_and_pad")]
+    factors, pads = [c.moe_expert_capacity_factor for c in configs], [d.drop_and_pad for d in dispatchers]
+    for c in configs:
+        c.moe_expert_capacity_factor = None
+    for d in dispatchers:
+        d.drop_and_pad = False
+    try:
+        yield
+    finally:
+        for c, factor in zip(configs, factors):
+            c.moe_expert_capacity_factor = factor
+        for d, pad in zip(dispatchers, pads):
+            d.drop_and_pad = pad
+
+
 @device.in_shim  # megatron-core on this machine, for the call (a checkpoint's scoring; training's run is in it already)
 def score(model: list, cfg, sequences: list, vocab: int) -> list:
     """[(log-likelihood, greedy)] of each (tokens, n): the sum of log p over the last n tokens of `tokens` given the
@@ -174,7 +200,7 @@ def score(model: list, cfg, sequences: list, vocab: int) -> list:
     for m in model:
         m.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), dropping_no_tokens(model):
             out = get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(batches) if len(model) == 1 else
                 [iter(batches) for _ in model], model=model, num_microbatches=microbatches, seq_length=seq,
@@ -238,7 +264,8 @@ def make_lm(model: list, tokenizer, cfg):
 
 def evaluate_tasks(model: list, tokenizer, cfg, tasks: dict, limit=None, samples_dir=None) -> list:
     """[(task, metric, value, stderr, examples, seconds)] of lm-eval's evaluator on the first `limit` examples of each
-    task (all: None), in lm-eval's order of metrics. stderr: lm-eval's (its bootstrap for acc and acc_norm).
+    task (all: None), in lm-eval's order of metrics. stderr: lm-eval's (for a mean such as acc and acc_norm its
+    closed form, the sample standard deviation over sqrt(n); bootstrap_iters only matters to metrics without one).
     `samples_dir`: rank 0 writes each task's examples there, <task>.jsonl (write_samples)."""
     from lm_eval.evaluator import evaluate
 

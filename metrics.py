@@ -811,27 +811,33 @@ def calc_dtensor_params_l2_norm(params) -> float:
 
 def report_l2_norm_grad(model) -> dict:
     """`l2_norm/grad/global` and `l2_norm/grad/NAME` per parameter, after the data-parallel reduction
-    (and after unscaling): tensor-parallel shards summed, duplicates counted once. MoE experts are named by their
-    global index (`local_experts.<i>` of expert-parallel rank r is expert r x local experts + i), gathered from every
-    expert-parallel rank. Walks every parameter: only with --log-l2-norm-grad."""
-
-
+    (and after unscaling), each the one process's: tensor-parallel shards summed, duplicates counted once, a
+    distributed optimizer's shards of the reduced gradient summed over the data-parallel ranks, and every parameter
+    under its global name (layers by their number in the whole model, not in their pipeline stage or virtual stage;
+    MoE experts by their global index: `local_experts.<i>` of expert-parallel rank r is expert r x local experts +
+    i), gathered from every pipeline stage and expert-parallel rank. Walks every parameter: only with
+    --log-l2-norm-grad."""
+    model = model if isinstance(model, list) else [model]
     # Every tensor-parallel rank lists the same names in the same order (so the per-name sums line up);
     # a duplicate counts as zero except on tensor-parallel rank 0.
-    model = model if isinstance(model, list) else [model]
-    named = [(n, p) for chunk in model for n, p in chunk.named_parameters() if param_is_not_shared(p)]
+    named = [(global_name(chunk, n), p) for chunk in model for n, p in unwrap_model(chunk).named_parameters()
+             if param_is_not_shared(p)]
+    owned = _owned_grads(model)
     report, total = {}, torch.zeros((), device=device.current())
     for expert in (False, True):
         part = [(n, p) for n, p in named if _is_expert(p) == expert]
         if expert and not getattr(getattr(unwrap_model(model[0]), "config", None), "num_moe_experts", None):
             break
         squares = torch.stack([
-            _grad_of(p).float().pow(2).sum()
+            owned.get(p, _grad_of(p)).float().pow(2).sum()
             if _grad_of(p) is not None and _not_tp_duplicate(p)
             else torch.zeros((), device=p.device) for _, p in part] or [torch.zeros((), device=device.current())])
+        if owned:  # each data-parallel rank holds its shard of every reduced gradient
+            squares = _sum_over(squares, parallel_state.get_expert_data_parallel_group() if expert else
+                                parallel_state.get_data_parallel_group(with_context_parallel=True))
         if not expert:
             squares = _sum_over(squares, parallel_state.get_tensor_model_parallel_group())
-            report.update({f"l2_norm/grad/{n.removeprefix('module.')}": v.sqrt().item() for (n, _), v in zip(part, squares)})
+            report.update({f"l2_norm/grad/{n}": v.sqrt().item() for (n, _), v in zip(part, squares)})
             total += _sum_over(squares[:len(part)].sum(), parallel_state.get_pipeline_model_parallel_group())
             continue
         total += _sum_over(squares[:len(part)].sum(), parallel_state.get_expert_tensor_model_pipeline_parallel_group())
@@ -843,9 +849,42 @@ def report_l2_norm_grad(model) -> dict:
         for rank, values in enumerate(gathered):
             for (n, _), v in zip(part, values):
                 name = re.sub(r"local_experts\.(\d+)\.", lambda g: f"local_experts.{rank * local + int(g[1])}.", n)
-                report[f"l2_norm/grad/{name.removeprefix('module.')}"] = v.sqrt().item()
+                report[f"l2_norm/grad/{name}"] = v.sqrt().item()
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    if torch.distributed.get_world_size(pp_group) > 1:  # each stage holds its own layers: every stage's names
+        stages = [None] * torch.distributed.get_world_size(pp_group)
+        torch.distributed.all_gather_object(stages, report, group=pp_group)
+        report = {k: v for stage in stages for k, v in stage.items()}
     report["l2_norm/grad/global"] = total.sqrt().item()
     return report
+
+
+def global_name(chunk, name: str) -> str:
+    """A parameter's name in the whole model: a pipeline stage (or virtual stage) numbers its decoder layers from 0,
+    megatron-core's TransformerLayer keeps its number in the whole model (layer_number, from 1)."""
+    match = re.match(r"decoder\.layers\.(\d+)\.", name)
+    if match is None:
+        return name
+    number = unwrap_model(chunk).decoder.layers[int(match[1])].layer_number
+    return f"decoder.layers.{number - 1}.{name[match.end():]}"
+
+
+def _owned_grads(model: list) -> dict:
+    """{param: the part of its gradient this data-parallel rank owns}, with the distributed optimizer (else {}): after
+    the reduce-scatter, rank r holds the reduced values of shard r of each bucket of megatron DDP's gradient buffer
+    (param_and_grad_buffer.py:74, shard_buffer) and the rest of the buffer is its own unreduced gradient."""
+    owned = {}
+    for chunk in model:
+        if not getattr(getattr(chunk, "ddp_config", None), "use_distributed_optimizer", False):
+            continue
+        for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]:
+            ranks, rank = buffer.data_parallel_group.size(), buffer.data_parallel_group.rank()
+            for bucket in buffer.buckets:
+                shard = bucket.grad_data.numel() // ranks
+                lo, hi = rank * shard, (rank + 1) * shard
+                for p, (start, end) in bucket.param_to_index.items():
+                    owned[p] = bucket.grad_data[max(start, lo):max(min(end, hi), max(start, lo))]
+    return owned
 
 
 def _grad_of(p):
@@ -885,6 +924,17 @@ def bytes_per_parameter(config, expert: bool = False) -> tuple:
     return weight + gradient + sharded / shards, weight
 
 
+def attention_parameters(m) -> float:
+    """One layer's attention and its two norms, biases left out (layer_parameters' count): what every layer holds,
+    dense or MoE."""
+    h = m.hidden_size
+    if m.multi_latent_attention:  # the latents' norms are built with --qk-layernorm only
+        norms = (1 if m.normalization == "RMSNorm" else 2) if m.qk_layernorm else 0
+        return mla_attention_parameters(m, norms=norms) + 4 * h
+    return 2 * h * h * ((1 + m.num_query_groups / m.num_attention_heads) * m.kv_channels * m.num_attention_heads / h
+                        + 2 / h)
+
+
 def layer_parameters(m) -> list:
     """(non-expert, expert) parameters of each transformer layer, biases left out: 2h^2 x (attention (1 + groups/
     heads) x q-projection/h + 2/h for the two norms; multi-latent attention's own count, mla_attention_parameters,
@@ -894,12 +944,7 @@ def layer_parameters(m) -> list:
     builds)."""
     h = m.hidden_size
     gated = 3 / 2 if m.swiglu or m.quick_geglu else 1  # both build megatron-core's gated linear unit (model.py)
-    if m.multi_latent_attention:  # the latents' norms are built with --qk-layernorm only
-        norms = (1 if m.normalization == "RMSNorm" else 2) if m.qk_layernorm else 0
-        attention = mla_attention_parameters(m, norms=norms) + 4 * h
-    else:
-        attention = 2 * h * h * ((1 + m.num_query_groups / m.num_attention_heads) * m.kv_channels *
-                                 m.num_attention_heads / h + 2 / h)
+    attention = attention_parameters(m)
     dense = attention + 2 * h * m.ffn_hidden_size * gated
     moe = (attention + (m.num_moe_experts or 0) * h + 2 * h * (m.moe_shared_expert_intermediate_size or 0) * gated,
            2 * h * (m.moe_ffn_hidden_size or 0) * (m.num_moe_experts or 0) * gated)

@@ -373,7 +373,7 @@ class Launches:
         for name, _, argv in runs:
             tb = tensorboard_scalars(self.out / name / "tb")
             self.done[name] = dict(argv=argv, stdout=printed[name], **{m: tb.get(m, {}) for m in self.metrics},
-                                   iterations=[it for it, *_ in log_lines(printed[name])])
+                                   iterations=[it for it, *_ in log_lines(printed[name])], tb=tb)
 
     def ckpt(self, name):
         return str(self.out / name / "ckpt")

@@ -16,16 +16,18 @@ import pytest
 import torch
 
 from conftest import REORDERED, TINY, Launches, two_ranks_at_most
-from conftest import assert_bitwise as conftest_assert_bitwise
-from conftest import assert_same as conftest_assert_same
 
-# Four layers so two pipeline stages can each hold two virtual stages; no dropout, so layouts compare exactly.
+# Four layers so two pipeline stages can each hold two virtual stages; no dropout, so layouts compare exactly. Every
+# number a run reports: the z-loss beside the lm loss, the params norm, the zeros in the gradient, the gradient's norm
+# per parameter, a validation loss every 3 iterations. The ByteTokenizer's 257 ids padded to 640 rows.
 FLAGS = [*TINY, "--num-layers", "4", "--mock-data", "--global-batch-size", "8", "--train-iters", "15", "--exit-interval", "12",
-         "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
-         "--num-workers", "0", "--lr-decay-style", "constant"]
+         "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "3", "--hidden-dropout", "0",
+         "--attention-dropout", "0", "--num-workers", "0", "--lr-decay-style", "constant", "--z-loss-coeff", "1e-3",
+         "--log-params-norm", "--log-num-zeros-in-grad", "--log-l2-norm-grad", "--make-vocab-size-divisible-by", "640"]
 DOPT = ["--use-distributed-optimizer"]
-# TP pads the vocabulary to a multiple of 128 x TP by default; 64 x 2 keeps the 1-rank run's 128 rows.
-TP2 = ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"]
+# TP pads the vocabulary to a multiple of the divisor x TP: 320 x 2 keeps the 1-rank run's 640 rows, and the second
+# tensor-parallel rank's 320 (ids 320-639) are all padding.
+TP2 = ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "320"]
 SP = ["--sequence-parallel"]
 # Context parallelism on the local layers: SDPAttention all-gathers keys and values over the CP group (--cp-comm-type
 # all_gather, derived).
@@ -74,12 +76,37 @@ def runs(tmp_path_factory, warm_torchrun):
     return runs
 
 
+def numbers(reference) -> list:
+    """Every number the reference wrote to TensorBoard but the clock's (iteration-time): the losses, their validation,
+    the norms, the zeros, each parameter's gradient norm under its global name. Their "vs samples" twins hold the
+    same values by another step."""
+    numbers = sorted(tag for tag in reference["tb"] if tag != "iteration-time" and not tag.endswith(" vs samples"))
+    assert {"lm loss", "z loss", "lm loss validation", "grad-norm", "params-norm", "num-zeros", "l2_norm/grad/global",
+            "l2_norm/grad/decoder.layers.3.mlp.linear_fc1.bias"} <= set(numbers)
+    return numbers
+
+
+# num-zeros counts the gradient's elements that are exactly 0. The keys' biases have a gradient of 0 in exact
+# arithmetic (adding the same q . b_k to every score of a query leaves its softmax unchanged), so theirs is rounding
+# noise, exactly 0 in one order of summation and not in another: the count may differ by at most their number, 4
+# layers x 64 (the other elements' gradients are not 0 in exact arithmetic, so no reordering makes them 0 here).
+KEY_BIASES = 4 * 64
+
+
 def assert_same(run, reference, iterations, rel=REORDERED):
-    conftest_assert_same(run, reference, iterations, METRICS, rel)
+    """Every number of the reference at each of `iterations` where it has one, and the run has the same names."""
+    assert set(numbers(run)) == set(numbers(reference))
+    for tag in numbers(reference):
+        bound = dict(abs=KEY_BIASES) if tag == "num-zeros" else dict(rel=rel)
+        for it in [it for it in iterations if it in reference["tb"][tag]]:
+            assert run["tb"][tag][it] == pytest.approx(reference["tb"][tag][it], **bound), (tag, it)
 
 
 def assert_bitwise(run, reference, iterations):
-    conftest_assert_bitwise(run, reference, iterations, METRICS)
+    assert set(numbers(run)) == set(numbers(reference))
+    for tag in numbers(reference):
+        its = [it for it in iterations if it in reference["tb"][tag]]
+        assert [run["tb"][tag][it] for it in its] == [reference["tb"][tag][it] for it in its], tag
 
 
 LAYOUTS = {

@@ -21,13 +21,13 @@ FLAGS = [*TINY, "--num-layers", "4", *MOE, "--mock-data", "--global-batch-size",
          "--exit-interval", "6", "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0",
          "--attention-dropout", "0", "--num-workers", "0", "--lr-decay-style", "constant", "--log-params-norm",
          "--moe-per-layer-logging", "--log-l2-norm-grad"]
-# z_loss is left out of the comparisons: megatron-core tracks it without a reduce group (router.py), so Megatron-LM
-# logs the last rank's own figure, which depends on the data-parallel layout; the load-balancing loss is averaged.
-# With --moe-per-layer-logging and --log-l2-norm-grad: layer 3's (the second MoE layer's) load-balancing loss, the
-# gradient norm of expert 3 (on EP rank 1 at EP=2: its norm is gathered) and the global gradient norm.
+# The router's z_loss and the load-balancing loss, each averaged over the ranks (megatron-core's tracker, router.py:697
+# and :596). With --moe-per-layer-logging and --log-l2-norm-grad: layer 3's (the second MoE layer's) load-balancing
+# loss, the gradient norm of expert 3 (on EP rank 1 at EP=2: its norm is gathered; under PP=2 on the second stage,
+# named by its layer in the whole model) and the global gradient norm.
 EXPERT_3 = "l2_norm/grad/decoder.layers.2.mlp.experts.local_experts.3.linear_fc1.weight"
-METRICS = ("lm loss", "load_balancing_loss", "grad-norm", "params-norm", "moe/load_balancing_loss_layer_2", EXPERT_3,
-           "l2_norm/grad/global")
+METRICS = ("lm loss", "load_balancing_loss", "z_loss", "grad-norm", "params-norm", "moe/load_balancing_loss_layer_2",
+           EXPERT_3, "l2_norm/grad/global")
 EP2 = ["--expert-model-parallel-size", "2"]
 A2A = ["--moe-token-dispatcher-type", "alltoall"]
 DOPT = ["--use-distributed-optimizer"]
@@ -57,7 +57,7 @@ LAYOUTS = {
 def runs(tmp_path_factory, warm_torchrun):
     """Every run of the matrix, made up front: the one-rank references, then each process count's runs in one
     torchrun job (conftest.Launches.together), then the one-rank runs that continue their checkpoints."""
-    runs = Launches(tmp_path_factory.mktemp("moe"), FLAGS, (*METRICS, "z_loss"), warm_torchrun)
+    runs = Launches(tmp_path_factory.mktemp("moe"), FLAGS, METRICS, warm_torchrun)
     with runs.together():
         one_rank(runs), one_fresh(runs), one_bf16(runs)
         for nproc in (2, 4):
@@ -113,12 +113,7 @@ def test_every_expert_parallel_layout_is_the_one_rank_run(runs, name):
         reference, iterations = one_rank(runs), list(range(1, 7))
     run = layout(runs, name)
     assert run["iterations"][:len(iterations)] == iterations
-    # Under the distributed optimizer each rank holds only its shard of the reduced gradients, so the per-parameter
-    # gradient norms (read from the gradient buffers, as Bridge's report_l2_norm_grad reads them) are not compared;
-    # a pipeline stage names its layers from 0 (megatron-core's module names), so expert 3's name is another there.
-    compared = [m for m in METRICS if not ("l2_norm" in m and DOPT[0] in flags)
-                and not (m == EXPERT_3 and "--pipeline-model-parallel-size" in flags)]
-    assert_same(run, reference, iterations, compared)
+    assert_same(run, reference, iterations, METRICS)
 
 
 def test_the_log_line_shows_megatron_lms_auxiliary_losses(runs):
@@ -164,8 +159,7 @@ def test_expert_parallel_checkpoints_cross_expert_parallel_sizes(runs):
     one, reference = one_rank(runs), one_fresh(runs)
     straight = layout(runs, "ep2_alltoall")
     assert reference["iterations"] == [7, 8, 9]
-    sharded = [m for m in METRICS if "l2_norm" not in m]  # the distributed optimizer's shard of each gradient
-    assert_same(ep2_from_one(runs), one, [7, 8, 9], sharded)
+    assert_same(ep2_from_one(runs), one, [7, 8, 9], METRICS)
     assert_same(ep2_fresh_from_one(runs), reference, [7, 8, 9], METRICS)
     assert_same(one_from_ep2(runs), reference, [7, 8, 9], METRICS)
     assert_bitwise(ep2_resumed(runs), straight, [7, 8, 9], METRICS)
@@ -201,7 +195,7 @@ def test_layouts_stop_and_resume_bitwise(runs, name, step):
     4-rank layouts (TP=2 + SP x EP=2, EP=2 x PP=2), Adam state and all."""
     straight, resumed = stop_and_resume(runs, name, step)
     assert resumed["iterations"] == list(range(step + 1, 10))
-    assert_bitwise(resumed, straight, range(step + 1, 10), [m for m in METRICS if "l2_norm" not in m])
+    assert_bitwise(resumed, straight, range(step + 1, 10), METRICS)
 
 
 @pytest.mark.full  # its checkpoint is TP=2 + SP x EP=2's, 4 ranks
@@ -443,9 +437,8 @@ def test_fp16_loss_scale_crosses_expert_parallel_sizes(runs):
 def test_the_expert_data_parallel_checkpoint_continues_on_one_rank(runs):
     """EP=2 x DP=2's fully_reshardable checkpoint (the experts' Adam state in 2 shards) on one rank gives the EP=2 x
     DP=2 run (the crossing of the test above, from 4 ranks)."""
-    sharded = [m for m in METRICS if "l2_norm" not in m]  # the distributed optimizer's shard of each gradient
     four = layout(runs, "ep2_dp2")
-    assert_same(one_from_ep2_dp2(runs), four, [7, 8, 9], sharded)
+    assert_same(one_from_ep2_dp2(runs), four, [7, 8, 9], METRICS)
 
 
 # --ckpt-format torch: Megatron-LM's files, one per tensor, pipeline and expert rank, under each layout it can save.

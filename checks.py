@@ -1403,12 +1403,25 @@ def check_fits_in_memory(cfg: ConfigContainer) -> None:
     weight_and_optimizer_bytes, after Bridge's theoretical_memory_utils: 16 bytes a parameter in fp32, 18 in mixed
     precision, the optimizer's part sharded by --use-distributed-optimizer), one microbatch's logits and layer inputs
     (metrics.activation_floor); and megatron-core's sample index, 16 bytes per sample (its sample-to-document pairs
-    and its shuffle)."""
+    and its shuffle). Beside the report's count, every other tensor a flag can make any size: the learned position
+    table, a LoRA adapter, megatron-core's dataset's attention masks, and (before the layers are listed one by one)
+    --num-layers' attention weights."""
 
-    m, t = cfg.model, cfg.train
+    m, t, p = cfg.model, cfg.train, cfg.peft
     total = machine_memory_bytes(cfg)
     if total is None or None in (m.kv_channels, m.num_query_groups, m.ffn_hidden_size, m.max_position_embeddings):
         return
+    where = "its GPU" if cfg.use_gpu else "RAM on this machine"
+    ranks = 1 if cfg.use_gpu else int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
+    # Every layer holds its attention (split over tensor parallelism), an average stage its share of the layers, at
+    # the weight's bytes at least: bounded before metrics.parameters_per_stage lists the layers one by one, a list
+    # that at 10^12 layers is a MemoryError of its own. Counted as below: one stage on a GPU, every rank's here.
+    attention = (ranks * metrics.attention_parameters(m) / m.tensor_model_parallel_size * m.num_layers
+                 / m.pipeline_model_parallel_size * metrics.bytes_per_parameter(cfg)[1])
+    require(attention <= total,
+            f"the model needs at least {_gb(attention)} for its layers' attention weights alone (--num-layers "
+            f"{m.num_layers} x --hidden-size {m.hidden_size}; {ranks} rank(s) here), more than the {_gb(total)} of "
+            f"{where}; make it smaller or split it over more devices")
     divisible = m.make_vocab_size_divisible_by * m.tensor_model_parallel_size
     vocab = {"ByteTokenizer": 257, "NullTokenizer": (cfg.tokenizer.vocab_size or 0) + 1}.get(cfg.tokenizer.tokenizer_type, 1)
     padded_vocab = -(-vocab // divisible) * divisible
@@ -1416,11 +1429,27 @@ def check_fits_in_memory(cfg: ConfigContainer) -> None:
     # import: --train-iters 0) only the weights.
     trains = t.train_iters != 0 and not cfg.validation.skip_train
     _, params, stages = metrics.parameters_per_stage(cfg, padded_vocab)
+    # The learned position table, which the report leaves out as Bridge's formula does: megatron-core's
+    # LanguageModelEmbedding builds it (a torch.nn.Embedding, whole on each tensor-parallel rank) on the first stage
+    # for learned absolute positions only; rope builds none (its angles are computed for the sequence given).
+    table = m.max_position_embeddings * m.hidden_size if m.position_embedding_type == "learned_absolute" else 0
+    stages[0] = (stages[0][0] + table, stages[0][1])
+    params += table
     per_stage = metrics.weight_and_optimizer_bytes(cfg, stages, cfg.trainable_fraction if trains else 0)
-    ranks = 1 if cfg.use_gpu else int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
+    # A LoRA/DoRA adapter: each target layer has the hidden size on one side, so one adapter (A and B) holds at least
+    # --lora-dim x h / TP parameters on a rank; one at least, on some stage (peft.py's targets may skip the others).
+    adapter = p.lora_dim * m.hidden_size / m.tensor_model_parallel_size if p.peft != "none" else 0
+    adapter_bytes = metrics.weight_and_optimizer_bytes(cfg, [(adapter, 0)], 1 if trains else 0)[0]
     # One GPU holds the most loaded stage (the report's figure); a CPU's RAM every rank here, of every stage.
-    weights = max(per_stage) if cfg.use_gpu else ranks * sum(per_stage) / len(per_stage)
-    need = weights + ranks * metrics.activation_floor(cfg, padded_vocab)
+    weights = (max(max(per_stage), min(per_stage) + adapter_bytes) if cfg.use_gpu
+               else ranks * sum(per_stage) / len(per_stage) + (adapter_bytes if ranks >= cfg.world_size else 0))
+    # megatron-core's GPT dataset builds each sample's s x s attention mask from a float32 one (gpt_dataset.py,
+    # _get_ltor_masks_and_position_ids), and a microbatch's masks reach the rank's device as b s x s booleans. Only a
+    # run that reads data builds them (generate.py and hf.py's import: --train-iters 0).
+    d, mask = cfg.dataset, 0
+    if t.train_iters != 0 and isinstance(d, GPTDatasetConfig) and d.create_attention_mask:
+        mask = m.seq_length ** 2 * (t.micro_batch_size + (0 if cfg.use_gpu else 4))
+    need = weights + ranks * (metrics.activation_floor(cfg, padded_vocab) + mask)
     require(need <= total,
             f"the model needs at least {_gb(need)} for its weights"
             + (", gradients, optimizer state" if trains else "") + f" and one microbatch's activations ({params:,.0f} "
@@ -1428,9 +1457,15 @@ def check_fits_in_memory(cfg: ConfigContainer) -> None:
             f"{m.moe_ffn_hidden_size} over --expert-model-parallel-size {m.expert_model_parallel_size}, "
             if m.num_moe_experts else "") + f"a vocabulary padded to {padded_vocab:,} rows by "
             f"--make-vocab-size-divisible-by {m.make_vocab_size_divisible_by}, --seq-length {m.seq_length}, "
-            f"--micro-batch-size {t.micro_batch_size}; {ranks} rank(s) here), more than the "
-            f"{_gb(total)} of {'its GPU' if cfg.use_gpu else 'RAM on this machine'}; make it smaller or split it "
-            f"over more devices")
+            f"--micro-batch-size {t.micro_batch_size}"
+            # named where it is longer than the sequence, which --seq-length names
+            + (f", a table of --max-position-embeddings {m.max_position_embeddings} learned positions"
+               if table and m.max_position_embeddings > m.seq_length else "")
+            + (f", an adapter of --lora-dim {p.lora_dim} or more" if adapter else "")
+            + (f", --reset-attention-mask's {m.seq_length:,} x {m.seq_length:,} attention mask of a sample" if mask
+               else "")
+            + f"; {ranks} rank(s) here), more than the {_gb(total)} of {where}; make it smaller or split it over "
+            f"more devices")
     if t.train_iters is None or t.global_batch_size is None:
         return
     v = cfg.validation
@@ -1488,6 +1523,12 @@ def check_downstream(cfg: ConfigContainer) -> None:
                 "to score)")
         return
     check_eval_tasks(d.eval_tasks.split(","))
+    # The tasks are text, and NullTokenizer's tokenize reads ids written as numbers: without this the run trains to
+    # its end, then fails at the first scoring. (Megatron-LM's other types are refused by check_tokenizer.)
+    tokenizer = cfg.tokenizer.tokenizer_type
+    require(tokenizer in ("ByteTokenizer", "HuggingFaceTokenizer"),
+            f"--eval-tasks with --tokenizer-type {tokenizer}: it reads token ids written as numbers and cannot encode "
+            f"a task's text; use ByteTokenizer or HuggingFaceTokenizer")
 
 
 def check_deterministic_mode(cfg: ConfigContainer, env=None) -> None:

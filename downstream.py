@@ -79,16 +79,22 @@ def task_config(name: str) -> dict:
 
 def build_tasks(names: list) -> dict:
     """{name: lm-eval Task}, zero-shot, built once per run (HellaSwag's preprocessing takes seconds)."""
+    import datasets
     from lm_eval.tasks import TaskManager
 
     # lm-eval warns at each task with a custom_dataset that kwargs can go to its --metadata: not this program's flag
     quiet = logging.getLogger("lm_eval.api.task")
     hint = lambda record: "Custom kwargs can be passed to `--metadata`" not in record.getMessage()  # noqa: E731
     quiet.addFilter(hint)
+    # datasets draws a `Map:` bar where a task preprocesses its documents (HellaSwag's): not this run's progress
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
     try:
         tasks = TaskManager(include_defaults=False).load([task_config(n) for n in names])["tasks"]
     finally:
         quiet.removeFilter(hint)
+        if bars:
+            datasets.enable_progress_bars()
     for task in tasks.values():
         task.set_config(key="num_fewshot", value=0)
         task.set_fewshot_seed(seed=1234)  # lm-eval's default (simple_evaluate's fewshot_random_seed)
@@ -351,9 +357,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(args) -> int:
+    import checkpoint
     import generate
 
-    model, tokenizer, cfg = generate.load_model(args.load, args.ckpt_step)
+    try:  # as generate.py reports a checkpoint it cannot load: one line, exit code 2
+        # text: the tasks are text, and a NullTokenizer checkpoint's tokenizer reads only ids written as numbers
+        model, tokenizer, cfg = generate.load_model(args.load, args.ckpt_step, text=True)
+    except (ConfigError, checkpoint.CheckpointError) as e:
+        sys.stderr.write(f"downstream.py: error: {e}\n")
+        return 2
     cfg.train.micro_batch_size = 8  # rows per forward; the checkpoint's setting is training's
     tasks = build_tasks(args.eval_tasks)
     rows = evaluate_tasks([model], tokenizer, cfg, tasks, args.eval_tasks_limit, args.eval_tasks_samples_dir)

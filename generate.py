@@ -174,7 +174,8 @@ def load_model(load: str, ckpt_step=None, text: bool = False, expert_parallel: i
     tokenizer = data.build_tokenizer(cfg)
     if text and isinstance(tokenizer, data.NullTokenizer):
         raise config_lib.ConfigError(f"{directory} was trained with NullTokenizer (token ids, no text): there is "
-                                     f"nothing to decode the ids into; train with a text tokenizer")
+                                     f"nothing to decode the ids into or to encode text with; train with a text "
+                                     f"tokenizer (ByteTokenizer or HuggingFaceTokenizer)")
     model = build_model(cfg, data.embedding_rows(tokenizer))
     state = types.SimpleNamespace(cfg=cfg, tokenizer=tokenizer, train_state=TrainState())
     checkpoint.load_checkpoint(state, model, None, None, directory, finetune=True)  # weights only

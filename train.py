@@ -523,20 +523,8 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
                 mtp_metrics=metrics.multi_token_prediction_metrics(cfg, global_state.num_microbatches))
             report_memory_flag = metrics.log_step(report, total_loss_dict, report_memory_flag, step.skipped_iter,
                                                   global_state, history_wct, model)
-        if cfg.validation.eval_iters and valid_data_iterator is not None and ts.step % cfg.validation.eval_interval == 0:
-            timers("interval-time").stop()  # evaluation time is not training time
-            collect_garbage_around_eval(cfg, after=False)
-            with forward_pre_hooks_paused(model):  # evaluate the gathered, current parameters
-                evaluate_and_print_results(global_state, f"iteration {ts.step}", forward_step_func, valid_data_iterator,
-                                           model, cfg, process_non_loss_data_func=process_non_loss_data_func,
-                                           non_loss_data_func=non_loss_data_func)
-            collect_garbage_around_eval(cfg, after=True)
-            timers("interval-time", log_level=0).start(barrier=True)
-        if global_state.downstream_tasks and ts.step % downstream_interval(cfg) == 0:
-            timers("interval-time").stop()  # nor is scoring tasks
-            with forward_pre_hooks_paused(model):
-                score_downstream_tasks(global_state, model)
-            timers("interval-time", log_level=0).start(barrier=True)
+        evaluate_at_intervals(global_state, forward_step_func, valid_data_iterator, model, process_non_loss_data_func,
+                              non_loss_data_func)
         flops_since_last_log = post_training_step_callbacks(model, flops_since_last_log, global_state.straggler_timer,
                                                             ts.step, prof, cfg, should_toggle_forward_pre_hook,
                                                             nsys_nvtx_context)
@@ -546,6 +534,28 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
     if forward_pre_hooks_enabled(model):
         disable_forward_pre_hook(model)  # gather the final parameters for the final save and evaluation
     stop_manual_gc_and_profiler(global_state, prof, nsys_nvtx_context)
+
+
+def evaluate_at_intervals(global_state: GlobalState, forward_step_func, valid_data_iterator, model,
+                          process_non_loss_data_func=None, non_loss_data_func=None) -> None:
+    """The validation loss every --eval-interval and the downstream tasks every --eval-tasks-interval: outside
+    training's time (the interval timer stops), on the gathered, current parameters (the forward pre-hooks paused)."""
+    cfg, ts, timers = global_state.cfg, global_state.train_state, global_state.timers
+    validate = cfg.validation.eval_iters and valid_data_iterator is not None and ts.step % cfg.validation.eval_interval == 0
+    score = global_state.downstream_tasks and ts.step % downstream_interval(cfg) == 0
+    if not (validate or score):
+        return
+    timers("interval-time").stop()
+    with forward_pre_hooks_paused(model):
+        if validate:
+            collect_garbage_around_eval(cfg, after=False)
+            evaluate_and_print_results(global_state, f"iteration {ts.step}", forward_step_func, valid_data_iterator,
+                                       model, cfg, process_non_loss_data_func=process_non_loss_data_func,
+                                       non_loss_data_func=non_loss_data_func)
+            collect_garbage_around_eval(cfg, after=True)
+        if score:
+            score_downstream_tasks(global_state, model)
+    timers("interval-time", log_level=0).start(barrier=True)
 
 
 def logged_learning_rates(cfg, optimizer) -> tuple:
@@ -1009,20 +1019,24 @@ def get_batch(data_iterator):
     return tuple(batch[key] for key in keys)
 
 
-def masked_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+def masked_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor, *, z_loss: bool = False):
     """The token-aware loss pattern (loss_sum, num_tokens, report).
 
     The report is a `[sum, count]` pair, so train_step can average over every token of every
-    microbatch and data-parallel rank, weighting each by its number of tokens.
+    microbatch and data-parallel rank, weighting each by its number of tokens. The per-token losses are flattened
+    whatever their shape, as Bridge's are. `z_loss`: they are model.GPTModelWithZLoss's [b, s, 2], cross-entropy and
+    z-loss per token, added for the backward pass and reported apart. The caller says so (forward_step, from
+    --z-loss-coeff) rather than the shape: a plain loss tensor can have a last dimension of 2 too.
     """
-    mask = loss_mask.view(-1).float()
+    # reshape where Bridge has view: the same on contiguous losses, and a slice of a tensor flattens too
+    mask = loss_mask.reshape(-1).float()
     num_tokens = mask.sum().to(torch.int)
     count = num_tokens.detach().float().view(1)
-    if output_tensor.dim() == 3:  # [b, s, 2]: cross-entropy and z-loss per token (model.GPTModelWithZLoss)
-        lm_loss, z_loss = (torch.sum(terms.reshape(-1) * mask) for terms in output_tensor.float().unbind(-1))
-        return (lm_loss + z_loss, num_tokens, {"lm loss": torch.cat([lm_loss.detach().view(1), count]),
-                                                "z loss": torch.cat([z_loss.detach().view(1), count])})
-    loss = torch.sum(output_tensor.float().view(-1) * mask)
+    if z_loss:
+        lm_loss, z = (torch.sum(terms.reshape(-1) * mask) for terms in output_tensor.float().unbind(-1))
+        return (lm_loss + z, num_tokens, {"lm loss": torch.cat([lm_loss.detach().view(1), count]),
+                                          "z loss": torch.cat([z.detach().view(1), count])})
+    loss = torch.sum(output_tensor.float().reshape(-1) * mask)
     return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), count])}
 
 
@@ -1035,7 +1049,8 @@ def forward_step(state: GlobalState, data_iterator, model, return_schedule_plan:
     timers("batch-generator").stop()
     # GPTModel returns per-token losses given labels; the loss mask is for multi-token prediction's losses
     output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
-    return output, functools.partial(masked_token_loss, loss_mask)
+    # The same setting that makes model.build_model build GPTModelWithZLoss, whose losses are a [b, s, 2] pair
+    return output, functools.partial(masked_token_loss, loss_mask, z_loss=bool(state.cfg.model.z_loss_coeff))
 
 
 # ==================================================================================================

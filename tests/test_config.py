@@ -239,8 +239,9 @@ OUT_OF_RANGE = [  # each once crashed with a traceback after the model was built
     (["--num-workers", "999999999999"], "--num-workers 999999999999 would fork more DataLoader processes"),
     # sizes that validation accepts one by one but no machine holds: once 128 TB asked of the allocator, a traceback
     (["--make-vocab-size-divisible-by", "999999999999"], "the model needs at least 8,192,000.1 GB for its weights"),
-    (["--seq-length", "999999999"], "the model needs at least 38,912.1 GB"),
-    (["--micro-batch-size", "999999999"], "the model needs at least 2,490,368.0 GB"),
+    # (with the learned position table --seq-length sizes too: 999,999,999 x 256 parameters, 4,096 GB)
+    (["--seq-length", "999999999"], "the model needs at least 43,008.1 GB"),
+    (["--micro-batch-size", "999999999"], "the model needs at least 2,490,368.1 GB"),
     # ... and sample counts whose dataset index no machine holds (megatron-core's builder died with a traceback)
     (["--train-iters", "999999999999"], "4,400,000,000,036 samples (3,999,999,999,996 to train: --train-iters "
                                         "999999999999 x --global-batch-size 4; --eval-iters 10"),
@@ -278,7 +279,8 @@ def test_a_model_that_cannot_fit_names_the_figures_and_the_flags(capsys):
                                                                  capsys, run=True))[1].replace(",", ""))
     two = int(re.search(r"needs at least ([\d,]+)", config_error(["--hidden-size", "60000", "--num-attention-heads", "4"],
                                                                  capsys, world_size=2, run=True))[1].replace(",", ""))
-    # The message gives whole GB (the decimals are not read): each side within 1 GB of ~1,400, 0.1% at most.
+    # The message gives whole GB (the decimals are not read): each side within 1 GB of ~230 (the 4 layers' attention
+    # weights, bounded before the rest), 0.5% at most.
     assert two == pytest.approx(2 * one, rel=0.01)
 
 
@@ -367,6 +369,37 @@ def test_the_fit_check_and_the_theoretical_memory_report_are_one_count(capsys):
     printed = re.findall(r"total: ([\d.]+)M", capsys.readouterr().out)[-1]  # the report's count, in millions
     named = int(re.search(r"\(([\d,]+) parameters", str(refused.value))[1].replace(",", ""))
     assert f"{named / 1e6:.2f}" == printed
+
+
+# Tensors sized by a flag that the fit check once left out, each then asked of the CPU allocator (a traceback): the
+# learned position table, megatron-core's dataset's attention masks, a LoRA adapter, and the list of the layers the
+# check counts itself. Sizes that no machine holds (terabytes), on a model whose weights and activations fit any.
+SMALL = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+         "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "2"]
+FIT_MISSES = {
+    "position_table": (["--max-position-embeddings", "999999999999"],
+                       "a table of --max-position-embeddings 999999999999 learned positions"),
+    "attention_mask": (["--reset-attention-mask", "--seq-length", "3000000", "--max-position-embeddings", "3000000",
+                        "--position-embedding-type", "rope"],
+                       "--reset-attention-mask's 3,000,000 x 3,000,000 attention mask of a sample"),
+    "lora": (["--peft", "lora", "--pretrained-checkpoint", "base", "--lora-dim", "999999999999"],
+             "an adapter of --lora-dim 999999999999"),
+    "layers": (["--num-layers", "999999999999"], "--num-layers 999999999999"),
+}
+
+
+@pytest.mark.parametrize("name", list(FIT_MISSES))
+def test_every_tensor_a_flag_sizes_is_in_the_fit(name, capsys):
+    flags, named = FIT_MISSES[name]
+    err = config_error([*SMALL, *flags], capsys, run=True)
+    assert err.startswith("train.py: error: ") and named in err and "RAM on this machine" in err, err
+
+
+def test_rotary_positions_build_no_table_whatever_the_longest_position():
+    """megatron-core builds the position table for learned absolute positions only (LanguageModelEmbedding); RoPE's
+    angles are computed for the sequence given: the same --max-position-embeddings is accepted."""
+    checks.parse_args([*SMALL, "--max-position-embeddings", "999999999999", "--position-embedding-type", "rope"],
+                      world_size=1, gpu=False, run=True)
 
 
 # --- scheduler lengths, compatibility checks, determinism, the config summary, NVIDIA service configs -----------

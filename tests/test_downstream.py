@@ -272,3 +272,28 @@ def test_tasks_with_a_tokenizer_that_cannot_encode_text_are_one_line(capsys):
                     "--eval-tasks", "piqa", "--eval-tasks-limit", "4"], capsys) == [
         "train.py: error: --eval-tasks with --tokenizer-type NullTokenizer: it reads token ids written as numbers and "
         "cannot encode a task's text; use ByteTokenizer or HuggingFaceTokenizer"]
+
+
+def test_a_missing_checkpoint_is_one_line(tmp_path, capsys):
+    """As generate.py says it: one line and exit code 2, not the loader's traceback."""
+    import downstream
+
+    nowhere = tmp_path / "nowhere"
+    assert downstream.main(downstream.parse_args(["--load", str(nowhere), "--eval-tasks", "piqa"])) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"downstream.py: error: --load {nowhere}: no latest_checkpointed_iteration.txt and not an iter_* directory"]
+
+
+def test_building_the_tasks_draws_no_progress_bar_and_leaves_the_setting_as_it_was(capfd):
+    """HellaSwag preprocesses its documents with datasets' `map`, which draws a `Map:` bar on the screen of a run or
+    of downstream.py: kept off the screen while the tasks are built, and datasets' own setting left as it was."""
+    import datasets
+
+    import downstream
+
+    before = datasets.is_progress_bar_enabled()
+    capfd.readouterr()
+    assert list(downstream.build_tasks(["hellaswag"])) == ["hellaswag"]
+    out, err = capfd.readouterr()
+    assert "Map" not in out + err, err[-500:]
+    assert datasets.is_progress_bar_enabled() == before

@@ -99,3 +99,26 @@ def test_z_loss_with_multi_token_prediction_is_one_line(capsys):
 
 def test_a_negative_coefficient_is_one_line(capsys):
     assert "--z-loss-coeff" in config_error([*FLAGS[:-1], "-0.1"], capsys)
+
+
+def test_a_plain_loss_of_any_shape_is_flattened_and_only_a_declared_pair_is_a_z_loss():
+    """Bridge's masked_token_loss flattens the per-token losses whatever their shape; the z-loss pair is taken apart
+    only when the caller says it is one (forward_step, from --z-loss-coeff), never guessed from the shape: a plain
+    [b, s, 2] loss is summed whole, not read as cross-entropy and z columns."""
+    import train
+
+    losses = torch.arange(64, dtype=torch.float32).view(2, 4, 8)
+    mask = (torch.arange(64) % 3 != 0).float().view(2, 4, 8)
+    for shape in [(64,), (8, 8), (2, 4, 8), (2, 4, 2, 4)]:
+        loss, tokens, report = train.masked_token_loss(mask.view(shape), losses.view(shape))
+        assert float(loss) == float((losses * mask).sum()) and int(tokens) == int(mask.sum())
+        assert list(report) == ["lm loss"] and report["lm loss"].tolist() == [float(loss), float(mask.sum())]
+
+    pair, pair_mask = losses[..., :2], mask[..., 0]  # [b, s, 2] and the [b, s] mask
+    loss, tokens, report = train.masked_token_loss(mask[..., :2], pair)
+    assert list(report) == ["lm loss"] and float(loss) == float((pair * mask[..., :2]).sum())
+    loss, tokens, report = train.masked_token_loss(pair_mask, pair, z_loss=True)
+    lm, z = ((pair[..., i] * pair_mask).sum() for i in range(2))
+    assert report["lm loss"].tolist() == [float(lm), float(pair_mask.sum())]
+    assert report["z loss"].tolist() == [float(z), float(pair_mask.sum())]
+    assert float(loss) == float(lm + z) and int(tokens) == int(pair_mask.sum())

@@ -664,6 +664,14 @@ def check_moe(cfg: ConfigContainer) -> None:
     require(etp == 1 or cfg.use_gpu,
             f"--expert-tensor-parallel-size {etp} needs a GPU (gloo has no uneven all-gather); add "
             f"--expert-tensor-parallel-size 1 (the default is --tensor-model-parallel-size)")
+    # The all-to-all dispatcher pads each expert's input to its capacity, factor x topk / experts of a microbatch's
+    # tokens, by picking that many of them (moe_utils.py permute: a topk over the tokens): never more than there are.
+    f = m.moe_expert_capacity_factor
+    if m.moe_pad_expert_input_to_capacity and m.moe_token_dispatcher_type == "alltoall" and f is not None:
+        require(f * k <= n, f"--moe-expert-capacity-factor {f} with --moe-pad-expert-input-to-capacity gives each "
+                            f"expert a capacity of {f} x {k} / {n} = {f * k / n:g} times a microbatch's tokens, more than "
+                            f"there are to pad it with; use a factor of at most {n / k:g} (--num-experts / "
+                            f"--moe-router-topk)")
 
 
 # -- batch sizes and the run's length --------------------------------------------------------------

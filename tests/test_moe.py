@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from conftest import PRINTED, TINY, Launches, assert_bitwise, assert_same, config_error
+from conftest import PRINTED, TINY, Launches, assert_bitwise, assert_same, config_error, log_lines, train_here
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "2", "--moe-aux-loss-coeff", "1e-2",
        "--moe-z-loss-coeff", "1e-3", "--moe-shared-expert-intermediate-size", "64", "--disable-bias-linear"]
@@ -336,6 +336,9 @@ def test_a_checkpoint_of_the_other_kind_names_both_shapes(saved, loading, expect
     (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], 1,
      "moe_expert_capacity_factor must be set to use moe_pad_expert_input_to_capacity"),
     (["--num-experts", "4", "--moe-router-group-topk", "2"], 1, "moe_router_num_groups must be specified"),
+    # each expert padded to 1.5 times the tokens there are (the all-to-all dispatcher's permute failed at the first step)
+    (["--num-experts", "4", "--moe-router-topk", "2", "--moe-expert-capacity-factor", "3", "--moe-token-dispatcher-type",
+      "alltoall", "--moe-pad-expert-input-to-capacity"], 1, "use a factor of at most 2 (--num-experts / --moe-router-topk)"),
     (["--num-experts", "4", "--moe-expert-capacity-factor", "1.0", "--moe-router-load-balancing-type", "sinkhorn",
       "--moe-router-topk", "1"], 1, "moe_expert_capacity_factor only works with aux_loss"),
     (["--expert-model-parallel-size", "2"], 2, "num_moe_experts must be non None to use expert-parallel."),
@@ -356,6 +359,16 @@ def test_a_checkpoint_of_the_other_kind_names_both_shapes(saved, loading, expect
 ])
 def test_bad_moe_settings_are_one_line(flags, world_size, expected, capsys):
     assert expected in config_error([*TINY, *flags], capsys, world_size=world_size)
+
+
+def test_experts_padded_to_a_capacity_of_every_token_train():
+    """The largest capacity factor the check lets through with padding (--num-experts / --moe-router-topk: each expert
+    padded to all of a microbatch's tokens) trains with the all-to-all dispatcher."""
+    out = train_here([*TINY, "--mock-data", "--global-batch-size", "2", "--train-iters", "1", "--log-interval", "1",
+                      "--eval-iters", "0", "--num-workers", "0", "--num-experts", "4", "--moe-router-topk", "2",
+                      "--moe-expert-capacity-factor", "2", "--moe-token-dispatcher-type", "alltoall",
+                      "--moe-pad-expert-input-to-capacity"])
+    assert [it for it, *_ in log_lines(out)] == [1]
 
 
 def test_bridges_moe_settings_in_yaml_are_the_flags(tmp_path):

@@ -1441,7 +1441,7 @@ def check_fits_in_memory(cfg: ConfigContainer) -> None:
     # LanguageModelEmbedding builds it (a torch.nn.Embedding, whole on each tensor-parallel rank) on the first stage
     # for learned absolute positions only; rope builds none (its angles are computed for the sequence given).
     table = m.max_position_embeddings * m.hidden_size if m.position_embedding_type == "learned_absolute" else 0
-    stages[0] = (stages[0][0] + table, stages[0][1])
+    stages = [(stages[0][0] + table, stages[0][1]), *stages[1:]]
     params += table
     per_stage = metrics.weight_and_optimizer_bytes(cfg, stages, cfg.trainable_fraction if trains else 0)
     # A LoRA/DoRA adapter: each target layer has the hidden size on one side, so one adapter (A and B) holds at least

@@ -18,15 +18,20 @@ Bridge sections and the NVIDIA service configs, which have no machinery of their
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
+import functools
 import glob
 import importlib
 import importlib.util
+import io
 import math
 import os
 import signal
 import sys
+import types
+import typing
 from typing import Any, Optional
 
 from megatron_lm_flags import unsupported_flag
@@ -104,24 +109,34 @@ def config_from_flags(argv: list, world_size: Optional[int] = None, gpu: Optiona
             section, name = dest.split(".", 1)
             flags.setdefault(section, {})[name] = value
     if "config_file" in ns:
-        settings = settings_from_yaml(ns["config_file"], parser, world_size, gpu)
+        settings = settings_from_yaml(ns["config_file"], parser, world_size, gpu, flags)
         apply_overrides(cfg, bridge_sections_under_flags(settings, flags), source="--config-file")
     apply_overrides(cfg, flags, source="flags")
     return validate(cfg, world_size=world_size, gpu=gpu)
 
 
 def settings_from_yaml(path: str, parser: argparse.ArgumentParser, world_size: Optional[int] = None,
-                       gpu: Optional[bool] = None) -> dict:
+                       gpu: Optional[bool] = None, flags: Optional[dict] = None) -> dict:
     """A YAML file's settings (`{section: {name: value}}`), each value read as its flag reads it (type, choices: a
-    bad one is the flag's one line), without the values the writing run's validation derived, which this run derives
-    again from the file's other settings and the flags given with it: the ones the file lists under `derived:`
-    (run_config.yaml), or, in a file without that list (Bridge's, or one written before it), each value that
-    validation puts back when it alone is left out."""
+    bad one is the flag's one line), as the writing run was given them: where its validation rewrote a value it was
+    given, the value given (run_config.yaml's `given:`), and without the values its validation derived, which this
+    run derives again from the file's other settings and the flags given with it (`{section: {name: value}}` of
+    config_from_flags): the ones the file lists under `derived:` (run_config.yaml), or, in a file without that list
+    (Bridge's, or one written before it), those of rederived()."""
     data = load_yaml(path)
     derived = data.get("derived")
     settings = yaml_settings(data)
+    given = data.get("given") or {}
+    require(isinstance(given, dict), f"--config-file {path}: given: {given!r} is not a mapping of section.name: value")
+    for setting, value in given.items():  # given again, for validation to rewrite again (or not, after an edit)
+        section, _, name = str(setting).partition(".")
+        if not isinstance(settings.get(section), dict):
+            settings[section] = {}
+        settings[section][name] = value
     actions = flag_actions(parser)
-    defaults = ConfigContainer()
+    # The settings a flag can unset (--no-save, --no-tensorboard: a store_const of None).
+    unsettable = {a.dest for a in parser._actions if isinstance(a, argparse._StoreConstAction) and a.const is None}
+    defaults, nulls = ConfigContainer(), {}
     for section, values in settings.items():
         if not isinstance(values, dict) or section in OPTIONAL_SECTIONS:
             continue
@@ -129,22 +144,42 @@ def settings_from_yaml(path: str, parser: argparse.ArgumentParser, world_size: O
             action = actions.get(f"{section}.{name}")
             sub = getattr(defaults, section, None)
             default = default_of(sub, section, name) if hasattr(sub, name) else None
+            where = f"--config-file {path}: {section}.{name}"
+            hint = field_hints(type(sub)).get(name) if hasattr(sub, name) else None
+            # null is "unset", which only a setting whose default is unset, or that a --no-* flag unsets, can be: the
+            # others' checks and the run take a value (null in --hidden-size's or --seed's was a TypeError). A
+            # derived one is derived again whatever the file says; a list's null is its default (below).
+            if value is None and default is not None and not isinstance(default, (list, tuple)) and \
+                    f"{section}.{name}" not in unsettable and f"{section}.{name}" not in (derived or ()):
+                needs = f"{where}: null, but it needs a value (default {plain_value(default)!r}); give one, or " \
+                        f"delete the line to take the default"
+                require(derived is None, needs)
+                nulls[(section, name)] = needs  # a file without derived: (Bridge's): unless validation derives it
             if action is not None:
-                values[name] = flag_value(parser, action, value, f"--config-file {path}: {section}.{name}")
-                if value is None and isinstance(default, list) or default is not None and values[name] == \
-                        flag_value(parser, action, plain_value(default), "the default"):
+                values[name] = flag_value(parser, action, value, where, takes_map=_holds_map(hint))
+                if value is None and isinstance(default, (list, tuple)) or default is not None and values[name] == \
+                        flag_value(parser, action, plain_value(default), "the default", takes_map=_holds_map(hint)):
                     values[name] = default  # the default, as the class holds it (a list's also written as null)
             elif hasattr(sub, name):
+                # No flag reads it (MCORE_YAML_ONLY, a derived value): the file's value must be of the field's type,
+                # else it reaches the run as it is (dataset.drop_last: 'abc', dataset.blend: 1e300 was a TypeError).
+                if value is None and isinstance(default, (list, tuple)):
+                    values[name] = default
+                require(value is None or f"{section}.{name}" in (derived or ()) or yaml_fits(value, hint),
+                        f"{where}: {value!r} is not of its type, {_type_name(hint)} (it has no flag); write one of "
+                        f"that type, or delete the line to take the default")
                 meta = next(f.metadata for f in dataclasses.fields(sub) if f.name == name)
                 require(value is None or not meta.get("choices") or value in meta["choices"],
-                        f"--config-file {path}: {section}.{name}: {value!r} is not one of {meta.get('choices')}")
+                        f"{where}: {value!r} is not one of {meta.get('choices')}")
     if derived is not None:
         for setting in derived:
             section, name = setting.split(".")
             if isinstance(settings.get(section), dict):
                 settings[section].pop(name, None)
         return settings
-    again = rederived(settings, world_size, gpu)
+    again = rederived(settings, flags or {}, world_size, gpu)
+    for setting, needs in nulls.items():
+        require(setting in again, needs)  # (dataset.split: null beside per-split paths is derived again)
     return {section: ({name: value for name, value in values.items() if (section, name) not in again}
                       if isinstance(values, dict) else values) for section, values in settings.items()}
 
@@ -159,16 +194,26 @@ def flag_actions(parser: argparse.ArgumentParser) -> dict:
     return actions
 
 
-def flag_value(parser: argparse.ArgumentParser, action: argparse.Action, value: Any, where: str) -> Any:
-    """A YAML value read as its flag reads its words (the parser's own conversion and choices); null stays unset."""
+def flag_value(parser: argparse.ArgumentParser, action: argparse.Action, value: Any, where: str,
+               takes_map: bool = False) -> Any:
+    """A YAML value read as its flag reads its words (the parser's own conversion and choices); null stays unset.
+    `takes_map`: the setting holds KEY=VALUE pairs (--mlflow-tags), which the file may write as a mapping."""
     if value is None:
         return None
+    flag = action.option_strings[0]
     if action.nargs == 0:  # a switch
-        require(isinstance(value, bool), f"{where}: {value!r} is not true or false ({action.option_strings[0]} is a "
-                                         f"switch)")
+        require(isinstance(value, bool), f"{where}: {value!r} is not true or false ({flag} is a switch)")
         return value
-    if isinstance(value, dict):  # KEY=VALUE words (made a dict by validation)
+    if isinstance(value, dict) and takes_map:  # KEY=VALUE words (made a dict by validation)
         value = [f"{k}={v}" for k, v in value.items()]
+    # A word is a string or a number: str() of a map, a bool or a null is no flag's word (`save: {a: 1}` was a
+    # directory named `a=1`, `tensorboard_dir: true` one named `True`; YAML reads yes/no/on/off as true/false too).
+    odd = [v for v in (value if isinstance(value, (list, tuple)) else [value])
+           if v is None or isinstance(v, (bool, dict, list, tuple))]
+    if odd:
+        kind = "a map" if isinstance(value, dict) else "true/false" if odd[0] is value else f"a list holding {odd[0]!r}"
+        raise ConfigError(f"{where}: {value!r} is {kind}, not {flag}'s words; write the value as on the command line "
+                          f"(quoted where YAML would read a word such as yes or on as true/false)")
     words = [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
     if action.nargs is None and len(words) != 1:
         raise ConfigError(f"{where}: {value!r} is a list; {action.option_strings[0]} takes one value")
@@ -178,30 +223,131 @@ def flag_value(parser: argparse.ArgumentParser, action: argparse.Action, value: 
         raise ConfigError(f"{where}: {e}") from None
 
 
-def rederived(settings: dict, world_size: Optional[int], gpu: Optional[bool]) -> set:
-    """The file's values that validation puts back when the file leaves that one alone out: values the writing run
-    derived (its defaults' replacements), not ones it was given. {(section, name)}."""
-    base = ConfigContainer()
+@functools.cache
+def field_hints(cls) -> dict:
+    """A section class's field types, resolved (megatron-core's are strings under `from __future__ import
+    annotations`); once per class and process."""
+    return typing.get_type_hints(cls)
+
+
+def _holds_map(hint) -> bool:
+    """Whether a field of this type holds a mapping (KEY=VALUE pairs on the command line)."""
+    return dict in (typing.get_origin(h) for h in (hint, *typing.get_args(hint)))
+
+
+def _type_name(hint) -> str:
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+
+
+def yaml_fits(value: Any, hint) -> bool:
+    """Whether a YAML value is one of a field's type (for a field no flag reads): true/false only for a bool, an int
+    for an int (not a bool), a number for a float, a list for a list or tuple (YAML writes tuples as lists), each
+    member of its own type. A type this cannot judge (a class, Any) takes any value."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is type(None):
+        return value is None
+    if origin in (typing.Union, types.UnionType):
+        return any(yaml_fits(value, a) for a in args)
+    if origin is typing.Literal:
+        return any(type(value) is type(a) and value == a for a in args)
+    if origin in (list, tuple):
+        if not isinstance(value, list):
+            return False
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            return len(value) == len(args) and all(yaml_fits(v, a) for v, a in zip(value, args))
+        return not args or all(yaml_fits(v, args[0]) for v in value)
+    if origin is dict or hint is dict:
+        return isinstance(value, dict)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return type(value) is int
+    if hint is float:
+        return type(value) in (int, float)
+    if hint is str:
+        return isinstance(value, str)
+    return True
+
+
+def rederived(settings: dict, flags: dict, world_size: Optional[int], gpu: Optional[bool]) -> set:
+    """Of a file without the `derived:` list (Bridge's, or one written before it), which does not say what its run
+    was given, the values derived again: each that validation puts back when it alone is left out, from the file's
+    other settings and the flags given with it (config_from_flags' `{section: {name: value}}`). {(section, name)}.
+
+    A Megatron user reads such a file's values as the run's settings, which a flag given with it changes only where it
+    names them, as Bridge's overrides of a loaded YAML and Megatron-LM's --use-checkpoint-args do: a value equal to its
+    derivation from the file is kept where the flags would derive another (`global_batch_size: 2` beside
+    `micro_batch_size: 2` stays 2 under --micro-batch-size 1, as under the command line that gave it; `ffn_hidden_size`
+    stays under --hidden-size), and derived again where they derive the same. Values that put each other back (the
+    two use_distributed_optimizer settings; group_query_attention and num_query_groups) are derived again only when
+    they come back together. Where validation refuses the run with a value kept so, and accepts it with that value
+    derived again (train_iters beside train_samples under another --global-batch-size: validation accepts it at its
+    derivation only), it is derived again."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    gpu = gpu_visible() if gpu is None else gpu
+
+    def container(with_flags: bool) -> ConfigContainer:
+        cfg = ConfigContainer()
+        apply_overrides(cfg, bridge_sections_under_flags(settings, flags) if with_flags else settings, "--config-file")
+        if with_flags:
+            apply_overrides(cfg, flags, source="flags")
+        cfg.world_size, cfg.use_gpu = world_size, gpu
+        return cfg
+
+    def trial(base: ConfigContainer, left_out, then=derive) -> ConfigContainer:
+        """base with the settings left_out at their defaults, derived (or validated: `then`) without a word. derive()
+        only sets a section's fields (derive_value) and the container's own: a copy of each section will do."""
+        if then is derive:
+            cfg = copy.copy(base)
+            for section, sub in section_configs(base):
+                setattr(cfg, section, copy.copy(sub))
+            cfg.derived, cfg.filled_in, cfg.given = {}, [], {}
+        else:  # the checks run megatron-core's post-inits, which may change what a section holds
+            cfg = copy.deepcopy(base)
+        for section, name in left_out:
+            sub = getattr(cfg, section)
+            setattr(sub, name, default_of(sub, section, name))
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            then(cfg)
+        return cfg
+
+    def put_back(base: ConfigContainer, left_out) -> set:
+        """Of the settings left out, those that validation puts back at the file's value."""
+        try:
+            cfg = trial(base, left_out)
+        except Exception:  # noqa: BLE001  inputs validation refuses: the check will say so, with the value kept
+            return set()
+        return {(s, n) for s, n in left_out if plain_value(getattr(getattr(cfg, s), n)) == plain_value(settings[s][n])}
+
     try:
-        apply_overrides(base, settings, source="--config-file")
+        alone, edited = container(False), container(True)
     except ConfigError:
         return set()  # apply_overrides will say why
-    base.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
-    base.use_gpu = gpu_visible() if gpu is None else gpu
-    found = set()
-    for section, sub in section_configs(base):
-        for name, value in (settings.get(section) or {}).items():
-            if not hasattr(sub, name) or getattr(sub, name) == default_of(sub, section, name):
-                continue
-            trial = copy.deepcopy(base)
-            setattr(getattr(trial, section), name, default_of(sub, section, name))
+    candidates = [(section, name) for section, sub in section_configs(alone) if isinstance(settings.get(section), dict)
+                  for name in settings[section]
+                  if hasattr(sub, name) and getattr(sub, name) != default_of(sub, section, name)]
+    derivable = {c for c in candidates if put_back(alone, [c])}  # equal to their derivation from the file
+    named = {(section, name) for section, values in flags.items() for name in values}  # the flag wins anyway
+    found = {c for c in derivable - named if not flags or put_back(edited, [c])}
+    while found:  # together: values that put each other back are kept unless they come back together
+        back = put_back(edited, found)
+        if back == found:
+            break
+        found = back
+    kept = derivable - named - found  # the flags derive another: the file's value stands, unless refused
+    if kept:
+        def refusal(left_out) -> Optional[str]:
             try:
-                derive(trial)
-            except Exception:  # noqa: BLE001  inputs validation refuses: the check will say so, with the value kept
-                continue
-            if plain_value(getattr(getattr(trial, section), name)) == plain_value(value):
-                found.add((section, name))
-    return found
+                trial(edited, left_out, then=lambda cfg: (derive(cfg), check(cfg)))
+            except Exception as e:  # noqa: BLE001  a ConfigError's line, or what else stopped validation
+                return str(e)
+            return None
+
+        if refusal(found) is not None:
+            # the first kept value whose derivation the run is accepted with is derived again; else the refusal
+            # stands, whose line says which flag to give
+            found |= next(({c} for c in sorted(kept) if refusal(found | {c}) is None), set())
+    return found | (derivable & named)
 
 
 def bridge_sections_under_flags(settings: dict, flags: dict) -> dict:
@@ -251,10 +397,13 @@ def derive_value(cfg: ConfigContainer, setting: str, value: Any, why: str) -> No
     (cfg.derived). A setting that already holds the value is left alone and not noted."""
     section, name = setting.split(".")
     sub = getattr(cfg, section)
-    if getattr(sub, name) == value and type(getattr(sub, name)) is type(value):
+    held = getattr(sub, name)
+    if held == value and type(held) is type(value):
         return
-    if getattr(sub, name) == default_of(sub, section, name) and setting not in cfg.filled_in:
+    if held == default_of(sub, section, name) and setting not in cfg.filled_in:
         cfg.filled_in.append(setting)  # filled in, not rewritten: run_config.yaml's `derived:` list
+    elif setting not in cfg.filled_in and setting not in cfg.given and plain_value(held) != plain_value(value):
+        cfg.given[setting] = plain_value(held)  # a value given, rewritten: run_config.yaml's `given:`, given again
     setattr(sub, name, value)
     cfg.derived[setting] = (value, why)
 

@@ -1090,6 +1090,10 @@ class ConfigContainer:
     # Of those, the settings validation filled in (they held their defaults): run_config.yaml lists them under
     # `derived:`, and --config-file derives them again from the file's other settings and the flags given with it.
     filled_in: list = field(default_factory=list)
+    # Of the others, what the run was given where validation rewrote it ({"section.name": the value given, as YAML
+    # writes it}: --sequence-parallel at TP=1, --num-virtual-stages-per-pipeline-rank, --optimizer dist_muon):
+    # run_config.yaml's `given:`, which --config-file gives again, so that an edit of the inputs derives anew.
+    given: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """The settings, section by section: of megatron-core's classes, the fields this trainer acts on (the others
@@ -1100,7 +1104,7 @@ class ConfigContainer:
             if f.name in SECTIONS and dataclasses.is_dataclass(value):
                 d[f.name] = {name: plain_value(getattr(value, name)) for name in settings_of(f.name, value)
                              if (f.name, name) not in NOT_CARRIED}
-            elif f.name not in ("derived", "filled_in"):  # said in the sections themselves
+            elif f.name not in ("derived", "filled_in", "given"):  # said in the sections themselves
                 d[f.name] = plain_value(value)
         d["logger"]["comet_api_key"] = None  # a secret: kept out of run_config.yaml and the trackers' copies
         return d
@@ -1124,6 +1128,7 @@ class ConfigContainer:
         lines = ["", "=" * 70, "Configuration Summary (Non-Default Values)", "=" * 70]
         derived = _get_key_config_values(self)
         derived.pop("derived", None)  # listed with their reasons below
+        derived.pop("given", None)  # the values given before those rewrites: run_config.yaml's
         derived["num_microbatches"] = self.train.global_batch_size // (self.train.micro_batch_size * self.data_parallel_size)
         defaults = ConfigContainer()
         for section, sub in section_configs(self):
@@ -1398,10 +1403,11 @@ DEPRECATED_IN_TRAIN = ("eval_iters", "eval_interval", "skip_train")
 def yaml_settings(data: dict) -> dict:
     """A run_config.yaml's sections as settings: `{section: {name: value}}` under today's names (FORMER_NAMES), with
     Bridge's deprecated train.eval_* moved to the validation section and a process's own values dropped. The
-    `derived:` list (what the writing run's validation filled in) is the caller's to read."""
+    `derived:` list (what the writing run's validation filled in) and `given:` (what it was given where validation
+    rewrote it) are the caller's to read."""
     out, deprecated = {}, {}
     for section, values in data.items():
-        if section == "derived":
+        if section in ("derived", "given"):
             continue
         if not isinstance(values, dict):  # a recipe's name, or an empty section
             out[section] = values
@@ -1436,11 +1442,15 @@ def plain_value(value):
 def to_yaml(cfg: ConfigContainer) -> str:
     """The resolved config as YAML: what `run_config.yaml` holds and `--config-file` reads back. Every setting, as
     Bridge writes it, and under `derived:` the ones this run's validation filled in (sizes, step counts, the machine's
-    answers): `--config-file` derives those again from the file's other settings and the flags given with it."""
+    answers): `--config-file` derives those again from the file's other settings and the flags given with it. The
+    sections hold the values validation left, as Bridge's file does (Bridge's loader reads TP/PP there); where
+    validation rewrote a value the run was given, `given:` holds that value (only then written), which
+    `--config-file` gives again, so the file plus an edit derives what the command line plus the edit derives."""
     import yaml
 
     d = cfg.to_dict()
-    return yaml.safe_dump({**{s: d[s] for s in SECTIONS}, "derived": sorted(cfg.filled_in)}, sort_keys=False)
+    given = {"given": dict(sorted(cfg.given.items()))} if cfg.given else {}
+    return yaml.safe_dump({**{s: d[s] for s in SECTIONS}, "derived": sorted(cfg.filled_in), **given}, sort_keys=False)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -427,6 +427,7 @@ def derive(cfg: ConfigContainer) -> None:
     derive_moe(cfg)
     derive_batch_sizes_and_length(cfg)
     derive_precision(cfg)
+    derive_sharding(cfg)
     derive_optimizer_and_schedule(cfg)
     derive_data(cfg)
     derive_fim(cfg)
@@ -443,6 +444,7 @@ def check(cfg: ConfigContainer) -> None:
     check_model_sizes(cfg)
     check_architecture(cfg)
     check_parallelism(cfg)
+    check_sharding(cfg)
     check_moe(cfg)
     check_multi_token_prediction(cfg)
     check_batch_sizes_and_length(cfg)
@@ -652,6 +654,37 @@ def check_parallelism(cfg: ConfigContainer) -> None:
     check_virtual_pipeline(cfg)
     check_recompute(cfg)
     check_context_parallel(cfg)
+
+
+def derive_sharding(cfg: ConfigContainer) -> None:
+    """--use-megatron-fsdp: megatron-core's Megatron FSDP shards over the data-parallel ranks what
+    --data-parallel-sharding-strategy says, and its optimizer is the distributed one (Megatron-LM's arguments.py:1100-1110
+    turns it on, with a warning)."""
+    if cfg.ddp.use_megatron_fsdp and not cfg.optimizer.use_distributed_optimizer:
+        derive_value(cfg, "optimizer.use_distributed_optimizer", True,
+                     "--use-megatron-fsdp: Megatron-FSDP is only compatible with --use-distributed-optimizer")
+
+
+def check_sharding(cfg: ConfigContainer) -> None:
+    """What Megatron FSDP takes: Megatron-LM's refusals in its words, and what is not proven equal to one process here
+    yet (each refused in one line: it runs only where the tests show it gives the one-process numbers)."""
+    d, m = cfg.ddp, cfg.model
+    if not d.use_megatron_fsdp:
+        return
+    require(cfg.optimizer.optimizer in ("adam", "sgd"),
+            f"Megatron-FSDP does not support the {cfg.optimizer.optimizer} optimizer yet.")  # arguments.py:1116
+    # Megatron-LM: "Megatron-FSDP requires the `fsdp_dtensor` checkpointing format." (arguments.py:1146)
+    require(cfg.checkpoint.save is None and cfg.checkpoint.load is None and cfg.checkpoint.pretrained_checkpoint is None,
+            "--use-megatron-fsdp saves and loads the fsdp_dtensor format, which is not here yet; give --no-save and "
+            "no --load")
+    unproven = [(f"--pipeline-model-parallel-size {m.pipeline_model_parallel_size}", m.pipeline_model_parallel_size > 1),
+                (f"--context-parallel-size {m.context_parallel_size}", m.context_parallel_size > 1),
+                ("--num-experts", bool(m.num_moe_experts)), ("--fp16", m.fp16), ("--peft", cfg.peft.peft != "none"),
+                ("--log-l2-norm-grad", cfg.logger.log_l2_norm_grad), ("--overlap-grad-reduce", d.overlap_grad_reduce),
+                ("--overlap-param-gather", d.overlap_param_gather), ("--eval-tasks", cfg.downstream.eval_tasks is not None)]
+    given = [flag for flag, on in unproven if on]
+    require(not given, f"--use-megatron-fsdp with {given[0] if given else ''} is not proven equal to one process "
+                       f"here yet; it runs with data and tensor parallelism (docs/model.md)")
 
 
 def check_pipeline_split(cfg: ConfigContainer) -> None:
@@ -1467,6 +1500,9 @@ def derive_checkpointing(cfg: ConfigContainer) -> None:
 
 def derive_machine(cfg: ConfigContainer) -> None:
     m = cfg.model
+    if cfg.ddp.gradient_reduce_div_fusion is None:  # Megatron FSDP's scaling of gradients inside the reduction
+        derive_value(cfg, "ddp.gradient_reduce_div_fusion", cfg.use_gpu,
+                     "a GPU: megatron-core's default" if cfg.use_gpu else "no GPU: gloo has no ReduceOp.PREMUL_SUM")
     if m.transformer_impl is None:
         te = cfg.use_gpu and package_installed("transformer_engine")
         derive_value(cfg, "model.transformer_impl", "transformer_engine" if te else "local",

@@ -143,7 +143,8 @@ MCORE_FLAGS = {
              "moe_shared_expert_overlap moe_per_layer_logging moe_grouped_gemm moe_permute_fusion moe_router_fusion "
              "expert_model_parallel_size expert_tensor_parallel_size",
     "ddp": "overlap_grad_reduce overlap_param_gather bucket_size pad_buckets_for_high_nccl_busbw average_in_collective "
-           "check_for_large_grads num_distributed_optimizer_instances param_name_patterns_for_fp32_local_accumulation",
+           "check_for_large_grads num_distributed_optimizer_instances param_name_patterns_for_fp32_local_accumulation "
+           "use_megatron_fsdp data_parallel_sharding_strategy",
     "dataset": "split path_to_cache mock reset_position_ids reset_attention_mask eod_mask_loss mmap_bin_files "
                "create_attention_mask",
 }
@@ -151,7 +152,8 @@ MCORE_FLAGS = {
 MCORE_YAML_ONLY = {"rerun_state_machine": "check_for_nan_in_loss",
                    "checkpoint": "strict_fsdp_dtensor_load",  # Bridge's; only False here (check_checkpointing)
                    # derived by validate() from the other settings (the distributed optimizer's, the NaN check's)
-                   "ddp": "use_distributed_optimizer grad_reduce_in_fp32 check_for_nan_in_grad",
+                   "ddp": "use_distributed_optimizer grad_reduce_in_fp32 check_for_nan_in_grad "
+                          "gradient_reduce_div_fusion",  # (Megatron FSDP's, derived off without a GPU)
                    "validation": "eval_global_batch_size eval_micro_batch_size",
                    "scheduler": "lr_decay_steps lr_warmup_steps wd_incr_steps wsd_decay_steps",  # in samples
                    "dataset": "blend blend_per_split random_seed sequence_length",  # paths, --seed, --seq-length
@@ -277,6 +279,11 @@ MCORE_FLAG_CHANGES = {
     "model.moe_token_drop_policy": dict(choices=["probs", "position"]),
     "model.moe_shared_expert_intermediate_size": dict(bounds="(0, inf)"),
     "ddp.bucket_size": dict(flags=["--ddp-bucket-size"], bounds="(0, inf)"),
+    "ddp.data_parallel_sharding_strategy": dict(
+        choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
+        help="With --use-megatron-fsdp, what each data-parallel rank holds a shard of: nothing (no_shard, DDP's "
+             "replicas), the optimizer state (optim, ZeRO-1), it and the gradients (optim_grads, ZeRO-2), or those "
+             "and the parameters too (optim_grads_params, ZeRO-3)."),
     "ddp.pad_buckets_for_high_nccl_busbw": dict(flags=["--ddp-pad-buckets-for-high-nccl-busbw"]),
     "ddp.average_in_collective": dict(flags=["--ddp-average-in-collective"]),
     "ddp.param_name_patterns_for_fp32_local_accumulation": dict(
@@ -340,6 +347,10 @@ DEFAULTS = {
     "optimizer.muon_momentum": (0.9, "Megatron-LM's default (arguments.py, core_v0.19.0); megatron-core's is 0.95"),
     "ddp.grad_reduce_in_fp32": (None, "derived from the precision, as Megatron-LM: fp32 with --bf16, else the "
                                       "parameters' dtype"),
+    "ddp.data_parallel_sharding_strategy": ("optim_grads_params", "Megatron-LM's default (arguments.py, core_v0.19.0); "
+                                                                  "megatron-core's is no_shard"),
+    "ddp.gradient_reduce_div_fusion": (None, "derived from the machine: on with a GPU (megatron-core's default), off "
+                                             "without (gloo has no ReduceOp.PREMUL_SUM)"),
     "dataset.path_to_cache": (None, "the built-in corpus's datasets in ~/.cache/train-py; megatron-core's next to "
                                     "--data-path's"),
     "tokenizer.vocab_size": (None, "derived: the tokenizer's"),

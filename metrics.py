@@ -758,9 +758,11 @@ def calc_params_l2_norm(model, model_config=None, use_megatron_fsdp: bool = Fals
     model-parallel group (expert-tensor, expert and pipeline): the same norm for any expert-parallel size.
     """
 
+    model = model if isinstance(model, list) else [model]
+    if use_megatron_fsdp:
+        return _fsdp_params_l2_norm(model)
     params = {False: ([], []), True: ([], [])}  # expert? -> (whole, sharded)
     any_sharded = False
-    model = model if isinstance(model, list) else [model]
     bf16 = getattr(model_config or getattr(unwrap_model(model[0]), "config", None), "bf16", False)
     for _, p in _counted_params(model):
         whole, sharded = params[_is_expert(p)]
@@ -790,6 +792,19 @@ def calc_params_l2_norm(model, model_config=None, use_megatron_fsdp: bool = Fals
             squares = squares + _sum_over(_squares(sharded, where), dp_group)
         total += _sum_over(squares, mp_group)
     return total.sqrt().item()
+
+
+def _fsdp_params_l2_norm(model: list) -> float:
+    """Under Megatron FSDP: its fp32 main weights (MegatronFSDP's param_and_grad_buffer.optimizer_named_parameters,
+    what its optimizer steps) through the seed's DTensor norm. Each is a DTensor sharded over the data-parallel mesh,
+    and a tensor-parallel one over a (data-parallel, tensor-parallel) mesh, so that norm already sums every shard of
+    it; a tensor-parallel copy (a norm, a row-parallel bias) lives on a data-parallel mesh alone, the same on every
+    tensor-parallel rank, and counts once. Then the squares over the pipeline stages. The module's parameters are no
+    source: under optim_grads_params their storage is freed after each forward."""
+    mains = [main for chunk in model for name, main in chunk.module.param_and_grad_buffer.optimizer_named_parameters
+             if param_is_not_shared(chunk.module.raw_param[name])]
+    squares = torch.tensor(calc_dtensor_params_l2_norm(mains) ** 2, dtype=torch.float64)
+    return math.sqrt(_sum_over(squares, parallel_state.get_pipeline_model_parallel_group()).item())
 
 
 def calc_dtensor_params_l2_norm(params) -> float:

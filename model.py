@@ -395,6 +395,8 @@ def wrap_model(cfg, model: list) -> list:
     if cfg.model.bf16 or cfg.model.fp16:
         model = [Float16Module(m.config, m) for m in model]
     ddp_config = megatron_ddp_config(cfg)
+    if ddp_config.use_megatron_fsdp:
+        return [megatron_fsdp(m, ddp_config) for m in model]
     layouts = [None] * len(model)  # without a distributed optimizer, none
     if ddp_config.use_distributed_optimizer:
         # What Megatron-LM's wrap_model_chunks_with_ddp does (megatron/training/training.py:1635-1682): the layout of
@@ -427,6 +429,20 @@ def wrap_model(cfg, model: list) -> list:
     for m in model:
         m.broadcast_params()
     return model
+
+
+def megatron_fsdp(module, ddp_config):
+    """A chunk in megatron-core's Megatron FSDP (--use-megatron-fsdp), as Megatron-LM's get_model builds it
+    (training.py:1695-1702): each data-parallel rank holds a shard of what --data-parallel-sharding-strategy says,
+    gathered for the forward and backward where the parameters are sharded (each TransformerLayer a unit). It
+    rewrites the overlap settings of the config it is given (megatron_fsdp.py:326-337), so it gets a copy. No
+    broadcast of rank 0's weights: every replica draws the same ones from the same seed, and its parameters are
+    sharded DTensors that torch's broadcast does not take (Megatron-LM broadcasts only with
+    --data-parallel-random-init)."""
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    return FullyShardedDataParallel(config=unwrap_model(module).config, ddp_config=copy.deepcopy(ddp_config),
+                                    module=module)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -679,6 +695,11 @@ def get_forward_backward_func(model: list, optimizer, timers=None):
     all-reduce); the fp16 loss scale; the timers. optimizer None: evaluation (no loss scaling, no timers)."""
     config = unwrap_model(model[0]).config
     config.no_sync_func = model[0].no_sync if len(model) == 1 else [m.no_sync for m in model]
+    if getattr(model[0].ddp_config, "use_megatron_fsdp", False):
+        # Megatron FSDP reduces in its backward hooks at the last microbatch under no_sync and again in
+        # finish_grad_sync: `optim`'s gradients come out wrong (megatron_fsdp.py:1300-1313). Megatron-LM sets no_sync_func only under
+        # --overlap-grad-reduce (training.py:3532-3543), which check_sharding refuses here.
+        config.no_sync_func = None
     config.finalize_model_grads_func = finalize_model_grads
     mla_q_norm = config.multi_latent_attention and config.qk_layernorm and not config.sequence_parallel
     if mla_q_norm and parallel_state.get_tensor_model_parallel_world_size() > 1:

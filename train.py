@@ -478,7 +478,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
     # --overlap-param-gather: megatron DDP's forward pre-hooks stay off until a step has succeeded, so a bad
     # checkpoint or initialisation is not spread to every rank by the first all-gather (Megatron-LM, Bridge).
     should_toggle_forward_pre_hook = should_disable_forward_pre_hook(
-        False, cfg.optimizer.use_distributed_optimizer, cfg.ddp.overlap_param_gather)
+        cfg.ddp.use_megatron_fsdp, cfg.optimizer.use_distributed_optimizer, cfg.ddp.overlap_param_gather)
     if should_toggle_forward_pre_hook:
         disable_forward_pre_hook(model, param_sync=False)
     prof, nsys_nvtx_context, flops_since_last_log = start_manual_gc_and_profiler(global_state), None, 0.0
@@ -516,8 +516,10 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
             in_interval = metrics.iterations_since_last_log(ts.step, global_state.start_step, interval)
             report = metrics.step_report(
                 step.loss_dict, *logged_learning_rates(cfg, optimizer), batch_size, float(optimizer.get_loss_scale()),
-                step.grad_norm, step.num_zeros_in_grad,
-                metrics.calc_params_l2_norm(model) if cfg.logger.log_params_norm else None,
+                # (a lone megatron-core mixed-precision optimizer, Megatron FSDP's, returns 0 when it did not count)
+                step.grad_norm, step.num_zeros_in_grad if cfg.logger.log_num_zeros_in_grad else None,
+                metrics.calc_params_l2_norm(model, use_megatron_fsdp=cfg.ddp.use_megatron_fsdp)
+                if cfg.logger.log_params_norm else None,
                 timers("interval-time").elapsed(reset=False) / in_interval,
                 moe_losses=metrics.moe_auxiliary_losses(cfg, global_state.num_microbatches),
                 mtp_metrics=metrics.multi_token_prediction_metrics(cfg, global_state.num_microbatches))
@@ -671,7 +673,7 @@ def should_disable_forward_pre_hook(use_megatron_fsdp: bool, use_distributed_opt
 
 def forward_pre_hooks_enabled(model: list) -> bool:
     """Whether megatron DDP's forward pre-hooks are on (its own record of their handles)."""
-    return any(chunk.remove_forward_pre_hook_handles for chunk in model)
+    return any(getattr(chunk, "remove_forward_pre_hook_handles", None) for chunk in model)  # (Megatron FSDP: none)
 
 
 @contextlib.contextmanager

@@ -927,6 +927,8 @@ def bytes_per_parameter(config, expert: bool = False) -> tuple:
     state."""
     m, o = config.model, config.optimizer
     weight = 2 if (m.bf16 or m.fp16) else 4
+    if config.ddp.use_megatron_fsdp:
+        return megatron_fsdp_bytes_per_parameter(config, weight), weight
     gradient = 2 if weight == 2 and config.ddp.grad_reduce_in_fp32 is False else 4
     sharded = (4 if weight == 2 else 0) + (8 if o.optimizer == "adam" else 4)
     if not o.use_distributed_optimizer:
@@ -937,6 +939,25 @@ def bytes_per_parameter(config, expert: bool = False) -> tuple:
     else:
         shards = config.data_parallel_size * m.context_parallel_size
     return weight + gradient + sharded / shards, weight
+
+
+def megatron_fsdp_bytes_per_parameter(config, weight: int) -> float:
+    """Bytes of a trainable parameter on its rank under Megatron FSDP at its peak, the end of a step, by its buffers
+    (megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py:2644-2720): the model's weights
+    (`weight` bytes; sharded under optim_grads_params), the gradients in the weights' dtype (its main-grads dtype left
+    to the parameters', as Megatron-LM's default; sharded under optim_grads and optim_grads_params), fp32 main
+    weights whatever the model's dtype and the optimizer's moments (8 bytes for Adam, 4 for SGD's momentum; sharded
+    under every strategy but no_shard), over N = DP x CP ranks (ZeRO's stages, Rajbhandari et al. 2020). Under
+    optim_grads_params the step's end gathers the whole model's weights again for the next forward
+    (start_param_sync's all-gather, on in Megatron-LM), which frees them a layer at a time: `weight` bytes more then.
+    fp32 with Adam: no_shard 4 + 4 + 12 = 20, optim 8 + 12/N, optim_grads 4 + 16/N, optim_grads_params 4 + 20/N
+    (20/N between the forward and the step)."""
+    strategy, n = config.ddp.data_parallel_sharding_strategy, config.data_parallel_size * config.model.context_parallel_size
+    state = 4 + (8 if config.optimizer.optimizer == "adam" else 4)
+    gathered = weight if strategy == "optim_grads_params" else 0
+    return (gathered + weight / (n if strategy == "optim_grads_params" else 1)
+            + weight / (n if strategy in ("optim_grads", "optim_grads_params") else 1)
+            + state / (1 if strategy == "no_shard" else n))
 
 
 def attention_parameters(m) -> float:

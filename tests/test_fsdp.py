@@ -77,3 +77,26 @@ def test_megatron_fsdp_turns_on_the_distributed_optimizer_and_takes_megatron_lms
     assert cfg.ddp.data_parallel_sharding_strategy == "optim_grads_params"
     assert cfg.ddp.gradient_reduce_div_fusion is False
     assert checks.parse_args(TINY, world_size=1, gpu=True).ddp.gradient_reduce_div_fusion is True
+
+
+def test_the_memory_estimate_is_what_each_strategy_holds_on_a_rank():
+    """metrics.bytes_per_parameter (the theoretical memory report's and the fit check's count) against what Megatron
+    FSDP has allocated on a rank at the end of a step at DP=2 (tests/scripts/fsdp_memory.py): fp32 with Adam, 20 bytes
+    a parameter unsharded, 8 + 12/2 with the optimizer state sharded, 4 + 16/2 with the gradients too, and 20/2 with
+    the weights too plus the 4 of the weights gathered again for the next forward. Above the estimate only by the
+    buffers' padding: each bucket is padded to a multiple of DP x its widest row
+    (megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py:284-287), in at most 4 buffers of
+    4-byte elements (the weights, their gathered copy, the main weights, the gradients)."""
+    import json
+
+    from conftest import torchrun
+
+    proc = torchrun(["no_shard", "optim", "optim_grads", "optim_grads_params"], nproc=2,
+                    script="tests/scripts/fsdp_memory.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["strategy"]: r for r in map(json.loads, [line for line in proc.stdout.splitlines() if line.startswith("{")])}
+    assert {s: r["theory"] for s, r in rows.items()} == {"no_shard": 20, "optim": 14, "optim_grads": 12,
+                                                          "optim_grads_params": 14}
+    for strategy, r in rows.items():
+        padding = 4 * 4 * r["buckets"] * 2 * r["widest"] / r["n"]
+        assert r["theory"] <= r["measured"] <= r["theory"] + padding, strategy

@@ -669,6 +669,8 @@ def check_sharding(cfg: ConfigContainer) -> None:
     """What Megatron FSDP takes: Megatron-LM's refusals in its words, and what is not proven equal to one process here
     yet (each refused in one line: it runs only where the tests show it gives the one-process numbers)."""
     d, m = cfg.ddp, cfg.model
+    if cfg.dist.use_torch_fsdp2:
+        check_torch_fsdp2(cfg)
     if not d.use_megatron_fsdp:
         return
     require(cfg.optimizer.optimizer in ("adam", "sgd"),
@@ -685,6 +687,30 @@ def check_sharding(cfg: ConfigContainer) -> None:
     given = [flag for flag, on in unproven if on]
     require(not given, f"--use-megatron-fsdp with {given[0] if given else ''} is not proven equal to one process "
                        f"here yet; it runs with data and tensor parallelism (docs/model.md)")
+
+
+def check_torch_fsdp2(cfg: ConfigContainer) -> None:
+    """--use-torch-fsdp2: Megatron-LM's refusals in its words (arguments.py:997-1015), and what is not proven equal to
+    one process here yet."""
+    m, o = cfg.model, cfg.optimizer
+    require(not cfg.ddp.use_megatron_fsdp, "Using use_megatron_fsdp and use_torch_fsdp2 at the same time is not "
+                                           "supported.")  # (Bridge's words: models/dist_utils.py)
+    require(m.pipeline_model_parallel_size == 1, "--use-torch-fsdp2 is not supported with pipeline parallelism")
+    require(m.expert_model_parallel_size == 1, "--use-torch-fsdp2 is not supported with expert parallelism")
+    require(not o.use_distributed_optimizer, "--use-torch-fsdp2 is not supported with MCore's distributed optimizer")
+    require(m.untie_embeddings_and_output_weights, "--use-torch-fsdp2 requires --untie-embeddings-and-output-weights")
+    require(not m.fp16, "--use-torch-fsdp2 not supported with fp16 yet")
+    # Megatron-LM: "--use-torch-fsdp2 requires --ckpt-format torch_dist or torch_dcp"
+    require(cfg.checkpoint.save is None and cfg.checkpoint.load is None and cfg.checkpoint.pretrained_checkpoint is None,
+            "--use-torch-fsdp2 saves and loads its DTensors as torch_dist or torch_dcp, which is not here yet; give "
+            "--no-save and no --load")
+    unproven = [(f"--context-parallel-size {m.context_parallel_size}", m.context_parallel_size > 1),
+                ("--num-experts", bool(m.num_moe_experts)), ("--bf16", m.bf16), ("--peft", cfg.peft.peft != "none"),
+                ("--log-l2-norm-grad", cfg.logger.log_l2_norm_grad), ("--eval-tasks", cfg.downstream.eval_tasks is not None),
+                (f"--optimizer {o.optimizer}", o.optimizer not in ("adam", "sgd"))]
+    given = [flag for flag, on in unproven if on]
+    require(not given, f"--use-torch-fsdp2 with {given[0] if given else ''} is not proven equal to one process here "
+                       f"yet; it runs with data and tensor parallelism (docs/model.md)")
 
 
 def check_pipeline_split(cfg: ConfigContainer) -> None:

@@ -107,7 +107,7 @@ MCORE_FLAGS = {
     "checkpoint": "save load save_interval save_optim save_rng load_optim load_rng finetune pretrained_checkpoint "
                   "ckpt_step most_recent_k ckpt_format dist_ckpt_optim_fully_reshardable async_save async_strategy "
                   "use_persistent_ckpt_worker",
-    "dist": "distributed_backend distributed_timeout_minutes",
+    "dist": "distributed_backend distributed_timeout_minutes use_torch_fsdp2",
     "rng": "seed",
     "profiling": "use_nsys_profiler use_pytorch_profiler profile_step_start profile_step_end profile_ranks "
                  "pytorch_profiler_collect_shapes pytorch_profiler_collect_callstack record_shapes "

@@ -388,8 +388,19 @@ def _flash_attn_answers() -> list:
     return answers
 
 
+class _CpuDeviceMesh:
+    """torch's DeviceMesh as torch FSDP2's wrapper in megatron-core builds it (from_group), on the CPU."""
+
+    @staticmethod
+    def from_group(group, device_type, *args, **kwargs):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh.from_group(group, "cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+
 def _cpu_answers() -> list:
     """(owner, name, answer) for each callable the shim replaces: the rows of docs/cpu.md's table."""
+    from megatron.core.distributed import torch_fully_sharded_data_parallel as torch_fsdp2
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
@@ -411,6 +422,9 @@ def _cpu_answers() -> list:
         (mcore_random, "_set_cuda_rng_state",
          lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)),
         (moe_utils, "maybe_move_tensor_to_cpu", _split_sizes_on_host),
+        # torch FSDP2's mesh: megatron-core asks for a "cuda" one (torch_fully_sharded_data_parallel.py:81), and
+        # fully_shard then wants every parameter on cuda:0; a "cpu" mesh over the same group
+        (torch_fsdp2, "DeviceMesh", _CpuDeviceMesh),
         (token_dispatcher, "maybe_move_tensor_to_cpu", _split_sizes_on_host),
         *((owner, name, _on_the_cpu(getattr(owner, name))) for owner, name in _takes_a_device()),
         *_tensor_answers(),

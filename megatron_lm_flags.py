@@ -114,12 +114,12 @@ UNSUPPORTED_FLAGS = [
     (("--cuda-graph-", "--enable-cuda-graph", "--external-cuda-graph", "--te-rng-tracker", "--optimizer-cuda-graph"),
      "CUDA graphs (and transformer-engine's RNG tracker they need)"),
     (("--tp-comm-", "--no-tp-comm-", "--disable-tp-comm-"), "transformer-engine's userbuffer communication overlap"),
-    (("--use-torch-fsdp2", "--torch-fsdp2-", "--fsdp-",
+    (("--torch-fsdp2-", "--fsdp-",
       "--outer-dp-sharding-strategy", "--enable-full-sharding-in-hsdp", "--suggested-communication-unit-size",
       "--keep-fp8-transpose-cache", "--no-strict-fsdp-dtensor-load", "--disable-strict-fsdp-dtensor-load",
       "--init-model-with-meta-device", "--megatron-fsdp-"),
-     "FSDP beyond Megatron FSDP's sharding strategies (torch FSDP2, hybrid sharding, its buffers and meta-device "
-     "initialisation)"),
+     "FSDP beyond Megatron FSDP's sharding strategies and torch FSDP2's default (hybrid sharding, the buffers, "
+     "meta-device initialisation, FSDP2 without resharding after the forward)"),
     (("--use-legacy-models",), "Megatron-LM's legacy models (megatron-core's GPTModel is the only model)"),
     (("--optimizer-cpu-offload", "--optimizer-offload-fraction", "--use-torch-optimizer-for-cpu-offload",
       "--overlap-cpu-optimizer-d2h-h2d", "--cpu-offloading-num-layers", "--fine-grained-activation-offloading",

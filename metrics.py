@@ -761,6 +761,12 @@ def calc_params_l2_norm(model, model_config=None, use_megatron_fsdp: bool = Fals
     model = model if isinstance(model, list) else [model]
     if use_megatron_fsdp:
         return _fsdp_params_l2_norm(model)
+    if any(getattr(p, "is_torch_fsdp2_param", False) for chunk in model for p in chunk.parameters()):
+        # torch FSDP2: each parameter a DTensor sharded over the data-parallel mesh alone (the seed's DTensor norm
+        # sums its shards); tensor-parallel shards and copies as for any parameter, over the model-parallel group
+        mains = [p for _, p in _counted_params(model)]
+        squares = torch.tensor(calc_dtensor_params_l2_norm(mains) ** 2, dtype=torch.float64)
+        return math.sqrt(_sum_over(squares, parallel_state.get_model_parallel_group()).item())
     params = {False: ([], []), True: ([], [])}  # expert? -> (whole, sharded)
     any_sharded = False
     bf16 = getattr(model_config or getattr(unwrap_model(model[0]), "config", None), "bf16", False)

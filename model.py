@@ -394,6 +394,8 @@ def wrap_model(cfg, model: list) -> list:
     replica then starts from rank 0's weights."""
     if cfg.model.bf16 or cfg.model.fp16:
         model = [Float16Module(m.config, m) for m in model]
+    if cfg.dist.use_torch_fsdp2:
+        return [torch_fsdp2(m) for m in model]
     ddp_config = megatron_ddp_config(cfg)
     if ddp_config.use_megatron_fsdp:
         return [megatron_fsdp(m, ddp_config) for m in model]
@@ -443,6 +445,19 @@ def megatron_fsdp(module, ddp_config):
 
     return FullyShardedDataParallel(config=unwrap_model(module).config, ddp_config=copy.deepcopy(ddp_config),
                                     module=module)
+
+
+def torch_fsdp2(module):
+    """A chunk in torch's FSDP2 through megatron-core's TorchFullyShardedDataParallel (--use-torch-fsdp2), as
+    Megatron-LM's get_model builds it (training.py:1980-1982, 1695-1702): `fully_shard` on each TransformerLayer, the
+    embedding and the root, over the data-parallel (x context-parallel) ranks, resharding after the forward (its
+    default). The parameters become DTensors sharded along their first dimension; megatron-core's ordinary optimizer
+    steps them (Megatron-LM refuses its distributed optimizer here)."""
+    from megatron.core.distributed import TorchFullyShardedDataParallel
+    from megatron.core.distributed.torch_fully_sharded_data_parallel_config import TorchFullyShardedDataParallelConfig
+
+    return TorchFullyShardedDataParallel(config=unwrap_model(module).config,
+                                         ddp_config=TorchFullyShardedDataParallelConfig(), module=module)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -695,10 +710,11 @@ def get_forward_backward_func(model: list, optimizer, timers=None):
     all-reduce); the fp16 loss scale; the timers. optimizer None: evaluation (no loss scaling, no timers)."""
     config = unwrap_model(model[0]).config
     config.no_sync_func = model[0].no_sync if len(model) == 1 else [m.no_sync for m in model]
-    if getattr(model[0].ddp_config, "use_megatron_fsdp", False):
+    if not isinstance(model[0], DistributedDataParallel):
         # Megatron FSDP reduces in its backward hooks at the last microbatch under no_sync and again in
-        # finish_grad_sync: `optim`'s gradients come out wrong (megatron_fsdp.py:1300-1313). Megatron-LM sets no_sync_func only under
-        # --overlap-grad-reduce (training.py:3532-3543), which check_sharding refuses here.
+        # finish_grad_sync: `optim`'s gradients come out wrong (megatron_fsdp.py:1300-1313). Megatron-LM sets
+        # no_sync_func only for it and DDP under --overlap-grad-reduce, which check_sharding refuses here, and never
+        # for torch FSDP2 (training.py:3532-3543).
         config.no_sync_func = None
     config.finalize_model_grads_func = finalize_model_grads
     mla_q_norm = config.multi_latent_attention and config.qk_layernorm and not config.sequence_parallel

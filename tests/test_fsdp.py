@@ -1,11 +1,13 @@
 """Megatron FSDP (--use-megatron-fsdp): megatron-core's FullyShardedDataParallel and its distributed optimizer, each
---data-parallel-sharding-strategy giving the one process's numbers, on CPU over gloo through device.py as every layout.
+--data-parallel-sharding-strategy giving the one process's numbers, and torch FSDP2 (--use-torch-fsdp2) through
+megatron-core's TorchFullyShardedDataParallel, on CPU over gloo through device.py as every layout.
 
 Each run starts from the seed (every data-parallel replica draws the same weights, as the one process does; there is
 no checkpoint of Megatron FSDP here to continue) and trains 6 iterations with a validation every 3: the lm loss, the
 grad norm, the params norm (the seed's DTensor norm on the FSDP main weights) and the validation loss at every
-iteration, from TensorBoard. Not covered, and refused in one line by checks.check_sharding: checkpoints
-(fsdp_dtensor), pipeline and context parallelism, MoE, fp16, --log-l2-norm-grad, the overlaps, downstream tasks."""
+iteration, from TensorBoard. Not covered, and refused in one line by checks.check_sharding and check_torch_fsdp2:
+checkpoints (fsdp_dtensor; torch_dist or torch_dcp), pipeline and context parallelism, MoE, fp16 (and bf16 under
+FSDP2), --log-l2-norm-grad, the overlaps, downstream tasks."""
 
 import pytest
 
@@ -21,26 +23,36 @@ METRICS = ("lm loss", "grad-norm", "params-norm", "lm loss validation")
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 TP2 = ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "320"]
+# torch FSDP2, with the untied output layer Megatron-LM requires of it (against a one-process run with one too)
+UNTIED = ["--untie-embeddings-and-output-weights"]
+FSDP2 = [*UNTIED, "--use-torch-fsdp2"]
 # name: (ranks, flags)
 LAYOUTS = {**{f"dp2_{s}": (2, [*FSDP, s]) for s in STRATEGIES},
            **{f"dp4_{s}": (4, [*FSDP, s]) for s in STRATEGIES},
-           **{f"tp2_dp2_{s}": (4, [*FSDP, s, *TP2]) for s in STRATEGIES}}
+           **{f"tp2_dp2_{s}": (4, [*FSDP, s, *TP2]) for s in STRATEGIES},
+           "fsdp2_dp2": (2, FSDP2), "fsdp2_dp4": (4, FSDP2), "fsdp2_tp2_dp2": (4, [*FSDP2, *TP2])}
+
+
+def reference(runs, name):
+    """The one-process run a layout gives the numbers of: with the untied output layer for torch FSDP2."""
+    return runs("one_untied", 1, *UNTIED) if name.startswith("fsdp2") else runs("one", 1)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, warm_torchrun):
-    """The one process, then every layout (two-rank ones on the warm ranks, four-rank ones in one torchrun job)."""
+    """The one-process runs, then every layout (two-rank ones on the warm ranks, four-rank ones in one torchrun
+    job)."""
     runs = Launches(tmp_path_factory.mktemp("fsdp"), FLAGS, METRICS, warm_torchrun)
     with runs.together():
-        runs("one", 1)
+        runs("one", 1), runs("one_untied", 1, *UNTIED)
         for name, (nproc, flags) in LAYOUTS.items():
             runs(name, nproc, *flags)
     return runs
 
 
 # The fast command: ZeRO-3 (Megatron-LM's default strategy) and ZeRO-1 (whose gradients a no_sync hook doubled) at
-# DP=2; the full proof every strategy at DP=2, DP=4 and TP=2 x DP=2.
-FAST = ("dp2_optim_grads_params", "dp2_optim")
+# DP=2, and torch FSDP2 at DP=2; the full proof every strategy and FSDP2 at DP=2, DP=4 and TP=2 x DP=2.
+FAST = ("dp2_optim_grads_params", "dp2_optim", "fsdp2_dp2")
 
 
 @pytest.mark.parametrize("name", [name if name in FAST else pytest.param(name, marks=pytest.mark.full) for name in LAYOUTS])
@@ -48,7 +60,7 @@ def test_every_sharding_strategy_gives_the_one_process_numbers(runs, name):
     """The same weights drawn, the same global batches: each strategy's losses, grad norms, params norms and
     validation losses are the one process's, within the sums' rounding (REORDERED)."""
     nproc, flags = LAYOUTS[name]
-    run, one = runs(name, nproc, *flags), runs("one", 1)
+    run, one = runs(name, nproc, *flags), reference(runs, name)
     assert one["iterations"] == run["iterations"] == list(range(1, 7))
     assert sorted(one["lm loss validation"]) == [3, 6]
     conftest_assert_same(run, one, range(1, 7), METRICS[:3])
@@ -65,6 +77,23 @@ def test_every_sharding_strategy_gives_the_one_process_numbers(runs, name):
 ])
 def test_what_megatron_fsdp_does_not_take_is_one_line(flags, world_size, expected, capsys):
     assert expected in config_error([*TINY, "--use-megatron-fsdp", *flags], capsys, world_size=world_size)
+
+
+@pytest.mark.parametrize("flags, world_size, expected", [
+    ([], 2, "--use-torch-fsdp2 requires --untie-embeddings-and-output-weights"),
+    ([*UNTIED, "--use-distributed-optimizer"], 2, "--use-torch-fsdp2 is not supported with MCore's distributed "
+                                                  "optimizer"),
+    ([*UNTIED, "--pipeline-model-parallel-size", "2"], 2, "--use-torch-fsdp2 is not supported with pipeline "
+                                                          "parallelism"),
+    ([*UNTIED, "--fp16"], 2, "--use-torch-fsdp2 not supported with fp16 yet"),
+    ([*UNTIED, "--use-megatron-fsdp"], 2, "Using use_megatron_fsdp and use_torch_fsdp2 at the same time is not "
+                                          "supported."),
+    ([*UNTIED, "--save", "ck"], 2, "--use-torch-fsdp2 saves and loads its DTensors as torch_dist or torch_dcp, which "
+                                   "is not here yet"),
+])
+def test_what_torch_fsdp2_does_not_take_is_one_line(flags, world_size, expected, capsys):
+    """Megatron-LM's refusals (arguments.py:997-1015), in its words."""
+    assert expected in config_error([*TINY, "--use-torch-fsdp2", *flags], capsys, world_size=world_size)
 
 
 def test_megatron_fsdp_turns_on_the_distributed_optimizer_and_takes_megatron_lms_default_strategy():

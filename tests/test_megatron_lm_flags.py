@@ -304,7 +304,7 @@ def test_the_model_section_is_the_transformer_config_megatron_core_gets(with_te)
     (["--fp4-format", "nvfp4"], "FP4 training (transformer-engine's)"),
     (["--cuda-graph-impl", "local"], "CUDA graphs"),
     (["--tp-comm-overlap"], "transformer-engine's userbuffer communication overlap"),
-    (["--use-torch-fsdp2"], "FSDP"),
+    (["--fsdp-double-buffer"], "FSDP"),
     (["--use-legacy-models"], "Megatron-LM's legacy models"),
     (["--qk-clip"], "Muon's QK-clip"),
     # new in core_v0.19.0

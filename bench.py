@@ -760,6 +760,24 @@ def _best_round(runs: dict, bench: str) -> dict:
     return best
 
 
+def bench_fsdp(argv) -> list:
+    """train.py's time per iteration under each Megatron FSDP sharding strategy and torch FSDP2 beside megatron-core's
+    DDP with and without the distributed optimizer, all at DP=2 (2 processes x 1 thread) on the quick start's model
+    shape, untied so that FSDP2 runs the same model (_best_round: three alternating rounds, the best round's median)."""
+    line = ["--mock-data", "--train-iters", "20", "--log-interval", "1", "--eval-iters", "0", "--no-save",
+            "--no-tensorboard", "--num-workers", "0", "--global-batch-size", "16", "--untie-embeddings-and-output-weights",
+            *argv]
+    runs = {"DDP": (2, "train.py", line), "DDP, distributed optimizer": (2, "train.py", [*line, "--use-distributed-optimizer"]),
+            **{f"Megatron FSDP {s}": (2, "train.py", [*line, "--use-megatron-fsdp", "--data-parallel-sharding-strategy", s])
+               for s in ("no_shard", "optim", "optim_grads", "optim_grads_params")},
+            "torch FSDP2": (2, "train.py", [*line, "--use-torch-fsdp2"])}
+    best = _best_round(runs, "fsdp")
+    cfg = checks.parse_args(line, world_size=2)
+    setup = (f"{cfg.model.num_layers}x{cfg.model.hidden_size}, seq {cfg.model.seq_length}, gbs "
+             f"{cfg.train.global_batch_size}, DP=2, 2 processes x 1 thread")
+    return [row for row in _rows("fsdp", setup, best, "DDP", "DDP") if row[2] != "Megatron-LM"]
+
+
 def _megatron_lm() -> bool:
     """Whether $MEGATRON_LM names a Megatron-LM checkout to run beside train.py."""
     return bool(os.environ.get("MEGATRON_LM"))
@@ -1078,7 +1096,7 @@ def print_table(rows) -> None:
 if __name__ == "__main__":
     benches = {"checkpoint": bench_checkpoint, "logging": bench_logging, "data": bench_data,
                "overhead": bench_overhead, "ladder": bench_ladder, "hotpath": bench_hotpath,
-               "generate": bench_generate, "parallel": bench_parallel, "moe": bench_moe, "v3": bench_v3,
+               "generate": bench_generate, "parallel": bench_parallel, "moe": bench_moe, "v3": bench_v3, "fsdp": bench_fsdp,
                "small": bench_small, "profile": bench_profile, "ops": bench_ops}
     name = sys.argv[1] if len(sys.argv) > 1 else "checkpoint"
     import device

@@ -398,9 +398,25 @@ class _CpuDeviceMesh:
         return DeviceMesh.from_group(group, "cpu" if device_type == "cuda" else device_type, *args, **kwargs)
 
 
+def _gathered_before_return(all_gather_params):
+    """Megatron FSDP's parameter all-gather (optim_grads_params), waited for before it returns. On a GPU its gathers
+    run ahead of the forward on their own stream (prefetched, async_param_gather); over gloo an asynchronous gather
+    is a thread still writing into a bucket that the pipeline's recycling may free meanwhile
+    (param_and_grad_buffer.py:4701-4712): one run in three of 20 iterations ended in SIGSEGV. Waited for, the bucket
+    holds its weights before anything else touches it."""
+
+    @functools.wraps(all_gather_params)
+    def gathered(self, *args, **kwargs):
+        kwargs["async_param_gather"] = False
+        return all_gather_params(self, *args, **kwargs)
+
+    return gathered
+
+
 def _cpu_answers() -> list:
     """(owner, name, answer) for each callable the shim replaces: the rows of docs/cpu.md's table."""
     from megatron.core.distributed import torch_fully_sharded_data_parallel as torch_fsdp2
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as megatron_fsdp_buffers
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
@@ -425,6 +441,8 @@ def _cpu_answers() -> list:
         # torch FSDP2's mesh: megatron-core asks for a "cuda" one (torch_fully_sharded_data_parallel.py:81), and
         # fully_shard then wants every parameter on cuda:0; a "cpu" mesh over the same group
         (torch_fsdp2, "DeviceMesh", _CpuDeviceMesh),
+        (megatron_fsdp_buffers.AllGatherPipeline, "all_gather_params",
+         _gathered_before_return(megatron_fsdp_buffers.AllGatherPipeline.all_gather_params)),
         (token_dispatcher, "maybe_move_tensor_to_cpu", _split_sizes_on_host),
         *((owner, name, _on_the_cpu(getattr(owner, name))) for owner, name in _takes_a_device()),
         *_tensor_answers(),

@@ -682,6 +682,9 @@ def check_sharding(cfg: ConfigContainer) -> None:
     unproven = [(f"--pipeline-model-parallel-size {m.pipeline_model_parallel_size}", m.pipeline_model_parallel_size > 1),
                 (f"--context-parallel-size {m.context_parallel_size}", m.context_parallel_size > 1),
                 ("--num-experts", bool(m.num_moe_experts)), ("--fp16", m.fp16), ("--peft", cfg.peft.peft != "none"),
+                # bf16: Megatron FSDP reduces its gradients in bf16 (its main-grads dtype follows the weights'), where
+                # megatron-core's DDP and the one process accumulate them in fp32
+                ("--bf16", m.bf16), ("--mtp-num-layers", bool(m.mtp_num_layers)), ("--z-loss-coeff", bool(m.z_loss_coeff)),
                 ("--log-l2-norm-grad", cfg.logger.log_l2_norm_grad), ("--overlap-grad-reduce", d.overlap_grad_reduce),
                 ("--overlap-param-gather", d.overlap_param_gather), ("--eval-tasks", cfg.downstream.eval_tasks is not None)]
     given = [flag for flag, on in unproven if on]
@@ -706,6 +709,7 @@ def check_torch_fsdp2(cfg: ConfigContainer) -> None:
             "--no-save and no --load")
     unproven = [(f"--context-parallel-size {m.context_parallel_size}", m.context_parallel_size > 1),
                 ("--num-experts", bool(m.num_moe_experts)), ("--bf16", m.bf16), ("--peft", cfg.peft.peft != "none"),
+                ("--mtp-num-layers", bool(m.mtp_num_layers)), ("--z-loss-coeff", bool(m.z_loss_coeff)),
                 ("--log-l2-norm-grad", cfg.logger.log_l2_norm_grad), ("--eval-tasks", cfg.downstream.eval_tasks is not None),
                 (f"--optimizer {o.optimizer}", o.optimizer not in ("adam", "sgd"))]
     given = [flag for flag, on in unproven if on]

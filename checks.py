@@ -675,6 +675,11 @@ def check_sharding(cfg: ConfigContainer) -> None:
         return
     require(cfg.optimizer.optimizer in ("adam", "sgd"),
             f"Megatron-FSDP does not support the {cfg.optimizer.optimizer} optimizer yet.")  # arguments.py:1116
+    # SGD, which Megatron-LM lets through: Megatron FSDP steps with the distributed optimizer, which here shards Adam's
+    # state only (check_optimizer_and_schedule's refusal would name --use-distributed-optimizer, never given)
+    require(cfg.optimizer.optimizer == "adam", "--use-megatron-fsdp with --optimizer sgd: Megatron FSDP steps with "
+                                               "megatron-core's distributed optimizer, which shards Adam's state only "
+                                               "here; use --optimizer adam, or --use-torch-fsdp2")
     # Megatron-LM: "Megatron-FSDP requires the `fsdp_dtensor` checkpointing format." (arguments.py:1146)
     require(cfg.checkpoint.save is None and cfg.checkpoint.load is None and cfg.checkpoint.pretrained_checkpoint is None,
             "--use-megatron-fsdp saves and loads the fsdp_dtensor format, which is not here yet; give --no-save and "

@@ -26,16 +26,22 @@ TP2 = ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "3
 # torch FSDP2, with the untied output layer Megatron-LM requires of it (against a one-process run with one too)
 UNTIED = ["--untie-embeddings-and-output-weights"]
 FSDP2 = [*UNTIED, "--use-torch-fsdp2"]
+SGD = ["--optimizer", "sgd", "--lr", "0.1"]
 # name: (ranks, flags)
 LAYOUTS = {**{f"dp2_{s}": (2, [*FSDP, s]) for s in STRATEGIES},
            **{f"dp4_{s}": (4, [*FSDP, s]) for s in STRATEGIES},
            **{f"tp2_dp2_{s}": (4, [*FSDP, s, *TP2]) for s in STRATEGIES},
-           "fsdp2_dp2": (2, FSDP2), "fsdp2_dp4": (4, FSDP2), "fsdp2_tp2_dp2": (4, [*FSDP2, *TP2])}
+           "fsdp2_dp2": (2, FSDP2), "fsdp2_dp4": (4, FSDP2), "fsdp2_tp2_dp2": (4, [*FSDP2, *TP2]),
+           # torch FSDP2's other optimizer, SGD with momentum (Megatron FSDP's is refused: below)
+           "sgd_fsdp2_dp2": (2, [*SGD, *FSDP2])}
 
 
 def reference(runs, name):
-    """The one-process run a layout gives the numbers of: with the untied output layer for torch FSDP2."""
-    return runs("one_untied", 1, *UNTIED) if name.startswith("fsdp2") else runs("one", 1)
+    """The one-process run a layout gives the numbers of: with the untied output layer for torch FSDP2, with SGD for
+    the SGD layouts."""
+    sgd = SGD if name.startswith("sgd") else []
+    untied = UNTIED if "fsdp2" in name else []
+    return runs("one" + "_sgd" * bool(sgd) + "_untied" * bool(untied), 1, *sgd, *untied)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +50,8 @@ def runs(tmp_path_factory, warm_torchrun):
     job)."""
     runs = Launches(tmp_path_factory.mktemp("fsdp"), FLAGS, METRICS, warm_torchrun)
     with runs.together():
-        runs("one", 1), runs("one_untied", 1, *UNTIED)
         for name, (nproc, flags) in LAYOUTS.items():
+            reference(runs, name)
             runs(name, nproc, *flags)
     return runs
 
@@ -74,7 +80,9 @@ def test_every_sharding_strategy_gives_the_one_process_numbers(runs, name):
     (["--pipeline-model-parallel-size", "2"], 4, "--use-megatron-fsdp with --pipeline-model-parallel-size 2 is not "
                                                  "proven equal to one process here yet"),
     (["--log-l2-norm-grad"], 2, "--use-megatron-fsdp with --log-l2-norm-grad is not proven"),
-    (["--bf16"], 2, "--use-megatron-fsdp with --bf16 is not proven"),  # its gradients reduced in bf16, DDP's in fp32
+    (["--bf16"], 2, "--use-megatron-fsdp with --bf16 is not proven"),
+    (["--optimizer", "sgd"], 2, "--use-megatron-fsdp with --optimizer sgd: Megatron FSDP steps with megatron-core's "
+                                "distributed optimizer, which shards Adam's state only here"),  # its gradients reduced in bf16, DDP's in fp32
 ])
 def test_what_megatron_fsdp_does_not_take_is_one_line(flags, world_size, expected, capsys):
     assert expected in config_error([*TINY, "--use-megatron-fsdp", *flags], capsys, world_size=world_size)

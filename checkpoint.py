@@ -431,6 +431,9 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
             return final
         dist_checkpointing.save(sharded, directory, strategy, content_metadata=metadata)
         files = []
+    elif ck.ckpt_format in DCP_FORMATS:
+        save_dcp(cfg, model, optimizer, scheduler, common, directory)
+        files = []
     else:
         files = []
         # One file per tensor, pipeline and expert rank, with Megatron-LM's keys, written as Megatron-LM writes it
@@ -844,6 +847,223 @@ def check_tokenizer(tokenizer, directory: str, common: dict) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
+# FSDP's formats: fsdp_dtensor (Megatron FSDP) and torch_dcp (torch FSDP2)
+# --------------------------------------------------------------------------------------------------
+
+DCP_FORMATS = ("fsdp_dtensor", "torch_dcp")  # torch.distributed.checkpoint of the FSDP's DTensors
+
+
+DCP_FLAG = {"fsdp_dtensor": "--use-megatron-fsdp", "torch_dcp": "--use-torch-fsdp2"}  # the run that reads each
+
+
+def fsdp_kind(model: list) -> Optional[str]:
+    """The flag whose FSDP wraps this model (--use-megatron-fsdp, --use-torch-fsdp2), or None."""
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+    from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
+
+    return ("--use-megatron-fsdp" if isinstance(model[0], FullyShardedDataParallel) else
+            "--use-torch-fsdp2" if isinstance(model[0], TorchFullyShardedDataParallel) else None)
+
+
+def _megatron_fsdp(model: list) -> bool:
+    return fsdp_kind(model) == "--use-megatron-fsdp"
+
+
+def _fill_empty_shards(optimizer) -> None:
+    """Give every parameter of the distributed optimizer that has no Adam state a zero one, at the step of the
+    others. Under Megatron FSDP a rank's shard of a small parameter can be empty: it gets no gradient, so torch's Adam
+    makes it no state, and the ranks then describe different state keys to `preprocess_state_dict_for_uneven_dtensor`,
+    whose per-tensor collectives pair up wrongly and wait forever (megatron-core defect, README: defects; Megatron-LM
+    #4910). The step is the one every rank's other parameters have: DCP keeps one copy of a plain tensor."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        adam = getattr(inner, "optimizer", None)
+        if not isinstance(adam, torch.optim.Adam):
+            continue
+        steps = [float(s["step"]) for s in adam.state.values() if "step" in s]
+        step = torch.tensor(max(steps, default=0.0))
+        torch.distributed.all_reduce(step, op=torch.distributed.ReduceOp.MAX)
+        for group in adam.param_groups:
+            for p in group["params"]:
+                if not adam.state.get(p):
+                    adam.state[p] = {"step": step.clone(), "exp_avg": torch.zeros_like(p),
+                                     "exp_avg_sq": torch.zeros_like(p)}
+
+
+def dcp_rng_key() -> str:
+    """Megatron-LM's key for this rank's RNG states in fsdp_dtensor (checkpointing.py get_rng_state): one list per
+    (pipeline, tensor) rank; data-parallel replicas hold the same states, and DCP keeps one copy of each key."""
+    return f"({parallel_state.get_pipeline_model_parallel_rank()}, {parallel_state.get_tensor_model_parallel_rank()})"
+
+
+def dcp_state_dict(cfg, model: list, optimizer, scheduler, common: dict, loading: bool, rng: bool) -> tuple:
+    """(what torch.distributed.checkpoint writes or reads, the model's and optimizer's own state dicts) as Megatron-LM's
+    generate_state_dict and preprocess_fsdp_dtensor_state_dict make them (checkpointing.py:1296-1397): `args`,
+    `iteration`, `checkpoint_version`, the FLOPs, `model` (the FSDP's DTensors, `module.`-prefixed under Megatron
+    FSDP), `optimizer` and `opt_param_scheduler` (None: weights only), and `rng_state` {"(pp, tp)": [states]}.
+    torch_dcp's optimizer is torch's own state dict of FSDP2's DTensors; fsdp_dtensor's the distributed optimizer's
+    `fsdp_dtensor` sharding, each parameter's state a DTensor under its name; SwiGLU's fc1 weight split into its `_w`
+    and `_v` halves, so that any tensor-parallel size reads them."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
+    from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_fp8_extra_state_case, handle_swiglu_in_state_dict
+
+    raw = {**common, "model": model[0].state_dict()}
+    if optimizer is not None:
+        if _megatron_fsdp(model):
+            _fill_empty_shards(optimizer)
+            metadata = {"distrib_optim_sharding_type": "fsdp_dtensor", "singleton_local_shards": False,
+                        "chained_optim_avoid_prefix": True}
+            # loading: megatron-core makes the state to read into with a step of zero gradients (restored by the load)
+            raw["optimizer"] = optimizer.sharded_state_dict(raw, is_loading=loading, metadata=metadata)
+        else:
+            # Megatron-LM calls optimizer.state_dict(is_loading=True) (checkpointing.py:2339), which a ChainedOptimizer
+            # does not take (TypeError), and which would make Adam's moments without the step torch's Adam loads:
+            # the state to read into is made whole here (torch's optimizers make theirs at their first step).
+            if loading:
+                _create_optimizer_state(optimizer)
+                for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+                    sgd = getattr(inner, "optimizer", None)
+                    if isinstance(sgd, torch.optim.SGD):
+                        for group in sgd.param_groups:
+                            for p in group["params"] if group["momentum"] else []:
+                                sgd.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+            raw["optimizer"] = optimizer.state_dict()
+        raw["opt_param_scheduler"] = scheduler.state_dict()
+    if rng:
+        raw["rng_state"] = {dcp_rng_key(): [get_rng_state()]}
+    if not _megatron_fsdp(model):
+        return raw, raw
+    written = dict(raw)
+    handle_fp8_extra_state_case(written["model"])
+    if cfg.model.swiglu:
+        # The weights only: megatron-core's split of the optimizer's fc1 state looks each parameter up one `module.`
+        # short (fsdp_dtensor_checkpoint.py:375-377, AttributeError; megatron-core defect, README: defects; Megatron-LM
+        # #5265), so Megatron-LM cannot save it at all; here that state is kept whole, under its parameter's name.
+        written["model"], _ = handle_swiglu_in_state_dict(model[0], written["model"], None)
+    preprocess_state_dict_for_uneven_dtensor(written)
+    return written, raw
+
+
+def save_dcp(cfg, model: list, optimizer, scheduler, common: dict, directory: str) -> None:
+    """Write the checkpoint as Megatron-LM's fsdp_dtensor or torch_dcp: `.metadata` and one `__R_0.distcp` per rank,
+    through torch.distributed.checkpoint (whose `.metadata`, written last, completes it)."""
+    import torch.distributed.checkpoint as dcp
+
+    ck = cfg.checkpoint
+    written, _ = dcp_state_dict(cfg, model, optimizer if ck.save_optim else None, scheduler, common, loading=False,
+                                rng=ck.save_rng)
+    dcp.save(written, storage_writer=dcp.FileSystemWriter(directory))
+
+
+def _dcp_common(directory: str) -> dict:
+    """An fsdp_dtensor or torch_dcp checkpoint's `args`, `iteration`, `checkpoint_version` and FLOPs, read by this rank
+    alone (as Megatron-LM's rank-0 read, checkpointing.py:1762-1765), before any weight."""
+    import torch.distributed.checkpoint as dcp
+
+    held = _index(directory).state_dict_metadata
+    _check_distcp_files(directory)
+    wanted = {k: None for k in ("args", "iteration", "checkpoint_version", "num_floating_point_operations_so_far")
+              if k in held}
+    try:
+        dcp.load(wanted, checkpoint_id=directory, no_dist=True)
+    except Exception as e:
+        raise CheckpointError(f"{directory}: cannot be read ({_first_line(e)}); the checkpoint is corrupt — load an "
+                              f"older iteration with --ckpt-step") from None
+    return wanted
+
+
+def dcp_format(directory: str, common: dict) -> str:
+    """fsdp_dtensor or torch_dcp: the saving run's --ckpt-format (its `args`); Megatron-LM, which cannot tell them apart
+    by their files, takes fsdp_dtensor under --use-megatron-fsdp (checkpointing.py:1623-1626), as here without `args`."""
+    saved = getattr(common.get("args"), "ckpt_format", None)
+    if saved in DCP_FORMATS:
+        return saved
+    return "fsdp_dtensor" if any(k.startswith("model.module.") for k in _index(directory).state_dict_metadata) \
+        else "torch_dcp"
+
+
+def _load_dcp(cfg, directory: str, model: list, optimizer, scheduler, common: dict, load_optim: bool,
+              load_rng: bool) -> dict:
+    """Read an fsdp_dtensor or torch_dcp checkpoint into the FSDP's own DTensors, at any data-parallel size (DCP
+    reshards them), as Megatron-LM's load_checkpoint does: the tensors in place, then the model's and the optimizer's
+    load_state_dict with what was read."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    held = _index(directory).state_dict_metadata
+    if load_rng and not any(k.startswith(f"rng_state.{dcp_rng_key()}") for k in held):
+        raise CheckpointError(f"{directory}: holds no random states (rng_state) for (pipeline, tensor) rank "
+                              f"{dcp_rng_key()}; pass --no-load-rng to start them afresh from --seed")
+    if load_optim and not any(k.startswith("optimizer.") for k in held):
+        raise CheckpointError(f"{directory}: saved without optimizer state (--no-save-optim); add --no-load-optim")
+    _check_distcp_files(directory)
+    read, raw = dcp_state_dict(cfg, model, optimizer if load_optim else None, scheduler, {}, loading=True, rng=load_rng)
+    planner = DefaultLoadPlanner(allow_partial_load=not cfg.checkpoint.strict_fsdp_dtensor_load)
+    try:
+        dcp.load(read, storage_reader=dcp.FileSystemReader(directory), planner=planner)
+    except (Exception, CheckpointException) as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        why = next((line for line in reversed(lines) if "mismatch" in line or "Missing" in line or "size" in line),
+                   lines[-1] if lines else type(e).__name__)
+        raise CheckpointError(f"{directory}: cannot be read into this model ({why[:300]}); check --num-layers/"
+                              f"--hidden-size/... against its run_config.yaml, or load an older iteration with "
+                              f"--ckpt-step") from None
+    megatron = _megatron_fsdp(model)
+    model[0].load_state_dict({k.removeprefix("module."): v for k, v in raw["model"].items()} if megatron
+                             else raw["model"])
+    if load_optim:
+        with torch.no_grad():
+            optimizer.load_state_dict(raw["optimizer"])
+    return {**common, **{k: v for k, v in read.items() if k in ("opt_param_scheduler",)},
+            **({"rng_state": read["rng_state"][dcp_rng_key()]} if load_rng else {})}
+
+
+def _read_dcp_weights(directory: str, saved_format: str, model: list) -> None:
+    """Weights only, into a model that is not sharded (generate.py, hf.py export, --pretrained-checkpoint): each saved
+    DTensor is a whole tensor in the checkpoint, read whole and cut to this rank's tensor-parallel part. SwiGLU's fc1
+    is Megatron FSDP's `_w` and `_v` halves, joined per tensor-parallel rank as megatron-core lays it out."""
+    import torch.distributed.checkpoint as dcp
+
+    if len(model) > 1 or parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        raise CheckpointError(f"{directory}: a {saved_format} checkpoint's weights load into one pipeline stage here; "
+                              f"drop --pipeline-model-parallel-size")
+    held = _index(directory).state_dict_metadata
+    prefix = "model.module." if saved_format == "fsdp_dtensor" else "model."
+    module = unwrap_model(model[0])
+    tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    ours = {k: v for k, v in module.state_dict().items() if isinstance(v, torch.Tensor) and "_extra_state" not in k}
+    whole, halves = {}, {}
+    for name in ours:
+        key = prefix + name
+        if key in held:
+            whole[key] = torch.empty(held[key].size, dtype=held[key].properties.dtype)
+        elif key + "_w" in held:
+            halves[name] = (key + "_w", key + "_v")
+            for part in halves[name]:
+                whole[part] = torch.empty(held[part].size, dtype=held[part].properties.dtype)
+        else:
+            raise CheckpointError(f"{directory}: holds no {name}; check --num-layers/--hidden-size/... against its "
+                                  f"run_config.yaml")
+    _check_distcp_files(directory)
+    dcp.load(whole, checkpoint_id=directory, no_dist=True)  # flat keys: DCP's names for the nested ones
+    params = dict(module.named_parameters())
+    loaded = {}
+    for name, tensor in ours.items():
+        p = params.get(name)
+        split = getattr(p, "tensor_model_parallel", False) and tp > 1
+        dim = getattr(p, "partition_dim", 0)
+        if name in halves:  # megatron-core's fc1 on each tensor-parallel rank: [its part of w; its part of v]
+            w, v = (whole[k] for k in halves[name])
+            loaded[name] = torch.cat([w.chunk(tp, dim)[rank], v.chunk(tp, dim)[rank]] if split else [w, v], dim)
+        else:
+            loaded[name] = whole[prefix + name].chunk(tp, dim)[rank] if split else whole[prefix + name]
+        if loaded[name].shape != tensor.shape:
+            raise CheckpointError(f"{directory}: {name} is {tuple(loaded[name].shape)} there and "
+                                  f"{tuple(tensor.shape)} here; check --num-layers/--hidden-size/... against its "
+                                  f"run_config.yaml")
+    module.load_state_dict(loaded, strict=False)
+
+
+# --------------------------------------------------------------------------------------------------
 # Load
 # --------------------------------------------------------------------------------------------------
 
@@ -1038,7 +1258,10 @@ def common_file(directory: str) -> str:
     form older checkpoints have), else the `common_state` object inside the torch_dist files (0.17 and later, what
     is written now: dist_checkpointing/serialization.py:439)."""
     legacy = os.path.join(directory, "common.pt")
-    return legacy if os.path.isfile(legacy) else os.path.join(directory, ".metadata") + " (common_state)"
+    if os.path.isfile(legacy):
+        return legacy
+    dcp = not os.path.isfile(os.path.join(directory, "metadata.json"))  # fsdp_dtensor, torch_dcp: `args` at the top
+    return os.path.join(directory, ".metadata") + (" (args)" if dcp else " (common_state)")
 
 
 def _read_common(directory: str, saved_format: str) -> dict:
@@ -1175,14 +1398,26 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
         print_rank_0(f" no checkpoint to resume in {path} (no {TRACKER}): training from scratch")
         return False
     saved_format = "torch_dist" if os.path.isfile(os.path.join(directory, "metadata.json")) else "torch"
-    if saved_format != ck.ckpt_format:
+    dcp_common = None
+    if saved_format == "torch" and _is_torch_dist(directory) and os.path.isfile(os.path.join(directory, ".metadata")):
+        dcp_common = _dcp_common(directory)  # no metadata.json, no mp_rank_*: torch.distributed.checkpoint's own
+        saved_format = dcp_format(directory, dcp_common)
+    sharded_model = fsdp_kind(model)
+    if saved_format in DCP_FORMATS and not sharded_model and not finetune:
+        raise CheckpointError(f"{directory}: saved in {saved_format} format, which resumes under "
+                              f"{DCP_FLAG[saved_format]}; add it, or read only its weights with --pretrained-checkpoint")
+    if saved_format != ck.ckpt_format and (sharded_model or saved_format not in DCP_FORMATS):
+        fix = (f"pass --ckpt-format {saved_format}" if not sharded_model and saved_format not in DCP_FORMATS else
+               f"{sharded_model} reads {ck.ckpt_format}: read only its weights into a run without it "
+               f"(--pretrained-checkpoint), and save them there" if saved_format not in DCP_FORMATS else
+               f"it resumes under {DCP_FLAG[saved_format]}")
         raise CheckpointError(f"{directory}: saved in {saved_format} format but this run uses --ckpt-format "
-                              f"{ck.ckpt_format}; pass --ckpt-format {saved_format}")
+                              f"{ck.ckpt_format}; {fix}")
     if saved_format == "torch" and not os.path.isfile(_mp_file(directory)):  # saved at other sizes? another rank's says
         first = min(n for n in os.listdir(directory) if n.startswith("mp_rank_"))
         other = _load(os.path.join(directory, first, "model_optim_rng.pt"), "a rank's model and optimizer")
         check_torch_layout(cfg, directory, vars(other.get("args", argparse.Namespace())))
-    common = _read_common(directory, saved_format)
+    common = dcp_common if dcp_common is not None else _read_common(directory, saved_format)
     settings, where = saved_settings(directory, common)
     if saved_format == "torch":
         check_torch_layout(cfg, directory, settings)
@@ -1234,23 +1469,26 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
                               f"state loads only where it was saved; add --no-load-optim to continue its weights with a "
                               f"fresh optimizer")
     peft_run = cfg.peft.peft != "none" and not finetune  # a PEFT run's own checkpoint: adapters only
-    if saved_format == "torch_dist":
+    if saved_format in DCP_FORMATS and not sharded_model:
+        _read_dcp_weights(directory, saved_format, model)
+        payload = common
+    elif saved_format in DCP_FORMATS:  # the weights and the optimizer, read in place
+        payload = _load_dcp(cfg, directory, model, optimizer, scheduler, common, load_optim, load_rng)
+    elif saved_format == "torch_dist":
         payload = _load_sharded(cfg, directory, model, optimizer, scheduler, peft_run, load_optim, load_rng)
     else:
         payload = common
-    _load_weights(model, payload, directory, partial=saved_format == "torch_dist" and peft_run)
-    if load_optim:
+    if saved_format not in DCP_FORMATS:
+        _load_weights(model, payload, directory, partial=saved_format == "torch_dist" and peft_run)
+    if load_optim and saved_format in DCP_FORMATS:
+        scheduler_state(scheduler, payload, directory)
+    elif load_optim:
         if "optimizer" not in payload:
             raise CheckpointError(f"{directory}: saved without optimizer state (--no-save-optim); add --no-load-optim")
         _restore_step_zero(payload["optimizer"])
         with torch.no_grad():  # copied in place into fp32 main parameters, leaves that require grad
             load_optimizer_state(optimizer, payload["optimizer"])
-        if "opt_param_scheduler" in payload:
-            try:
-                scheduler.load_state_dict(payload["opt_param_scheduler"])
-            except AssertionError as e:  # megatron-core asserts that the flags' schedule matches the saved one
-                raise CheckpointError(f"{directory}: {e}; pass --override-opt-param-scheduler to follow the flags, or "
-                                      f"--use-checkpoint-opt-param-scheduler to keep the saved schedule") from None
+        scheduler_state(scheduler, payload, directory)
     elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()  # fp16/bf16: the fp32 main copies take the loaded weights
     if not finetune:
@@ -1264,6 +1502,15 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
     trained = f", trained for {int(name[5:])} iterations" if name.startswith("iter_") and name[5:].isdigit() else ""
     print_rank_0(f" loaded checkpoint {directory} at iteration {ts.step}" + (f" (weights only){trained}" if finetune else ""))
     return True
+
+
+def scheduler_state(scheduler, payload: dict, directory: str) -> None:
+    if "opt_param_scheduler" in payload:
+        try:
+            scheduler.load_state_dict(payload["opt_param_scheduler"])
+        except AssertionError as e:  # megatron-core asserts that the flags' schedule matches the saved one
+            raise CheckpointError(f"{directory}: {e}; pass --override-opt-param-scheduler to follow the flags, or "
+                                  f"--use-checkpoint-opt-param-scheduler to keep the saved schedule") from None
 
 
 def _load_sharded(cfg, directory, model, optimizer, scheduler, peft_run, load_optim, load_rng) -> dict:

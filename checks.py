@@ -663,6 +663,15 @@ def derive_sharding(cfg: ConfigContainer) -> None:
     if cfg.ddp.use_megatron_fsdp and not cfg.optimizer.use_distributed_optimizer:
         derive_value(cfg, "optimizer.use_distributed_optimizer", True,
                      "--use-megatron-fsdp: Megatron-FSDP is only compatible with --use-distributed-optimizer")
+    # Each FSDP's one format here, in place of torch_dist, Megatron-LM's default (which Megatron-LM refuses under
+    # Megatron FSDP, and megatron-core's torch_dist writer cannot take FSDP2's DTensors: strategies/torch.py:462)
+    c = cfg.checkpoint
+    if cfg.ddp.use_megatron_fsdp and c.ckpt_format == "torch_dist":
+        derive_value(cfg, "checkpoint.ckpt_format", "fsdp_dtensor",
+                     "--use-megatron-fsdp: Megatron-FSDP requires the `fsdp_dtensor` checkpointing format")
+    if cfg.dist.use_torch_fsdp2 and c.ckpt_format == "torch_dist" and cfg.model.tensor_model_parallel_size == 1:
+        derive_value(cfg, "checkpoint.ckpt_format", "torch_dcp",
+                     "--use-torch-fsdp2: its DTensors are saved as torch_dcp (megatron-core's torch_dist writer takes none)")
 
 
 def check_sharding(cfg: ConfigContainer) -> None:
@@ -680,10 +689,8 @@ def check_sharding(cfg: ConfigContainer) -> None:
     require(cfg.optimizer.optimizer == "adam", "--use-megatron-fsdp with --optimizer sgd: Megatron FSDP steps with "
                                                "megatron-core's distributed optimizer, which shards Adam's state only "
                                                "here; use --optimizer adam, or --use-torch-fsdp2")
-    # Megatron-LM: "Megatron-FSDP requires the `fsdp_dtensor` checkpointing format." (arguments.py:1146)
-    require(cfg.checkpoint.save is None and cfg.checkpoint.load is None and cfg.checkpoint.pretrained_checkpoint is None,
-            "--use-megatron-fsdp saves and loads the fsdp_dtensor format, which is not here yet; give --no-save and "
-            "no --load")
+    require(cfg.checkpoint.ckpt_format == "fsdp_dtensor",  # arguments.py:1146
+            "Megatron-FSDP requires the `fsdp_dtensor` checkpointing format.")
     unproven = [(f"--pipeline-model-parallel-size {m.pipeline_model_parallel_size}", m.pipeline_model_parallel_size > 1),
                 (f"--context-parallel-size {m.context_parallel_size}", m.context_parallel_size > 1),
                 ("--num-experts", bool(m.num_moe_experts)), ("--fp16", m.fp16), ("--peft", cfg.peft.peft != "none"),
@@ -708,10 +715,14 @@ def check_torch_fsdp2(cfg: ConfigContainer) -> None:
     require(not o.use_distributed_optimizer, "--use-torch-fsdp2 is not supported with MCore's distributed optimizer")
     require(m.untie_embeddings_and_output_weights, "--use-torch-fsdp2 requires --untie-embeddings-and-output-weights")
     require(not m.fp16, "--use-torch-fsdp2 not supported with fp16 yet")
-    # Megatron-LM: "--use-torch-fsdp2 requires --ckpt-format torch_dist or torch_dcp"
-    require(cfg.checkpoint.save is None and cfg.checkpoint.load is None and cfg.checkpoint.pretrained_checkpoint is None,
-            "--use-torch-fsdp2 saves and loads its DTensors as torch_dist or torch_dcp, which is not here yet; give "
-            "--no-save and no --load")
+    c = cfg.checkpoint
+    require(c.ckpt_format in ("torch_dist", "torch_dcp"), "--use-torch-fsdp2 requires --ckpt-format torch_dist or torch_dcp")
+    # torch_dist (left at TP > 1, where Megatron-LM's torch_dcp is not tested): megatron-core's torch_dist writer takes
+    # no DTensors (dist_checkpointing/strategies/torch.py:462)
+    require(c.ckpt_format == "torch_dcp" or (c.save is None and c.load is None and c.pretrained_checkpoint is None),
+            f"--use-torch-fsdp2 with --tensor-model-parallel-size {m.tensor_model_parallel_size} has no checkpoint "
+            f"format here: megatron-core's torch_dist writer takes no DTensors, and Megatron-LM's torch_dcp is not tested "
+            f"with tensor parallelism; give --no-save and no --load, or --tensor-model-parallel-size 1")
     unproven = [(f"--context-parallel-size {m.context_parallel_size}", m.context_parallel_size > 1),
                 ("--num-experts", bool(m.num_moe_experts)), ("--bf16", m.bf16), ("--peft", cfg.peft.peft != "none"),
                 ("--mtp-num-layers", bool(m.mtp_num_layers)), ("--z-loss-coeff", bool(m.z_loss_coeff)),
@@ -1483,14 +1494,17 @@ def check_checkpointing(cfg: ConfigContainer) -> None:
     c, o = cfg.checkpoint, cfg.optimizer
     require(c.save_interval is None or c.save_interval > 0, f"--save-interval must be positive, got {c.save_interval}")
     require(c.most_recent_k == -1 or c.most_recent_k > 0, f"--most-recent-k must be positive or -1, got {c.most_recent_k}")
-    require(c.ckpt_format == "torch_dist" or not o.use_distributed_optimizer,
+    require(c.ckpt_format in ("torch_dist", "fsdp_dtensor") or not o.use_distributed_optimizer,
             "--ckpt-format torch with --use-distributed-optimizer is Megatron-LM's distrib_optim.pt beside each rank's "
             "file (the optimizer's shards gathered on each data-parallel group's first rank), which this trainer does "
             "not write; use --ckpt-format torch_dist, which saves the shards and reshards them on load")
-    require(not c.async_save or c.ckpt_format == "torch_dist",
+    require(not c.async_save or c.ckpt_format != "torch",
             f"--async-save writes megatron-core's distributed checkpoint in the background, and --ckpt-format "
             f"{c.ckpt_format} is saved in the foreground (Megatron-LM refuses it too); use --ckpt-format torch_dist or "
             f"drop --async-save")
+    require(not c.async_save or c.ckpt_format == "torch_dist",
+            f"--async-save with --ckpt-format {c.ckpt_format}: this trainer writes the FSDPs' formats in the foreground "
+            f"(Megatron-LM's background writer for them is not here yet); drop --async-save")
     # Megatron-LM's torch format names its files by tensor, pipeline and expert rank (mp_rank_TT_PPP_EEE): the experts'
     # tensor-parallel rank must follow from the tensor-parallel one
     tp, etp = cfg.model.tensor_model_parallel_size, cfg.model.expert_tensor_parallel_size
@@ -1500,8 +1514,12 @@ def check_checkpointing(cfg: ConfigContainer) -> None:
             f"--tensor-model-parallel-size {tp}); use --ckpt-format torch_dist")
     require(not c.async_save or c.save, "--async-save writes checkpoints in the background but --no-save saves nothing; "
                                         "drop one")
-    require(not c.strict_fsdp_dtensor_load, "checkpoint.strict_fsdp_dtensor_load: there is no FSDP and no fsdp_dtensor "
-                                            "checkpoint format here; drop the setting")
+    # Megatron-LM's refusals (arguments.py:1612-1621); the FSDPs' own are in check_sharding
+    require(c.ckpt_format != "fsdp_dtensor" or cfg.ddp.use_megatron_fsdp,
+            "--ckpt-format fsdp_dtensor is only tested with Megatron FSDP.")
+    require(c.ckpt_format != "torch_dcp" or cfg.dist.use_torch_fsdp2, "--ckpt-format torch_dcp is only tested with FSDP.")
+    require(c.ckpt_format != "torch_dcp" or cfg.model.tensor_model_parallel_size == 1,
+            "--ckpt-format torch_dcp is not tested with megatron tensor parallelism.")
     require(c.custom_manager_class is None or "." in c.custom_manager_class,
             f"checkpoint.custom_manager_class {c.custom_manager_class}: expected a dotted path like "
             f"mypackage.module.MyCheckpointManager")

@@ -172,10 +172,10 @@ MCORE_FLAG_CHANGES = {
                                        "test set too. 0 evaluates nothing."),
     "validation.eval_interval": dict(help="Iterations between evaluations of the validation set (there is one at the "
                                           "end too)."),
-    # the two formats this trainer writes (megatron-core's torch_dcp and fsdp_dtensor are FSDP's)
-    "checkpoint.ckpt_format": dict(choices=["torch", "torch_dist"], help="Checkpoint format: torch (one file per "
-                                   "rank, torch.save) or torch_dist (megatron-core's distributed checkpoint, "
-                                   "reshardable). torch_dcp and fsdp_dtensor are Megatron FSDP's, which is not here."),
+    "checkpoint.ckpt_format": dict(choices=["torch", "torch_dist", "fsdp_dtensor", "torch_dcp"], help="Checkpoint "
+                                   "format: torch (one file per rank, torch.save), torch_dist (megatron-core's "
+                                   "distributed checkpoint, reshardable), fsdp_dtensor (--use-megatron-fsdp's DTensors, "
+                                   "torch.distributed.checkpoint) or torch_dcp (--use-torch-fsdp2's)."),
     "checkpoint.use_persistent_ckpt_worker": dict(flags=["--no-use-persistent-ckpt-worker"],
                                                   help="--async-save with torch_dist: a fork per save instead of one "
                                                        "long-lived writer process (GPU)."),
@@ -313,7 +313,8 @@ DEFAULTS = {
     "scheduler.start_weight_decay": (None, "derived: --weight-decay"),
     "scheduler.end_weight_decay": (None, "derived: --weight-decay"),
     "checkpoint.use_persistent_ckpt_worker": (True, "Bridge's default (megatron-core's is off)"),
-    "checkpoint.strict_fsdp_dtensor_load": (False, "no FSDP here (megatron-core's default is on)"),
+    "checkpoint.strict_fsdp_dtensor_load": (False, "Megatron-LM's (a key the checkpoint lacks is left as it is; "
+                                                   "megatron-core's default is on)"),
     "rerun_state_machine.rerun_mode": ("disabled", "Bridge's default (megatron-core's is validate_results)"),
     "model.num_layers": (4, "megatron-core has none (Megatron-LM asks for it); a model a laptop trains in minutes"),
     "model.hidden_size": (256, "megatron-core has none (Megatron-LM asks for it); a model a laptop trains"),

@@ -121,8 +121,11 @@ def inference_config(directory: str, world_size: int, expert_parallel: int = 1) 
         raise checkpoint.CheckpointError(f"{directory} holds {saved['peft']['peft']} adapters only; merge them into "
                                          f"their base first: python peft.py merge --load {directory} --save MERGED")
     cfg = config_lib.ConfigContainer()
-    config_lib.apply_overrides(cfg, {"model": saved["model"], "tokenizer": saved["tokenizer"],
-                                     "checkpoint": {"ckpt_format": saved["checkpoint"]["ckpt_format"]}}, source=path)
+    # An FSDP's checkpoint (fsdp_dtensor, torch_dcp) holds whole tensors, read into the unsharded model as such
+    # (checkpoint.py's _read_dcp_weights); validated as the format of the layout that reads it.
+    ckpt_format = saved["checkpoint"]["ckpt_format"]
+    config_lib.apply_overrides(cfg, {"model": saved["model"], "tokenizer": saved["tokenizer"], "checkpoint": {
+        "ckpt_format": "torch_dist" if ckpt_format in checkpoint.DCP_FORMATS else ckpt_format}}, source=path)
     m = cfg.model
     if expert_parallel > 1 and not m.num_moe_experts:
         raise config_lib.ConfigError(f"--expert-model-parallel-size {expert_parallel}: {directory} holds a dense model "

@@ -154,8 +154,7 @@ def test_a_machines_answer_is_derived_again_on_the_next_machine(tmp_path):
     ("optimizer", "optimizer", "adamw", "argument --optimizer: invalid choice: 'adamw'"),
     ("model", "normalization", "rmsnorm", "argument --normalization: invalid choice: 'rmsnorm'"),
     ("logger", "timing_log_option", "everything", "argument --timing-log-option: invalid choice: 'everything'"),
-    ("checkpoint", "ckpt_format", "torch_dcp", "argument --ckpt-format: invalid choice: 'torch_dcp'"),
-    ("checkpoint", "ckpt_format", "fsdp_dtensor", "argument --ckpt-format: invalid choice: 'fsdp_dtensor'"),
+    ("checkpoint", "ckpt_format", "zarr", "argument --ckpt-format: invalid choice: 'zarr'"),  # megatron-core <= 0.14's
     ("model", "hidden_size", "sixty-four", "argument --hidden-size: invalid int value: 'sixty-four'"),
     ("model", "hidden_size", [64, 128], "[64, 128] is a list; --hidden-size takes one value"),
     ("model", "swiglu", 3, "3 is not true or false (--swiglu is a switch)"),

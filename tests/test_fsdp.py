@@ -1,13 +1,17 @@
 """Megatron FSDP (--use-megatron-fsdp): megatron-core's FullyShardedDataParallel and its distributed optimizer, each
 --data-parallel-sharding-strategy giving the one process's numbers, and torch FSDP2 (--use-torch-fsdp2) through
-megatron-core's TorchFullyShardedDataParallel, on CPU over gloo through device.py as every layout.
+megatron-core's TorchFullyShardedDataParallel, on CPU over gloo through device.py as every layout; and their
+checkpoints, fsdp_dtensor and torch_dcp (Megatron-LM's layouts, through torch.distributed.checkpoint).
 
-Each run starts from the seed (every data-parallel replica draws the same weights, as the one process does; there is
-no checkpoint of Megatron FSDP here to continue) and trains 6 iterations with a validation every 3: the lm loss, the
-grad norm, the params norm (the seed's DTensor norm on the FSDP main weights) and the validation loss at every
-iteration, from TensorBoard. Not covered, and refused in one line by checks.check_sharding and check_torch_fsdp2:
-checkpoints (fsdp_dtensor; torch_dist or torch_dcp), pipeline and context parallelism, MoE, fp16 (and bf16 under
-FSDP2), --log-l2-norm-grad, the overlaps, downstream tasks."""
+Each run starts from the seed (every data-parallel replica draws the same weights, as the one process does) and trains
+6 iterations with a validation every 3, saving at 3 and 6: the lm loss, the grad norm, the params norm (the seed's
+DTensor norm on the FSDP main weights) and the validation loss at every iteration, from TensorBoard. Each layout's
+checkpoint of 3 then resumes bitwise; one saved at DP=2 resumes at DP=1 and DP=4 (and with another strategy) with the
+one process's numbers; one process without FSDP reads its weights (generate.py, hf.py export, --pretrained-checkpoint),
+at TP=1 and TP=2. Bitwise resumes with Megatron-LM's default dropout and kill -9 mid-save are test_restarts'.
+Not covered, and refused in one line by checks.check_sharding and check_torch_fsdp2: pipeline and context parallelism,
+MoE, fp16 (and bf16), --log-l2-norm-grad, the overlaps, downstream tasks, --async-save of these formats, and FSDP2's
+checkpoint at TP > 1 (Megatron-LM's torch_dcp is not tested with TP; megatron-core's torch_dist takes no DTensors)."""
 
 import pytest
 
@@ -20,6 +24,7 @@ FLAGS = [*TINY, "--mock-data", "--global-batch-size", "8", "--train-iters", "6",
          "--eval-iters", "1", "--eval-interval", "3", "--hidden-dropout", "0", "--attention-dropout", "0",
          "--num-workers", "0", "--log-params-norm", "--make-vocab-size-divisible-by", "640"]
 METRICS = ("lm loss", "grad-norm", "params-norm", "lm loss validation")
+SAVED = 3  # every run saves here (and at its end); the resumes start from it
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 TP2 = ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "320"]
@@ -33,15 +38,35 @@ LAYOUTS = {**{f"dp2_{s}": (2, [*FSDP, s]) for s in STRATEGIES},
            **{f"tp2_dp2_{s}": (4, [*FSDP, s, *TP2]) for s in STRATEGIES},
            "fsdp2_dp2": (2, FSDP2), "fsdp2_dp4": (4, FSDP2), "fsdp2_tp2_dp2": (4, [*FSDP2, *TP2]),
            # torch FSDP2's other optimizer, SGD with momentum (Megatron FSDP's is refused: below)
-           "sgd_fsdp2_dp2": (2, [*SGD, *FSDP2])}
+           "sgd_fsdp2_dp2": (2, [*SGD, *FSDP2]),
+           # SwiGLU, whose fc1 Megatron-LM's fsdp_dtensor keeps as its two halves (`_w`, `_v`) per tensor-parallel rank
+           "swiglu_dp2": (2, [*FSDP, "optim_grads_params", "--swiglu"]),
+           "swiglu_tp2_dp2": (4, [*FSDP, "optim_grads_params", "--swiglu", *TP2])}
 
 
 def reference(runs, name):
     """The one-process run a layout gives the numbers of: with the untied output layer for torch FSDP2, with SGD for
     the SGD layouts."""
+    one, flags = reference_of(name)
+    return runs(one, 1, *flags, *runs.saving(one, SAVED))
+
+
+def reference_of(name):
+    """(name, flags) of the one-process run that layout `name` gives the numbers of."""
     sgd = SGD if name.startswith("sgd") else []
     untied = UNTIED if "fsdp2" in name else []
-    return runs("one" + "_sgd" * bool(sgd) + "_untied" * bool(untied), 1, *sgd, *untied)
+    swiglu = ["--swiglu"] if name.startswith("swiglu") else []
+    return "one" + "_sgd" * bool(sgd) + "_untied" * bool(untied) + "_swiglu" * bool(swiglu), [*sgd, *untied, *swiglu]
+
+
+def saves(name) -> bool:
+    """FSDP2 at TP=2 has no checkpoint format (checks.check_torch_fsdp2); every other layout saves."""
+    return not ("fsdp2" in name and "tp2" in name)
+
+
+def layout(runs, name):
+    nproc, flags = LAYOUTS[name]
+    return runs(name, nproc, *flags, *(runs.saving(name, SAVED) if saves(name) else []))
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +75,9 @@ def runs(tmp_path_factory, warm_torchrun):
     job)."""
     runs = Launches(tmp_path_factory.mktemp("fsdp"), FLAGS, METRICS, warm_torchrun)
     with runs.together():
-        for name, (nproc, flags) in LAYOUTS.items():
+        for name in LAYOUTS:
             reference(runs, name)
-            runs(name, nproc, *flags)
+            layout(runs, name)
     return runs
 
 
@@ -65,18 +90,84 @@ FAST = ("dp2_optim_grads_params", "dp2_optim", "fsdp2_dp2")
 def test_every_sharding_strategy_gives_the_one_process_numbers(runs, name):
     """The same weights drawn, the same global batches: each strategy's losses, grad norms, params norms and
     validation losses are the one process's, within the sums' rounding (REORDERED)."""
-    nproc, flags = LAYOUTS[name]
-    run, one = runs(name, nproc, *flags), reference(runs, name)
+    run, one = layout(runs, name), reference(runs, name)
     assert one["iterations"] == run["iterations"] == list(range(1, 7))
     assert sorted(one["lm loss validation"]) == [3, 6]
     conftest_assert_same(run, one, range(1, 7), METRICS[:3])
     conftest_assert_same(run, one, [3, 6], METRICS[3:])
 
 
+# --- checkpoints -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [name if name in FAST else pytest.param(name, marks=pytest.mark.full)
+                                  for name in LAYOUTS if saves(name)])
+def test_each_layout_resumes_its_checkpoint_bitwise(runs, name):
+    """The checkpoint of iteration 3 (fsdp_dtensor under Megatron FSDP, torch_dcp under FSDP2) at the layout that wrote
+    it: iterations 4-6 give the run's own numbers to the bit, the validation at 6 too. The weights, the optimizer's
+    moments and steps (SGD's momentum), the schedule and the data position all come back. Without the workarounds it
+    needs: under Megatron FSDP the save waits forever where a rank's shard of a parameter is empty (checkpoint.
+    _fill_empty_shards) and the next forward uses the weights from before the load (start_param_sync); under FSDP2
+    torch's Adam fails to load (KeyError 'step') or SGD's momentum is not read back."""
+    nproc, flags = LAYOUTS[name]
+    straight = layout(runs, name)
+    resumed = runs.resume(name + "_resumed", nproc, name, SAVED, *flags)
+    assert resumed["iterations"] == [4, 5, 6]
+    for metric in METRICS:
+        its = [it for it in (4, 5, 6) if it in straight[metric]]
+        assert [resumed[metric][it] for it in its] == [straight[metric][it] for it in its], metric
+
+
+# name: (the layout whose checkpoint of 3 is read, ranks, flags). DCP reshards the saved DTensors to any data-parallel
+# size, and Megatron FSDP's main-weight and optimizer-state shards are the same DTensors under every strategy.
+ELSEWHERE = {"dp2_ogp_to_dp1": ("dp2_optim_grads_params", 1, [*FSDP, "optim_grads_params"]),
+             "fsdp2_dp2_to_dp1": ("fsdp2_dp2", 1, FSDP2),
+             "dp2_ogp_to_dp4": ("dp2_optim_grads_params", 4, [*FSDP, "optim_grads_params"]),
+             "dp4_optim_to_dp2_optim_grads": ("dp4_optim", 2, [*FSDP, "optim_grads"]),
+             "fsdp2_dp2_to_dp4": ("fsdp2_dp2", 4, FSDP2),
+             "tp2_dp2_ogp_to_dp2": ("tp2_dp2_optim_grads_params", 2, [*FSDP, "optim_grads_params"])}
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.full) if max(
+    ELSEWHERE[name][1], LAYOUTS[ELSEWHERE[name][0]][0]) > 2 else name for name in ELSEWHERE])
+def test_a_checkpoint_resumes_at_another_data_parallel_size_with_the_one_process_numbers(runs, name):
+    """Saved at one data-parallel size (and strategy, or tensor-parallel size), resumed at another: iterations 4-6 are
+    the one process's (REORDERED), as the writing layout's own were."""
+    source, nproc, flags = ELSEWHERE[name]
+    layout(runs, source)
+    resumed = runs.resume(name, nproc, source, SAVED, *flags)
+    one = reference(runs, source)
+    assert resumed["iterations"] == [4, 5, 6]
+    conftest_assert_same(resumed, one, [4, 5, 6], METRICS[:3])
+    conftest_assert_same(resumed, one, [6], METRICS[3:])
+
+
+# name: (the layout whose checkpoint is read, tensor-parallel size of the run without FSDP that reads it)
+READ = {"dp2_optim_grads_params": 1, "fsdp2_dp2": 1, "swiglu_dp2": 2, "swiglu_tp2_dp2": 2}
+
+
+@pytest.mark.parametrize("name", [name if LAYOUTS[name][0] <= 2 else pytest.param(name, marks=pytest.mark.full)
+                                  for name in READ])
+def test_a_run_without_fsdp_reads_the_weights_with_the_one_process_numbers(runs, name):
+    """--pretrained-checkpoint of an FSDP checkpoint (iteration 3), into a run without FSDP at TP=1 or TP=2: each saved
+    DTensor read whole and cut to the rank's tensor-parallel part (SwiGLU's fc1 joined from its `_w` and `_v` halves
+    per rank). Its first 3 iterations are those of the same run from the one process's checkpoint of 3 (REORDERED):
+    the weights read are the ones the FSDP run held."""
+    tp = READ[name]
+    layout(runs, name), reference(runs, name)
+    one, model = reference_of(name)
+    sizes = TP2 if tp == 2 else []
+    read, from_one = (runs(f"{source}_read_tp{tp}", tp, *model, *sizes, "--pretrained-checkpoint",
+                           f"{runs.ckpt(source)}/iter_{SAVED:07d}", "--train-iters", "3") for source in (name, one))
+    assert read["iterations"] == from_one["iterations"] == [1, 2, 3]
+    conftest_assert_same(read, from_one, [1, 2, 3], METRICS[:3])
+
+
 @pytest.mark.parametrize("flags, world_size, expected", [
     (["--optimizer", "muon"], 2, "Megatron-FSDP does not support the muon optimizer yet."),
-    (["--save", "ck"], 2, "--use-megatron-fsdp saves and loads the fsdp_dtensor format, which is not here yet; give "
-                          "--no-save and no --load"),
+    (["--ckpt-format", "torch"], 2, "Megatron-FSDP requires the `fsdp_dtensor` checkpointing format."),
+    (["--save", "ck", "--async-save", "--async-strategy", "mcore"], 2, "--async-save with --ckpt-format fsdp_dtensor: this trainer writes the FSDPs' "
+                                          "formats in the foreground"),
     (["--pipeline-model-parallel-size", "2"], 4, "--use-megatron-fsdp with --pipeline-model-parallel-size 2 is not "
                                                  "proven equal to one process here yet"),
     (["--log-l2-norm-grad"], 2, "--use-megatron-fsdp with --log-l2-norm-grad is not proven"),
@@ -97,12 +188,39 @@ def test_what_megatron_fsdp_does_not_take_is_one_line(flags, world_size, expecte
     ([*UNTIED, "--fp16"], 2, "--use-torch-fsdp2 not supported with fp16 yet"),
     ([*UNTIED, "--use-megatron-fsdp"], 2, "Using use_megatron_fsdp and use_torch_fsdp2 at the same time is not "
                                           "supported."),
-    ([*UNTIED, "--save", "ck"], 2, "--use-torch-fsdp2 saves and loads its DTensors as torch_dist or torch_dcp, which "
-                                   "is not here yet"),
+    ([*UNTIED, "--ckpt-format", "torch"], 2, "--use-torch-fsdp2 requires --ckpt-format torch_dist or torch_dcp"),
+    ([*UNTIED, *TP2, "--save", "ck"], 4, "--use-torch-fsdp2 with --tensor-model-parallel-size 2 has no checkpoint format "
+                                         "here: megatron-core's torch_dist writer takes no DTensors"),
+    ([*UNTIED, *TP2, "--ckpt-format", "torch_dcp"], 4, "--ckpt-format torch_dcp is not tested with megatron tensor "
+                                                       "parallelism."),
 ])
 def test_what_torch_fsdp2_does_not_take_is_one_line(flags, world_size, expected, capsys):
     """Megatron-LM's refusals (arguments.py:997-1015), in its words."""
     assert expected in config_error([*TINY, "--use-torch-fsdp2", *flags], capsys, world_size=world_size)
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--ckpt-format", "fsdp_dtensor"], "--ckpt-format fsdp_dtensor is only tested with Megatron FSDP."),
+    (["--ckpt-format", "torch_dcp"], "--ckpt-format torch_dcp is only tested with FSDP."),
+])
+def test_the_fsdp_formats_without_their_fsdp_are_megatron_lms_refusals(flags, expected, capsys):
+    """arguments.py:1612-1621."""
+    assert expected in config_error([*TINY, *flags], capsys, world_size=2)
+
+
+@pytest.mark.parametrize("flags, world_size, expected", [
+    (["--use-megatron-fsdp"], 2, "fsdp_dtensor"),
+    ([*FSDP2], 2, "torch_dcp"),
+    ([*FSDP2, *TP2], 4, "torch_dist"),  # no format saves it (refused above when it would save)
+    (["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"], 2, "fsdp_dtensor"),
+    ([*FSDP2, "--ckpt-format", "torch_dcp"], 2, "torch_dcp"),
+])
+def test_each_fsdp_takes_its_checkpoint_format_in_place_of_torch_dist(flags, world_size, expected):
+    """Megatron-LM's default format, torch_dist, becomes the one each FSDP saves in (Megatron-LM refuses it under
+    Megatron FSDP, and megatron-core's torch_dist writer takes none of FSDP2's DTensors)."""
+    import checks
+
+    assert checks.parse_args([*TINY, *flags], world_size=world_size, gpu=False).checkpoint.ckpt_format == expected
 
 
 def test_megatron_fsdp_turns_on_the_distributed_optimizer_and_takes_megatron_lms_default_strategy():

@@ -234,7 +234,6 @@ def test_without_data_sharding_each_rank_strides_one_permutation_of_the_whole_da
 
 @pytest.mark.parametrize("yaml_text, message", [
     ("dataset:\n  drop_last: false\n", "dataset.drop_last False would give a short last batch"),
-    ("checkpoint:\n  strict_fsdp_dtensor_load: true\n", "checkpoint.strict_fsdp_dtensor_load: there is no FSDP"),
     ("dist:\n  use_decentralized_pg: true\n", "dist.use_decentralized_pg: this trainer builds and reads"),
 ])
 def test_what_the_page_offers_and_this_trainer_cannot_do_is_one_line(yaml_text, message, tmp_path, capsys):

@@ -870,11 +870,13 @@ def _megatron_fsdp(model: list) -> bool:
 
 
 def _fill_empty_shards(optimizer) -> None:
-    """Give every parameter of the distributed optimizer that has no Adam state a zero one, at the step of the
-    others. Under Megatron FSDP a rank's shard of a small parameter can be empty: it gets no gradient, so torch's Adam
-    makes it no state, and the ranks then describe different state keys to `preprocess_state_dict_for_uneven_dtensor`,
-    whose per-tensor collectives pair up wrongly and wait forever (megatron-core defect, README: defects; Megatron-LM
-    #4910). The step is the one every rank's other parameters have: DCP keeps one copy of a plain tensor."""
+    """Give every parameter of the distributed optimizer whose shard on this rank is empty (or that has no Adam state
+    yet) a zero state at the step of the others. Under Megatron FSDP a rank's shard of a parameter can be empty: it
+    gets no gradient, so torch's Adam makes it no state, and the ranks then describe different state keys to
+    `preprocess_state_dict_for_uneven_dtensor`, whose per-tensor collectives pair up wrongly and wait forever
+    (megatron-core defect, README: defects; Megatron-LM #4910). Its step is set again at every save: DCP writes one
+    rank's copy of a plain tensor, which may be this rank's, and Adam never steps an empty shard (a stale step here
+    was the one a resume read, for the ranks that do step it)."""
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         adam = getattr(inner, "optimizer", None)
         if not isinstance(adam, torch.optim.Adam):
@@ -884,7 +886,7 @@ def _fill_empty_shards(optimizer) -> None:
         torch.distributed.all_reduce(step, op=torch.distributed.ReduceOp.MAX)
         for group in adam.param_groups:
             for p in group["params"]:
-                if not adam.state.get(p):
+                if not adam.state.get(p) or p.to_local().numel() == 0:
                     adam.state[p] = {"step": step.clone(), "exp_avg": torch.zeros_like(p),
                                      "exp_avg_sq": torch.zeros_like(p)}
 

@@ -4,9 +4,9 @@ megatron-core's TorchFullyShardedDataParallel, on CPU over gloo through device.p
 checkpoints, fsdp_dtensor and torch_dcp (Megatron-LM's layouts, through torch.distributed.checkpoint).
 
 Each run starts from the seed (every data-parallel replica draws the same weights, as the one process does) and trains
-6 iterations with a validation every 3, saving at 3 and 6: the lm loss, the grad norm, the params norm (the seed's
+6 iterations with a validation every 3, saving every 2: the lm loss, the grad norm, the params norm (the seed's
 DTensor norm on the FSDP main weights) and the validation loss at every iteration, from TensorBoard. Each layout's
-checkpoint of 3 then resumes bitwise; one saved at DP=2 resumes at DP=1 and DP=4 (and with another strategy) with the
+checkpoint of 4 then resumes bitwise; one saved at DP=2 resumes at DP=1 and DP=4 (and with another strategy) with the
 one process's numbers; one process without FSDP reads its weights (generate.py, hf.py export, --pretrained-checkpoint),
 at TP=1 and TP=2. Bitwise resumes with Megatron-LM's default dropout and kill -9 mid-save are test_restarts'.
 Not covered, and refused in one line by checks.check_sharding and check_torch_fsdp2: pipeline and context parallelism,
@@ -24,7 +24,9 @@ FLAGS = [*TINY, "--mock-data", "--global-batch-size", "8", "--train-iters", "6",
          "--eval-iters", "1", "--eval-interval", "3", "--hidden-dropout", "0", "--attention-dropout", "0",
          "--num-workers", "0", "--log-params-norm", "--make-vocab-size-divisible-by", "640"]
 METRICS = ("lm loss", "grad-norm", "params-norm", "lm loss validation")
-SAVED = 3  # every run saves here (and at its end); the resumes start from it
+# Every run saves at 2, 4 and 6; the resumes start from 4, the second save (where an empty shard's Adam state, made at
+# the first, must still be written with the step of the ranks that step it: checkpoint._fill_empty_shards).
+EVERY, SAVED = 2, 4
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 TP2 = ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "320"]
@@ -48,7 +50,7 @@ def reference(runs, name):
     """The one-process run a layout gives the numbers of: with the untied output layer for torch FSDP2, with SGD for
     the SGD layouts."""
     one, flags = reference_of(name)
-    return runs(one, 1, *flags, *runs.saving(one, SAVED))
+    return runs(one, 1, *flags, *runs.saving(one, EVERY))
 
 
 def reference_of(name):
@@ -66,7 +68,7 @@ def saves(name) -> bool:
 
 def layout(runs, name):
     nproc, flags = LAYOUTS[name]
-    return runs(name, nproc, *flags, *(runs.saving(name, SAVED) if saves(name) else []))
+    return runs(name, nproc, *flags, *(runs.saving(name, EVERY) if saves(name) else []))
 
 
 @pytest.fixture(scope="module")
@@ -103,22 +105,24 @@ def test_every_sharding_strategy_gives_the_one_process_numbers(runs, name):
 @pytest.mark.parametrize("name", [name if name in FAST else pytest.param(name, marks=pytest.mark.full)
                                   for name in LAYOUTS if saves(name)])
 def test_each_layout_resumes_its_checkpoint_bitwise(runs, name):
-    """The checkpoint of iteration 3 (fsdp_dtensor under Megatron FSDP, torch_dcp under FSDP2) at the layout that wrote
-    it: iterations 4-6 give the run's own numbers to the bit, the validation at 6 too. The weights, the optimizer's
+    """The checkpoint of iteration 4 (fsdp_dtensor under Megatron FSDP, torch_dcp under FSDP2) at the layout that wrote
+    it: iterations 5 and 6 give the run's own numbers to the bit, the validation at 6 too. The weights, the optimizer's
     moments and steps (SGD's momentum), the schedule and the data position all come back. Without the workarounds it
     needs: under Megatron FSDP the save waits forever where a rank's shard of a parameter is empty (checkpoint.
-    _fill_empty_shards) and the next forward uses the weights from before the load (start_param_sync); under FSDP2
-    torch's Adam fails to load (KeyError 'step') or SGD's momentum is not read back."""
+    _fill_empty_shards), and from the second save on the step of such a parameter is the one a resume reads (1.0
+    where the ranks that step it are at 4: iteration 6 differs); without the model's load_state_dict the compute
+    weights under `optim` are those from before the load; under FSDP2 torch's Adam fails to load (KeyError 'step') or
+    SGD's momentum is not read back."""
     nproc, flags = LAYOUTS[name]
     straight = layout(runs, name)
     resumed = runs.resume(name + "_resumed", nproc, name, SAVED, *flags)
-    assert resumed["iterations"] == [4, 5, 6]
+    assert resumed["iterations"] == [5, 6]
     for metric in METRICS:
-        its = [it for it in (4, 5, 6) if it in straight[metric]]
+        its = [it for it in (5, 6) if it in straight[metric]]
         assert [resumed[metric][it] for it in its] == [straight[metric][it] for it in its], metric
 
 
-# name: (the layout whose checkpoint of 3 is read, ranks, flags). DCP reshards the saved DTensors to any data-parallel
+# name: (the layout whose checkpoint of 4 is read, ranks, flags). DCP reshards the saved DTensors to any data-parallel
 # size, and Megatron FSDP's main-weight and optimizer-state shards are the same DTensors under every strategy.
 ELSEWHERE = {"dp2_ogp_to_dp1": ("dp2_optim_grads_params", 1, [*FSDP, "optim_grads_params"]),
              "fsdp2_dp2_to_dp1": ("fsdp2_dp2", 1, FSDP2),
@@ -131,14 +135,14 @@ ELSEWHERE = {"dp2_ogp_to_dp1": ("dp2_optim_grads_params", 1, [*FSDP, "optim_grad
 @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.full) if max(
     ELSEWHERE[name][1], LAYOUTS[ELSEWHERE[name][0]][0]) > 2 else name for name in ELSEWHERE])
 def test_a_checkpoint_resumes_at_another_data_parallel_size_with_the_one_process_numbers(runs, name):
-    """Saved at one data-parallel size (and strategy, or tensor-parallel size), resumed at another: iterations 4-6 are
-    the one process's (REORDERED), as the writing layout's own were."""
+    """Saved at one data-parallel size (and strategy, or tensor-parallel size), resumed at another: iterations 5 and 6
+    are the one process's (REORDERED), as the writing layout's own were."""
     source, nproc, flags = ELSEWHERE[name]
     layout(runs, source)
     resumed = runs.resume(name, nproc, source, SAVED, *flags)
     one = reference(runs, source)
-    assert resumed["iterations"] == [4, 5, 6]
-    conftest_assert_same(resumed, one, [4, 5, 6], METRICS[:3])
+    assert resumed["iterations"] == [5, 6]
+    conftest_assert_same(resumed, one, [5, 6], METRICS[:3])
     conftest_assert_same(resumed, one, [6], METRICS[3:])
 
 
@@ -149,9 +153,9 @@ READ = {"dp2_optim_grads_params": 1, "fsdp2_dp2": 1, "swiglu_dp2": 2, "swiglu_tp
 @pytest.mark.parametrize("name", [name if LAYOUTS[name][0] <= 2 else pytest.param(name, marks=pytest.mark.full)
                                   for name in READ])
 def test_a_run_without_fsdp_reads_the_weights_with_the_one_process_numbers(runs, name):
-    """--pretrained-checkpoint of an FSDP checkpoint (iteration 3), into a run without FSDP at TP=1 or TP=2: each saved
+    """--pretrained-checkpoint of an FSDP checkpoint (iteration 4), into a run without FSDP at TP=1 or TP=2: each saved
     DTensor read whole and cut to the rank's tensor-parallel part (SwiGLU's fc1 joined from its `_w` and `_v` halves
-    per rank). Its first 3 iterations are those of the same run from the one process's checkpoint of 3 (REORDERED):
+    per rank). Its first 3 iterations are those of the same run from the one process's checkpoint of 4 (REORDERED):
     the weights read are the ones the FSDP run held."""
     tp = READ[name]
     layout(runs, name), reference(runs, name)

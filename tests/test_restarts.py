@@ -100,7 +100,11 @@ def uninterrupted(tmp_path_factory, warm_torchrun):
     (2, []),
     pytest.param(4, ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"],  # TP=2 x DP=2
                  marks=pytest.mark.full),
-], ids=["dp2", "tp2_dp2"])
+    # Megatron FSDP's ZeRO-3 (fsdp_dtensor) and torch FSDP2 (torch_dcp): their checkpoints, written through
+    # torch.distributed.checkpoint, killed mid-save as well
+    pytest.param(2, ["--use-megatron-fsdp"], marks=pytest.mark.full),
+    pytest.param(2, ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"], marks=pytest.mark.full),
+], ids=["dp2", "tp2_dp2", "megatron_fsdp_dp2", "torch_fsdp2_dp2"])
 def test_a_job_whose_ranks_are_killed_three_times_resumes_bitwise(tmp_path, uninterrupted, nproc, flags):
     """A random rank SIGKILLed three times: at a random iteration before the first checkpoint (the restart trains
     from scratch, as the first start did), while the checkpoint of iteration 15 is being written (its directory

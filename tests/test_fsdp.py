@@ -167,6 +167,58 @@ def test_a_run_without_fsdp_reads_the_weights_with_the_one_process_numbers(runs,
     conftest_assert_same(read, from_one, [1, 2, 3], METRICS[:3])
 
 
+MEGATRON_FSDP = ["--use-megatron-fsdp"]
+
+
+@pytest.mark.parametrize("damage, flags, message", [
+    ("truncated", MEGATRON_FSDP, r"iter_0000006/__1_0.distcp: truncated \(\d+ of \d+ bytes\); the checkpoint is damaged"),
+    ("empty", MEGATRON_FSDP, r"iter_0000006/__0_0.distcp: empty; the checkpoint is damaged"),
+    ("missing", MEGATRON_FSDP, r"iter_0000006/__1_0.distcp: missing; the checkpoint is damaged"),
+    # killed while torch.distributed.checkpoint wrote (its .metadata comes last), then named directly
+    ("no_index", [*MEGATRON_FSDP, "--ckpt-step", "6"], r"the save of iteration 6 did not finish \(.*iter_0000006 has "
+                                                       r"no \.metadata\)"),
+    ("unpublished", [*MEGATRON_FSDP, "--ckpt-step", "6"], r"the save of iteration 6 did not finish \(.*iter_0000006 "
+                                                          r"has no train_state.pt\); the newest published is iteration 4"),
+    ("none", [*MEGATRON_FSDP, "--hidden-size", "128"], r"iter_0000006/\.metadata \(args\): saved by another model "
+                                                       r"shape: --hidden-size 64 \(this run: 128\)"),
+    # the other FSDP, or none: each names the flag that resumes it
+    ("none", FSDP2, r"saved in fsdp_dtensor format but this run uses --ckpt-format torch_dcp; it resumes under "
+                    r"--use-megatron-fsdp"),
+    ("none", [], r"saved in fsdp_dtensor format, which resumes under --use-megatron-fsdp; add it, or read only its "
+                 r"weights with --pretrained-checkpoint"),
+])
+def test_a_damaged_or_foreign_fsdp_checkpoint_is_one_line_before_any_weight(runs, tmp_path, damage, flags, message):
+    """Megatron FSDP's checkpoint of DP=2 (saved at 2, 4, 6; the tracker names 6), damaged as a kill or a disk leaves
+    it, loaded by one process: one line naming the file and the way out, as the other formats (test_checkpoint), and
+    no process group left behind."""
+    import shutil
+
+    import torch
+
+    import checkpoint
+    import checks
+    import train
+
+    layout(runs, "dp2_optim_grads_params")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(runs.ckpt("dp2_optim_grads_params"), ckpt)
+    it = ckpt / "iter_0000006"
+    if damage == "truncated":
+        (it / "__1_0.distcp").write_bytes((it / "__1_0.distcp").read_bytes()[:-100])
+    elif damage == "empty":
+        (it / "__0_0.distcp").write_bytes(b"")
+    elif damage == "missing":
+        (it / "__1_0.distcp").unlink()
+    elif damage in ("no_index", "unpublished"):
+        (it / (".metadata" if damage == "no_index" else "train_state.pt")).unlink()
+        (ckpt / checkpoint.TRACKER).write_text("4")
+    argv = [*FLAGS, "--train-iters", "8", "--load", str(ckpt), "--data-cache-path", str(tmp_path / "cache"), *flags]
+    with pytest.raises(checkpoint.CheckpointError, match=message) as e:
+        train.pretrain(checks.parse_args(argv, world_size=1, gpu=False))
+    assert "\n" not in str(e.value)
+    assert not torch.distributed.is_initialized()
+
+
 @pytest.mark.parametrize("flags, world_size, expected", [
     (["--optimizer", "muon"], 2, "Megatron-FSDP does not support the muon optimizer yet."),
     (["--ckpt-format", "torch"], 2, "Megatron-FSDP requires the `fsdp_dtensor` checkpointing format."),

@@ -15,6 +15,11 @@ Names and signatures follow Megatron Bridge's `training.checkpointing` and `trai
                                        `rng_state` object
         torch format:                  mp_rank_00/model_optim_rng.pt, one per tensor/pipeline/expert rank
                                        (mp_rank_TT[_PPP][_EEE]), with Megatron-LM's names and keys
+        fsdp_dtensor, torch_dcp:       --use-megatron-fsdp's and --use-torch-fsdp2's (Megatron-LM's layouts), through
+                                       torch.distributed.checkpoint: `.metadata` and one __R_0.distcp per rank;
+                                       `args`, `iteration`, `checkpoint_version`, `model` (DTensors, whole in the
+                                       file: any data-parallel size reads them, and one process without FSDP),
+                                       `optimizer`, `opt_param_scheduler`, `rng_state` {"(pp, tp)": [states]}
       latest_train_state.pt            copy of the newest train_state.pt
       latest_checkpointed_iteration.txt
       progress.txt                     Megatron-LM's progress log: a line per job start and per save (metrics.py)
@@ -28,8 +33,9 @@ A process killed mid-save leaves the tracker pointing at the previous complete c
 (--ckpt-step below the tracker) is written beside the old one, which is swapped out only once the new one is
 complete. progress.txt is appended afterwards, not atomically: a kill there may leave its last line cut short.
 
-Trust: a torch_dist checkpoint's metadata (`.metadata`, the common state) is read by PyTorch's and megatron-core's
-distributed checkpointing with `pickle`, which can run code: load only checkpoints you trust. Every other
+Trust: a torch_dist, fsdp_dtensor or torch_dcp checkpoint's metadata (`.metadata`, the common state, `args`) is read
+by PyTorch's and megatron-core's distributed checkpointing with `pickle`, which can run code: load only checkpoints you
+trust. Every other
 file here is read with `torch.load(weights_only=True)`.
 """
 
@@ -918,16 +924,14 @@ def dcp_state_dict(cfg, model: list, optimizer, scheduler, common: dict, loading
             raw["optimizer"] = optimizer.sharded_state_dict(raw, is_loading=loading, metadata=metadata)
         else:
             # Megatron-LM calls optimizer.state_dict(is_loading=True) (checkpointing.py:2339), which a ChainedOptimizer
-            # does not take (TypeError), and which would make Adam's moments without the step torch's Adam loads:
-            # the state to read into is made whole here (torch's optimizers make theirs at their first step).
+            # does not take (TypeError): the state to read into is made here as that call makes it (init_state_fn:
+            # SGD's momentum buffers, model.momentum_buffers), Adam's with its step, which torch's Adam loads and
+            # megatron-core's init_state_fn leaves out (KeyError 'step').
             if loading:
                 _create_optimizer_state(optimizer)
                 for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-                    sgd = getattr(inner, "optimizer", None)
-                    if isinstance(sgd, torch.optim.SGD):
-                        for group in sgd.param_groups:
-                            for p in group["params"] if group["momentum"] else []:
-                                sgd.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                    if inner.init_state_fn is not None:
+                        inner.init_state_fn(inner.optimizer, inner.config)
             raw["optimizer"] = optimizer.state_dict()
         raw["opt_param_scheduler"] = scheduler.state_dict()
     if rng:

@@ -15,7 +15,7 @@ checkpoint at TP > 1 (Megatron-LM's torch_dcp is not tested with TP; megatron-co
 
 import pytest
 
-from conftest import TINY, Launches, config_error
+from conftest import TINY, Launches, config_error, train_here
 from conftest import assert_same as conftest_assert_same
 
 # No dropout, so the layouts compare exactly; the ByteTokenizer's 257 ids padded to 640 rows, so that at TP=2 the
@@ -170,6 +170,18 @@ def test_a_run_without_fsdp_reads_the_weights_with_the_one_process_numbers(runs,
 MEGATRON_FSDP = ["--use-megatron-fsdp"]
 
 
+def drop_from_index(directory, key: str) -> None:
+    """One tensor taken out of a torch.distributed.checkpoint index (.metadata)."""
+    import pickle
+
+    with open(directory / ".metadata", "rb") as fh:
+        index = pickle.load(fh)
+    index.state_dict_metadata.pop(key)
+    index.storage_data = {k: v for k, v in index.storage_data.items() if k.fqn != key}
+    with open(directory / ".metadata", "wb") as fh:
+        pickle.dump(index, fh)
+
+
 @pytest.mark.parametrize("damage, flags, message", [
     ("truncated", MEGATRON_FSDP, r"iter_0000006/__1_0.distcp: truncated \(\d+ of \d+ bytes\); the checkpoint is damaged"),
     ("empty", MEGATRON_FSDP, r"iter_0000006/__0_0.distcp: empty; the checkpoint is damaged"),
@@ -186,6 +198,10 @@ MEGATRON_FSDP = ["--use-megatron-fsdp"]
                     r"--use-megatron-fsdp"),
     ("none", [], r"saved in fsdp_dtensor format, which resumes under --use-megatron-fsdp; add it, or read only its "
                  r"weights with --pretrained-checkpoint"),
+    # a tensor taken out of the index, as a program that did not write it leaves it: checkpoint.strict_fsdp_dtensor_load
+    # refuses it (off, Megatron-LM's default, it keeps the value it has: test below)
+    ("dropped", [*MEGATRON_FSDP, "strict"], r"cannot be read into this model \(.*Missing key in checkpoint state_dict: "
+                                            r"model\.module\.decoder\.final_layernorm\.weight"),
 ])
 def test_a_damaged_or_foreign_fsdp_checkpoint_is_one_line_before_any_weight(runs, tmp_path, damage, flags, message):
     """Megatron FSDP's checkpoint of DP=2 (saved at 2, 4, 6; the tracker names 6), damaged as a kill or a disk leaves
@@ -212,11 +228,32 @@ def test_a_damaged_or_foreign_fsdp_checkpoint_is_one_line_before_any_weight(runs
     elif damage in ("no_index", "unpublished"):
         (it / (".metadata" if damage == "no_index" else "train_state.pt")).unlink()
         (ckpt / checkpoint.TRACKER).write_text("4")
+    elif damage == "dropped":
+        drop_from_index(it, "model.module.decoder.final_layernorm.weight")
+    if "strict" in flags:
+        (tmp_path / "strict.yaml").write_text("checkpoint:\n  strict_fsdp_dtensor_load: true\n")
+        flags = [f for f in flags if f != "strict"] + ["--config-file", str(tmp_path / "strict.yaml")]
     argv = [*FLAGS, "--train-iters", "8", "--load", str(ckpt), "--data-cache-path", str(tmp_path / "cache"), *flags]
     with pytest.raises(checkpoint.CheckpointError, match=message) as e:
         train.pretrain(checks.parse_args(argv, world_size=1, gpu=False))
     assert "\n" not in str(e.value)
     assert not torch.distributed.is_initialized()
+
+
+def test_a_tensor_the_checkpoint_lacks_keeps_its_value_unless_the_load_is_strict(runs, tmp_path):
+    """Megatron-LM's default (strict_fsdp_dtensor_load off): the other tensors load, and the run goes on from the
+    checkpoint's iteration; the strict load is one line (above)."""
+    import shutil
+
+    from conftest import log_lines
+
+    layout(runs, "dp2_optim_grads_params")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(runs.ckpt("dp2_optim_grads_params"), ckpt)
+    drop_from_index(ckpt / "iter_0000004", "model.module.decoder.final_layernorm.weight")
+    out = train_here([*FLAGS, *MEGATRON_FSDP, "--load", str(ckpt), "--ckpt-step", "4", "--data-cache-path",
+                      str(tmp_path / "cache")])
+    assert "loaded checkpoint" in out and [it for it, *_ in log_lines(out)] == [5, 6]
 
 
 @pytest.mark.parametrize("flags, world_size, expected", [

@@ -15,7 +15,7 @@ checkpoint at TP > 1 (Megatron-LM's torch_dcp is not tested with TP; megatron-co
 
 import pytest
 
-from conftest import TINY, Launches, config_error, train_here
+from conftest import LLAMA_FLAGS, TINY, Launches, config_error, train_here
 from conftest import assert_same as conftest_assert_same
 
 # No dropout, so the layouts compare exactly; the ByteTokenizer's 257 ids padded to 640 rows, so that at TP=2 the
@@ -41,9 +41,10 @@ LAYOUTS = {**{f"dp2_{s}": (2, [*FSDP, s]) for s in STRATEGIES},
            "fsdp2_dp2": (2, FSDP2), "fsdp2_dp4": (4, FSDP2), "fsdp2_tp2_dp2": (4, [*FSDP2, *TP2]),
            # torch FSDP2's other optimizer, SGD with momentum (Megatron FSDP's is refused: below)
            "sgd_fsdp2_dp2": (2, [*SGD, *FSDP2]),
-           # SwiGLU, whose fc1 Megatron-LM's fsdp_dtensor keeps as its two halves (`_w`, `_v`) per tensor-parallel rank
-           "swiglu_dp2": (2, [*FSDP, "optim_grads_params", "--swiglu"]),
-           "swiglu_tp2_dp2": (4, [*FSDP, "optim_grads_params", "--swiglu", *TP2])}
+           # A LLaMA-like model: SwiGLU, whose fc1 Megatron-LM's fsdp_dtensor keeps as its two halves (`_w`, `_v`) per
+           # tensor-parallel rank, RoPE, RMSNorm, grouped-query attention, no biases
+           "llama_dp2": (2, [*FSDP, "optim_grads_params", *LLAMA_FLAGS]),
+           "llama_tp2_dp2": (4, [*FSDP, "optim_grads_params", *LLAMA_FLAGS, *TP2])}
 
 
 def reference(runs, name):
@@ -57,8 +58,8 @@ def reference_of(name):
     """(name, flags) of the one-process run that layout `name` gives the numbers of."""
     sgd = SGD if name.startswith("sgd") else []
     untied = UNTIED if "fsdp2" in name else []
-    swiglu = ["--swiglu"] if name.startswith("swiglu") else []
-    return "one" + "_sgd" * bool(sgd) + "_untied" * bool(untied) + "_swiglu" * bool(swiglu), [*sgd, *untied, *swiglu]
+    llama = LLAMA_FLAGS if name.startswith("llama") else []
+    return "one" + "_sgd" * bool(sgd) + "_untied" * bool(untied) + "_llama" * bool(llama), [*sgd, *untied, *llama]
 
 
 def saves(name) -> bool:
@@ -147,7 +148,7 @@ def test_a_checkpoint_resumes_at_another_data_parallel_size_with_the_one_process
 
 
 # name: (the layout whose checkpoint is read, tensor-parallel size of the run without FSDP that reads it)
-READ = {"dp2_optim_grads_params": 1, "fsdp2_dp2": 1, "swiglu_dp2": 2, "swiglu_tp2_dp2": 2}
+READ = {"dp2_optim_grads_params": 1, "fsdp2_dp2": 1, "llama_dp2": 2, "llama_tp2_dp2": 2}
 
 
 @pytest.mark.parametrize("name", [name if LAYOUTS[name][0] <= 2 else pytest.param(name, marks=pytest.mark.full)
@@ -165,6 +166,48 @@ def test_a_run_without_fsdp_reads_the_weights_with_the_one_process_numbers(runs,
                            f"{runs.ckpt(source)}/iter_{SAVED:07d}", "--train-iters", "3") for source in (name, one))
     assert read["iterations"] == from_one["iterations"] == [1, 2, 3]
     conftest_assert_same(read, from_one, [1, 2, 3], METRICS[:3])
+
+
+@pytest.mark.parametrize("name", ["dp2_optim_grads_params", "fsdp2_dp2", "llama_dp2"])
+def test_generate_and_hf_export_read_the_fsdp_checkpoint(runs, tmp_path, name):
+    """generate.py's model of an FSDP checkpoint (iteration 6) holds the checkpoint's tensors exactly, as torch's own
+    converter reads them (format_utils.dcp_to_torch_save; SwiGLU's fc1 the `_w` half then the `_v` half, megatron-core's
+    layout at TP=1), and hf.py export gives transformers its logits (HF_LOGITS, as tests/test_hf.py)."""
+    import torch
+    import transformers
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    import generate
+    import hf
+    from conftest import HF_LOGITS
+
+    layout(runs, name)
+    directory = f"{runs.ckpt(name)}/iter_0000006"
+    dcp_to_torch_save(directory, tmp_path / "whole.pt")
+    whole = torch.load(tmp_path / "whole.pt", weights_only=False)["model"]
+    prefix = "module." if "fsdp2" not in name else ""
+    try:
+        model, tokenizer, _ = generate.load_model(runs.ckpt(name))
+        ours = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
+        for key, tensor in ours.items():
+            saved = whole.get(prefix + key)
+            if saved is None:  # SwiGLU's fc1, saved as its two halves
+                saved = torch.cat([whole[prefix + key + "_w"], whole[prefix + key + "_v"]])
+            assert torch.equal(tensor, saved), key
+        tokens = torch.randint(0, tokenizer.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            logits = model(tokens, torch.arange(32).expand_as(tokens), attention_mask=None)[..., :tokenizer.vocab_size]
+        hf.export(runs.ckpt(name), str(tmp_path / "hf"))
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    with torch.no_grad():
+        assert (theirs(tokens).logits - logits).abs().max().item() <= HF_LOGITS
+    assert logits.std() > 0.1  # trained weights, not a constant
 
 
 MEGATRON_FSDP = ["--use-megatron-fsdp"]

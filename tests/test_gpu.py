@@ -137,3 +137,27 @@ def test_an_external_device_mapping_binds_device_0_whatever_the_local_rank(monke
     monkeypatch.setenv("LOCAL_RANK", str(torch.cuda.device_count()))  # no such device: binding by rank would fail
     device.bind_local_gpu(True, external_mapping=True)
     assert torch.cuda.current_device() == 0
+
+
+@pytest.mark.parametrize("flags", [["--use-megatron-fsdp"],
+                                   ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"]],
+                         ids=["megatron_fsdp", "torch_fsdp2"])
+def test_fsdp_trains_saves_and_resumes_on_a_gpu(tmp_path, flags):
+    """What the CPU runs otherwise (docs/cpu.md): Megatron FSDP's gradient reduction with its division fused into
+    NCCL's PREMUL_SUM, its parameter all-gather asynchronous, FSDP2 on a "cuda" mesh; and their checkpoints
+    (fsdp_dtensor, torch_dcp) from GPU memory. A run saved at 5 and resumed gives the straight run's losses for 6-10
+    within REORDERED (a GPU's kernels may order their sums otherwise from one launch to the next)."""
+    from conftest import REORDERED
+
+    common = [*TINY, "--mock-data", "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0",
+              "--attention-dropout", "0", "--num-workers", "0", "--train-iters", "10",
+              "--data-cache-path", str(tmp_path / "cache"), *flags]
+    straight = torchrun([*common, "--save", str(tmp_path / "ckpt"), "--save-interval", "5"], nproc=1)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert ".metadata" in os.listdir(tmp_path / "ckpt" / "iter_0000005")
+    resumed = torchrun([*common, "--load", str(tmp_path / "ckpt"), "--ckpt-step", "5"], nproc=1)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ours = {l[0]: float(l[3]) for l in log_lines(resumed.stdout)}
+    theirs = {l[0]: float(l[3]) for l in log_lines(straight.stdout)}
+    assert sorted(ours) == [6, 7, 8, 9, 10]
+    assert all(ours[it] == pytest.approx(theirs[it], rel=REORDERED + PRINTED) for it in ours)

@@ -30,14 +30,17 @@ def _printed(program):
 # megatron_lm_v3_muon: Megatron-LM's DeepSeek-V3-shaped GPT (4 layers, MLA, MoE from the second layer with the sigmoid
 # router, expert bias, group top-k, shared expert and seq_aux_loss, one MTP layer), trained with Muon at EP=2.
 V3 = "megatron_lm_v3_muon"
+FSDP = "megatron_lm_fsdp"
 # Their printed losses compared, each program's: the lm loss; MoE's load-balancing loss; the MTP layer's loss.
 LOSSES = {"megatron_lm": ["lm loss"], "bridge": ["lm loss"], "megatron_lm_moe": ["lm loss", "load_balancing_loss"],
           # its load_balancing_loss is 0 (README); its seq_load_balancing_loss is averaged over the decoder's 3 MoE
           # layers and the MTP layer's, as Megatron-LM's training.py:2792 (core_v0.19.0) has the tracker count them
-          V3: ["lm loss", "load_balancing_loss", "seq_load_balancing_loss", "mtp_1 loss"]}
+          V3: ["lm loss", "load_balancing_loss", "seq_load_balancing_loss", "mtp_1 loss"],
+          # megatron_lm_fsdp: megatron_lm's run under --use-megatron-fsdp (ZeRO-3), its checkpoint in fsdp_dtensor
+          FSDP: ["lm loss"]}
 
 
-@pytest.fixture(scope="module", params=["megatron_lm", "bridge", "megatron_lm_moe", V3])
+@pytest.fixture(scope="module", params=["megatron_lm", "bridge", "megatron_lm_moe", V3, FSDP])
 def continued(request, tmp_path_factory, warm_torchrun):
     """train.py going on from the program's checkpoint with the program's own flags, saving at iteration 10."""
     program, out = request.param, tmp_path_factory.mktemp(request.param)
@@ -93,7 +96,12 @@ def test_our_checkpoint_holds_what_their_loaders_read(continued):
     save = continued["out"] / "ours"
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "10"
     it = save / "iter_0000010"
-    common = dist_checkpointing.load_common_state_dict(str(it))  # as theirs loads it
+    if continued["program"] == FSDP:  # fsdp_dtensor: as Megatron-LM's rank 0 reads it (checkpointing.py:1761-1765)
+        common = {"args": None, "iteration": None, "checkpoint_version": None, "num_floating_point_operations_so_far": None}
+        torch.distributed.checkpoint.load(common, checkpoint_id=str(it), no_dist=True)
+        common["opt_param_scheduler"] = {k for k in checkpoint_keys(it) if k.startswith("opt_param_scheduler.")}
+    else:
+        common = dist_checkpointing.load_common_state_dict(str(it))  # as theirs loads it
     assert common["iteration"] == 10 and common["checkpoint_version"] == 3.0
     assert isinstance(common["num_floating_point_operations_so_far"], float)
     args = common["args"]
@@ -118,6 +126,14 @@ def test_our_checkpoint_holds_what_their_loaders_read(continued):
         # Megatron-LM 0.17 on also writes its rerun state machine's state, which it reads only where it is there.
         theirs = {k for k in theirs if not k.startswith("rerun_state_machine_state/")}
         assert checkpoint_keys(it) == theirs and "rng_state/shard_0.0_1.1" in theirs
+    elif continued["program"] == FSDP:
+        # Every tensor and object Megatron-LM's fsdp_dtensor checkpoint holds, under its names: the main weights, each
+        # parameter's Adam state and group settings, the random states of (PP, TP) rank (0, 0), `args` and the rest.
+        assert (args.use_megatron_fsdp, args.data_parallel_sharding_strategy, args.ckpt_format) == (
+            True, "optim_grads_params", "fsdp_dtensor")
+        theirs = checkpoint_keys(os.path.join(FIXTURES, FSDP, "ckpt", "iter_0000005"))
+        theirs = {k for k in theirs if not k.startswith("rerun_state_machine")}
+        assert checkpoint_keys(it) == theirs and "rng_state.(0, 0).0.torch_rng_state" in theirs
     else:  # the random states as both keep them: one object per (PP, TP) rank, here (1, 1)
         assert "rng_state/shard_0.0_1.1" in checkpoint_keys(it)
     assert "opt_param_scheduler" in common and any(k.startswith("optimizer.") for k in checkpoint_keys(it))

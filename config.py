@@ -144,7 +144,7 @@ MCORE_FLAGS = {
              "expert_model_parallel_size expert_tensor_parallel_size",
     "ddp": "overlap_grad_reduce overlap_param_gather bucket_size pad_buckets_for_high_nccl_busbw average_in_collective "
            "check_for_large_grads num_distributed_optimizer_instances param_name_patterns_for_fp32_local_accumulation "
-           "use_megatron_fsdp data_parallel_sharding_strategy",
+           "use_megatron_fsdp data_parallel_sharding_strategy gradient_reduce_div_fusion",
     "dataset": "split path_to_cache mock reset_position_ids reset_attention_mask eod_mask_loss mmap_bin_files "
                "create_attention_mask",
 }
@@ -152,8 +152,7 @@ MCORE_FLAGS = {
 MCORE_YAML_ONLY = {"rerun_state_machine": "check_for_nan_in_loss",
                    "checkpoint": "strict_fsdp_dtensor_load",  # Bridge's; only False here (check_checkpointing)
                    # derived by validate() from the other settings (the distributed optimizer's, the NaN check's)
-                   "ddp": "use_distributed_optimizer grad_reduce_in_fp32 check_for_nan_in_grad "
-                          "gradient_reduce_div_fusion",  # (Megatron FSDP's, derived off without a GPU)
+                   "ddp": "use_distributed_optimizer grad_reduce_in_fp32 check_for_nan_in_grad",
                    "validation": "eval_global_batch_size eval_micro_batch_size",
                    "scheduler": "lr_decay_steps lr_warmup_steps wd_incr_steps wsd_decay_steps",  # in samples
                    "dataset": "blend blend_per_split random_seed sequence_length",  # paths, --seed, --seq-length
@@ -176,6 +175,10 @@ MCORE_FLAG_CHANGES = {
                                    "format: torch (one file per rank, torch.save), torch_dist (megatron-core's "
                                    "distributed checkpoint, reshardable), fsdp_dtensor (--use-megatron-fsdp's DTensors, "
                                    "torch.distributed.checkpoint) or torch_dcp (--use-torch-fsdp2's)."),
+    # Megatron-LM's switch for it (arguments.py:3033); unset, it follows the machine (DEFAULTS)
+    "ddp.gradient_reduce_div_fusion": dict(flags=["--no-gradient-reduce-div-fusion"], action="store_false",
+                                           help="Megatron FSDP: divide the gradients before their reduce-scatter "
+                                                "instead of inside it (NCCL's PREMUL_SUM)."),
     "checkpoint.use_persistent_ckpt_worker": dict(flags=["--no-use-persistent-ckpt-worker"],
                                                   help="--async-save with torch_dist: a fork per save instead of one "
                                                        "long-lived writer process (GPU)."),
@@ -1303,6 +1306,8 @@ def build_parser(prog: str = "train.py", help_texts: bool = True) -> argparse.Ar
         tp = meta["type"]
         if tp is bool or meta.get("action") in ("store_true", "store_false"):
             action = "store_false" if default else "store_true"
+            if default is None and meta.get("action"):  # a switch off a setting derived when not given
+                action = meta["action"]
             group.add_argument(*flags, dest=dest, action=action, help=help_with_default(section, f.name, meta, None))
         elif isinstance(tp, tuple) or meta.get("nargs"):  # a list of values
             nargs = meta.get("nargs") or "+"

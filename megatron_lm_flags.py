@@ -43,7 +43,7 @@ MEGATRON_LM_INERT_FLAGS = [
         ("--symmetric-ar-type", str), ("--train-sync-interval", int), ("--no-pin-cpu-grads", None),
         ("--no-pin-cpu-params", None), ("--high-priority-stream-groups", "*"), ("--disable-gloo-process-groups", None),
         ("--no-scatter-gather-tensors-in-pipeline", None), ("--no-align-grad-reduce", None),
-        ("--no-align-param-gather", None), ("--no-gradient-reduce-div-fusion", None),
+        ("--no-align-param-gather", None),
         ("--use-nccl-ub", None), ("--disable-symmetric-registration", None), ("--use-sharp", None),
         ("--sharp-enabled-group", ["dp", "dp_replica"]), ("--create-all-gather-group", None),
         ("--nccl-communicator-config-path", str), ("--use-tp-pp-dp-mapping", None),

@@ -150,7 +150,7 @@ MCORE_FLAGS = {
 }
 # megatron-core's fields this trainer acts on without a flag (Megatron-LM has none either): YAML only.
 MCORE_YAML_ONLY = {"rerun_state_machine": "check_for_nan_in_loss",
-                   "checkpoint": "strict_fsdp_dtensor_load",  # Bridge's; only False here (check_checkpointing)
+                   "checkpoint": "strict_fsdp_dtensor_load",  # Bridge's default, False (DEFAULTS)
                    # derived by validate() from the other settings (the distributed optimizer's, the NaN check's)
                    "ddp": "use_distributed_optimizer grad_reduce_in_fp32 check_for_nan_in_grad",
                    "validation": "eval_global_batch_size eval_micro_batch_size",
@@ -316,8 +316,8 @@ DEFAULTS = {
     "scheduler.start_weight_decay": (None, "derived: --weight-decay"),
     "scheduler.end_weight_decay": (None, "derived: --weight-decay"),
     "checkpoint.use_persistent_ckpt_worker": (True, "Bridge's default (megatron-core's is off)"),
-    "checkpoint.strict_fsdp_dtensor_load": (False, "Megatron-LM's (a key the checkpoint lacks is left as it is; "
-                                                   "megatron-core's default is on)"),
+    "checkpoint.strict_fsdp_dtensor_load": (False, "Bridge's default (a tensor the checkpoint lacks keeps its value); "
+                                                   "megatron-core's and Megatron-LM's is on"),
     "rerun_state_machine.rerun_mode": ("disabled", "Bridge's default (megatron-core's is validate_results)"),
     "model.num_layers": (4, "megatron-core has none (Megatron-LM asks for it); a model a laptop trains in minutes"),
     "model.hidden_size": (256, "megatron-core has none (Megatron-LM asks for it); a model a laptop trains"),

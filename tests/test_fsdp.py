@@ -242,7 +242,7 @@ def drop_from_index(directory, key: str) -> None:
     ("none", [], r"saved in fsdp_dtensor format, which resumes under --use-megatron-fsdp; add it, or read only its "
                  r"weights with --pretrained-checkpoint"),
     # a tensor taken out of the index, as a program that did not write it leaves it: checkpoint.strict_fsdp_dtensor_load
-    # refuses it (off, Megatron-LM's default, it keeps the value it has: test below)
+    # refuses it (off, Bridge's default, it keeps the value it has: test below)
     ("dropped", [*MEGATRON_FSDP, "strict"], r"cannot be read into this model \(.*Missing key in checkpoint state_dict: "
                                             r"model\.module\.decoder\.final_layernorm\.weight"),
 ])
@@ -284,7 +284,7 @@ def test_a_damaged_or_foreign_fsdp_checkpoint_is_one_line_before_any_weight(runs
 
 
 def test_a_tensor_the_checkpoint_lacks_keeps_its_value_unless_the_load_is_strict(runs, tmp_path):
-    """Megatron-LM's default (strict_fsdp_dtensor_load off): the other tensors load, and the run goes on from the
+    """Bridge's default (strict_fsdp_dtensor_load off; megatron-core's and Megatron-LM's is on): the other tensors load, and the run goes on from the
     checkpoint's iteration; the strict load is one line (above)."""
     import shutil
 

@@ -11,7 +11,8 @@ one process's numbers; one process without FSDP reads its weights (generate.py, 
 at TP=1 and TP=2. Bitwise resumes with Megatron-LM's default dropout and kill -9 mid-save are test_restarts'.
 Not covered, and refused in one line by checks.check_sharding and check_torch_fsdp2: pipeline and context parallelism,
 MoE, fp16 (and bf16), --log-l2-norm-grad, the overlaps, downstream tasks, --async-save of these formats, and FSDP2's
-checkpoint at TP > 1 (Megatron-LM's torch_dcp is not tested with TP; megatron-core's torch_dist takes no DTensors)."""
+checkpoint at TP > 1 (Megatron-LM's torch_dcp is not tested with TP; megatron-core 0.19.2 cannot save FSDP2's optimizer
+state as torch_dist: checks.check_torch_fsdp2)."""
 
 import pytest
 
@@ -326,7 +327,7 @@ def test_what_megatron_fsdp_does_not_take_is_one_line(flags, world_size, expecte
                                           "supported."),
     ([*UNTIED, "--ckpt-format", "torch"], 2, "--use-torch-fsdp2 requires --ckpt-format torch_dist or torch_dcp"),
     ([*UNTIED, *TP2, "--save", "ck"], 4, "--use-torch-fsdp2 with --tensor-model-parallel-size 2 has no checkpoint format "
-                                         "here: megatron-core's torch_dist writer takes no DTensors"),
+                                         "here: megatron-core 0.19.2 cannot save FSDP2's optimizer state as torch_dist"),
     ([*UNTIED, *TP2, "--ckpt-format", "torch_dcp"], 4, "--ckpt-format torch_dcp is not tested with megatron tensor "
                                                        "parallelism."),
 ])
@@ -353,7 +354,7 @@ def test_the_fsdp_formats_without_their_fsdp_are_megatron_lms_refusals(flags, ex
 ])
 def test_each_fsdp_takes_its_checkpoint_format_in_place_of_torch_dist(flags, world_size, expected):
     """Megatron-LM's default format, torch_dist, becomes the one each FSDP saves in (Megatron-LM refuses it under
-    Megatron FSDP, and megatron-core's torch_dist writer takes none of FSDP2's DTensors)."""
+    Megatron FSDP, and megatron-core 0.19.2 cannot save FSDP2's optimizer state as torch_dist)."""
     import checks
 
     assert checks.parse_args([*TINY, *flags], world_size=world_size, gpu=False).checkpoint.ckpt_format == expected

@@ -15,7 +15,8 @@ Names and signatures follow Megatron Bridge's `training.checkpointing` and `trai
                                        `rng_state` object
         torch format:                  mp_rank_00/model_optim_rng.pt, one per tensor/pipeline/expert rank
                                        (mp_rank_TT[_PPP][_EEE]), with Megatron-LM's names and keys
-        fsdp_dtensor, torch_dcp:       --use-megatron-fsdp's and --use-torch-fsdp2's (Megatron-LM's layouts), through
+        fsdp_dtensor, torch_dcp:       --use-megatron-fsdp's and --use-torch-fsdp2's (Megatron-LM's layouts; FSDP2
+                                       saves torch_dist by default, as Megatron-LM), through
                                        torch.distributed.checkpoint: `.metadata` and one __R_0.distcp per rank;
                                        `args`, `iteration`, `checkpoint_version`, `model` (DTensors, whole in the
                                        file: any data-parallel size reads them, and one process without FSDP),
@@ -40,6 +41,7 @@ file here is read with `torch.load(weights_only=True)`.
 """
 
 import argparse
+import contextlib
 import copy
 import ctypes
 import dataclasses
@@ -420,7 +422,8 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
         sharded = {**model_sharded_state_dict(model, adapters_only=cfg.peft.peft != "none"), **common}
         if ck.save_optim and optimizer is not None:  # None: weights only (hf.py's import)
             _create_optimizer_state(optimizer)
-            sharded["optimizer"] = optimizer.sharded_state_dict(dict(sharded), metadata=metadata)
+            with fsdp2_params_found():
+                sharded["optimizer"] = optimizer.sharded_state_dict(dict(sharded), metadata=metadata)
         if scheduler is not None:  # None: weights only (hf.py's import)
             sharded["opt_param_scheduler"] = scheduler.state_dict()
         if ck.save_rng:
@@ -464,6 +467,38 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
     torch.distributed.barrier()  # every rank's files are on disk
     publish()
     return final
+
+
+@contextlib.contextmanager
+def fsdp2_params_found():
+    """megatron-core's optimizer finds each FSDP2 parameter's sharded tensor by the id of its local tensor: the model's
+    sharded state dict holds the DTensor's `_local_tensor` (utils.py:1020), but the optimizer's map takes `to_local()`
+    (dist_checkpointing/optimizer.py:39), a new tensor at every call, so no id matches ("Param id 0 does not match any
+    model sharded param"; megatron-core defect, README: defects). Here the map takes `_local_tensor` too."""
+    from megatron.core.dist_checkpointing import optimizer as optimizer_checkpoint
+    from torch.distributed.tensor import DTensor
+
+    original = optimizer_checkpoint.to_local_if_dtensor
+    optimizer_checkpoint.to_local_if_dtensor = lambda t: t._local_tensor if isinstance(t, DTensor) else t
+    try:
+        yield
+    finally:
+        optimizer_checkpoint.to_local_if_dtensor = original
+
+
+def _as_fsdp2_state(optimizer) -> None:
+    """The moments of FSDP2's DTensor parameters as DTensors again after a torch_dist load, which hands torch's Adam the
+    local tensors it read them into (megatron-core defect, README: defects): its next step would mix the two
+    ("got mixed torch.Tensor and DTensor")."""
+    from torch.distributed.tensor import DTensor
+
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_optimizer = getattr(inner, "optimizer", None)
+        for p, state in (torch_optimizer.state.items() if torch_optimizer is not None else []):
+            for key, value in state.items():
+                if isinstance(p, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
+                        and value.shape == p._local_tensor.shape and value.dim() > 0:
+                    state[key] = DTensor.from_local(value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
 
 
 def _model_keys(model: list, state_dict_of) -> dict:
@@ -1494,6 +1529,7 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
         _restore_step_zero(payload["optimizer"])
         with torch.no_grad():  # copied in place into fp32 main parameters, leaves that require grad
             load_optimizer_state(optimizer, payload["optimizer"])
+        _as_fsdp2_state(optimizer)
         scheduler_state(scheduler, payload, directory)
     elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()  # fp16/bf16: the fp32 main copies take the loaded weights
@@ -1526,7 +1562,8 @@ def _load_sharded(cfg, directory, model, optimizer, scheduler, peft_run, load_op
         # In the layout it was saved in (its content metadata), whatever this run would save.
         metadata = load_metadata(cfg, directory)
         _create_optimizer_state(optimizer)
-        sharded["optimizer"] = optimizer.sharded_state_dict(dict(sharded), is_loading=True, metadata=metadata)
+        with fsdp2_params_found():
+            sharded["optimizer"] = optimizer.sharded_state_dict(dict(sharded), is_loading=True, metadata=metadata)
         sharded["opt_param_scheduler"] = scheduler.state_dict()
     if load_rng:
         sharded["rng_state"] = sharded_rng_state()
@@ -1547,6 +1584,8 @@ def _load_sharded(cfg, directory, model, optimizer, scheduler, peft_run, load_op
 
 
 def _load_weights(model, payload, directory, partial: bool) -> None:
+    if fsdp_kind(model) == "--use-torch-fsdp2":  # read in place into its DTensors' local shards (the wrapper's no-op)
+        return
     try:
         for chunk, key in zip(model, _model_keys(model, lambda chunk: None)):  # "model", or "model0", "model1", ...
             if partial:

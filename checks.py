@@ -663,16 +663,11 @@ def derive_sharding(cfg: ConfigContainer) -> None:
     if cfg.ddp.use_megatron_fsdp and not cfg.optimizer.use_distributed_optimizer:
         derive_value(cfg, "optimizer.use_distributed_optimizer", True,
                      "--use-megatron-fsdp: Megatron-FSDP is only compatible with --use-distributed-optimizer")
-    # Each FSDP's one format here, in place of torch_dist, Megatron-LM's default (which Megatron-LM refuses under
-    # Megatron FSDP, and which megatron-core 0.19.2 cannot save FSDP2's optimizer state in: check_torch_fsdp2)
+    # Megatron FSDP's one format, in place of torch_dist, Megatron-LM's default (which Megatron-LM refuses under it)
     c = cfg.checkpoint
     if cfg.ddp.use_megatron_fsdp and c.ckpt_format == "torch_dist":
         derive_value(cfg, "checkpoint.ckpt_format", "fsdp_dtensor",
                      "--use-megatron-fsdp: Megatron-FSDP requires the `fsdp_dtensor` checkpointing format")
-    if cfg.dist.use_torch_fsdp2 and c.ckpt_format == "torch_dist" and cfg.model.tensor_model_parallel_size == 1:
-        derive_value(cfg, "checkpoint.ckpt_format", "torch_dcp",
-                     "--use-torch-fsdp2: its DTensors are saved as torch_dcp (megatron-core cannot save its optimizer state "
-                     "as torch_dist)")
 
 
 def check_sharding(cfg: ConfigContainer) -> None:
@@ -718,16 +713,6 @@ def check_torch_fsdp2(cfg: ConfigContainer) -> None:
     require(not m.fp16, "--use-torch-fsdp2 not supported with fp16 yet")
     c = cfg.checkpoint
     require(c.ckpt_format in ("torch_dist", "torch_dcp"), "--use-torch-fsdp2 requires --ckpt-format torch_dist or torch_dcp")
-    # torch_dist (left at TP > 1, where Megatron-LM's torch_dcp is not tested): megatron-core 0.19.2 looks each FSDP2
-    # parameter's sharded tensor up by the id of its `to_local()`, a new tensor at every call, where the model's sharded
-    # state dict holds its `_local_tensor` (dist_checkpointing/optimizer.py:39, 67; utils.py:1020): "Param id 0 does not
-    # match any model sharded param" at the first save; with that lookup mended, its load hands torch's Adam plain
-    # tensors for the DTensors' moments (its first step: "got mixed torch.Tensor and DTensor")
-    require(c.ckpt_format == "torch_dcp" or (c.save is None and c.load is None and c.pretrained_checkpoint is None),
-            f"--use-torch-fsdp2 with --tensor-model-parallel-size {m.tensor_model_parallel_size} has no checkpoint "
-            f"format here: megatron-core 0.19.2 cannot save FSDP2's optimizer state as torch_dist, and Megatron-LM's "
-            f"torch_dcp is not tested with tensor parallelism; give --no-save and no --load, or "
-            f"--tensor-model-parallel-size 1")
     unproven = [(f"--context-parallel-size {m.context_parallel_size}", m.context_parallel_size > 1),
                 ("--num-experts", bool(m.num_moe_experts)), ("--bf16", m.bf16), ("--peft", cfg.peft.peft != "none"),
                 ("--mtp-num-layers", bool(m.mtp_num_layers)), ("--z-loss-coeff", bool(m.z_loss_coeff)),

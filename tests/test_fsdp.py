@@ -1,7 +1,7 @@
 """Megatron FSDP (--use-megatron-fsdp): megatron-core's FullyShardedDataParallel and its distributed optimizer, each
 --data-parallel-sharding-strategy giving the one process's numbers, and torch FSDP2 (--use-torch-fsdp2) through
 megatron-core's TorchFullyShardedDataParallel, on CPU over gloo through device.py as every layout; and their
-checkpoints, fsdp_dtensor and torch_dcp (Megatron-LM's layouts, through torch.distributed.checkpoint).
+checkpoints: Megatron FSDP's fsdp_dtensor, FSDP2's torch_dist (Megatron-LM's default) and torch_dcp.
 
 Each run starts from the seed (every data-parallel replica draws the same weights, as the one process does) and trains
 6 iterations with a validation every 3, saving every 2: the lm loss, the grad norm, the params norm (the seed's
@@ -10,9 +10,8 @@ checkpoint of 4 then resumes bitwise; one saved at DP=2 resumes at DP=1 and DP=4
 one process's numbers; one process without FSDP reads its weights (generate.py, hf.py export, --pretrained-checkpoint),
 at TP=1 and TP=2. Bitwise resumes with Megatron-LM's default dropout and kill -9 mid-save are test_restarts'.
 Not covered, and refused in one line by checks.check_sharding and check_torch_fsdp2: pipeline and context parallelism,
-MoE, fp16 (and bf16), --log-l2-norm-grad, the overlaps, downstream tasks, --async-save of these formats, and FSDP2's
-checkpoint at TP > 1 (Megatron-LM's torch_dcp is not tested with TP; megatron-core 0.19.2 cannot save FSDP2's optimizer
-state as torch_dist: checks.check_torch_fsdp2)."""
+MoE, fp16 (and bf16), --log-l2-norm-grad, the overlaps, downstream tasks, --async-save of fsdp_dtensor and torch_dcp,
+and torch_dcp at TP > 1 (Megatron-LM's refusal)."""
 
 import pytest
 
@@ -40,6 +39,8 @@ LAYOUTS = {**{f"dp2_{s}": (2, [*FSDP, s]) for s in STRATEGIES},
            **{f"dp4_{s}": (4, [*FSDP, s]) for s in STRATEGIES},
            **{f"tp2_dp2_{s}": (4, [*FSDP, s, *TP2]) for s in STRATEGIES},
            "fsdp2_dp2": (2, FSDP2), "fsdp2_dp4": (4, FSDP2), "fsdp2_tp2_dp2": (4, [*FSDP2, *TP2]),
+           # FSDP2 saving in torch_dcp (its default is torch_dist, Megatron-LM's)
+           "fsdp2_dcp_dp2": (2, [*FSDP2, "--ckpt-format", "torch_dcp"]),
            # torch FSDP2's other optimizer, SGD with momentum (Megatron FSDP's is refused: below)
            "sgd_fsdp2_dp2": (2, [*SGD, *FSDP2]),
            # A LLaMA-like model: SwiGLU, whose fc1 Megatron-LM's fsdp_dtensor keeps as its two halves (`_w`, `_v`) per
@@ -63,14 +64,9 @@ def reference_of(name):
     return "one" + "_sgd" * bool(sgd) + "_untied" * bool(untied) + "_llama" * bool(llama), [*sgd, *untied, *llama]
 
 
-def saves(name) -> bool:
-    """FSDP2 at TP=2 has no checkpoint format (checks.check_torch_fsdp2); every other layout saves."""
-    return not ("fsdp2" in name and "tp2" in name)
-
-
 def layout(runs, name):
     nproc, flags = LAYOUTS[name]
-    return runs(name, nproc, *flags, *(runs.saving(name, EVERY) if saves(name) else []))
+    return runs(name, nproc, *flags, *runs.saving(name, EVERY))
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +82,9 @@ def runs(tmp_path_factory, warm_torchrun):
 
 
 # The fast command: ZeRO-3 (Megatron-LM's default strategy) and ZeRO-1 (whose gradients a no_sync hook doubled) at
-# DP=2, and torch FSDP2 at DP=2; the full proof every strategy and FSDP2 at DP=2, DP=4 and TP=2 x DP=2.
-FAST = ("dp2_optim_grads_params", "dp2_optim", "fsdp2_dp2")
+# DP=2, and torch FSDP2 at DP=2 (and its torch_dcp checkpoint); the full proof every strategy and FSDP2 at DP=2, DP=4
+# and TP=2 x DP=2.
+FAST = ("dp2_optim_grads_params", "dp2_optim", "fsdp2_dp2", "fsdp2_dcp_dp2")
 
 
 @pytest.mark.parametrize("name", [name if name in FAST else pytest.param(name, marks=pytest.mark.full) for name in LAYOUTS])
@@ -105,16 +102,19 @@ def test_every_sharding_strategy_gives_the_one_process_numbers(runs, name):
 
 
 @pytest.mark.parametrize("name", [name if name in FAST else pytest.param(name, marks=pytest.mark.full)
-                                  for name in LAYOUTS if saves(name)])
+                                  for name in LAYOUTS])
 def test_each_layout_resumes_its_checkpoint_bitwise(runs, name):
-    """The checkpoint of iteration 4 (fsdp_dtensor under Megatron FSDP, torch_dcp under FSDP2) at the layout that wrote
+    """The checkpoint of iteration 4 (fsdp_dtensor under Megatron FSDP, torch_dist or torch_dcp under FSDP2) at the
+    layout that wrote
     it: iterations 5 and 6 give the run's own numbers to the bit, the validation at 6 too. The weights, the optimizer's
     moments and steps (SGD's momentum), the schedule and the data position all come back. Without the workarounds it
     needs: under Megatron FSDP the save waits forever where a rank's shard of a parameter is empty (checkpoint.
     _fill_empty_shards), and from the second save on the step of such a parameter is the one a resume reads (1.0
     where the ranks that step it are at 4: iteration 6 differs); without the model's load_state_dict the compute
-    weights under `optim` are those from before the load; under FSDP2 torch's Adam fails to load (KeyError 'step') or
-    SGD's momentum is not read back."""
+    weights under `optim` are those from before the load; under FSDP2, torch_dist's save finds no parameter's sharded
+    tensor ("Param id 0 does not match any model sharded param": checkpoint.fsdp2_params_found) and its load leaves
+    Adam's moments plain tensors ("got mixed torch.Tensor and DTensor": checkpoint._as_fsdp2_state); torch_dcp's load
+    fails in torch's Adam (KeyError 'step') or SGD's momentum is not read back."""
     nproc, flags = LAYOUTS[name]
     straight = layout(runs, name)
     resumed = runs.resume(name + "_resumed", nproc, name, SAVED, *flags)
@@ -128,6 +128,9 @@ def test_each_layout_resumes_its_checkpoint_bitwise(runs, name):
 # size, and Megatron FSDP's main-weight and optimizer-state shards are the same DTensors under every strategy.
 ELSEWHERE = {"dp2_ogp_to_dp1": ("dp2_optim_grads_params", 1, [*FSDP, "optim_grads_params"]),
              "fsdp2_dp2_to_dp1": ("fsdp2_dp2", 1, FSDP2),
+             "fsdp2_dcp_dp2_to_dp1": ("fsdp2_dcp_dp2", 1, [*FSDP2, "--ckpt-format", "torch_dcp"]),
+             # torch_dist as every layout's: read back without FSDP too, the optimizer's state included
+             "fsdp2_tp2_dp2_to_one_without_fsdp": ("fsdp2_tp2_dp2", 1, UNTIED),
              "dp2_ogp_to_dp4": ("dp2_optim_grads_params", 4, [*FSDP, "optim_grads_params"]),
              "dp4_optim_to_dp2_optim_grads": ("dp4_optim", 2, [*FSDP, "optim_grads"]),
              "fsdp2_dp2_to_dp4": ("fsdp2_dp2", 4, FSDP2),
@@ -149,7 +152,7 @@ def test_a_checkpoint_resumes_at_another_data_parallel_size_with_the_one_process
 
 
 # name: (the layout whose checkpoint is read, tensor-parallel size of the run without FSDP that reads it)
-READ = {"dp2_optim_grads_params": 1, "fsdp2_dp2": 1, "llama_dp2": 2, "llama_tp2_dp2": 2}
+READ = {"dp2_optim_grads_params": 1, "fsdp2_dp2": 1, "fsdp2_dcp_dp2": 2, "llama_dp2": 2, "llama_tp2_dp2": 2}
 
 
 @pytest.mark.parametrize("name", [name if LAYOUTS[name][0] <= 2 else pytest.param(name, marks=pytest.mark.full)
@@ -169,7 +172,7 @@ def test_a_run_without_fsdp_reads_the_weights_with_the_one_process_numbers(runs,
     conftest_assert_same(read, from_one, [1, 2, 3], METRICS[:3])
 
 
-@pytest.mark.parametrize("name", ["dp2_optim_grads_params", "fsdp2_dp2", "llama_dp2"])
+@pytest.mark.parametrize("name", ["dp2_optim_grads_params", "fsdp2_dcp_dp2", "llama_dp2"])
 def test_generate_and_hf_export_read_the_fsdp_checkpoint(runs, tmp_path, name):
     """generate.py's model of an FSDP checkpoint (iteration 6) holds the checkpoint's tensors exactly, as torch's own
     converter reads them (format_utils.dcp_to_torch_save; SwiGLU's fc1 the `_w` half then the `_v` half, megatron-core's
@@ -238,7 +241,7 @@ def drop_from_index(directory, key: str) -> None:
     ("none", [*MEGATRON_FSDP, "--hidden-size", "128"], r"iter_0000006/\.metadata \(args\): saved by another model "
                                                        r"shape: --hidden-size 64 \(this run: 128\)"),
     # the other FSDP, or none: each names the flag that resumes it
-    ("none", FSDP2, r"saved in fsdp_dtensor format but this run uses --ckpt-format torch_dcp; it resumes under "
+    ("none", FSDP2, r"saved in fsdp_dtensor format but this run uses --ckpt-format torch_dist; it resumes under "
                     r"--use-megatron-fsdp"),
     ("none", [], r"saved in fsdp_dtensor format, which resumes under --use-megatron-fsdp; add it, or read only its "
                  r"weights with --pretrained-checkpoint"),
@@ -326,8 +329,6 @@ def test_what_megatron_fsdp_does_not_take_is_one_line(flags, world_size, expecte
     ([*UNTIED, "--use-megatron-fsdp"], 2, "Using use_megatron_fsdp and use_torch_fsdp2 at the same time is not "
                                           "supported."),
     ([*UNTIED, "--ckpt-format", "torch"], 2, "--use-torch-fsdp2 requires --ckpt-format torch_dist or torch_dcp"),
-    ([*UNTIED, *TP2, "--save", "ck"], 4, "--use-torch-fsdp2 with --tensor-model-parallel-size 2 has no checkpoint format "
-                                         "here: megatron-core 0.19.2 cannot save FSDP2's optimizer state as torch_dist"),
     ([*UNTIED, *TP2, "--ckpt-format", "torch_dcp"], 4, "--ckpt-format torch_dcp is not tested with megatron tensor "
                                                        "parallelism."),
 ])
@@ -347,14 +348,14 @@ def test_the_fsdp_formats_without_their_fsdp_are_megatron_lms_refusals(flags, ex
 
 @pytest.mark.parametrize("flags, world_size, expected", [
     (["--use-megatron-fsdp"], 2, "fsdp_dtensor"),
-    ([*FSDP2], 2, "torch_dcp"),
-    ([*FSDP2, *TP2], 4, "torch_dist"),  # no format saves it (refused above when it would save)
+    ([*FSDP2], 2, "torch_dist"),  # Megatron-LM's default, which FSDP2 takes
+    ([*FSDP2, *TP2], 4, "torch_dist"),
     (["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"], 2, "fsdp_dtensor"),
     ([*FSDP2, "--ckpt-format", "torch_dcp"], 2, "torch_dcp"),
 ])
-def test_each_fsdp_takes_its_checkpoint_format_in_place_of_torch_dist(flags, world_size, expected):
-    """Megatron-LM's default format, torch_dist, becomes the one each FSDP saves in (Megatron-LM refuses it under
-    Megatron FSDP, and megatron-core 0.19.2 cannot save FSDP2's optimizer state as torch_dist)."""
+def test_megatron_fsdp_takes_fsdp_dtensor_in_place_of_torch_dist(flags, world_size, expected):
+    """Megatron-LM's default format, torch_dist, becomes fsdp_dtensor under Megatron FSDP (Megatron-LM refuses any
+    other there); FSDP2 keeps it, or takes torch_dcp."""
     import checks
 
     assert checks.parse_args([*TINY, *flags], world_size=world_size, gpu=False).checkpoint.ckpt_format == expected

@@ -137,8 +137,9 @@ ELSEWHERE = {"dp2_ogp_to_dp1": ("dp2_optim_grads_params", 1, [*FSDP, "optim_grad
              "tp2_dp2_ogp_to_dp2": ("tp2_dp2_optim_grads_params", 2, [*FSDP, "optim_grads_params"])}
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.full) if max(
-    ELSEWHERE[name][1], LAYOUTS[ELSEWHERE[name][0]][0]) > 2 else name for name in ELSEWHERE])
+# The fast command: Megatron FSDP's ZeRO-3 from DP=2 to one process; the rest under --full.
+@pytest.mark.parametrize("name", [name if name == "dp2_ogp_to_dp1" else pytest.param(name, marks=pytest.mark.full)
+                                  for name in ELSEWHERE])
 def test_a_checkpoint_resumes_at_another_data_parallel_size_with_the_one_process_numbers(runs, name):
     """Saved at one data-parallel size (and strategy, or tensor-parallel size), resumed at another: iterations 5 and 6
     are the one process's (REORDERED), as the writing layout's own were."""
@@ -155,8 +156,9 @@ def test_a_checkpoint_resumes_at_another_data_parallel_size_with_the_one_process
 READ = {"dp2_optim_grads_params": 1, "fsdp2_dp2": 1, "fsdp2_dcp_dp2": 2, "llama_dp2": 2, "llama_tp2_dp2": 2}
 
 
-@pytest.mark.parametrize("name", [name if LAYOUTS[name][0] <= 2 else pytest.param(name, marks=pytest.mark.full)
-                                  for name in READ])
+# The fast command: Megatron FSDP's checkpoint read at TP=1, the LLaMA-like one (SwiGLU's halves) at TP=2.
+@pytest.mark.parametrize("name", [name if name in ("dp2_optim_grads_params", "llama_dp2") else
+                                  pytest.param(name, marks=pytest.mark.full) for name in READ])
 def test_a_run_without_fsdp_reads_the_weights_with_the_one_process_numbers(runs, name):
     """--pretrained-checkpoint of an FSDP checkpoint (iteration 4), into a run without FSDP at TP=1 or TP=2: each saved
     DTensor read whole and cut to the rank's tensor-parallel part (SwiGLU's fc1 joined from its `_w` and `_v` halves
@@ -229,7 +231,7 @@ def drop_from_index(directory, key: str) -> None:
         pickle.dump(index, fh)
 
 
-@pytest.mark.parametrize("damage, flags, message", [
+DAMAGES = [
     ("truncated", MEGATRON_FSDP, r"iter_0000006/__1_0.distcp: truncated \(\d+ of \d+ bytes\); the checkpoint is damaged"),
     ("empty", MEGATRON_FSDP, r"iter_0000006/__0_0.distcp: empty; the checkpoint is damaged"),
     ("missing", MEGATRON_FSDP, r"iter_0000006/__1_0.distcp: missing; the checkpoint is damaged"),
@@ -249,7 +251,13 @@ def drop_from_index(directory, key: str) -> None:
     # refuses it (off, Bridge's default, it keeps the value it has: test below)
     ("dropped", [*MEGATRON_FSDP, "strict"], r"cannot be read into this model \(.*Missing key in checkpoint state_dict: "
                                             r"model\.module\.decoder\.final_layernorm\.weight"),
-])
+]
+
+
+# The fast command: a truncated file, a kill mid-save, another shape, no FSDP, the strict load; the rest under --full.
+@pytest.mark.parametrize("damage, flags, message", [
+    pytest.param(*case, marks=pytest.mark.full) if case[0] in ("empty", "missing", "unpublished") or case[1] == FSDP2
+    else case for case in DAMAGES])
 def test_a_damaged_or_foreign_fsdp_checkpoint_is_one_line_before_any_weight(runs, tmp_path, damage, flags, message):
     """Megatron FSDP's checkpoint of DP=2 (saved at 2, 4, 6; the tracker names 6), damaged as a kill or a disk leaves
     it, loaded by one process: one line naming the file and the way out, as the other formats (test_checkpoint), and

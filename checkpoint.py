@@ -61,8 +61,11 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.tensor import DTensor
 
 import config as config_lib
 import device  # first: it quiets megatron-core's import-time warnings
@@ -70,7 +73,12 @@ from device import any_rank
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing import optimizer as optimizer_checkpoint
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
+from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
+from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_fp8_extra_state_case, handle_swiglu_in_state_dict
 from megatron.core.utils import unwrap_model
 from metrics import print_rank_0
 from model import layer_wise
@@ -475,9 +483,6 @@ def fsdp2_params_found():
     sharded state dict holds the DTensor's `_local_tensor` (utils.py:1020), but the optimizer's map takes `to_local()`
     (dist_checkpointing/optimizer.py:39), a new tensor at every call, so no id matches ("Param id 0 does not match any
     model sharded param"; megatron-core defect, README: defects). Here the map takes `_local_tensor` too."""
-    from megatron.core.dist_checkpointing import optimizer as optimizer_checkpoint
-    from torch.distributed.tensor import DTensor
-
     original = optimizer_checkpoint.to_local_if_dtensor
     optimizer_checkpoint.to_local_if_dtensor = lambda t: t._local_tensor if isinstance(t, DTensor) else t
     try:
@@ -490,8 +495,6 @@ def _as_fsdp2_state(optimizer) -> None:
     """The moments of FSDP2's DTensor parameters as DTensors again after a torch_dist load, which hands torch's Adam the
     local tensors it read them into (megatron-core defect, README: defects): its next step would mix the two
     ("got mixed torch.Tensor and DTensor")."""
-    from torch.distributed.tensor import DTensor
-
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         torch_optimizer = getattr(inner, "optimizer", None)
         for p, state in (torch_optimizer.state.items() if torch_optimizer is not None else []):
@@ -899,9 +902,6 @@ DCP_FLAG = {"fsdp_dtensor": "--use-megatron-fsdp", "torch_dcp": "--use-torch-fsd
 
 def fsdp_kind(model: list) -> Optional[str]:
     """The flag whose FSDP wraps this model (--use-megatron-fsdp, --use-torch-fsdp2), or None."""
-    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
-    from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
-
     return ("--use-megatron-fsdp" if isinstance(model[0], FullyShardedDataParallel) else
             "--use-torch-fsdp2" if isinstance(model[0], TorchFullyShardedDataParallel) else None)
 
@@ -946,9 +946,6 @@ def dcp_state_dict(cfg, model: list, optimizer, scheduler, common: dict, loading
     torch_dcp's optimizer is torch's own state dict of FSDP2's DTensors; fsdp_dtensor's the distributed optimizer's
     `fsdp_dtensor` sharding, each parameter's state a DTensor under its name; SwiGLU's fc1 weight split into its `_w`
     and `_v` halves, so that any tensor-parallel size reads them."""
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
-    from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_fp8_extra_state_case, handle_swiglu_in_state_dict
-
     raw = {**common, "model": model[0].state_dict()}
     if optimizer is not None:
         if _megatron_fsdp(model):
@@ -987,8 +984,6 @@ def dcp_state_dict(cfg, model: list, optimizer, scheduler, common: dict, loading
 def save_dcp(cfg, model: list, optimizer, scheduler, common: dict, directory: str) -> None:
     """Write the checkpoint as Megatron-LM's fsdp_dtensor or torch_dcp: `.metadata` and one `__R_0.distcp` per rank,
     through torch.distributed.checkpoint (whose `.metadata`, written last, completes it)."""
-    import torch.distributed.checkpoint as dcp
-
     ck = cfg.checkpoint
     written, _ = dcp_state_dict(cfg, model, optimizer if ck.save_optim else None, scheduler, common, loading=False,
                                 rng=ck.save_rng)
@@ -998,8 +993,6 @@ def save_dcp(cfg, model: list, optimizer, scheduler, common: dict, directory: st
 def _dcp_common(directory: str) -> dict:
     """An fsdp_dtensor or torch_dcp checkpoint's `args`, `iteration`, `checkpoint_version` and FLOPs, read by this rank
     alone (as Megatron-LM's rank-0 read, checkpointing.py:1762-1765), before any weight."""
-    import torch.distributed.checkpoint as dcp
-
     held = _index(directory).state_dict_metadata
     _check_distcp_files(directory)
     wanted = {k: None for k in ("args", "iteration", "checkpoint_version", "num_floating_point_operations_so_far")
@@ -1027,9 +1020,6 @@ def _load_dcp(cfg, directory: str, model: list, optimizer, scheduler, common: di
     """Read an fsdp_dtensor or torch_dcp checkpoint into the FSDP's own DTensors, at any data-parallel size (DCP
     reshards them), as Megatron-LM's load_checkpoint does: the tensors in place, then the model's and the optimizer's
     load_state_dict with what was read."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
     held = _index(directory).state_dict_metadata
     if load_rng and not any(k.startswith(f"rng_state.{dcp_rng_key()}") for k in held):
         raise CheckpointError(f"{directory}: holds no random states (rng_state) for (pipeline, tensor) rank "
@@ -1062,8 +1052,6 @@ def _read_dcp_weights(directory: str, saved_format: str, model: list) -> None:
     """Weights only, into a model that is not sharded (generate.py, hf.py export, --pretrained-checkpoint): each saved
     DTensor is a whole tensor in the checkpoint, read whole and cut to this rank's tensor-parallel part. SwiGLU's fc1
     is Megatron FSDP's `_w` and `_v` halves, joined per tensor-parallel rank as megatron-core lays it out."""
-    import torch.distributed.checkpoint as dcp
-
     if len(model) > 1 or parallel_state.get_pipeline_model_parallel_world_size() > 1:
         raise CheckpointError(f"{directory}: a {saved_format} checkpoint's weights load into one pipeline stage here; "
                               f"drop --pipeline-model-parallel-size")

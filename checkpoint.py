@@ -66,12 +66,14 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 import config as config_lib
 import device  # first: it quiets megatron-core's import-time warnings
 from device import any_rank
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing import optimizer as optimizer_checkpoint
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
@@ -523,8 +525,34 @@ def model_sharded_state_dict(model: list, adapters_only: bool = False) -> dict:
     """The model chunks' sharded state dicts under Megatron-LM's keys: each tensor named by its place in the
     whole model (global layer numbers, full shapes), so any tensor/pipeline layout can read it back. A PEFT
     run's keeps its adapters only (the base weights are the pretrained checkpoint's)."""
-    return _model_keys(model, lambda chunk: keep_adapters(unwrap_model(chunk).sharded_state_dict()) if adapters_only
-                       else unwrap_model(chunk).sharded_state_dict())
+    def of(chunk):
+        sharded = fsdp2_uneven_shards(unwrap_model(chunk).sharded_state_dict(), chunk)
+        return keep_adapters(sharded) if adapters_only else sharded
+    return _model_keys(model, of)
+
+
+def fsdp2_uneven_shards(sharded: dict, chunk) -> dict:
+    """FSDP2's shards of a parameter whose first dimension does not divide the data-parallel size, at their true
+    place. megatron-core states a shard's global shape as its local rows x DP (utils.py:1142-1147, mapping.py:229), so
+    ranks of 33 and 32 rows disagree and the save fails (megatron-core defect, README: defects). Such a shard becomes
+    megatron-core's irregular kind (no fragmentation; validation.py:432-434 leaves it to DCP), with the shape and
+    offset torch's DTensor gives it. The optimizer's state copies these fields (optimizer.py:104-106)."""
+    params = {id(p._local_tensor): p for p in chunk.parameters() if isinstance(p, DTensor)}
+
+    def placed(sh):
+        p = params.get(id(sh.data)) if isinstance(sh, ShardedTensor) else None
+        if p is None or sh.axis_fragmentations is None or p.shape[0] % p.device_mesh.size() == 0:
+            return sh
+        dp, axis, rows = p.device_mesh.size(), sh.prepend_axis_num, p.shape[0]
+        _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        # TP shards the first dimension too where megatron-core gave it TP x DP fragments (utils.py:1017-1026)
+        tp = sh.axis_fragmentations[axis] // dp
+        first = tp * rows, (parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0) * rows + offset[0]
+        return dataclasses.replace(
+            sh, axis_fragmentations=None,
+            global_shape=(*sh.global_shape[:axis], first[0], *sh.global_shape[axis + 1:]),
+            global_offset=(*sh.global_offset[:axis], first[1], *sh.global_offset[axis + 1:]))
+    return dict_list_map_inplace(placed, sharded)
 
 
 def sharded_state_dict_metadata(cfg) -> dict:
@@ -944,8 +972,8 @@ def dcp_state_dict(cfg, model: list, optimizer, scheduler, common: dict, loading
     `iteration`, `checkpoint_version`, the FLOPs, `model` (the FSDP's DTensors, `module.`-prefixed under Megatron
     FSDP), `optimizer` and `opt_param_scheduler` (None: weights only), and `rng_state` {"(pp, tp)": [states]}.
     torch_dcp's optimizer is torch's own state dict of FSDP2's DTensors; fsdp_dtensor's the distributed optimizer's
-    `fsdp_dtensor` sharding, each parameter's state a DTensor under its name; SwiGLU's fc1 weight split into its `_w`
-    and `_v` halves, so that any tensor-parallel size reads them."""
+    `fsdp_dtensor` sharding, each parameter's state a DTensor under its name; SwiGLU's fc1 weight and moments split
+    into their `_w` and `_v` halves, so that any tensor-parallel size reads them."""
     raw = {**common, "model": model[0].state_dict()}
     if optimizer is not None:
         if _megatron_fsdp(model):
@@ -973,10 +1001,16 @@ def dcp_state_dict(cfg, model: list, optimizer, scheduler, common: dict, loading
     written = dict(raw)
     handle_fp8_extra_state_case(written["model"])
     if cfg.model.swiglu:
-        # The weights only: megatron-core's split of the optimizer's fc1 state looks each parameter up one `module.`
-        # short (fsdp_dtensor_checkpoint.py:375-377, AttributeError; megatron-core defect, README: defects; Megatron-LM
-        # #5265), so Megatron-LM cannot save it at all; here that state is kept whole, under its parameter's name.
-        written["model"], _ = handle_swiglu_in_state_dict(model[0], written["model"], None)
+        # fc1's weight and its Adam moments as their `_w` and `_v` halves: a TP=2 fc1 holds [w0; v0] and [w1; v1], one
+        # process's [w0; w1; v0; v1]. megatron-core's split of the moments looks each parameter up one `module.` short
+        # (fsdp_dtensor_checkpoint.py:375-377, AttributeError; megatron-core defect, README: defects; Megatron-LM
+        # #5265), so it is handed their keys one `module.` longer, and they are taken back after.
+        opt = written.get("optimizer")
+        if opt is not None:
+            opt = {**opt, "state": {"module." + k: v for k, v in opt["state"].items()}}
+        written["model"], opt = handle_swiglu_in_state_dict(model[0], written["model"], opt)
+        if opt is not None:
+            written["optimizer"] = {**opt, "state": {k.removeprefix("module."): v for k, v in opt["state"].items()}}
     preprocess_state_dict_for_uneven_dtensor(written)
     return written, raw
 

@@ -42,7 +42,7 @@ from config import (MEGATRON_LM_EMERGING_OPTIMIZERS, ConfigError, OptimizerConfi
                     moe_layers)
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core import rerun_state_machine as mcore_rerun
-from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.distributed import DistributedDataParallel, TorchFullyShardedDataParallel, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 from megatron.core.optimizer import get_megatron_optimizer
@@ -453,11 +453,24 @@ def torch_fsdp2(module):
     embedding and the root, over the data-parallel (x context-parallel) ranks, resharding after the forward (its
     default). The parameters become DTensors sharded along their first dimension; megatron-core's ordinary optimizer
     steps them (Megatron-LM refuses its distributed optimizer here)."""
-    from megatron.core.distributed import TorchFullyShardedDataParallel
     from megatron.core.distributed.torch_fully_sharded_data_parallel_config import TorchFullyShardedDataParallelConfig
 
-    return TorchFullyShardedDataParallel(config=unwrap_model(module).config,
-                                         ddp_config=TorchFullyShardedDataParallelConfig(), module=module)
+    return TorchFSDP2(config=unwrap_model(module).config, ddp_config=TorchFullyShardedDataParallelConfig(),
+                      module=module)
+
+
+class TorchFSDP2(TorchFullyShardedDataParallel):
+    """megatron-core's TorchFullyShardedDataParallel with the scale_gradients it lacks: the base class's does nothing
+    (data_parallel_base.py:45-47), so the per-token loss's division by the global token count
+    (finalize_model_grads.py:693-696) never happened (megatron-core defect, README: defects). That division wants the
+    ranks' gradients summed, as megatron-core's DDP sums them under the per-token loss (distributed_data_parallel.py:179);
+    FSDP2 has averaged them over its mesh, so they are multiplied back by its size."""
+
+    def scale_gradients(self, scaling_factor) -> None:
+        scaling_factor = scaling_factor * self.device_mesh.size()
+        for p in self.module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scaling_factor)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -30,10 +30,13 @@ EVERY, SAVED = 2, 4
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 TP2 = ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "320"]
-# torch FSDP2, with the untied output layer Megatron-LM requires of it (against a one-process run with one too)
-UNTIED = ["--untie-embeddings-and-output-weights"]
+# torch FSDP2's model (and its one-process run's): the untied output layer Megatron-LM requires of it; the per-token
+# loss, whose division by the token count FSDP2 skipped (model.TorchFSDP2); a position table of 65 rows, a first
+# dimension that neither DP 2 nor DP 4 divides (its torch_dist save failed: checkpoint.fsdp2_uneven_shards).
+UNTIED = ["--untie-embeddings-and-output-weights", "--calculate-per-token-loss", "--max-position-embeddings", "65"]
 FSDP2 = [*UNTIED, "--use-torch-fsdp2"]
 SGD = ["--optimizer", "sgd", "--lr", "0.1"]
+LLAMA = [*LLAMA_FLAGS, "--calculate-per-token-loss"]
 # name: (ranks, flags)
 LAYOUTS = {**{f"dp2_{s}": (2, [*FSDP, s]) for s in STRATEGIES},
            **{f"dp4_{s}": (4, [*FSDP, s]) for s in STRATEGIES},
@@ -43,10 +46,11 @@ LAYOUTS = {**{f"dp2_{s}": (2, [*FSDP, s]) for s in STRATEGIES},
            "fsdp2_dcp_dp2": (2, [*FSDP2, "--ckpt-format", "torch_dcp"]),
            # torch FSDP2's other optimizer, SGD with momentum (Megatron FSDP's is refused: below)
            "sgd_fsdp2_dp2": (2, [*SGD, *FSDP2]),
-           # A LLaMA-like model: SwiGLU, whose fc1 Megatron-LM's fsdp_dtensor keeps as its two halves (`_w`, `_v`) per
-           # tensor-parallel rank, RoPE, RMSNorm, grouped-query attention, no biases
-           "llama_dp2": (2, [*FSDP, "optim_grads_params", *LLAMA_FLAGS]),
-           "llama_tp2_dp2": (4, [*FSDP, "optim_grads_params", *LLAMA_FLAGS, *TP2])}
+           # A LLaMA-like model: SwiGLU, whose fc1 (weight and moments) Megatron-LM's fsdp_dtensor keeps as its two
+           # halves (`_w`, `_v`) per tensor-parallel rank, RoPE, RMSNorm, grouped-query attention, no biases; and the
+           # per-token loss under Megatron FSDP
+           "llama_dp2": (2, [*FSDP, "optim_grads_params", *LLAMA]),
+           "llama_tp2_dp2": (4, [*FSDP, "optim_grads_params", *LLAMA, *TP2])}
 
 
 def reference(runs, name):
@@ -60,7 +64,7 @@ def reference_of(name):
     """(name, flags) of the one-process run that layout `name` gives the numbers of."""
     sgd = SGD if name.startswith("sgd") else []
     untied = UNTIED if "fsdp2" in name else []
-    llama = LLAMA_FLAGS if name.startswith("llama") else []
+    llama = LLAMA if name.startswith("llama") else []
     return "one" + "_sgd" * bool(sgd) + "_untied" * bool(untied) + "_llama" * bool(llama), [*sgd, *untied, *llama]
 
 
@@ -134,11 +138,18 @@ ELSEWHERE = {"dp2_ogp_to_dp1": ("dp2_optim_grads_params", 1, [*FSDP, "optim_grad
              "dp2_ogp_to_dp4": ("dp2_optim_grads_params", 4, [*FSDP, "optim_grads_params"]),
              "dp4_optim_to_dp2_optim_grads": ("dp4_optim", 2, [*FSDP, "optim_grads"]),
              "fsdp2_dp2_to_dp4": ("fsdp2_dp2", 4, FSDP2),
-             "tp2_dp2_ogp_to_dp2": ("tp2_dp2_optim_grads_params", 2, [*FSDP, "optim_grads_params"])}
+             "tp2_dp2_ogp_to_dp2": ("tp2_dp2_optim_grads_params", 2, [*FSDP, "optim_grads_params"]),
+             # SwiGLU at another TP: fc1's moments are [w0; w1; v0; v1] at TP=1 and [w0; v0], [w1; v1] at TP=2
+             "llama_dp2_to_tp2": ("llama_dp2", 2, [*FSDP, "optim_grads_params", *LLAMA, *TP2]),
+             "llama_tp2_dp2_to_dp2": ("llama_tp2_dp2", 2, [*FSDP, "optim_grads_params", *LLAMA])}
 
 
-# The fast command: Megatron FSDP's ZeRO-3 from DP=2 to one process; the rest under --full.
-@pytest.mark.parametrize("name", [name if name == "dp2_ogp_to_dp1" else pytest.param(name, marks=pytest.mark.full)
+# The fast command: Megatron FSDP's ZeRO-3 from DP=2 to one process, FSDP2's uneven shards to one process, SwiGLU from
+# TP=1 to TP=2; the rest under --full.
+FAST_ELSEWHERE = ("dp2_ogp_to_dp1", "fsdp2_dp2_to_dp1", "llama_dp2_to_tp2")
+
+
+@pytest.mark.parametrize("name", [name if name in FAST_ELSEWHERE else pytest.param(name, marks=pytest.mark.full)
                                   for name in ELSEWHERE])
 def test_a_checkpoint_resumes_at_another_data_parallel_size_with_the_one_process_numbers(runs, name):
     """Saved at one data-parallel size (and strategy, or tensor-parallel size), resumed at another: iterations 5 and 6

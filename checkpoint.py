@@ -569,9 +569,9 @@ def sharded_state_dict_metadata(cfg) -> dict:
 
 
 def load_metadata(cfg, directory: str) -> dict:
-    """The layout to read a checkpoint's optimizer state in: the one it was saved in. A checkpoint of the plain
-    optimizer (no sharding type) keeps each parameter's state whole, which the distributed optimizer reads as
-    `fully_reshardable`: a run can switch to --use-distributed-optimizer on resume."""
+    """The layout to read a checkpoint's optimizer state in: the one it was saved in; `fully_reshardable` for the
+    distributed optimizer where none was saved (megatron-core's plain and distributed optimizers do not read each
+    other's: _load_checkpoint refuses that before)."""
     saved = dist_checkpointing.load_content_metadata(directory) or {}
     if cfg.optimizer.use_distributed_optimizer:
         return {**saved, "distrib_optim_sharding_type": saved.get("distrib_optim_sharding_type", "fully_reshardable")}
@@ -950,9 +950,11 @@ def _fill_empty_shards(optimizer) -> None:
         adam = getattr(inner, "optimizer", None)
         if not isinstance(adam, torch.optim.Adam):
             continue
-        steps = [float(s["step"]) for s in adam.state.values() if "step" in s]
-        step = torch.tensor(max(steps, default=0.0))
+        steps = [s["step"] for s in adam.state.values() if "step" in s]
+        # reduced on the collective's device (NCCL's on a GPU), kept where torch's Adam keeps its steps
+        step = torch.tensor(max(map(float, steps), default=0.0), device=device.current())
         torch.distributed.all_reduce(step, op=torch.distributed.ReduceOp.MAX)
+        step = step.to(steps[0].device if steps else "cpu")
         for group in adam.param_groups:
             for p in group["params"]:
                 if not adam.state.get(p) or p.to_local().numel() == 0:
@@ -1062,7 +1064,16 @@ def _load_dcp(cfg, directory: str, model: list, optimizer, scheduler, common: di
         raise CheckpointError(f"{directory}: saved without optimizer state (--no-save-optim); add --no-load-optim")
     _check_distcp_files(directory)
     read, raw = dcp_state_dict(cfg, model, optimizer if load_optim else None, scheduler, {}, loading=True, rng=load_rng)
-    planner = DefaultLoadPlanner(allow_partial_load=not cfg.checkpoint.strict_fsdp_dtensor_load)
+    strict = cfg.checkpoint.strict_fsdp_dtensor_load
+    lacking = [key for key in _flat_keys(read) if key not in held]
+    some = f"{lacking[0]}{f' and {len(lacking) - 1} more' if len(lacking) > 1 else ''}" if lacking else ""
+    if lacking and strict:
+        raise CheckpointError(f"{directory}: holds no {some} of this run's tensors; check --num-layers/--hidden-size/... "
+                              f"against its run_config.yaml, or pass --no-strict-fsdp-dtensor-load to read the rest")
+    if lacking:  # named, as Megatron-LM names them (checkpointing.py:1797-1803)
+        print_rank_0(f" {directory}: holds no {some} of this run's tensors, which keep the values they have "
+                     f"(--no-strict-fsdp-dtensor-load): {', '.join(lacking)}")
+    planner = DefaultLoadPlanner(allow_partial_load=not strict)
     try:
         dcp.load(read, storage_reader=dcp.FileSystemReader(directory), planner=planner)
     except (Exception, CheckpointException) as e:
@@ -1080,6 +1091,17 @@ def _load_dcp(cfg, directory: str, model: list, optimizer, scheduler, common: di
             optimizer.load_state_dict(raw["optimizer"])
     return {**common, **{k: v for k, v in read.items() if k in ("opt_param_scheduler",)},
             **({"rng_state": read["rng_state"][dcp_rng_key()]} if load_rng else {})}
+
+
+def _flat_keys(state: dict, prefix: str = "") -> list:
+    """The keys torch.distributed.checkpoint gives the tensors of a nested state dict (dotted paths)."""
+    keys = []
+    for key, value in state.items():
+        if isinstance(value, dict):
+            keys += _flat_keys(value, f"{prefix}{key}.")
+        elif isinstance(value, torch.Tensor):
+            keys.append(f"{prefix}{key}")
+    return keys
 
 
 def _read_dcp_weights(directory: str, saved_format: str, model: list) -> None:
@@ -1531,6 +1553,15 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
                               f"{saved_dp}, and this run has {kind(lw)} at {cfg.data_parallel_size}: the layer-wise "
                               f"state loads only where it was saved; add --no-load-optim to continue its weights with a "
                               f"fresh optimizer")
+    # megatron-core's plain and distributed optimizers keep their torch_dist state under other keys: neither reads
+    # the other's (a KeyError from inside the load, which said nothing of the cause)
+    saved_dopt, dopt = settings.get("use_distributed_optimizer"), cfg.optimizer.use_distributed_optimizer and not lw
+    if load_optim and saved_format == "torch_dist" and saved_dopt is not None and bool(saved_dopt) != dopt:
+        kind = lambda distributed: "megatron-core's distributed optimizer" if distributed else "the plain optimizer"
+        same = "add --use-distributed-optimizer" if saved_dopt else "drop --use-distributed-optimizer"
+        raise CheckpointError(f"{directory}: its optimizer state was saved by {kind(saved_dopt)}, which megatron-core "
+                              f"cannot load into {kind(dopt)}; {same} to resume it, or add --no-load-optim to continue "
+                              f"its weights with a fresh optimizer")
     peft_run = cfg.peft.peft != "none" and not finetune  # a PEFT run's own checkpoint: adapters only
     if saved_format in DCP_FORMATS and not sharded_model:
         _read_dcp_weights(directory, saved_format, model)
@@ -1553,8 +1584,10 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
             load_optimizer_state(optimizer, payload["optimizer"])
         _as_fsdp2_state(optimizer)
         scheduler_state(scheduler, payload, directory)
-    elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
-        optimizer.reload_model_params()  # fp16/bf16: the fp32 main copies take the loaded weights
+    elif optimizer is not None and (m.fp16 or m.bf16) and not _megatron_fsdp(model):
+        # fp16/bf16: the fp32 main copies take the loaded weights, as Megatron-LM's checkpointing.py:2611-2616 (Megatron
+        # FSDP has no such update: it raises NotImplementedError, and its load wrote its main weights in place)
+        optimizer.reload_model_params()
     if not finetune:
         ts.load_state_dict(progress_from(directory, common))
         if load_rng:

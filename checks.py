@@ -36,7 +36,7 @@ from typing import Any, Optional
 
 from megatron_lm_flags import unsupported_flag
 
-from config import (BUILTIN_BPE_VOCAB, DOWNSTREAM_TASKS, FIM_EXTRA_TOKENS, INERT_DEST, MCORE_FLAG_CHANGES, MCORE_FLAGS,
+from config import (BUILTIN_BPE_VOCAB, DOWNSTREAM_TASKS, FIM_EXTRA_TOKENS, FLAG_DEFAULTS, INERT_DEST, MCORE_FLAG_CHANGES, MCORE_FLAGS,
                     MCORE_YAML_ONLY, MEGATRON_LM_EMERGING_OPTIMIZERS, MEGATRON_LM_INERT_FLAGS, MEGATRON_LM_TOKENIZERS,
                     OPTIONAL_SECTIONS, SECTIONS, ConfigContainer, ConfigError, FinetuningDatasetConfig, GPTDatasetConfig, GPTModelProvider,
                     MixedPrecisionConfig, OptimizerConfig, TokenizerConfig, _names, _virtual_stages_split,
@@ -100,6 +100,9 @@ def config_from_flags(argv: list, world_size: Optional[int] = None, gpu: Optiona
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     ns = vars(ns)
     cfg = ConfigContainer()
+    for setting, (value, _) in FLAG_DEFAULTS.items():  # the command line's defaults, Megatron-LM's
+        section, name = setting.split(".")
+        setattr(getattr(cfg, section), name, value)
     inert = [(dest[len(INERT_DEST):], ns.pop(dest)) for dest in list(ns) if dest.startswith(INERT_DEST)]
     cfg.megatron_lm_inert = [flag if value is True else " ".join([flag, *map(str, value)]) if isinstance(value, list)
                              else f"{flag} {value}" for flag, value in inert] or None

@@ -106,7 +106,7 @@ MCORE_FLAGS = {
               "wandb_exp_name wandb_save_dir wandb_entity",
     "checkpoint": "save load save_interval save_optim save_rng load_optim load_rng finetune pretrained_checkpoint "
                   "ckpt_step most_recent_k ckpt_format dist_ckpt_optim_fully_reshardable async_save async_strategy "
-                  "use_persistent_ckpt_worker",
+                  "use_persistent_ckpt_worker strict_fsdp_dtensor_load",
     "dist": "distributed_backend distributed_timeout_minutes use_torch_fsdp2",
     "rng": "seed",
     "profiling": "use_nsys_profiler use_pytorch_profiler profile_step_start profile_step_end profile_ranks "
@@ -150,7 +150,6 @@ MCORE_FLAGS = {
 }
 # megatron-core's fields this trainer acts on without a flag (Megatron-LM has none either): YAML only.
 MCORE_YAML_ONLY = {"rerun_state_machine": "check_for_nan_in_loss",
-                   "checkpoint": "strict_fsdp_dtensor_load",  # Bridge's default, False (DEFAULTS)
                    # derived by validate() from the other settings (the distributed optimizer's, the NaN check's)
                    "ddp": "use_distributed_optimizer grad_reduce_in_fp32 check_for_nan_in_grad",
                    "validation": "eval_global_batch_size eval_micro_batch_size",
@@ -363,6 +362,16 @@ DEFAULTS = {
     "dataset.reset_position_ids": (False, "Megatron-LM's; megatron-core's None must be set"),
     "dataset.reset_attention_mask": (False, "Megatron-LM's; megatron-core's None must be set"),
     "dataset.eod_mask_loss": (False, "Megatron-LM's; megatron-core's None must be set"),
+}
+
+
+# Where the command line starts from Megatron-LM's default and the seed's classes (Bridge's ConfigContainer, built in
+# Python) from another (DEFAULTS): {setting: (the command line's default, why)}. checks.config_from_flags applies them
+# before the YAML file and the flags.
+FLAG_DEFAULTS = {
+    "checkpoint.strict_fsdp_dtensor_load": (True, "Megatron-LM's and megatron-core's: an fsdp_dtensor or torch_dcp "
+                                                  "checkpoint that lacks a tensor of the model is an error; Bridge's "
+                                                  "ConfigContainer has False"),
 }
 
 
@@ -1206,6 +1215,9 @@ def _field_meta(section: str, f, hints: dict, factory) -> Optional[dict]:
     if isinstance(f.type, str):  # re-declared here, under `from __future__ import annotations`: the type itself
         f = copy.copy(f)
         f.type = hints[f.name]
+    if f"{section}.{f.name}" in FLAG_DEFAULTS:  # megatron-core's generator spells a switch by its default
+        f = copy.copy(f)
+        f.default = FLAG_DEFAULTS[f"{section}.{f.name}"][0]
     try:
         kwargs = factory._build_argparse_kwargs_from_field(f)
     except TypeInferenceError:  # a type argparse has no form for (a tuple): MCORE_FLAG_CHANGES gives it
@@ -1266,8 +1278,8 @@ class OneLineParser(argparse.ArgumentParser):
 def help_with_default(section: str, name: str, meta: dict, default) -> str:
     """A flag's help and its default: DEFAULTS' value and reason where this trainer decides it (a switch's too), the
     declaration's otherwise (a signal by its name; none for a switch, nor where the help text says it)."""
-    if f"{section}.{name}" in DEFAULTS:
-        value, why = DEFAULTS[f"{section}.{name}"]
+    if f"{section}.{name}" in FLAG_DEFAULTS or f"{section}.{name}" in DEFAULTS:
+        value, why = FLAG_DEFAULTS.get(f"{section}.{name}") or DEFAULTS[f"{section}.{name}"]
         return f"{meta['help']} (default: {why})" if value is None else \
             f"{meta['help']} (default: {plain_value(value)}: {why})"
     if meta.get("action") in ("store_true", "store_false") or meta["type"] is bool or "Default:" in meta["help"]:
@@ -1301,7 +1313,7 @@ def build_parser(prog: str = "train.py", help_texts: bool = True) -> argparse.Ar
     for section, f, meta in _cli_fields(help_texts):
         group = groups.get(section) or groups.setdefault(section, parser.add_argument_group(section))
         dest = f"{section}.{f.name}"
-        default = getattr(getattr(defaults, section), f.name)
+        default = FLAG_DEFAULTS[dest][0] if dest in FLAG_DEFAULTS else getattr(getattr(defaults, section), f.name)
         flags = meta["flags"]  # megatron-core's fields: Megatron-LM's spellings too (argparse_meta's arg_names)
         tp = meta["type"]
         if tp is bool or meta.get("action") in ("store_true", "store_false"):

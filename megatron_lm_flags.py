@@ -116,7 +116,7 @@ UNSUPPORTED_FLAGS = [
     (("--tp-comm-", "--no-tp-comm-", "--disable-tp-comm-"), "transformer-engine's userbuffer communication overlap"),
     (("--torch-fsdp2-", "--fsdp-",
       "--outer-dp-sharding-strategy", "--enable-full-sharding-in-hsdp", "--suggested-communication-unit-size",
-      "--keep-fp8-transpose-cache", "--no-strict-fsdp-dtensor-load", "--disable-strict-fsdp-dtensor-load",
+      "--keep-fp8-transpose-cache",
       "--init-model-with-meta-device", "--megatron-fsdp-"),
      "FSDP beyond Megatron FSDP's sharding strategies and torch FSDP2's default (hybrid sharding, the buffers, "
      "meta-device initialisation, FSDP2 without resharding after the forward)"),

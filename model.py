@@ -309,15 +309,24 @@ class SequentialExperts(SequentialMLP):
 
 class ExpertRowParallelLinear(RowParallelLinear):
     """An expert's output projection that leaves its output to the token dispatcher, as megatron-core's does with
-    expert or expert-tensor parallelism, at EP=1 and ETP=1 too.
+    expert or expert-tensor parallelism, at EP=1 and ETP=1 too; and whose bias gradient is not summed over the
+    tensor-parallel group a second time.
 
-    There megatron-core passes the output through `_ReduceFromModelParallelRegion`, which returns its input unchanged
-    for a group of one; megatron-core's MLP then adds the expert bias to it in place (mlp.py:354), and autograd refuses
-    an in-place change of an autograd Function's returned input. With one rank there is nothing to reduce."""
+    At EP=1 and ETP=1 megatron-core passes the output through `_ReduceFromModelParallelRegion`, which returns its input
+    unchanged for a group of one; megatron-core's MLP then adds the expert bias to it in place (mlp.py:354), and
+    autograd refuses an in-place change of an autograd Function's returned input. With one rank there is nothing to
+    reduce.
+
+    megatron-core marks the bias `sequence_parallel` under --sequence-parallel (tensor_parallel/layers.py:1413), so
+    finalize_model_grads sums its gradient over the tensor-parallel group (finalize_model_grads.py:449-460). An expert's
+    gradient is complete once DDP has reduced it over the expert data-parallel group, which holds those ranks: the sum
+    doubled it at TP=2 (megatron-core defect, README: defects)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.explicit_expert_comm = self.is_expert
+        if self.bias is not None and self.is_expert:
+            self.bias.sequence_parallel = False
 
 
 def vocab_parallel_logsumexp(logits: torch.Tensor, tp_group) -> torch.Tensor:

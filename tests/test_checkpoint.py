@@ -235,6 +235,10 @@ def _drop_from_index(directory, prefix: str) -> None:
     ("no_index", ["--ckpt-step", "30"], r"the save of iteration 30 did not finish \(.*iter_0000030 has no \.metadata\)"),
     ("no_index", [], r"iter_0000030: no \.metadata \(torch_dist's index of the tensors\); the checkpoint is damaged"),
     ("none", ["--train-iters", "40"], "pass --override-opt-param-scheduler"),
+    # intact, and --no-load-optim reads it: not "corrupt" (a KeyError from inside megatron-core's load)
+    ("none", ["--use-distributed-optimizer"], r"its optimizer state was saved by the plain optimizer, which megatron-core "
+                                              r"cannot load into megatron-core's distributed optimizer; drop "
+                                              r"--use-distributed-optimizer to resume it, or add --no-load-optim"),
 ])
 def test_bad_checkpoints_give_clear_errors(mock_run, tmp_path, damage, flags, message):
     """Each is one line naming the file and the way out; the version, shape and tokenizer before any weight loads."""

@@ -609,8 +609,8 @@ def test_help_says_each_default_this_trainer_decides_and_why():
     helps = {dest: " ".join(a.help.split()) for dest, a in checks.flag_actions(parser).items()}
     decided = [key for key in config.DEFAULTS if key in helps]
     assert len(decided) > 40
-    for key in decided:
-        value, why = config.DEFAULTS[key]
+    for key in decided:  # the command line's own default where it is Megatron-LM's (FLAG_DEFAULTS)
+        value, why = config.FLAG_DEFAULTS.get(key) or config.DEFAULTS[key]
         assert " ".join(why.split()) in helps[key] and "(default: None)" not in helps[key], key
     for argv, world_size in (([], 1), (["--num-experts", "4", "--swiglu", "--train-samples", "64", "--context-parallel-size", "2"], 2)):
         cfg = checks.config_from_flags(argv, world_size=world_size, gpu=False)

@@ -258,10 +258,12 @@ DAMAGES = [
                     r"--use-megatron-fsdp"),
     ("none", [], r"saved in fsdp_dtensor format, which resumes under --use-megatron-fsdp; add it, or read only its "
                  r"weights with --pretrained-checkpoint"),
-    # a tensor taken out of the index, as a program that did not write it leaves it: checkpoint.strict_fsdp_dtensor_load
-    # refuses it (off, Bridge's default, it keeps the value it has: test below)
-    ("dropped", [*MEGATRON_FSDP, "strict"], r"cannot be read into this model \(.*Missing key in checkpoint state_dict: "
-                                            r"model\.module\.decoder\.final_layernorm\.weight"),
+    # a tensor taken out of the index, as a program that did not write it leaves it: the strict load, Megatron-LM's
+    # default and the command line's, refuses it (--no-strict-fsdp-dtensor-load keeps the value it has: test below)
+    ("dropped", MEGATRON_FSDP, r"iter_0000006: holds no model\.module\.decoder\.final_layernorm\.weight of this run's "
+                               r"tensors; .* or pass --no-strict-fsdp-dtensor-load to read the rest"),
+    # Bridge's ConfigContainer is not strict (the seed's default): its YAML setting asks for the strict load
+    ("dropped", [*MEGATRON_FSDP, "strict"], r"holds no model\.module\.decoder\.final_layernorm\.weight"),
 ]
 
 
@@ -307,8 +309,9 @@ def test_a_damaged_or_foreign_fsdp_checkpoint_is_one_line_before_any_weight(runs
 
 
 def test_a_tensor_the_checkpoint_lacks_keeps_its_value_unless_the_load_is_strict(runs, tmp_path):
-    """Bridge's default (strict_fsdp_dtensor_load off; megatron-core's and Megatron-LM's is on): the other tensors load, and the run goes on from the
-    checkpoint's iteration; the strict load is one line (above)."""
+    """--no-strict-fsdp-dtensor-load (Megatron-LM's switch; Bridge's ConfigContainer default): the other tensors load,
+    the run goes on from the checkpoint's iteration, and one line names what kept its value; the strict load is one
+    line (above)."""
     import shutil
 
     from conftest import log_lines
@@ -318,8 +321,49 @@ def test_a_tensor_the_checkpoint_lacks_keeps_its_value_unless_the_load_is_strict
     shutil.copytree(runs.ckpt("dp2_optim_grads_params"), ckpt)
     drop_from_index(ckpt / "iter_0000004", "model.module.decoder.final_layernorm.weight")
     out = train_here([*FLAGS, *MEGATRON_FSDP, "--load", str(ckpt), "--ckpt-step", "4", "--data-cache-path",
-                      str(tmp_path / "cache")])
+                      str(tmp_path / "cache"), "--no-strict-fsdp-dtensor-load"])
     assert "loaded checkpoint" in out and [it for it, *_ in log_lines(out)] == [5, 6]
+    assert ("iter_0000004: holds no model.module.decoder.final_layernorm.weight of this run's tensors, which keep the "
+            "values they have (--no-strict-fsdp-dtensor-load)") in out
+
+
+def test_megatron_fsdp_continues_its_checkpoints_weights_with_a_fresh_optimizer(runs, tmp_path):
+    """--no-load-optim: the weights of iteration 4, a fresh Adam, iterations 5 and 6. The update of the main weights
+    from the model's, which Megatron FSDP does not have (NotImplementedError on every rank), is made only under fp16
+    and bf16, as Megatron-LM makes it (checkpointing.py:2611-2616)."""
+    from conftest import log_lines
+
+    layout(runs, "dp2_optim_grads_params")
+    out = train_here([*FLAGS, *MEGATRON_FSDP, "--load", runs.ckpt("dp2_optim_grads_params"), "--ckpt-step", "4",
+                      "--no-load-optim", "--data-cache-path", str(tmp_path / "cache")])
+    assert "loaded checkpoint" in out and [it for it, *_ in log_lines(out)] == [5, 6]
+
+
+def test_a_checkpoint_of_another_model_is_one_line_unless_the_load_is_partial(runs, tmp_path):
+    """The LLaMA-like checkpoint (no biases) into the same model with biases: the strict load is one line naming the
+    first bias, before any weight; the partial one names every bias and each one's Adam moments, which keep their
+    values, and trains on."""
+    import re
+
+    import torch
+
+    import checkpoint
+    import checks
+    import train
+    from conftest import log_lines
+
+    layout(runs, "llama_dp2")
+    biased = [*FLAGS, *FSDP, "optim_grads_params", *[f for f in LLAMA if f != "--disable-bias-linear"], "--load",
+              runs.ckpt("llama_dp2"), "--ckpt-step", "4", "--data-cache-path", str(tmp_path / "cache")]
+    with pytest.raises(checkpoint.CheckpointError, match=r"holds no model\.module\.decoder\.layers\.0\.\S+\.bias\S* "
+                                                         r"and \d+ more of this run's tensors") as e:
+        train.pretrain(checks.parse_args(biased, world_size=1, gpu=False))
+    assert "\n" not in str(e.value) and not torch.distributed.is_initialized()
+    out = train_here([*biased, "--no-strict-fsdp-dtensor-load"])
+    named = re.search(r"\(--no-strict-fsdp-dtensor-load\): (.*)", out).group(1).split(", ")
+    # per layer: the QKV, projection and fc2 biases, and fc1's two halves; each with its two moments and step
+    assert len(named) == 2 * 5 * 4 and all(".bias" in key for key in named)
+    assert [it for it, *_ in log_lines(out)] == [5, 6]
 
 
 @pytest.mark.parametrize("flags, world_size, expected", [
@@ -390,6 +434,26 @@ def test_megatron_fsdp_turns_on_the_distributed_optimizer_and_takes_megatron_lms
     assert cfg.ddp.data_parallel_sharding_strategy == "optim_grads_params"
     assert cfg.ddp.gradient_reduce_div_fusion is False
     assert checks.parse_args(TINY, world_size=1, gpu=True).ddp.gradient_reduce_div_fusion is True
+
+
+def test_the_strict_load_is_megatron_lms_default_on_the_command_line_and_bridges_off_it():
+    """Megatron-LM's --no-strict-fsdp-dtensor-load (and its --disable- spelling) turns the strict load off; the command
+    line starts from Megatron-LM's default, on; Bridge's ConfigContainer (the seed's) from off."""
+    import checks
+    import config
+
+    assert checks.parse_args(TINY, world_size=1, gpu=False).checkpoint.strict_fsdp_dtensor_load is True
+    for flag in ("--no-strict-fsdp-dtensor-load", "--disable-strict-fsdp-dtensor-load"):
+        assert checks.parse_args([*TINY, flag], world_size=1, gpu=False).checkpoint.strict_fsdp_dtensor_load is False
+    assert config.ConfigContainer().checkpoint.strict_fsdp_dtensor_load is False
+
+
+def test_a_yaml_files_strict_load_wins_over_the_command_lines_default(tmp_path):
+    import checks
+
+    (tmp_path / "lenient.yaml").write_text("checkpoint:\n  strict_fsdp_dtensor_load: false\n")
+    cfg = checks.parse_args([*TINY, "--config-file", str(tmp_path / "lenient.yaml")], world_size=1, gpu=False)
+    assert cfg.checkpoint.strict_fsdp_dtensor_load is False
 
 
 def test_the_memory_estimate_is_what_each_strategy_holds_on_a_rank():

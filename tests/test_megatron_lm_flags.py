@@ -1075,7 +1075,6 @@ REFUSED = [
     ("--no-langrl-external-server", "is a Megatron-LM setting of reinforcement learning (GRPO)"),
     ("--no-inference-wandb-logging", "is a Megatron-LM setting of the inference server"),
     ("--init-model-with-meta-device", "is a Megatron-LM setting of FSDP"),
-    ("--no-strict-fsdp-dtensor-load", "is a Megatron-LM setting of FSDP"),
     ("--qk-clip", "is a Megatron-LM setting of Muon's QK-clip"),
     ("--qk-clip-threshold", "is a Megatron-LM setting of Muon's QK-clip"),
     ("--muon-use-nesterov", "is Megatron-LM core_v0.16's name, gone in core_v0.19; use --muon-nesterov"),

@@ -116,6 +116,41 @@ def test_every_expert_parallel_layout_is_the_one_rank_run(runs, name):
     assert_same(run, reference, iterations, METRICS)
 
 
+# The matrix's model without its shared expert (megatron-core's has no biases: a one-line refusal), with Megatron-LM's
+# default biases, which the matrix's lacks.
+BIASED = [*TINY, "--num-layers", "4", *MOE[:MOE.index("--moe-shared-expert-intermediate-size")], *FLAGS[len(TINY) + 2 + len(MOE):]]
+BIASED_LAYOUTS = {
+    # ETP=1 at TP=2: each expert is replicated on both ranks, which see different tokens (SP); its bias gradient,
+    # reduced over the expert data-parallel group (the same two ranks), was summed over TP again
+    # (model.ExpertRowParallelLinear)
+    "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1",
+                   "--make-vocab-size-divisible-by", "64"]),
+    "tp2_sp_ep2": (4, [*EP2, *A2A, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                       "--expert-tensor-parallel-size", "1", "--make-vocab-size-divisible-by", "64"]),
+}
+
+
+@pytest.fixture(scope="module")
+def biased(tmp_path_factory, warm_torchrun):
+    runs = Launches(tmp_path_factory.mktemp("moe_biased"), BIASED, METRICS, warm_torchrun)
+    with runs.together():
+        runs("one", 1)
+        for name, (nproc, flags) in BIASED_LAYOUTS.items():
+            runs(name, nproc, *flags)
+    return runs
+
+
+@pytest.mark.parametrize("name", [name if BIASED_LAYOUTS[name][0] == 2 else pytest.param(name, marks=pytest.mark.full)
+                                  for name in BIASED_LAYOUTS])
+def test_experts_with_biases_under_tensor_and_sequence_parallelism_are_the_one_rank_run(biased, name):
+    """Every number of the one-rank run at every iteration, the experts' biases included: without the fix their
+    gradients are doubled, and the grad norm of iteration 1 differs."""
+    nproc, flags = BIASED_LAYOUTS[name]
+    run, one = biased(name, nproc, *flags), biased("one", 1)
+    assert run["iterations"][:6] == list(range(1, 7))
+    assert_same(run, one, range(1, 7), METRICS)
+
+
 def test_the_log_line_shows_megatron_lms_auxiliary_losses(runs):
     """Megatron-LM's log line: `lm loss: ... | load_balancing_loss: ... | z_loss: ... |`, averaged over the interval;
     TensorBoard holds them by iteration (no "vs samples" twin, as Megatron-LM's track_moe_metrics writes them)."""

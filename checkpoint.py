@@ -81,6 +81,7 @@ from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataPa
 from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
 from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
 from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_fp8_extra_state_case, handle_swiglu_in_state_dict
+from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import unwrap_model
 from metrics import print_rank_0
 from model import layer_wise
@@ -506,6 +507,18 @@ def _as_fsdp2_state(optimizer) -> None:
                     state[key] = DTensor.from_local(value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
 
 
+def _as_fsdp2_main_params(inner, part: dict) -> None:
+    """Under --bf16/--fp16, FSDP2's fp32 main weights as DTensors again after a torch_dist load, which read them into
+    plain local tensors (megatron-core defect 19, README: defects): megatron-core's copy into the DTensor main weights
+    would mix the two (optimizer.py:1223-1229)."""
+    for current_group, saved_group in zip(getattr(inner, "fp32_from_float16_groups", []),
+                                          part.get("fp32_from_fp16_params", [])):
+        for i, (current, saved) in enumerate(zip(current_group, saved_group)):
+            if isinstance(current, DTensor) and not isinstance(saved, DTensor):
+                saved_group[i] = DTensor.from_local(saved, current.device_mesh, current.placements, shape=current.shape,
+                                                    stride=current.stride())
+
+
 def _model_keys(model: list, state_dict_of) -> dict:
     """Megatron-LM's keys for the model chunks: `model`, or `model0`, `model1`, ... with virtual pipeline stages."""
     if len(model) == 1:
@@ -662,6 +675,7 @@ def load_optimizer_state(optimizer, saved) -> None:
     for inner, part in zip(inners, parts):
         torch_adam = isinstance(getattr(inner, "optimizer", None), torch.optim.Adam)
         if not (isinstance(inner, DistributedOptimizer) and torch_adam and "param_state" in part):
+            _as_fsdp2_main_params(inner, part)
             inner.load_state_dict(part)
             continue
         part = dict(part)
@@ -1083,9 +1097,13 @@ def _load_dcp(cfg, directory: str, model: list, optimizer, scheduler, common: di
         raise CheckpointError(f"{directory}: cannot be read into this model ({why[:300]}); check --num-layers/"
                               f"--hidden-size/... against its run_config.yaml, or load an older iteration with "
                               f"--ckpt-step") from None
-    megatron = _megatron_fsdp(model)
-    model[0].load_state_dict({k.removeprefix("module."): v for k, v in raw["model"].items()} if megatron
-                             else raw["model"])
+    if _megatron_fsdp(model):
+        # The adapter's state dict names the model under one `module.` (Float16Module's, under --bf16/--fp16, hands
+        # over its module's), and its load puts one back before torch's own load, which names Float16Module's too.
+        half = isinstance(model[0].module.module, Float16Module)
+        model[0].load_state_dict({"module." * half + k.removeprefix("module."): v for k, v in raw["model"].items()})
+    else:
+        model[0].load_state_dict(raw["model"])
     if load_optim:
         with torch.no_grad():
             optimizer.load_state_dict(raw["optimizer"])

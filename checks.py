@@ -36,7 +36,7 @@ from typing import Any, Optional
 
 from megatron_lm_flags import unsupported_flag
 
-from config import (BUILTIN_BPE_VOCAB, DOWNSTREAM_TASKS, FIM_EXTRA_TOKENS, FLAG_DEFAULTS, INERT_DEST, MCORE_FLAG_CHANGES, MCORE_FLAGS,
+from config import (BUILTIN_BPE_VOCAB, DOWNSTREAM_TASKS, FIM_EXTRA_TOKENS, FLAG_DEFAULTS, FSDP_DTYPES, INERT_DEST, MCORE_FLAG_CHANGES, MCORE_FLAGS,
                     MCORE_YAML_ONLY, MEGATRON_LM_EMERGING_OPTIMIZERS, MEGATRON_LM_INERT_FLAGS, MEGATRON_LM_TOKENIZERS,
                     OPTIONAL_SECTIONS, SECTIONS, ConfigContainer, ConfigError, FinetuningDatasetConfig, GPTDatasetConfig, GPTModelProvider,
                     MixedPrecisionConfig, OptimizerConfig, TokenizerConfig, _names, _virtual_stages_split,
@@ -115,6 +115,9 @@ def config_from_flags(argv: list, world_size: Optional[int] = None, gpu: Optiona
         settings = settings_from_yaml(ns["config_file"], parser, world_size, gpu, flags)
         apply_overrides(cfg, bridge_sections_under_flags(settings, flags), source="--config-file")
     apply_overrides(cfg, flags, source="flags")
+    # Megatron-LM's refusal of a format named (arguments.py:1146); unnamed, torch_dist becomes fsdp_dtensor (derive)
+    require(not cfg.ddp.use_megatron_fsdp or flags.get("checkpoint", {}).get("ckpt_format") in (None, "fsdp_dtensor"),
+            "Megatron-FSDP requires the `fsdp_dtensor` checkpointing format.")
     return validate(cfg, world_size=world_size, gpu=gpu)
 
 
@@ -693,9 +696,7 @@ def check_sharding(cfg: ConfigContainer) -> None:
     unproven = [(f"--pipeline-model-parallel-size {m.pipeline_model_parallel_size}", m.pipeline_model_parallel_size > 1),
                 (f"--context-parallel-size {m.context_parallel_size}", m.context_parallel_size > 1),
                 ("--num-experts", bool(m.num_moe_experts)), ("--fp16", m.fp16), ("--peft", cfg.peft.peft != "none"),
-                # bf16: Megatron FSDP reduces its gradients in bf16 (its main-grads dtype follows the weights'), where
-                # megatron-core's DDP and the one process accumulate them in fp32
-                ("--bf16", m.bf16), ("--mtp-num-layers", bool(m.mtp_num_layers)), ("--z-loss-coeff", bool(m.z_loss_coeff)),
+                ("--mtp-num-layers", bool(m.mtp_num_layers)), ("--z-loss-coeff", bool(m.z_loss_coeff)),
                 ("--log-l2-norm-grad", cfg.logger.log_l2_norm_grad), ("--overlap-grad-reduce", d.overlap_grad_reduce),
                 ("--overlap-param-gather", d.overlap_param_gather), ("--eval-tasks", cfg.downstream.eval_tasks is not None)]
     given = [flag for flag, on in unproven if on]
@@ -717,7 +718,7 @@ def check_torch_fsdp2(cfg: ConfigContainer) -> None:
     c = cfg.checkpoint
     require(c.ckpt_format in ("torch_dist", "torch_dcp"), "--use-torch-fsdp2 requires --ckpt-format torch_dist or torch_dcp")
     unproven = [(f"--context-parallel-size {m.context_parallel_size}", m.context_parallel_size > 1),
-                ("--num-experts", bool(m.num_moe_experts)), ("--bf16", m.bf16), ("--peft", cfg.peft.peft != "none"),
+                ("--num-experts", bool(m.num_moe_experts)), ("--peft", cfg.peft.peft != "none"),
                 ("--mtp-num-layers", bool(m.mtp_num_layers)), ("--z-loss-coeff", bool(m.z_loss_coeff)),
                 ("--log-l2-norm-grad", cfg.logger.log_l2_norm_grad), ("--eval-tasks", cfg.downstream.eval_tasks is not None),
                 (f"--optimizer {o.optimizer}", o.optimizer not in ("adam", "sgd"))]
@@ -1908,6 +1909,11 @@ def derive_bridge_sections(cfg: ConfigContainer) -> None:
             derive_value(cfg, f"validation.{name}", getattr(t, name), f"train.{name} (deprecated)")
     if isinstance(t.exit_signal, str) and t.exit_signal in signal.Signals.__members__:  # a name from a flag or YAML
         derive_value(cfg, "train.exit_signal", signal.Signals[t.exit_signal], "its name")
+    for name in ("megatron_fsdp_main_params_dtype", "megatron_fsdp_main_grads_dtype", "megatron_fsdp_grad_comm_dtype"):
+        if isinstance(getattr(cfg.ddp, name), str):  # Megatron-LM's name, from a flag or YAML
+            require(getattr(cfg.ddp, name) in FSDP_DTYPES, f"ddp.{name} {getattr(cfg.ddp, name)!r} is none of "
+                                                         f"{', '.join(FSDP_DTYPES)}")
+            derive_value(cfg, f"ddp.{name}", FSDP_DTYPES[getattr(cfg.ddp, name)], "its name")
     if cfg.mixed_precision is not None:
         mp = get_mixed_precision_config(cfg.mixed_precision)
         why = f"mixed_precision {cfg.mixed_precision if isinstance(cfg.mixed_precision, str) else ''}".strip()

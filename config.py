@@ -41,6 +41,7 @@ if sys.version_info < (3, 12):
 
 
 import device  # noqa: E402,F401  first: it quiets megatron-core's import-time notices of its CPU fallbacks
+import torch  # noqa: E402
 from megatron.training import config as mcore_training  # noqa: E402  megatron-core's training sections: Bridge's bases
 from megatron.training.argument_utils import ArgumentGroupFactory, TypeInferenceError  # noqa: E402
 from megatron.core import distributed as mcore_distributed, optimizer as mcore_optimizer  # noqa: E402
@@ -144,7 +145,8 @@ MCORE_FLAGS = {
              "expert_model_parallel_size expert_tensor_parallel_size",
     "ddp": "overlap_grad_reduce overlap_param_gather bucket_size pad_buckets_for_high_nccl_busbw average_in_collective "
            "check_for_large_grads num_distributed_optimizer_instances param_name_patterns_for_fp32_local_accumulation "
-           "use_megatron_fsdp data_parallel_sharding_strategy gradient_reduce_div_fusion",
+           "use_megatron_fsdp data_parallel_sharding_strategy gradient_reduce_div_fusion megatron_fsdp_main_params_dtype "
+           "megatron_fsdp_main_grads_dtype megatron_fsdp_grad_comm_dtype",
     "dataset": "split path_to_cache mock reset_position_ids reset_attention_mask eod_mask_loss mmap_bin_files "
                "create_attention_mask",
 }
@@ -159,6 +161,8 @@ MCORE_YAML_ONLY = {"rerun_state_machine": "check_for_nan_in_loss",
                    # derived by validate(): the virtual stages and the p2p mode (the model section's finalize() sets
                    # the fields megatron-core takes as objects: the activation, the dtypes, the initialisation)
                    "model": "virtual_pipeline_model_parallel_size batch_p2p_comm"}
+# Megatron-LM's names of Megatron FSDP's buffer dtypes (arguments.py:1043-1058); auto: the model's own.
+FSDP_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "auto": None}
 # Where this trainer's flag for a megatron-core field differs from the generated one, and why. `bounds`: the interval
 # a number must lie in (validate checks it first); `off`: a second flag that unsets the setting.
 MCORE_FLAG_CHANGES = {
@@ -178,6 +182,14 @@ MCORE_FLAG_CHANGES = {
     "ddp.gradient_reduce_div_fusion": dict(flags=["--no-gradient-reduce-div-fusion"], action="store_false",
                                            help="Megatron FSDP: divide the gradients before their reduce-scatter "
                                                 "instead of inside it (NCCL's PREMUL_SUM)."),
+    # Megatron-LM's flags, names and help (arguments.py:3520-3532): a name, made the dtype by validate
+    "ddp.megatron_fsdp_main_params_dtype": dict(type=str, choices=list(FSDP_DTYPES), help="Megatron FSDP: the dtype "
+                                                "of the main weights the optimizer steps; auto: the model's."),
+    "ddp.megatron_fsdp_main_grads_dtype": dict(type=str, choices=list(FSDP_DTYPES), help="Megatron FSDP: the dtype "
+                                               "its gradients are accumulated in; auto: the model's (bf16 under --bf16, "
+                                               "where DDP accumulates in fp32)."),
+    "ddp.megatron_fsdp_grad_comm_dtype": dict(type=str, choices=list(FSDP_DTYPES), help="Megatron FSDP: the dtype "
+                                              "its gradients are reduced in; auto: the main gradients'."),
     "checkpoint.use_persistent_ckpt_worker": dict(flags=["--no-use-persistent-ckpt-worker"],
                                                   help="--async-save with torch_dist: a fork per save instead of one "
                                                        "long-lived writer process (GPU)."),
@@ -318,6 +330,9 @@ DEFAULTS = {
     "checkpoint.strict_fsdp_dtensor_load": (False, "Bridge's default (a tensor the checkpoint lacks keeps its value); "
                                                    "megatron-core's and Megatron-LM's is on"),
     "rerun_state_machine.rerun_mode": ("disabled", "Bridge's default (megatron-core's is validate_results)"),
+    "ddp.megatron_fsdp_main_params_dtype": (torch.float32, "fp32, megatron-core's and Megatron-LM's"),
+    "ddp.megatron_fsdp_main_grads_dtype": (None, "auto, megatron-core's and Megatron-LM's"),
+    "ddp.megatron_fsdp_grad_comm_dtype": (None, "auto, megatron-core's and Megatron-LM's"),
     "model.num_layers": (4, "megatron-core has none (Megatron-LM asks for it); a model a laptop trains in minutes"),
     "model.hidden_size": (256, "megatron-core has none (Megatron-LM asks for it); a model a laptop trains"),
     "model.num_attention_heads": (4, "megatron-core has none (Megatron-LM asks for it); 64-wide heads"),
@@ -1463,7 +1478,10 @@ def yaml_settings(data: dict) -> dict:
 
 
 def plain_value(value):
-    """A setting as YAML writes it: an enum by its name, a tuple as a list, a dataclass as a mapping."""
+    """A setting as YAML writes it: an enum by its name, a dtype by Megatron-LM's, a tuple as a list, a dataclass as a
+    mapping."""
+    if isinstance(value, torch.dtype):
+        return next(name for name, dtype in FSDP_DTYPES.items() if dtype == value)
     return value.name if isinstance(value, enum.Enum) else dataclasses.asdict(value) if \
         dataclasses.is_dataclass(value) else [plain_value(v) for v in value] if isinstance(value, (tuple, list)) else value
 

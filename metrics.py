@@ -935,6 +935,8 @@ def bytes_per_parameter(config, expert: bool = False) -> tuple:
     weight = 2 if (m.bf16 or m.fp16) else 4
     if config.ddp.use_megatron_fsdp:
         return megatron_fsdp_bytes_per_parameter(config, weight), weight
+    if config.dist.use_torch_fsdp2:
+        return torch_fsdp2_bytes_per_parameter(config, weight), weight
     gradient = 2 if weight == 2 and config.ddp.grad_reduce_in_fp32 is False else 4
     sharded = (4 if weight == 2 else 0) + (8 if o.optimizer == "adam" else 4)
     if not o.use_distributed_optimizer:
@@ -947,11 +949,21 @@ def bytes_per_parameter(config, expert: bool = False) -> tuple:
     return weight + gradient + sharded / shards, weight
 
 
+def torch_fsdp2_bytes_per_parameter(config, weight: int) -> float:
+    """Bytes of a trainable parameter on its rank under torch FSDP2 at the end of a step: fully_shard shards the
+    weight, its gradient (reduced in the weight's dtype) and, through the sharded parameters it steps, the optimizer's
+    fp32 main copy (under --bf16/--fp16, with the main gradient megatron-core's optimizer copies into it) and moments
+    (8 bytes for Adam, 4 for SGD's momentum) over its mesh, N = DP x CP ranks. fp32 with Adam: 16/N."""
+    main = 4 + 4 if weight == 2 else 0
+    state = 8 if config.optimizer.optimizer == "adam" else 4
+    return (weight + weight + main + state) / (config.data_parallel_size * config.model.context_parallel_size)
+
+
 def megatron_fsdp_bytes_per_parameter(config, weight: int) -> float:
     """Bytes of a trainable parameter on its rank under Megatron FSDP at its peak, the end of a step, by its buffers
     (megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py:2644-2720): the model's weights
-    (`weight` bytes; sharded under optim_grads_params), the gradients in the weights' dtype (its main-grads dtype left
-    to the parameters', as Megatron-LM's default; sharded under optim_grads and optim_grads_params), fp32 main
+    (`weight` bytes; sharded under optim_grads_params), the gradients in --megatron-fsdp-main-grads-dtype (auto, the
+    weights' dtype, Megatron-LM's default; sharded under optim_grads and optim_grads_params), fp32 main
     weights whatever the model's dtype and the optimizer's moments (8 bytes for Adam, 4 for SGD's momentum; sharded
     under every strategy but no_shard), over N = DP x CP ranks (ZeRO's stages, Rajbhandari et al. 2020). Under
     optim_grads_params the step's end gathers the whole model's weights again for the next forward
@@ -961,8 +973,10 @@ def megatron_fsdp_bytes_per_parameter(config, weight: int) -> float:
     strategy, n = config.ddp.data_parallel_sharding_strategy, config.data_parallel_size * config.model.context_parallel_size
     state = 4 + (8 if config.optimizer.optimizer == "adam" else 4)
     gathered = weight if strategy == "optim_grads_params" else 0
+    grads = config.ddp.megatron_fsdp_main_grads_dtype  # --megatron-fsdp-main-grads-dtype; None: auto, the weights'
+    gradient = grads.itemsize if isinstance(grads, torch.dtype) else weight
     return (gathered + weight / (n if strategy == "optim_grads_params" else 1)
-            + weight / (n if strategy in ("optim_grads", "optim_grads_params") else 1)
+            + gradient / (n if strategy in ("optim_grads", "optim_grads_params") else 1)
             + state / (1 if strategy == "no_shard" else n))
 
 

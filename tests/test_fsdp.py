@@ -50,7 +50,14 @@ LAYOUTS = {**{f"dp2_{s}": (2, [*FSDP, s]) for s in STRATEGIES},
            # halves (`_w`, `_v`) per tensor-parallel rank, RoPE, RMSNorm, grouped-query attention, no biases; and the
            # per-token loss under Megatron FSDP
            "llama_dp2": (2, [*FSDP, "optim_grads_params", *LLAMA]),
-           "llama_tp2_dp2": (4, [*FSDP, "optim_grads_params", *LLAMA, *TP2])}
+           "llama_tp2_dp2": (4, [*FSDP, "optim_grads_params", *LLAMA, *TP2]),
+           # bf16 as Megatron-LM's golden tests run it (the gradients accumulated and reduced in fp32), with its auto
+           # dtypes (in bf16, where DDP accumulates in fp32), and torch FSDP2's (reduced in the weights' bf16)
+           "bf16_fp32_grads_dp2": (2, [*FSDP, "optim_grads_params", "--bf16", "--megatron-fsdp-main-grads-dtype",
+                                       "fp32"]),
+           "bf16_dp2": (2, [*FSDP, "optim_grads_params", "--bf16"]),
+           "fsdp2_bf16_dp2": (2, [*FSDP2, "--bf16"])}
+BF16 = [name for name in LAYOUTS if "bf16" in name]
 
 
 def reference(runs, name):
@@ -65,7 +72,9 @@ def reference_of(name):
     sgd = SGD if name.startswith("sgd") else []
     untied = UNTIED if "fsdp2" in name else []
     llama = LLAMA if name.startswith("llama") else []
-    return "one" + "_sgd" * bool(sgd) + "_untied" * bool(untied) + "_llama" * bool(llama), [*sgd, *untied, *llama]
+    bf16 = ["--bf16"] if "bf16" in name else []
+    return ("one" + "_sgd" * bool(sgd) + "_untied" * bool(untied) + "_llama" * bool(llama) + "_bf16" * bool(bf16),
+            [*sgd, *untied, *llama, *bf16])
 
 
 def layout(runs, name):
@@ -91,7 +100,8 @@ def runs(tmp_path_factory, warm_torchrun):
 FAST = ("dp2_optim_grads_params", "dp2_optim", "fsdp2_dp2", "fsdp2_dcp_dp2")
 
 
-@pytest.mark.parametrize("name", [name if name in FAST else pytest.param(name, marks=pytest.mark.full) for name in LAYOUTS])
+@pytest.mark.parametrize("name", [name if name in FAST else pytest.param(name, marks=pytest.mark.full) for name in LAYOUTS
+                                  if name not in BF16])
 def test_every_sharding_strategy_gives_the_one_process_numbers(runs, name):
     """The same weights drawn, the same global batches: each strategy's losses, grad norms, params norms and
     validation losses are the one process's, within the sums' rounding (REORDERED)."""
@@ -100,6 +110,25 @@ def test_every_sharding_strategy_gives_the_one_process_numbers(runs, name):
     assert sorted(one["lm loss validation"]) == [3, 6]
     conftest_assert_same(run, one, range(1, 7), METRICS[:3])
     conftest_assert_same(run, one, [3, 6], METRICS[3:])
+
+
+# The fast command: bf16 with fp32 gradients, the setting Megatron-LM's bf16 golden tests pass.
+@pytest.mark.parametrize("name", [name if name == "bf16_fp32_grads_dp2" else pytest.param(name, marks=pytest.mark.full)
+                                  for name in BF16])
+def test_bf16_gives_the_one_bf16_process_numbers(runs, name):
+    """bf16 weights and fp32 main weights, as one bf16 process (whose DDP accumulates the gradients in fp32). The two
+    sides' fp32 sums are grouped otherwise (REORDERED), so each step's fp32 main weights part in their last bits and
+    their bf16 copies may round to the neighbouring value: each compute weight, and so each output and gradient, within
+    one bf16 step of one process's, 2^-8 relative. The losses (a mean of per-token losses that does not amplify a
+    relative change of the logits) and the grad norm (whose relative difference is at most its elements' largest) are
+    then within 2^-8. With fp32 gradients that holds at every iteration. Reduced in bf16 (Megatron FSDP's auto dtypes,
+    FSDP2's), each gradient is rounded to bf16 once more, so iteration 1, from the same weights, is within 2^-8 and the
+    run trains; how far it drifts from DDP over a run is measured in docs/model.md, not bounded here."""
+    run, one = layout(runs, name), reference(runs, name)
+    assert run["iterations"] == one["iterations"] == list(range(1, 7))
+    its = range(1, 7) if "fp32_grads" in name else [1]
+    conftest_assert_same(run, one, its, ["lm loss", "grad-norm"], rel=2 ** -8)
+    assert run["lm loss"][6] < run["lm loss"][1] - 0.1  # from ln 640 = 6.46 at lr 3e-3: ~0.1-0.2 a step past warm-up
 
 
 # --- checkpoints -------------------------------------------------------------------------------------------------
@@ -374,9 +403,10 @@ def test_a_checkpoint_of_another_model_is_one_line_unless_the_load_is_partial(ru
     (["--pipeline-model-parallel-size", "2"], 4, "--use-megatron-fsdp with --pipeline-model-parallel-size 2 is not "
                                                  "proven equal to one process here yet"),
     (["--log-l2-norm-grad"], 2, "--use-megatron-fsdp with --log-l2-norm-grad is not proven"),
-    (["--bf16"], 2, "--use-megatron-fsdp with --bf16 is not proven"),
+    # Megatron-LM asks for the format by name (arguments.py:1146); unset, it is derived here
+    (["--ckpt-format", "torch_dist"], 2, "Megatron-FSDP requires the `fsdp_dtensor` checkpointing format."),
     (["--optimizer", "sgd"], 2, "--use-megatron-fsdp with --optimizer sgd: Megatron FSDP steps with megatron-core's "
-                                "distributed optimizer, which shards Adam's state only here"),  # its gradients reduced in bf16, DDP's in fp32
+                                "distributed optimizer, which shards Adam's state only here"),
 ])
 def test_what_megatron_fsdp_does_not_take_is_one_line(flags, world_size, expected, capsys):
     assert expected in config_error([*TINY, "--use-megatron-fsdp", *flags], capsys, world_size=world_size)
@@ -410,7 +440,7 @@ def test_the_fsdp_formats_without_their_fsdp_are_megatron_lms_refusals(flags, ex
 
 
 @pytest.mark.parametrize("flags, world_size, expected", [
-    (["--use-megatron-fsdp"], 2, "fsdp_dtensor"),
+    (["--use-megatron-fsdp"], 2, "fsdp_dtensor"),  # unset: derived
     ([*FSDP2], 2, "torch_dist"),  # Megatron-LM's default, which FSDP2 takes
     ([*FSDP2, *TP2], 4, "torch_dist"),
     (["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"], 2, "fsdp_dtensor"),
@@ -468,14 +498,19 @@ def test_the_memory_estimate_is_what_each_strategy_holds_on_a_rank():
 
     from conftest import torchrun
 
-    proc = torchrun(["no_shard", "optim", "optim_grads", "optim_grads_params"], nproc=2,
+    proc = torchrun(["no_shard", "optim", "optim_grads", "optim_grads_params", "fsdp2"], nproc=2,
                     script="tests/scripts/fsdp_memory.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["strategy"]: r for r in map(json.loads, [line for line in proc.stdout.splitlines() if line.startswith("{")])}
+    # torch FSDP2: its weights, gradients and Adam's moments all sharded, 16/2; its shards are padded by torch to
+    # whole rows only, which the bound below covers
     assert {s: r["theory"] for s, r in rows.items()} == {"no_shard": 20, "optim": 14, "optim_grads": 12,
-                                                          "optim_grads_params": 14}
+                                                          "optim_grads_params": 14, "fsdp2": 8}
     for strategy, r in rows.items():
-        padding = 4 * 4 * r["buckets"] * 2 * r["widest"] / r["n"]
+        # Megatron FSDP's buckets; FSDP2's uneven shards: at most one row more of each parameter on a rank, in its 4
+        # tensors of 4 bytes (weight, gradient, two moments)
+        spread = r["buckets"] * 2 if r["buckets"] else r["tensors"]
+        padding = 4 * 4 * spread * r["widest"] / r["n"]
         assert r["theory"] <= r["measured"] <= r["theory"] + padding, strategy
 
 

@@ -312,7 +312,7 @@ def test_the_model_section_is_the_transformer_config_megatron_core_gets(with_te)
     (["--no-dsa-indexer-scoring-relu"], "Mamba, hybrid and experimental attention layers"),
     (["--num-speculative-tokens", "2"], "the inference server"),
     (["--optimizer-cuda-graph"], "CUDA graphs"),
-    (["--megatron-fsdp-main-grads-dtype", "fp32"], "FSDP"),
+    (["--megatron-fsdp-max-pool-double-buffer"], "FSDP"),
     (["--activation-offload-fraction", "0.5"], "CPU offloading of optimizer states or activations"),
     (["--fault-injector-seed", "1"], "the fault injector"),
     (["--flight-recorder-trace-buffer-size", "2000"], "the NCCL flight recorder"),

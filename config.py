@@ -383,7 +383,7 @@ DEFAULTS = {
 # Where the command line starts from Megatron-LM's default and the seed's classes (Bridge's ConfigContainer, built in
 # Python) from another (DEFAULTS): {setting: (the command line's default, why)}. checks.config_from_flags applies them
 # before the YAML file and the flags.
-FLAG_DEFAULTS = {
+FLAG_DEFAULTS: dict = {
     "checkpoint.strict_fsdp_dtensor_load": (True, "Megatron-LM's and megatron-core's: an fsdp_dtensor or torch_dcp "
                                                   "checkpoint that lacks a tensor of the model is an error; Bridge's "
                                                   "ConfigContainer has False"),

@@ -188,14 +188,7 @@ def pretrain(config: ConfigContainer, forward_step_func: Optional[Callable] = No
             raise
         finally:
             _finish_train(state)
-            # The model, optimizer and iterators hold the run's process groups in reference cycles, and a destroyed
-            # gloo group's I/O thread keeps polling until its object is freed: free them now, not at some later
-            # full collection (a process that runs again, a notebook, would gather polling threads run after run).
-            # Some cycles run through autograd's C++ graph, which the collector cannot see: the distributed
-            # optimizer's shard views and the MoE dispatcher's routing tensors keep graphs that end in DDP's
-            # gradient hooks, and the hooks hold the DDP wrapper. An emptied wrapper holds nothing.
-            for chunk in model:
-                chunk.__dict__.clear()
+            empty_modules(model)  # the run's process groups freed now, not at some later full collection
             del model, optimizer, scheduler, train_it, valid_it, test_it
             gc.collect()
         if state.exit_code:
@@ -237,7 +230,8 @@ def setup(cfg: ConfigContainer):
     # acceptance rate is this run's.
     MTPLossLoggingHelper.tracker.clear()
     state = GlobalState(cfg)
-    try:  # what setup opens (the metric writers, the signal handler) is closed if it fails
+    model = []
+    try:  # what setup opens (the metric writers, the signal handler, the model's groups) is closed if it fails
         state.checkpoint_manager  # made now: a custom manager class that cannot be used fails before the model
         # The writers open now, as Megatron's do: a tracker that cannot start fails before the model
         if state.writers is not None:
@@ -295,7 +289,19 @@ def setup(cfg: ConfigContainer):
         return state, model, optimizer, scheduler, iterators
     except BaseException:
         _close_what_setup_opened(state)
+        empty_modules(model)  # a load that failed (a damaged checkpoint) leaves the model's groups to free
         raise
+
+
+def empty_modules(model: list) -> None:
+    """Every module of the chunks emptied. The model, optimizer and iterators hold the run's process groups in
+    reference cycles, and a destroyed gloo group's I/O thread keeps polling until its object is freed (a process that
+    runs again, a notebook, would gather polling threads run after run). Some cycles run through autograd's C++
+    graph, which the collector cannot see: the distributed optimizer's shard views and the MoE dispatcher's routing
+    tensors keep graphs that end in DDP's gradient hooks, and the hooks hold the DDP wrapper; Megatron FSDP's hooks
+    hold its inner modules, with their buffers and meshes. An emptied module holds nothing."""
+    for sub in [sub for chunk in model for sub in chunk.modules()]:
+        sub.__dict__.clear()
 
 
 def _close_what_setup_opened(state: GlobalState) -> None:

@@ -9,9 +9,12 @@ DTensor norm on the FSDP main weights) and the validation loss at every iteratio
 checkpoint of 4 then resumes bitwise; one saved at DP=2 resumes at DP=1 and DP=4 (and with another strategy) with the
 one process's numbers; one process without FSDP reads its weights (generate.py, hf.py export, --pretrained-checkpoint),
 at TP=1 and TP=2. Bitwise resumes with Megatron-LM's default dropout and kill -9 mid-save are test_restarts'.
+The models vary what a single model would pin: FSDP2's has the per-token loss and a position table of 65 rows (a
+first dimension DP 2 and 4 do not divide), the LLaMA-like one SwiGLU (resumed at another TP) and the per-token loss;
+bf16 runs with Megatron FSDP's fp32 and auto gradients and FSDP2's.
 Not covered, and refused in one line by checks.check_sharding and check_torch_fsdp2: pipeline and context parallelism,
-MoE, fp16 (and bf16), --log-l2-norm-grad, the overlaps, downstream tasks, --async-save of fsdp_dtensor and torch_dcp,
-and torch_dcp at TP > 1 (Megatron-LM's refusal)."""
+MoE, fp16, MTP, the z-loss, LoRA, --log-l2-norm-grad, the overlaps, downstream tasks, --async-save of fsdp_dtensor and
+torch_dcp, and torch_dcp at TP > 1 (Megatron-LM's refusal)."""
 
 import pytest
 

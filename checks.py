@@ -947,8 +947,8 @@ def check_batch_sizes_and_length(cfg: ConfigContainer) -> None:
 
 
 def check_rampup(cfg: ConfigContainer) -> None:
-    """--rampup-batch-size START INCR SAMPLES, checked so megatron-core's RampupBatchsizeNumMicroBatchesCalculator
-    never fails mid-run: every batch size on the way (START, START + INCR, ..., --global-batch-size) must split
+    """--rampup-batch-size START INCR SAMPLES, checked so megatron-core's StepBatchsizeNumMicroBatchesCalculator
+    (given the ramp by train.rampup_step_schedule) never fails mid-run: every batch size on the way (START, START + INCR, ..., --global-batch-size) must split
     into microbatches on each data-parallel rank. Iteration-based only."""
     t, dp = cfg.train, cfg.data_parallel_size
     if t.rampup_batch_size is None:

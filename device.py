@@ -1,4 +1,7 @@
-"""device.py: the one place where a machine without a GPU differs from one with a GPU.
+"""device.py: where a run enters the CPU's differences from a GPU, and leaves them after it.
+
+The patches of megatron-core and torch live here; the places that read the device (a dtype, a backend, a
+refusal) are listed in docs/cpu.md.
 
 The training engine is megatron-core's own on every machine: its DistributedDataParallel and grad buffers,
 `get_megatron_optimizer` (the distributed optimizer, Float16Module's mixed precision, the loss scalers),

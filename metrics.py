@@ -687,7 +687,10 @@ def print_log_line(report: list, total_loss_dict: dict, report_memory_flag: bool
 
 
 def log_evaluation(prefix: str, losses: dict, iteration: int, samples: int, writer, log_ppl: bool) -> None:
-    """Megatron's validation block: each loss and its perplexity exp(min(20, loss))."""
+    """Megatron's validation block: each key's value and exp(min(20, value)) beside it, labelled PPL.
+
+    Megatron-LM and Bridge print that PPL for every key; it is a perplexity for `lm loss` only (for `z loss` or a
+    load-balancing loss it is just the exponential), and TensorBoard's `... validation ppl` is the same number."""
     line = f" validation loss at {prefix} |"
     for key, value in losses.items():
         ppl = math.exp(min(20.0, value))

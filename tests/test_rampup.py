@@ -8,7 +8,7 @@ import pytest
 from conftest import TINY, config_error, log_lines, torchrun
 
 # 2 ranks x micro batch 2: batches grow in steps of 4. From 4 to 16 in 3 increments over 24 samples,
-# one increment per 24 / 3 = 8 samples consumed (megatron-core's RampupBatchsizeNumMicroBatchesCalculator).
+# one increment per 24 / 3 = 8 samples consumed (Megatron-LM's ramp, train.rampup_step_schedule).
 RAMP = [*TINY, "--mock-data", "--train-iters", "8", "--global-batch-size", "16", "--rampup-batch-size", "4", "4", "24",
         "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1", "--num-workers", "0"]
 BATCHES = [4, 4, 8, 12, 16, 16, 16, 16]  # consumed before iteration: 0, 4, 8, 16, 28, 44, ... (> 24: full batch)

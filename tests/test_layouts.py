@@ -1,0 +1,151 @@
+"""Every model at every layout: runs drawn, not listed (layouts.py does the comparing).
+
+Each seed draws a tiny model (its sizes, activation, normalization, positions, biases, tying, qk-layernorm, latent
+attention, experts and their dispatcher, MTP, the per-token loss, the z-loss, the optimizer, fp32 or bf16) and two
+layouts A and B. The one process saves at iteration 2; A continues that checkpoint, B continues A's of iteration 4;
+every number each writes to TensorBoard must be the one process's after the iteration it loaded. A draw that a
+layout cannot run is refused in one line at validation, before any work. A failure names its seed and the command
+lines that repeat it: `python -m pytest "tests/test_layouts.py::test_drawn_run[SEED]"` reruns it alone.
+
+Not covered: dropout (each rank draws its own masks, so a layout changes the numbers; test_drawn_run_with_dropout
+resumes one at its own layout bitwise instead), fp16 (its loss scale skips iterations by overflow, whose place
+moves with rounding), more than 4 ranks (8 ranks on this 2-core machine are slow; test_engine's 8-rank layout
+covers TP x PP x DP)."""
+
+import os
+import random
+
+import pytest
+
+import layouts
+from conftest import REORDERED, torchrun, train_here
+
+BASE = ["--micro-batch-size", "2", "--lr", "3e-3", "--lr-warmup-iters", "2", "--mock-data", "--global-batch-size", "8",
+        "--eval-interval", "2", "--eval-iters", "1",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0", "--lr-decay-style", "constant",
+        "--log-params-norm", "--log-num-zeros-in-grad"]
+
+# A num-zeros count may differ by the gradient's elements that are 0 in exact arithmetic and rounding noise otherwise
+# (the keys' biases: test_engine.KEY_BIASES, layers x hidden); no other element's gradient is 0 in exact arithmetic.
+# bf16: each product rounds to 2^-8 relative and the layouts sum them in other orders (tests/test_fsdp.py's bf16
+# argument): the losses and norms, averages of many such terms, stay within 2^-8 of each other over 6 iterations.
+BF16 = 2 ** -8
+
+TWO_RANKS = [name for name, (nproc, _) in layouts.LAYOUTS.items() if nproc == 2]
+FAST_SEEDS = list(range(len(TWO_RANKS)))  # one for each two-rank layout as A
+# The full sample (more seeds, four-rank layouts) waits on the findings listed in docs/testing.md.
+FULL_SEEDS: list = []
+
+
+# The settings a draw turns on, each with its chance: (chance, flags).
+SETTINGS = [(0.5, ["--disable-bias-linear"]), (0.5, ["--untie-embeddings-and-output-weights"]),
+            (0.3, ["--qk-layernorm"]), (0.4, ["--calculate-per-token-loss"]), (0.3, ["--z-loss-coeff", "1e-3"]),
+            (0.2, ["--mtp-num-layers", "1"]), (0.3, ["--optimizer", "sgd"]), (0.2, ["--bf16"])]
+EXPERTS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-aux-loss-coeff", "1e-2"]
+
+
+def draw(seed: int, ranks: int) -> tuple:
+    """(flags, layout A, layout B) of seed `seed`, the layouts of at most `ranks` ranks. The fast sample's seeds take
+    each two-rank layout in turn as A; a model takes the layers its layouts' pipeline stages need."""
+    r = random.Random(seed)
+    every = [n for n, (nproc, _) in layouts.LAYOUTS.items() if nproc <= ranks]
+    a = TWO_RANKS[seed % len(TWO_RANKS)] if seed in FAST_SEEDS else r.choice(every)
+    experts = "--expert-model-parallel-size" in layouts.LAYOUTS[a][1] or r.random() < 0.3
+    b = r.choice([n for n in every if experts or "--expert-model-parallel-size" not in layouts.LAYOUTS[n][1]])
+    pipeline = [layouts.flag_value(layouts.LAYOUTS[n][1], "--pipeline-model-parallel-size") for n in (a, b)]
+    virtual = any("--num-virtual-stages-per-pipeline-rank" in layouts.LAYOUTS[n][1] for n in (a, b))
+    layers = 4 if virtual else r.choice([2, 4]) if any(pipeline) else r.choice([1, 2, 4])
+    heads = r.choice([2, 4])
+    hidden = heads * r.choice([8, 16])
+    flags = [*BASE, "--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
+             "--seed", str(1000 + seed)]
+    if r.random() < 0.5:
+        flags += ["--num-query-groups", str(r.choice([g for g in (1, 2) if heads % g == 0 and g < heads]))]
+    if r.random() < 0.5:  # an FFN that TP 2 divides and DP 4 does not
+        flags += ["--ffn-hidden-size", str(2 * hidden + 2)]
+    seq = r.choice([32, 64])
+    flags += ["--seq-length", str(seq), "--max-position-embeddings", str(seq + r.choice([0, 1])),
+              "--make-vocab-size-divisible-by", str(r.choice([64, 128, 640]))]
+    flags += r.choice([[], ["--swiglu"], ["--squared-relu"]])
+    flags += ["--normalization", r.choice(["LayerNorm", "RMSNorm"])]
+    flags += ["--position-embedding-type", r.choice(["learned_absolute", "rope"])]
+    for k, (chance, setting) in enumerate(SETTINGS):
+        if r.random() < chance or (seed in FAST_SEEDS and seed % len(SETTINGS) == k):  # each once in the fast sample
+            flags += setting
+    if experts:
+        flags += [*EXPERTS, "--moe-token-dispatcher-type", r.choice(["alltoall", "allgather"])]
+    return flags, a, b
+
+
+def tolerance(flags: list) -> float:
+    return BF16 if "--bf16" in flags else REORDERED
+
+
+def bound(tag: str, flags: list) -> float:
+    if tag == "num-zeros":
+        layers = int(layouts.flag_value(flags, "--num-layers"))
+        return 0 if "--disable-bias-linear" in flags else layers * int(layouts.flag_value(flags, "--hidden-size"))
+    return tolerance(flags)
+
+
+@pytest.fixture(scope="module")
+def launch(warm_torchrun):
+    """train.py's run: in this process at one rank, on the session's warm ranks at two, a torchrun job at four."""
+    import subprocess
+
+    def run(argv, nproc):
+        if nproc == 1:
+            return subprocess.CompletedProcess(argv, 0, train_here(argv), "")
+        if nproc == 2:
+            return warm_torchrun(argv)
+        return torchrun(argv, nproc=nproc)
+    return run
+
+
+
+
+# What the generator found and is not fixed yet, each a strict xfail (it fails until fixed, then says so):
+FOUND = {
+    5: "pp2_vpp2 from one process's checkpoint: the position embedding's Adam state is refused as 'weights do not fit "
+       "this model' (an access pattern megatron-core rejects when virtual stages read a one-stage checkpoint)",
+    7: "ep2 with biases off: num-zeros differs by 23 (the router's or experts' gradients exactly 0 in one order of "
+       "summation only; the bound of 0 assumes no such element without biases)",
+}
+
+
+def seeds() -> list:
+    marks = lambda s: [pytest.mark.xfail(reason=FOUND[s], strict=True)] if s in FOUND else []
+    return [*[pytest.param(s, marks=marks(s)) for s in FAST_SEEDS],
+            *[pytest.param(s, marks=[pytest.mark.full, *marks(s)]) for s in FULL_SEEDS]]
+
+
+@pytest.mark.parametrize("seed", seeds())
+def test_drawn_run(seed, launch, tmp_path):
+    flags, a, b = draw(seed, ranks=2 if seed in FAST_SEEDS else 4)
+    check = layouts.Check(flags, str(tmp_path), launch=launch)
+    one = check.one()
+    if one["refused"]:  # a model validation refuses is a refusal at every layout
+        print(f"seed {seed}: refused: {one['refused']}")
+        return
+    for result, name in ((check.layout(a), a), (check.layout(a, then=b), f"{a} then {b}")):
+        print(f"seed {seed}, {name}: " + ("refused: " + result["refused"] if result["refused"] else
+                                           "by design: " + result["departure"] if result.get("departure") else
+                                           f"largest difference {max(result['differences'].values()):.2g}"))
+        if result["refused"] or result.get("departure"):
+            assert "\n" not in (result["refused"] or ""), result["refused"]
+            continue
+        off = {tag: gap for tag, gap in result["differences"].items() if gap > bound(tag, flags)}
+        assert not off, (f"seed {seed}, {name}: {off}\n" + layouts.command(one["argv"], 1) + "\n"
+                         + layouts.command(result["argv"], result["nproc"]))
+
+
+def test_the_fast_sample_has_every_layout_and_setting():
+    """The first command's draws: every two-rank layout, every setting and every choice of each drawn flag at least
+    once (the full sample adds the four-rank layouts and more combinations)."""
+    draws = [draw(seed, 2) for seed in FAST_SEEDS]
+    assert {name for _, a, b in draws for name in (a, b)} == set(TWO_RANKS)
+    given = [" ".join(flags) for flags, _, _ in draws]
+    for choice in [*[" ".join(setting) for _, setting in SETTINGS], *EXPERTS, "--swiglu", "--squared-relu",
+                   "--normalization RMSNorm", "--normalization LayerNorm", "rope", "learned_absolute", "alltoall",
+                   "allgather", "--num-query-groups", "--ffn-hidden-size", "--num-layers 1", "--num-layers 4"]:
+        assert any(choice in flags for flags in given), choice

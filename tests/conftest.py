@@ -268,12 +268,10 @@ def checkpoint_keys(directory) -> set:
 
 
 def tensorboard_scalars(path) -> dict:
-    """{tag: {step: value}} of every scalar in a TensorBoard directory, read back as TensorBoard reads it."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    """{tag: {step: value}} of every scalar in a TensorBoard directory (layouts.tensorboard_scalars)."""
+    import layouts
 
-    acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+    return layouts.tensorboard_scalars(path)
 
 
 def _listing(folder: str) -> list:

@@ -695,8 +695,8 @@ def check_sharding(cfg: ConfigContainer) -> None:
             "Megatron-FSDP requires the `fsdp_dtensor` checkpointing format.")
     unproven = [(f"--pipeline-model-parallel-size {m.pipeline_model_parallel_size}", m.pipeline_model_parallel_size > 1),
                 (f"--context-parallel-size {m.context_parallel_size}", m.context_parallel_size > 1),
-                ("--num-experts", bool(m.num_moe_experts)), ("--fp16", m.fp16), ("--peft", cfg.peft.peft != "none"),
-                ("--mtp-num-layers", bool(m.mtp_num_layers)), ("--z-loss-coeff", bool(m.z_loss_coeff)),
+                (f"--expert-model-parallel-size {m.expert_model_parallel_size}", m.expert_model_parallel_size > 1),
+                ("--fp16", m.fp16), ("--peft", cfg.peft.peft != "none"),
                 ("--log-l2-norm-grad", cfg.logger.log_l2_norm_grad), ("--overlap-grad-reduce", d.overlap_grad_reduce),
                 ("--overlap-param-gather", d.overlap_param_gather), ("--eval-tasks", cfg.downstream.eval_tasks is not None)]
     given = [flag for flag, on in unproven if on]
@@ -715,11 +715,14 @@ def check_torch_fsdp2(cfg: ConfigContainer) -> None:
     require(not o.use_distributed_optimizer, "--use-torch-fsdp2 is not supported with MCore's distributed optimizer")
     require(m.untie_embeddings_and_output_weights, "--use-torch-fsdp2 requires --untie-embeddings-and-output-weights")
     require(not m.fp16, "--use-torch-fsdp2 not supported with fp16 yet")
+    # megatron-core's expert layers state their shards in the checkpoint as EP x local experts, which FSDP2's DTensor
+    # shard of the same tensor contradicts: a load stops at "Invalid access pattern" (dist_checkpointing/mapping.py).
+    require(not m.num_moe_experts, "--use-torch-fsdp2 with --num-experts: megatron-core 0.19.2's expert checkpoint "
+                                   "does not load into FSDP2's shards (an invalid access pattern); use --use-megatron-fsdp")
     c = cfg.checkpoint
     require(c.ckpt_format in ("torch_dist", "torch_dcp"), "--use-torch-fsdp2 requires --ckpt-format torch_dist or torch_dcp")
     unproven = [(f"--context-parallel-size {m.context_parallel_size}", m.context_parallel_size > 1),
-                ("--num-experts", bool(m.num_moe_experts)), ("--peft", cfg.peft.peft != "none"),
-                ("--mtp-num-layers", bool(m.mtp_num_layers)), ("--z-loss-coeff", bool(m.z_loss_coeff)),
+                ("--peft", cfg.peft.peft != "none"),
                 ("--log-l2-norm-grad", cfg.logger.log_l2_norm_grad), ("--eval-tasks", cfg.downstream.eval_tasks is not None),
                 (f"--optimizer {o.optimizer}", o.optimizer not in ("adam", "sgd"))]
     given = [flag for flag, on in unproven if on]
@@ -831,6 +834,16 @@ def check_multi_token_prediction(cfg: ConfigContainer) -> None:
                                      f"layers are not defined here yet; drop one")
     require(not m.z_loss_coeff, "--z-loss-coeff with --mtp-num-layers: megatron-core scores each MTP head through the "
                                 "same compute_language_model_loss, whose z-loss is the main head's only here; drop one")
+    # megatron-core 0.19.2 gives the last stage an output weight of its own (gpt_model.py:281) and then asserts, at
+    # the first save, that an MTP stage has none (language_module.py:497).
+    require(m.pipeline_model_parallel_size == 1 or m.untie_embeddings_and_output_weights,
+            "--mtp-num-layers with --pipeline-model-parallel-size > 1 needs --untie-embeddings-and-output-weights: "
+            "megatron-core 0.19.2 fails saving a tied MTP stage (language_module.py:497)")
+    # Its MTP stage embeds positions with a table of its own that no group reduces with the first stage's
+    # (parallel_state.py:569) and the checkpoint saves twice as the same tensor.
+    require(m.pipeline_model_parallel_size == 1 or m.position_embedding_type != "learned_absolute",
+            "--mtp-num-layers with --pipeline-model-parallel-size > 1 needs --position-embedding-type rope or none: "
+            "megatron-core 0.19.2 trains the MTP stage's learned position table apart (parallel_state.py:569)")
 
 
 def check_moe(cfg: ConfigContainer) -> None:

@@ -201,7 +201,10 @@ class Check:
         why = refusal(argv, nproc)
         if why is None:
             proc = self.launch(argv, nproc)
-            if proc.returncode:
+            said = [line for line in proc.stderr.splitlines() if line.startswith("train.py: error: ")]
+            if proc.returncode == 2 and load is not None and said:  # a checkpoint refused in one line at the load
+                why = "at the load: " + said[0][len("train.py: error: "):]
+            elif proc.returncode:
                 raise RuntimeError(f"{name} failed (exit code {proc.returncode}): {command(argv, nproc)}\n"
                                    f"{proc.stdout[-1500:]}{proc.stderr[-3000:]}")
         self.runs[name] = dict(argv=argv, nproc=nproc, refused=why)

@@ -12,9 +12,10 @@ at TP=1 and TP=2. Bitwise resumes with Megatron-LM's default dropout and kill -9
 The models vary what a single model would pin: FSDP2's has the per-token loss and a position table of 65 rows (a
 first dimension DP 2 and 4 do not divide), the LLaMA-like one SwiGLU (resumed at another TP) and the per-token loss;
 bf16 runs with Megatron FSDP's fp32 and auto gradients and FSDP2's.
+Experts at EP=1, MTP and the z-loss under each FSDP are tests/test_layouts.py's drawn runs.
 Not covered, and refused in one line by checks.check_sharding and check_torch_fsdp2: pipeline and context parallelism,
-MoE, fp16, MTP, the z-loss, LoRA, --log-l2-norm-grad, the overlaps, downstream tasks, --async-save of fsdp_dtensor and
-torch_dcp, and torch_dcp at TP > 1 (Megatron-LM's refusal)."""
+EP > 1, experts under FSDP2, fp16, LoRA, --log-l2-norm-grad, the overlaps, downstream tasks, --async-save of
+fsdp_dtensor and torch_dcp, and torch_dcp at TP > 1 (Megatron-LM's refusal)."""
 
 import pytest
 
@@ -406,6 +407,8 @@ def test_a_checkpoint_of_another_model_is_one_line_unless_the_load_is_partial(ru
     (["--pipeline-model-parallel-size", "2"], 4, "--use-megatron-fsdp with --pipeline-model-parallel-size 2 is not "
                                                  "proven equal to one process here yet"),
     (["--log-l2-norm-grad"], 2, "--use-megatron-fsdp with --log-l2-norm-grad is not proven"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "2"], 4,
+     "--use-megatron-fsdp with --expert-model-parallel-size 2 is not proven"),
     # Megatron-LM asks for the format by name (arguments.py:1146); unset, it is derived here
     (["--ckpt-format", "torch_dist"], 2, "Megatron-FSDP requires the `fsdp_dtensor` checkpointing format."),
     (["--optimizer", "sgd"], 2, "--use-megatron-fsdp with --optimizer sgd: Megatron FSDP steps with megatron-core's "
@@ -422,6 +425,8 @@ def test_what_megatron_fsdp_does_not_take_is_one_line(flags, world_size, expecte
     ([*UNTIED, "--pipeline-model-parallel-size", "2"], 2, "--use-torch-fsdp2 is not supported with pipeline "
                                                           "parallelism"),
     ([*UNTIED, "--fp16"], 2, "--use-torch-fsdp2 not supported with fp16 yet"),
+    ([*UNTIED, "--num-experts", "4"], 2, "--use-torch-fsdp2 with --num-experts: megatron-core 0.19.2's expert "
+                                         "checkpoint does not load into FSDP2's shards"),
     ([*UNTIED, "--use-megatron-fsdp"], 2, "Using use_megatron_fsdp and use_torch_fsdp2 at the same time is not "
                                           "supported."),
     ([*UNTIED, "--ckpt-format", "torch"], 2, "--use-torch-fsdp2 requires --ckpt-format torch_dist or torch_dcp"),

@@ -8,6 +8,8 @@ import types
 
 import pytest
 
+import checks
+
 from conftest import REORDERED, TINY, ContinuedLayouts, assert_same, config_error, log_lines, tensorboard_scalars
 from test_mla import MLA
 
@@ -144,9 +146,21 @@ def test_mtp_flops_and_parameters_are_megatron_lms_counts(mtp, single_rank_group
                                    "not yet supported here"),
     (["--mtp-hybrid-override-pattern", "*"], "multi-token prediction in hybrid (Mamba) models"),
     (["--mtp-num-layers", "0"], "--mtp-num-layers"),
+    (["--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights", "--position-embedding-type",
+      "rope"], None),
+    (["--pipeline-model-parallel-size", "2", "--position-embedding-type", "rope"],
+     "needs --untie-embeddings-and-output-weights"),
+    (["--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights"],
+     "needs --position-embedding-type rope or none"),
 ])
 def test_bad_mtp_settings_are_one_line(argv, message, capsys):
-    assert message in config_error([*TINY, "--mtp-num-layers", "1", *argv], capsys)
+    """None: the setting beside a refused one is accepted, so the refusal is of what it names. Two ranks: a
+    pipeline of two stages."""
+    argv = [*TINY, "--mtp-num-layers", "1", *argv]
+    if message is None:
+        checks.parse_args(argv, world_size=2)
+        return
+    assert message in config_error(argv, capsys, world_size=2)
 
 
 def test_hf_export_names_mtp_as_what_no_layout_has():

@@ -1490,57 +1490,10 @@ def progress_from(directory: str, common: dict) -> dict:
             "floating_point_operations_so_far": common.get("num_floating_point_operations_so_far", 0)}
 
 
-def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
-
-    cfg, ts = state.cfg, state.train_state
-    ck = cfg.checkpoint
-    directory = resolve_load_dir(path, None if finetune else ck.ckpt_step)
-    if directory is None:
-        if finetune:
-            raise CheckpointError(f"--pretrained-checkpoint {path}: no {TRACKER} and not an iter_* directory")
-        print_rank_0(f" no checkpoint to resume in {path} (no {TRACKER}): training from scratch")
-        return False
-    saved_format = "torch_dist" if os.path.isfile(os.path.join(directory, "metadata.json")) else "torch"
-    dcp_common = None
-    if saved_format == "torch" and _is_torch_dist(directory) and os.path.isfile(os.path.join(directory, ".metadata")):
-        dcp_common = _dcp_common(directory)  # no metadata.json, no mp_rank_*: torch.distributed.checkpoint's own
-        saved_format = dcp_format(directory, dcp_common)
-    sharded_model = fsdp_kind(model)
-    if saved_format in DCP_FORMATS and not sharded_model and not finetune:
-        raise CheckpointError(f"{directory}: saved in {saved_format} format, which resumes under "
-                              f"{DCP_FLAG[saved_format]}; add it, or read only its weights with --pretrained-checkpoint")
-    if saved_format != ck.ckpt_format and (sharded_model or saved_format not in DCP_FORMATS):
-        fix = (f"pass --ckpt-format {saved_format}" if not sharded_model and saved_format not in DCP_FORMATS else
-               f"{sharded_model} reads {ck.ckpt_format}: read only its weights into a run without it "
-               f"(--pretrained-checkpoint), and save them there" if saved_format not in DCP_FORMATS else
-               f"it resumes under {DCP_FLAG[saved_format]}")
-        raise CheckpointError(f"{directory}: saved in {saved_format} format but this run uses --ckpt-format "
-                              f"{ck.ckpt_format}; {fix}")
-    if saved_format == "torch" and not os.path.isfile(_mp_file(directory)):  # saved at other sizes? another rank's says
-        first = min(n for n in os.listdir(directory) if n.startswith("mp_rank_"))
-        other = _load(os.path.join(directory, first, "model_optim_rng.pt"), "a rank's model and optimizer")
-        check_torch_layout(cfg, directory, vars(other.get("args", argparse.Namespace())))
-    common = dcp_common if dcp_common is not None else _read_common(directory, saved_format)
-    settings, where = saved_settings(directory, common)
-    if saved_format == "torch":
-        check_torch_layout(cfg, directory, settings)
-    check_tokenizer(getattr(state, "tokenizer", None), directory, common)  # first: another tokenizer pads another vocabulary
-    check_saved_model(cfg, directory, common, settings, where, finetune)
-    # --no-load-optim skips the optimizer and its schedule, --finetune everything but the weights.
-    load_optim = ck.load_optim and not finetune and optimizer is not None
-    load_rng = ck.load_rng and not finetune
+def check_optimizer_kind(cfg, directory: str, settings: dict, saved_format: str) -> None:
+    """That the checkpoint's optimizer state is of a kind this run's optimizer loads; else one line that says
+    which kinds met and how to continue (megatron-core's loaders raise from deep inside otherwise)."""
     m = cfg.model
-    saved_layout = (saved_format == "torch_dist" and saved_rng_layout(directory)) or rng_layout(settings)
-    ours = rng_layout(dict(tensor_model_parallel_size=m.tensor_model_parallel_size,
-                           pipeline_model_parallel_size=m.pipeline_model_parallel_size))
-    if load_rng and saved_layout != ours:
-        # (so too the per-data-parallel-rank states of megatron-core <= 0.16 and Bridge under expert parallelism)
-        print_rank_0(f" {directory} was saved with (TP, PP{', DP x CP' if len(saved_layout) > 2 else ''}) = "
-                     f"{saved_layout}: random states start afresh from --seed")
-        load_rng = False
-    if load_rng and settings.get("no_save_rng", False):
-        print_rank_0(f" {directory} was saved without random states (--no-save-rng): they start afresh from --seed")
-        load_rng = False
     # megatron-core builds the experts an optimizer of their own (a ChainedOptimizer of two) when their layers use the
     # expert groups, EP > 1 or an expert-TP size other than TP (tensor_parallel/layers.py:961-964, optimizer/
     # __init__.py:817), and none otherwise; its loaders do not move the state between the two (optimizer.py:1578):
@@ -1548,7 +1501,7 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
     saved_split, split = experts_apart(settings), experts_apart(dict(
         expert_model_parallel_size=m.expert_model_parallel_size, tensor_model_parallel_size=m.tensor_model_parallel_size,
         expert_tensor_parallel_size=m.expert_tensor_parallel_size))
-    crossing = load_optim and m.num_moe_experts and saved_split != split
+    crossing = m.num_moe_experts and saved_split != split
     if crossing and load_metadata(cfg, directory).get("distrib_optim_sharding_type") == "fully_reshardable":
         crossing = False  # each parameter's state kept whole, by name: load_optimizer_state regroups it
     if crossing:
@@ -1565,7 +1518,7 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
     # optimizer has: a KeyError from inside the load, otherwise.
     saved_lw, lw = bool(settings.get("use_layer_wise_distributed_optimizer")), layer_wise(cfg)
     saved_dp = settings.get("data_parallel_size")
-    if load_optim and (saved_lw or lw) and (saved_lw != lw or saved_dp != cfg.data_parallel_size):
+    if (saved_lw or lw) and (saved_lw != lw or saved_dp != cfg.data_parallel_size):
         kind = lambda layered: "megatron-core's layer-wise distributed optimizer" if layered else "another optimizer"
         raise CheckpointError(f"{directory}: its optimizer state was saved by {kind(saved_lw)} at data-parallel size "
                               f"{saved_dp}, and this run has {kind(lw)} at {cfg.data_parallel_size}: the layer-wise "
@@ -1574,12 +1527,84 @@ def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
     # megatron-core's plain and distributed optimizers keep their torch_dist state under other keys: neither reads
     # the other's (a KeyError from inside the load, which said nothing of the cause)
     saved_dopt, dopt = settings.get("use_distributed_optimizer"), cfg.optimizer.use_distributed_optimizer and not lw
-    if load_optim and saved_format == "torch_dist" and saved_dopt is not None and bool(saved_dopt) != dopt:
+    if saved_format == "torch_dist" and saved_dopt is not None and bool(saved_dopt) != dopt:
         kind = lambda distributed: "megatron-core's distributed optimizer" if distributed else "the plain optimizer"
         same = "add --use-distributed-optimizer" if saved_dopt else "drop --use-distributed-optimizer"
         raise CheckpointError(f"{directory}: its optimizer state was saved by {kind(saved_dopt)}, which megatron-core "
                               f"cannot load into {kind(dopt)}; {same} to resume it, or add --no-load-optim to continue "
                               f"its weights with a fresh optimizer")
+
+
+def saved_format_of(cfg, directory: str, model, finetune: bool) -> tuple:
+    """(the checkpoint's format, torch.distributed.checkpoint's common state or None), once it is one this run reads;
+    else one line that says how to read it."""
+    ck = cfg.checkpoint
+    saved_format = "torch_dist" if os.path.isfile(os.path.join(directory, "metadata.json")) else "torch"
+    dcp_common = None
+    if saved_format == "torch" and _is_torch_dist(directory) and os.path.isfile(os.path.join(directory, ".metadata")):
+        dcp_common = _dcp_common(directory)  # no metadata.json, no mp_rank_*: torch.distributed.checkpoint's own
+        saved_format = dcp_format(directory, dcp_common)
+    sharded_model = fsdp_kind(model)
+    if saved_format in DCP_FORMATS and not sharded_model and not finetune:
+        raise CheckpointError(f"{directory}: saved in {saved_format} format, which resumes under "
+                              f"{DCP_FLAG[saved_format]}; add it, or read only its weights with --pretrained-checkpoint")
+    if saved_format != ck.ckpt_format and (sharded_model or saved_format not in DCP_FORMATS):
+        fix = (f"pass --ckpt-format {saved_format}" if not sharded_model and saved_format not in DCP_FORMATS else
+               f"{sharded_model} reads {ck.ckpt_format}: read only its weights into a run without it "
+               f"(--pretrained-checkpoint), and save them there" if saved_format not in DCP_FORMATS else
+               f"it resumes under {DCP_FLAG[saved_format]}")
+        raise CheckpointError(f"{directory}: saved in {saved_format} format but this run uses --ckpt-format "
+                              f"{ck.ckpt_format}; {fix}")
+    return saved_format, dcp_common
+
+
+def rng_loads(cfg, directory: str, settings: dict, saved_format: str) -> bool:
+    """Whether the checkpoint's random states fit this run (saved, and at its TP and PP); else it says why they
+    start afresh from --seed."""
+    m = cfg.model
+    saved_layout = (saved_format == "torch_dist" and saved_rng_layout(directory)) or rng_layout(settings)
+    ours = rng_layout(dict(tensor_model_parallel_size=m.tensor_model_parallel_size,
+                           pipeline_model_parallel_size=m.pipeline_model_parallel_size))
+    if saved_layout != ours:
+        # (so too the per-data-parallel-rank states of megatron-core <= 0.16 and Bridge under expert parallelism)
+        print_rank_0(f" {directory} was saved with (TP, PP{', DP x CP' if len(saved_layout) > 2 else ''}) = "
+                     f"{saved_layout}: random states start afresh from --seed")
+        return False
+    if settings.get("no_save_rng", False):
+        print_rank_0(f" {directory} was saved without random states (--no-save-rng): they start afresh from --seed")
+        return False
+    return True
+
+
+def _load_checkpoint(state, model, optimizer, scheduler, path, finetune):
+
+    cfg, ts = state.cfg, state.train_state
+    ck = cfg.checkpoint
+    directory = resolve_load_dir(path, None if finetune else ck.ckpt_step)
+    if directory is None:
+        if finetune:
+            raise CheckpointError(f"--pretrained-checkpoint {path}: no {TRACKER} and not an iter_* directory")
+        print_rank_0(f" no checkpoint to resume in {path} (no {TRACKER}): training from scratch")
+        return False
+    saved_format, dcp_common = saved_format_of(cfg, directory, model, finetune)
+    sharded_model = fsdp_kind(model)
+    if saved_format == "torch" and not os.path.isfile(_mp_file(directory)):  # saved at other sizes? another rank's says
+        first = min(n for n in os.listdir(directory) if n.startswith("mp_rank_"))
+        other = _load(os.path.join(directory, first, "model_optim_rng.pt"), "a rank's model and optimizer")
+        check_torch_layout(cfg, directory, vars(other.get("args", argparse.Namespace())))
+    common = dcp_common if dcp_common is not None else _read_common(directory, saved_format)
+    settings, where = saved_settings(directory, common)
+    if saved_format == "torch":
+        check_torch_layout(cfg, directory, settings)
+    check_tokenizer(getattr(state, "tokenizer", None), directory, common)  # first: another tokenizer pads another vocabulary
+    check_saved_model(cfg, directory, common, settings, where, finetune)
+    # --no-load-optim skips the optimizer and its schedule, --finetune everything but the weights.
+    load_optim = ck.load_optim and not finetune and optimizer is not None
+    load_rng = ck.load_rng and not finetune
+    load_rng = load_rng and rng_loads(cfg, directory, settings, saved_format)
+    m = cfg.model
+    if load_optim:
+        check_optimizer_kind(cfg, directory, settings, saved_format)
     peft_run = cfg.peft.peft != "none" and not finetune  # a PEFT run's own checkpoint: adapters only
     if saved_format in DCP_FORMATS and not sharded_model:
         _read_dcp_weights(directory, saved_format, model)

@@ -413,6 +413,11 @@ def section_default(cls, section: str):
     return cls(**{k.split(".")[1]: v for k, (v, _) in DEFAULTS.items() if k.split(".")[0] == section})
 
 
+def section(cls, name: str):
+    """A ConfigContainer section: `cls` built with DEFAULTS' entries for `name` (every section the same way)."""
+    return field(default_factory=lambda: section_default(cls, name))
+
+
 def default_of(sub, section: str, name: str):
     """A setting's default: DEFAULTS', else its class's (the section `sub` is an instance of)."""
     if f"{section}.{name}" in DEFAULTS:
@@ -1088,31 +1093,29 @@ class CommOverlapConfig:
 class ConfigContainer:
     """Top-level container: one sub-config per concern, plus values derived at validation."""
 
-    model: GPTModelProvider = field(default_factory=lambda: section_default(GPTModelProvider, "model"))
-    train: TrainingConfig = field(default_factory=lambda: section_default(TrainingConfig, "train"))
-    validation: ValidationConfig = field(default_factory=lambda: section_default(ValidationConfig, "validation"))
-    optimizer: OptimizerConfig = field(default_factory=lambda: section_default(OptimizerConfig, "optimizer"))
-    scheduler: SchedulerConfig = field(default_factory=lambda: section_default(SchedulerConfig, "scheduler"))
-    dataset: GPTDatasetConfig = field(default_factory=lambda: section_default(GPTDatasetConfig, "dataset"))
-    tokenizer: TokenizerConfig = field(default_factory=lambda: section_default(TokenizerConfig, "tokenizer"))
-    logger: LoggerConfig = field(default_factory=lambda: section_default(LoggerConfig, "logger"))
-    checkpoint: CheckpointConfig = field(default_factory=lambda: section_default(CheckpointConfig, "checkpoint"))
-    dist: DistributedInitConfig = field(default_factory=lambda: section_default(DistributedInitConfig, "dist"))
-    rng: RNGConfig = field(default_factory=RNGConfig)
-    ddp: DistributedDataParallelConfig = field(default_factory=lambda: section_default(DistributedDataParallelConfig,
-                                                                                        "ddp"))
+    model: GPTModelProvider = section(GPTModelProvider, "model")
+    train: TrainingConfig = section(TrainingConfig, "train")
+    validation: ValidationConfig = section(ValidationConfig, "validation")
+    optimizer: OptimizerConfig = section(OptimizerConfig, "optimizer")
+    scheduler: SchedulerConfig = section(SchedulerConfig, "scheduler")
+    dataset: GPTDatasetConfig = section(GPTDatasetConfig, "dataset")
+    tokenizer: TokenizerConfig = section(TokenizerConfig, "tokenizer")
+    logger: LoggerConfig = section(LoggerConfig, "logger")
+    checkpoint: CheckpointConfig = section(CheckpointConfig, "checkpoint")
+    dist: DistributedInitConfig = section(DistributedInitConfig, "dist")
+    rng: RNGConfig = section(RNGConfig, "rng")
+    ddp: DistributedDataParallelConfig = section(DistributedDataParallelConfig, "ddp")
     optimizer_config_override_provider: OptimizerConfigOverrideProvider = field(
         default_factory=OptimizerConfigOverrideProvider, metadata={"section": False})  # code, not settings
-    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
-    straggler: StragglerDetectionConfig = field(default_factory=StragglerDetectionConfig)
-    rerun_state_machine: RerunStateMachineConfig = field(
-        default_factory=lambda: section_default(RerunStateMachineConfig, "rerun_state_machine"))
-    ft: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
-    nvrx_straggler: NVRxStragglerDetectionConfig = field(default_factory=NVRxStragglerDetectionConfig)
-    inprocess_restart: InProcessRestartConfig = field(default_factory=InProcessRestartConfig)
-    tensor_inspect: TensorInspectConfig = field(default_factory=TensorInspectConfig)
-    peft: PEFTConfig = field(default_factory=PEFTConfig)
-    downstream: DownstreamEvalConfig = field(default_factory=DownstreamEvalConfig)
+    profiling: ProfilingConfig = section(ProfilingConfig, "profiling")
+    straggler: StragglerDetectionConfig = section(StragglerDetectionConfig, "straggler")
+    rerun_state_machine: RerunStateMachineConfig = section(RerunStateMachineConfig, "rerun_state_machine")
+    ft: FaultToleranceConfig = section(FaultToleranceConfig, "ft")
+    nvrx_straggler: NVRxStragglerDetectionConfig = section(NVRxStragglerDetectionConfig, "nvrx_straggler")
+    inprocess_restart: InProcessRestartConfig = section(InProcessRestartConfig, "inprocess_restart")
+    tensor_inspect: TensorInspectConfig = section(TensorInspectConfig, "tensor_inspect")
+    peft: PEFTConfig = section(PEFTConfig, "peft")
+    downstream: DownstreamEvalConfig = section(DownstreamEvalConfig, "downstream")
     # Bridge's sections, thin names over the ones above (applied by validate(), as Bridge's runtime_config_update).
     mixed_precision: Optional[Any] = None  # a recipe name or a MixedPrecisionConfig
     comm_overlap: Optional[CommOverlapConfig] = None

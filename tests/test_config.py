@@ -149,7 +149,7 @@ def test_megatron_lm_cpu_command_line_switches_are_accepted_and_named_as_inert(s
     (["--pipeline-model-parallel-size", "2", "--num-layers", "6", "--num-layers-per-virtual-pipeline-stage", "2"], 8,
      False, "must divide the 3 layers of each pipeline stage"),
     (["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--decoder-last-pipeline-num-layers", "0",
-      "--mtp-num-layers", "1"], 2, False, "megatron-core's TransformerConfig refuses these settings: "
+      "--mtp-num-layers", "1", "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope"], 2, False, "megatron-core's TransformerConfig refuses these settings: "
      "num_layers_in_last_pipeline_stage must be larger than 0"),
     (["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--decoder-first-pipeline-num-layers", "0"], 2,
      False, "megatron-core's TransformerConfig refuses these settings: num_layers_in_first_pipeline_stage must be "
@@ -627,6 +627,30 @@ def test_help_says_each_default_this_trainer_decides_and_why():
         assert f"{section}.{name}" in config.DEFAULTS
         assert "help" not in next(f for f in dataclasses.fields(sub) if f.name == name).metadata
         assert getattr(sub, name) == config.DEFAULTS[f"{section}.{name}"][0]
+
+
+def test_one_line_of_defaults_changes_the_default_of_every_section(monkeypatch):
+    """config.DEFAULTS applies to each section the container builds (docs/fork.md: a default changed in one place):
+    a changed entry for one plain field of every section is that section's default in ConfigContainer(), which the
+    run starts from. Not covered: fields that megatron-core's __post_init__ derives from others."""
+    import dataclasses
+
+    sections = [f for f in dataclasses.fields(config.ConfigContainer)
+                if f.metadata.get("section", True) and f.default_factory is not dataclasses.MISSING]
+    changed = {}
+    for f in sections:
+        sub = getattr(config.ConfigContainer(), f.name)
+        if not dataclasses.is_dataclass(sub):
+            continue
+        plain = next((x for x in dataclasses.fields(sub) if x.init and type(getattr(sub, x.name)) in (bool, int)), None)
+        if plain is None:
+            continue
+        value = getattr(sub, plain.name)
+        changed[(f.name, plain.name)] = (not value) if type(value) is bool else value + 7
+        monkeypatch.setitem(config.DEFAULTS, f"{f.name}.{plain.name}", (changed[(f.name, plain.name)], "a test's"))
+    assert {"rng", "profiling", "straggler", "train", "model"} <= {section for section, _ in changed}
+    built = config.ConfigContainer()
+    assert {key: getattr(getattr(built, key[0]), key[1]) for key in changed} == changed
 
 
 def test_the_generated_flags_megatron_lm_does_not_have_are_not_flags():

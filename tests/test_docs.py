@@ -186,7 +186,7 @@ def known_flags() -> set:
     known = {o for action in config.build_parser()._actions for o in action.option_strings}
     known |= {flag for _, flags in megatron_lm_flags.MEGATRON_LM_INERT_FLAGS for flag, _ in flags}
     known |= {flag for prefixes, _ in megatron_lm_flags.MEGATRON_LM_REFUSED_FLAGS for flag in prefixes}
-    for module in ("generate", "hf", "data", "peft", "bench", "downstream"):
+    for module in ("generate", "hf", "data", "peft", "bench", "downstream", "layouts"):
         known |= argument_flags(os.path.join(ROOT, f"{module}.py"))
     known |= argument_flags(os.path.join(package_root("torch"), "distributed", "run.py"))  # torchrun
     known |= argument_flags(os.path.join(ROOT, "tests", "conftest.py"))  # the suite's own: pytest --full

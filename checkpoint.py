@@ -1016,7 +1016,7 @@ def dcp_state_dict(cfg, model: list, optimizer, scheduler, common: dict, loading
         return raw, raw
     written = dict(raw)
     handle_fp8_extra_state_case(written["model"])
-    if cfg.model.swiglu:
+    if cfg.model.mlp_fields()["gated_linear_unit"]:
         # fc1's weight and its Adam moments as their `_w` and `_v` halves: a TP=2 fc1 holds [w0; v0] and [w1; v1], one
         # process's [w0; w1; v0; v1]. megatron-core's split of the moments looks each parameter up one `module.` short
         # (fsdp_dtensor_checkpoint.py:375-377, AttributeError; megatron-core defect, README: defects; Megatron-LM

@@ -451,6 +451,19 @@ class GPTModelProvider(MLATransformerConfig):
     def __post_init__(self) -> None:
         pass  # deferred: see finalize()
 
+    def mlp_fields(self) -> dict:
+        """megatron-core's MLP fields from Megatron-LM's activation switches (core_transformer_config_from_args): the one
+        place an activation is added. finalize() sets them; the FLOPs, the parameter count and the Megatron FSDP save
+        read `gated_linear_unit` from here."""
+        import torch.nn.functional as F
+        from megatron.core.activations import squared_relu
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        return dict(gated_linear_unit=self.swiglu or self.quick_geglu,
+                    activation_func=(F.silu if self.swiglu else squared_relu if self.squared_relu else quick_gelu if
+                                     self.quick_geglu else functools.partial(F.gelu, approximate="tanh")
+                                     if self.openai_gelu else F.gelu))
+
     def finalize(self) -> None:
         """What megatron-core's fields take from this trainer's settings, as Megatron-LM's
         core_transformer_config_from_args: the MLP's activation, the dtypes, the initialisation, the per-layer
@@ -461,14 +474,9 @@ class GPTModelProvider(MLATransformerConfig):
         if getattr(self, "finalized", False):  # set below: an attribute, not a setting (run_config.yaml has none)
             return
         import torch
-        import torch.nn.functional as F
-        from megatron.core.activations import squared_relu
-        from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
-        self.gated_linear_unit = self.swiglu or self.quick_geglu
-        self.activation_func = (F.silu if self.swiglu else squared_relu if self.squared_relu else quick_gelu if
-                                self.quick_geglu else functools.partial(F.gelu, approximate="tanh") if self.openai_gelu
-                                else F.gelu)
+        for name, value in self.mlp_fields().items():
+            setattr(self, name, value)
         # Half-precision weights under Float16Module; the optimizer keeps fp32 main copies.
         self.params_dtype = self.pipeline_dtype = (torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else
                                                    torch.float32)
@@ -508,7 +516,7 @@ class GPTModelProvider(MLATransformerConfig):
         0.0, "Add a z-loss, this times the mean over the loss mask's tokens of logsumexp(logits)^2 (PaLM's, keeping the "
              "softmax's log-normaliser near 0), to the training loss; shown as 'z loss' beside the lm loss. 0: off "
              "(megatron-core's GPTModel as it is). Not a Megatron-LM flag.", bounds="[0, inf)")
-    # The MLP's activation, Megatron-LM's switches: megatron-core's activation_func and gated_linear_unit (derived).
+    # The MLP's activation, Megatron-LM's switches: megatron-core's activation_func and gated_linear_unit (mlp_fields).
     swiglu: bool = arg(False, "Use the SwiGLU gated activation in the MLP instead of GeLU.")
     openai_gelu: bool = arg(False, "GeLU's tanh approximation, as OpenAI's GPT-2 (Hugging Face's gelu_new) and "
                                    "Megatron-LM's --openai-gelu, instead of the exact erf form.")

@@ -83,7 +83,7 @@ def num_floating_point_operations(cfg, batch_size: int, padded_vocab_size: int) 
     m = cfg.model
     mtp = m.mtp_num_layers or 0
     s, h, L = m.seq_length, m.hidden_size, m.num_layers + mtp
-    gated_multiplier = 3 / 2 if m.swiglu else 1
+    gated_multiplier = 3 / 2 if m.mlp_fields()["gated_linear_unit"] else 1  # Megatron-LM's counts --swiglu only
     if m.multi_latent_attention:  # each 12 h^2 of the formula is 6 x a token's multiply-adds, 2 h^2 of them
         projections = mla_attention_parameters(m, norms=1) / (2 * h * h)
         core_attention = s * m.num_attention_heads * (m.qk_head_dim + m.qk_pos_emb_head_dim + m.v_head_dim) / (4 * h * h)
@@ -129,7 +129,7 @@ def adapter_flops_per_token(cfg) -> float:
     m, p = cfg.model, cfg.peft
     q, kv = m.kv_channels * m.num_attention_heads, m.kv_channels * m.num_query_groups
     h, ffn = m.hidden_size, m.ffn_hidden_size
-    sizes = {"linear_qkv": h + q + 2 * kv, "linear_proj": q + h, "linear_fc1": h + ffn * (2 if m.swiglu else 1),
+    sizes = {"linear_qkv": h + q + 2 * kv, "linear_proj": q + h, "linear_fc1": h + ffn * (2 if m.mlp_fields()["gated_linear_unit"] else 1),
              "linear_fc2": ffn + h}
     per_layer = sum(sizes.get(name, 0) for name in set(p.lora_target_modules) - set(p.lora_exclude_modules))
     return 3 * 2 * p.lora_dim * per_layer * m.num_layers
@@ -1002,7 +1002,7 @@ def layer_parameters(m) -> list:
     moe-ffn x experts (x 3/2), apart (Megatron-LM's theoretical_memory_usage.py, with the router megatron-core
     builds)."""
     h = m.hidden_size
-    gated = 3 / 2 if m.swiglu or m.quick_geglu else 1  # both build megatron-core's gated linear unit (model.py)
+    gated = 3 / 2 if m.mlp_fields()["gated_linear_unit"] else 1
     attention = attention_parameters(m)
     dense = attention + 2 * h * m.ffn_hidden_size * gated
     moe = (attention + (m.num_moe_experts or 0) * h + 2 * h * (m.moe_shared_expert_intermediate_size or 0) * gated,

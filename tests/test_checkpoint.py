@@ -439,7 +439,7 @@ def _signal_the_job(args, log, sig, after="iteration        3/"):
     return log.read_text()
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig", ["SIGTERM", pytest.param("SIGINT", marks=pytest.mark.full)])
 def test_a_signal_to_the_whole_job_saves_and_the_run_resumes(tmp_path, sig, capsys):
     """SIGTERM with --async-save: a save before the signal started the writer's Manager, which the signal reaches
     too; it blocks the job's signals, so the signal's own save goes through it. SIGINT with synchronous saves."""
@@ -468,7 +468,7 @@ def test_a_signal_without_the_handler_ends_each_rank_with_one_line(tmp_path):
     assert "[rank0]: Traceback" not in out and "[rank1]: Traceback" not in out and "KeyboardInterrupt" not in out, out
 
 
-@pytest.mark.parametrize("mode", [[], ["--async-save"]], ids=["sync", "async"])
+@pytest.mark.parametrize("mode", [[], pytest.param(["--async-save"], marks=pytest.mark.full)], ids=["sync", "async"])
 def test_kill_9_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, mode, capsys):
     ck = tmp_path / "ck"
     args = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "64",

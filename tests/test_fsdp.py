@@ -522,6 +522,7 @@ def test_the_memory_estimate_is_what_each_strategy_holds_on_a_rank():
         assert r["theory"] <= r["measured"] <= r["theory"] + padding, strategy
 
 
+@pytest.mark.full  # the first command's ZeRO-3 runs are the matrix's, at dropout 0
 def test_zero_3_trains_with_megatron_lms_defaults(warm_torchrun):
     """Megatron-LM's defaults (dropout 0.1, the default strategy, optim_grads_params) on the quick start's model shape
     at DP=2 for 20 iterations: every iteration logged and the loss falling. Its parameter gathers ran asynchronously

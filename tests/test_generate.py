@@ -404,6 +404,7 @@ def test_expert_parallelism_a_checkpoint_or_the_ranks_cannot_take_is_one_line(ll
             m.sequence_parallel) == (1, 2, 1, False)
 
 
+@pytest.mark.full  # fresh jobs; the first command's TP decoding is test_generate's in-process layouts
 def test_quick_start_outputs_feed_generate_with_no_flag_under_tensor_parallelism(tmp_path, monkeypatch):
     """The quick start's configuration (config.QUICK_START: its own BPE tokenizer of the built-in corpus), shrunk, in
     an empty folder and with no output flag: the tokenizer is trained on first use and reads the corpus back exactly;

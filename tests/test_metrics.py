@@ -30,12 +30,14 @@ def _matmul_flops(cfg, batch):
     per_layer = (2 * s * h * (h + kv)  # query, key, value projections
                  + 2 * s * s * h * 2 / 2  # scores and the weighted sum of values: the causal mask's unmasked half
                  + 2 * s * h * h  # output projection
-                 + 2 * s * h * f * (3 if m.swiglu else 2))  # MLP: gate, up, down (SwiGLU) or up, down
+                 + 2 * s * h * f * (3 if m.swiglu or m.quick_geglu else 2))  # MLP: gate, up, down (gated) or up, down
     return 3 * batch * (m.num_layers * per_layer + 2 * s * h * V)
 
 
-@pytest.mark.parametrize("flags", [[], ["--swiglu", "--num-query-groups", "2"], ["--ffn-hidden-size", "300"]])
+@pytest.mark.parametrize("flags", [[], ["--swiglu", "--num-query-groups", "2"], ["--ffn-hidden-size", "300"],
+                                   ["--quick-geglu"]])
 def test_flops_match_a_layer_by_layer_count(flags):
+    """--quick-geglu builds the gated MLP as --swiglu does (three matrices), where Megatron-LM's formula counts two."""
     cfg = _cfg("--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "64", *flags)
     assert metrics.num_floating_point_operations(cfg, 8, 384) == pytest.approx(_matmul_flops(cfg, 8), rel=1e-12)
 

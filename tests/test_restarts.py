@@ -144,6 +144,7 @@ def test_a_job_whose_ranks_are_killed_three_times_resumes_bitwise(tmp_path, unin
           f"{straight_seconds:.1f} s uninterrupted (with no start-up on warm ranks); resumed at {resumed_at}")
 
 
+@pytest.mark.full  # 30 s of torchrun's wait for its SIGKILL; the first command's kills are test_checkpoint's
 def test_a_stopped_rank_fails_the_others_at_the_timeout_and_the_job_restarts(tmp_path, uninterrupted):
     """A rank stopped with SIGSTOP (a read that never returns) hangs no one for ever: the other rank's collective
     fails after --distributed-timeout-minutes (here 0.1, six seconds; megatron-core's own groups get it too),

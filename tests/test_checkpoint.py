@@ -302,6 +302,7 @@ def test_the_tracker_is_published_durably(tmp_path, monkeypatch):
     assert (tmp_path / checkpoint.TRACKER).read_text() == "30"
 
 
+@pytest.mark.full  # a fresh job; the first command's damaged checkpoints are the in-process ones above
 def test_truncated_file_stops_every_rank_with_one_line(mock_run, tmp_path):
     ckpt = _copy_ckpt(mock_run, tmp_path)
     target = ckpt / "iter_0000030" / "__0_0.distcp"  # the data-parallel run's one file (rank 0 writes every shard)
@@ -459,6 +460,7 @@ def test_a_signal_to_the_whole_job_saves_and_the_run_resumes(tmp_path, sig, caps
         assert [line[0] for line in log_lines(resumed)] == [step + 1, step + 2]
 
 
+@pytest.mark.full  # a fresh job; the first command's signals are SIGTERM's to the job and to one rank
 def test_a_signal_without_the_handler_ends_each_rank_with_one_line(tmp_path):
     args = [*TINY, "--mock-data", "--train-iters", "3000", "--log-interval", "1", "--eval-iters", "0",
             "--num-workers", "2", "--data-cache-path", str(tmp_path / "cache")]

@@ -97,7 +97,7 @@ def uninterrupted(tmp_path_factory, warm_torchrun):
 
 
 @pytest.mark.parametrize("nproc, flags", [
-    (2, []),
+    pytest.param(2, [], marks=pytest.mark.full),  # four starts of a job: the first command's kills are test_checkpoint's
     pytest.param(4, ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"],  # TP=2 x DP=2
                  marks=pytest.mark.full),
     # Megatron FSDP's ZeRO-3 (fsdp_dtensor) and torch FSDP2 (torch_dcp): their checkpoints, written through

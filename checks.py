@@ -715,6 +715,12 @@ def check_torch_fsdp2(cfg: ConfigContainer) -> None:
     require(not o.use_distributed_optimizer, "--use-torch-fsdp2 is not supported with MCore's distributed optimizer")
     require(m.untie_embeddings_and_output_weights, "--use-torch-fsdp2 requires --untie-embeddings-and-output-weights")
     require(not m.fp16, "--use-torch-fsdp2 not supported with fp16 yet")
+    uneven = fsdp2_uneven_layer_rows(cfg)
+    # megatron-core 0.19.2 states an uneven shard of a layer's weight with its layer axis in the offsets and not in the
+    # sizes (dist_checkpointing/strategies/checkpointable.py:42-44,64-67): torch's load planner then fails.
+    require(uneven is None, f"--use-torch-fsdp2 at data-parallel size {cfg.data_parallel_size}: {uneven} rows per rank, "
+                            f"which it does not divide, and megatron-core 0.19.2 cannot load such a layer's shards "
+                            f"(dist_checkpointing/strategies/checkpointable.py:64-67); choose sizes it divides")
     # megatron-core's expert layers state their shards in the checkpoint as EP x local experts, which FSDP2's DTensor
     # shard of the same tensor contradicts: a load stops at "Invalid access pattern" (dist_checkpointing/mapping.py).
     require(not m.num_moe_experts, "--use-torch-fsdp2 with --num-experts: megatron-core 0.19.2's expert checkpoint "
@@ -728,6 +734,21 @@ def check_torch_fsdp2(cfg: ConfigContainer) -> None:
     given = [flag for flag, on in unproven if on]
     require(not given, f"--use-torch-fsdp2 with {given[0] if given else ''} is not proven equal to one process here "
                        f"yet; it runs with data and tensor parallelism (docs/model.md)")
+
+
+def fsdp2_uneven_layer_rows(cfg: ConfigContainer):
+    """The first of a transformer layer's weights whose rows on a tensor-parallel rank the data-parallel size does not
+    divide, as "name: N", or None. FSDP2 shards each along its first dimension: the QKV and fc1 rows split over TP,
+    the projections' and norms' rows are the hidden size (an embedding's uneven rows are placed by
+    checkpoint.fsdp2_uneven_shards)."""
+    m, dp = cfg.model, cfg.data_parallel_size
+    kv = m.kv_channels or m.hidden_size // m.num_attention_heads
+    groups = m.num_query_groups or m.num_attention_heads
+    tp = m.tensor_model_parallel_size
+    rows = [("linear_qkv", (m.num_attention_heads + 2 * groups) * kv // tp),
+            ("linear_fc1", m.ffn_hidden_size * (2 if m.mlp_fields()["gated_linear_unit"] else 1) // tp),
+            ("linear_proj, linear_fc2 and the norms", m.hidden_size), ("the qk-layernorms", kv if m.qk_layernorm else 0)]
+    return next((f"{name}: {n}" for name, n in rows if dp and n % dp), None)
 
 
 def check_pipeline_split(cfg: ConfigContainer) -> None:

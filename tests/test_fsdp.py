@@ -425,6 +425,8 @@ def test_what_megatron_fsdp_does_not_take_is_one_line(flags, world_size, expecte
     ([*UNTIED, "--pipeline-model-parallel-size", "2"], 2, "--use-torch-fsdp2 is not supported with pipeline "
                                                           "parallelism"),
     ([*UNTIED, "--fp16"], 2, "--use-torch-fsdp2 not supported with fp16 yet"),
+    ([*UNTIED, "--ffn-hidden-size", "66"], 4, "--use-torch-fsdp2 at data-parallel size 4: linear_fc1: 66 rows per "
+                                               "rank, which it does not divide"),
     ([*UNTIED, "--num-experts", "4"], 2, "--use-torch-fsdp2 with --num-experts: megatron-core 0.19.2's expert "
                                          "checkpoint does not load into FSDP2's shards"),
     ([*UNTIED, "--use-megatron-fsdp"], 2, "Using use_megatron_fsdp and use_torch_fsdp2 at the same time is not "

@@ -1668,6 +1668,49 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:,.1f} GB"
 
 
+def padded_vocab_bound(cfg: ConfigContainer) -> int:
+    """The vocabulary's rows as far as the flags tell: the tokenizer's ids (the ByteTokenizer's 257, the NullTokenizer's
+    --vocab-size + 1; 1 for a tokenizer known only once loaded) padded to --make-vocab-size-divisible-by x TP, as
+    Megatron-LM's _vocab_size_with_padding pads them."""
+    m = cfg.model
+    divisible = m.make_vocab_size_divisible_by * m.tensor_model_parallel_size
+    vocab = {"ByteTokenizer": 257, "NullTokenizer": (cfg.tokenizer.vocab_size or 0) + 1}.get(cfg.tokenizer.tokenizer_type, 1)
+    return -(-vocab // divisible) * divisible
+
+
+def position_table_parameters(m) -> int:
+    """The learned position table, which the report leaves out as Bridge's formula does: megatron-core's
+    LanguageModelEmbedding builds it (a torch.nn.Embedding, whole on each tensor-parallel rank) on the first stage for
+    learned absolute positions only; rope builds none (its angles are computed for the sequence given)."""
+    return m.max_position_embeddings * m.hidden_size if m.position_embedding_type == "learned_absolute" else 0
+
+
+def adapter_parameters(cfg: ConfigContainer) -> float:
+    """A LoRA/DoRA adapter's parameters on a rank, at least: each target layer has the hidden size on one side, so one
+    adapter (A and B) holds --lora-dim x h / TP; one at least, on some stage (peft.py's targets may skip the others)."""
+    m, p = cfg.model, cfg.peft
+    return p.lora_dim * m.hidden_size / m.tensor_model_parallel_size if p.peft != "none" else 0
+
+
+def attention_mask_bytes(cfg: ConfigContainer) -> int:
+    """A microbatch's attention masks: megatron-core's GPT dataset builds each sample's s x s mask from a float32 one
+    (gpt_dataset.py, _get_ltor_masks_and_position_ids), and they reach the rank's device as b s x s booleans. Only a
+    run that reads data builds them (generate.py and hf.py's import: --train-iters 0)."""
+    m, t, d = cfg.model, cfg.train, cfg.dataset
+    if t.train_iters != 0 and isinstance(d, GPTDatasetConfig) and d.create_attention_mask:
+        return m.seq_length ** 2 * (t.micro_batch_size + (0 if cfg.use_gpu else 4))
+    return 0
+
+
+def index_samples(cfg: ConfigContainer) -> tuple:
+    """(samples in megatron-core's dataset index, of them to train, evaluations): the training samples, and
+    --eval-iters global batches at each validation and at the test set's."""
+    t, v = cfg.train, cfg.validation
+    evaluations = t.train_iters // v.eval_interval + 2 if v.eval_interval > 0 else 2  # validation, and the test set
+    training = t.train_samples or t.train_iters * t.global_batch_size
+    return training + evaluations * v.eval_iters * t.global_batch_size, training, evaluations
+
+
 def check_fits_in_memory(cfg: ConfigContainer) -> None:
     """A run whose model or dataset index cannot fit is refused before anything is built (else the allocator or
     megatron-core's dataset builder dies with a traceback): by train.py's command line before its imports, and by
@@ -1696,33 +1739,21 @@ def check_fits_in_memory(cfg: ConfigContainer) -> None:
             f"the model needs at least {_gb(attention)} for its layers' attention weights alone (--num-layers "
             f"{m.num_layers} x --hidden-size {m.hidden_size}; {ranks} rank(s) here), more than the {_gb(total)} of "
             f"{where}; make it smaller or split it over more devices")
-    divisible = m.make_vocab_size_divisible_by * m.tensor_model_parallel_size
-    vocab = {"ByteTokenizer": 257, "NullTokenizer": (cfg.tokenizer.vocab_size or 0) + 1}.get(cfg.tokenizer.tokenizer_type, 1)
-    padded_vocab = -(-vocab // divisible) * divisible
+    padded_vocab = padded_vocab_bound(cfg)
     # A run that trains holds weights, gradients and the optimizer's state; one that does not (generate.py, hf.py's
     # import: --train-iters 0) only the weights.
     trains = t.train_iters != 0 and not cfg.validation.skip_train
     _, params, stages = metrics.parameters_per_stage(cfg, padded_vocab)
-    # The learned position table, which the report leaves out as Bridge's formula does: megatron-core's
-    # LanguageModelEmbedding builds it (a torch.nn.Embedding, whole on each tensor-parallel rank) on the first stage
-    # for learned absolute positions only; rope builds none (its angles are computed for the sequence given).
-    table = m.max_position_embeddings * m.hidden_size if m.position_embedding_type == "learned_absolute" else 0
+    table = position_table_parameters(m)
     stages = [(stages[0][0] + table, stages[0][1]), *stages[1:]]
     params += table
     per_stage = metrics.weight_and_optimizer_bytes(cfg, stages, cfg.trainable_fraction if trains else 0)
-    # A LoRA/DoRA adapter: each target layer has the hidden size on one side, so one adapter (A and B) holds at least
-    # --lora-dim x h / TP parameters on a rank; one at least, on some stage (peft.py's targets may skip the others).
-    adapter = p.lora_dim * m.hidden_size / m.tensor_model_parallel_size if p.peft != "none" else 0
+    adapter = adapter_parameters(cfg)
     adapter_bytes = metrics.weight_and_optimizer_bytes(cfg, [(adapter, 0)], 1 if trains else 0)[0]
     # One GPU holds the most loaded stage (the report's figure); a CPU's RAM every rank here, of every stage.
     weights = (max(max(per_stage), min(per_stage) + adapter_bytes) if cfg.use_gpu
                else ranks * sum(per_stage) / len(per_stage) + (adapter_bytes if ranks >= cfg.world_size else 0))
-    # megatron-core's GPT dataset builds each sample's s x s attention mask from a float32 one (gpt_dataset.py,
-    # _get_ltor_masks_and_position_ids), and a microbatch's masks reach the rank's device as b s x s booleans. Only a
-    # run that reads data builds them (generate.py and hf.py's import: --train-iters 0).
-    d, mask = cfg.dataset, 0
-    if t.train_iters != 0 and isinstance(d, GPTDatasetConfig) and d.create_attention_mask:
-        mask = m.seq_length ** 2 * (t.micro_batch_size + (0 if cfg.use_gpu else 4))
+    mask = attention_mask_bytes(cfg)
     need = weights + ranks * (metrics.activation_floor(cfg, padded_vocab) + mask)
     require(need <= total,
             f"the model needs at least {_gb(need)} for its weights"
@@ -1743,9 +1774,7 @@ def check_fits_in_memory(cfg: ConfigContainer) -> None:
     if t.train_iters is None or t.global_batch_size is None:
         return
     v = cfg.validation
-    evaluations = t.train_iters // v.eval_interval + 2 if v.eval_interval > 0 else 2  # validation, and the test set
-    training = t.train_samples or t.train_iters * t.global_batch_size
-    samples = training + evaluations * v.eval_iters * t.global_batch_size
+    samples, training, evaluations = index_samples(cfg)
     require(16 * samples <= total,
             f"{samples:,} samples ({training:,} to train: " + (f"--train-samples {t.train_samples}" if t.train_samples
             else f"--train-iters {t.train_iters} x --global-batch-size {t.global_batch_size}") + f"; --eval-iters "

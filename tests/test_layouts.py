@@ -94,13 +94,12 @@ def draw(seed: int, ranks: int) -> tuple:
 
 
 def parameters(flags: list) -> float:
-    """The model's parameters (metrics.parameters_per_stage, biases left out), its ByteTokenizer vocabulary padded."""
+    """The model's parameters (metrics.parameters_per_stage, biases left out), its vocabulary padded."""
     import checks
     import metrics
 
     cfg = checks.config_from_flags(flags, world_size=1, gpu=False)
-    divisor = cfg.model.make_vocab_size_divisible_by
-    return metrics.parameters_per_stage(cfg, -(-257 // divisor) * divisor)[1]
+    return metrics.parameters_per_stage(cfg, checks.padded_vocab_bound(cfg))[1]
 
 
 def bound(tag: str, flags: list, iterations: int) -> float:

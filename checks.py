@@ -693,6 +693,11 @@ def check_sharding(cfg: ConfigContainer) -> None:
                                                "here; use --optimizer adam, or --use-torch-fsdp2")
     require(cfg.checkpoint.ckpt_format == "fsdp_dtensor",  # arguments.py:1146
             "Megatron-FSDP requires the `fsdp_dtensor` checkpointing format.")
+    # megatron-core splits a gated fc1 at the save through each parameter's megatron_fsdp_slice, which no_shard's
+    # parameters do not have (AttributeError at the first save, after training)
+    require(d.data_parallel_sharding_strategy != "no_shard" or not m.mlp_fields()["gated_linear_unit"],
+            "--data-parallel-sharding-strategy no_shard with a gated MLP (--swiglu, --quick-geglu): megatron-core 0.19.2 "
+            "cannot save it (megatron/core/transformer/fsdp_dtensor_checkpoint.py:283); use optim or a sharding beyond")
     unproven = [(f"--pipeline-model-parallel-size {m.pipeline_model_parallel_size}", m.pipeline_model_parallel_size > 1),
                 (f"--context-parallel-size {m.context_parallel_size}", m.context_parallel_size > 1),
                 (f"--expert-model-parallel-size {m.expert_model_parallel_size}", m.expert_model_parallel_size > 1),

@@ -34,6 +34,8 @@ LAYOUTS = {
     "zero1": (2, ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim"]),
     "zero3": (2, ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]),
     "fsdp2": (2, ["--use-torch-fsdp2"]),
+    "zero0": (2, ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard"]),
+    "zero2": (2, ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"]),
     "tp2_dp2": (4, ["--tensor-model-parallel-size", "2"]),
     "tp2_pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
     "pp2_dp2_dopt": (4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
@@ -45,6 +47,7 @@ LAYOUTS = {
     "zero3_tp2": (4, ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
                       "--tensor-model-parallel-size", "2"]),
     "fsdp2_dp4": (4, ["--use-torch-fsdp2"]),
+    "tp2_pp2_dp2": (8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
 }
 
 # Numbers that are not the model's: the clock's; MTP's cumulative acceptance rates, which megatron-core starts

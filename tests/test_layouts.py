@@ -9,8 +9,9 @@ lines that repeat it: `python -m pytest "tests/test_layouts.py::test_drawn_run[S
 
 Not covered: dropout across layouts (each rank draws its own masks, so a layout changes the numbers;
 test_drawn_run_with_dropout_resumes_bitwise resumes each draw at its own layout bitwise instead), fp16 (its loss
-scale skips iterations by overflow, whose place moves with rounding), more than 4 ranks (8 ranks on this 2-core machine are slow; test_engine's 8-rank layout
-covers TP x PP x DP)."""
+scale skips iterations by overflow, whose place moves with rounding). The first command's layouts are two ranks'
+but Megatron FSDP's no_shard and optim_grads; --full adds those, the four-rank products and two draws at eight
+ranks (TP x PP x DP)."""
 
 import random
 
@@ -31,15 +32,20 @@ BASE = ["--micro-batch-size", "2", "--lr", "3e-3", "--lr-warmup-iters", "2", "--
 BF16 = 2 ** -8
 
 TWO_RANKS = [name for name, (nproc, _) in layouts.LAYOUTS.items() if nproc == 2]
-FAST_SEEDS = list(range(len(TWO_RANKS)))  # one for each two-rank layout as A
+# The first command's two-rank layouts: Megatron FSDP's middle strategies (no_shard, optim_grads) wait for --full.
+FAST_LAYOUTS = [name for name in TWO_RANKS if name not in ("zero0", "zero2")]
+FAST_SEEDS = list(range(len(FAST_LAYOUTS)))  # one for each of them as A
 # The full sample (more seeds, four-rank layouts) waits on the findings listed in docs/testing.md.
 FULL_SEEDS = list(range(11, 27))
+EIGHT_SEEDS = [28, 30]  # A at eight ranks (TP x PP x DP), under --full: each run ~2 minutes on two cores
 
 
 # The settings a draw turns on, each with its chance: (chance, flags).
 SETTINGS = [(0.5, ["--disable-bias-linear"]), (0.5, ["--untie-embeddings-and-output-weights"]),
             (0.3, ["--qk-layernorm"]), (0.4, ["--calculate-per-token-loss"]), (0.3, ["--z-loss-coeff", "1e-3"]),
             (0.2, ["--mtp-num-layers", "1"]), (0.3, ["--optimizer", "sgd"]), (0.2, ["--bf16"])]
+LATENT = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+          "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--position-embedding-type", "rope"]
 EXPERTS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-aux-loss-coeff", "1e-2"]
 
 
@@ -47,8 +53,10 @@ def draw(seed: int, ranks: int) -> tuple:
     """(flags, layout A, layout B) of seed `seed`, the layouts of at most `ranks` ranks. The fast sample's seeds take
     each two-rank layout in turn as A; a model takes the layers its layouts' pipeline stages need."""
     r = random.Random(seed)
-    every = [n for n, (nproc, _) in layouts.LAYOUTS.items() if nproc <= ranks]
-    a = TWO_RANKS[seed % len(TWO_RANKS)] if seed in FAST_SEEDS else r.choice(every)
+    every = [n for n, (nproc, _) in layouts.LAYOUTS.items() if nproc <= ranks and (seed not in FAST_SEEDS
+                                                                                  or n in FAST_LAYOUTS)]
+    a = (FAST_LAYOUTS[seed % len(FAST_LAYOUTS)] if seed in FAST_SEEDS else "tp2_pp2_dp2" if seed in EIGHT_SEEDS
+         else r.choice(every))
     ep = lambda n: "--expert-model-parallel-size" in layouts.LAYOUTS[n][1]
     tp = lambda n: "--tensor-model-parallel-size" in layouts.LAYOUTS[n][1]
     # Experts at TP 2 take expert TP 1 (gloo), which keeps their optimizer apart: they continue only a checkpoint whose
@@ -79,6 +87,10 @@ def draw(seed: int, ranks: int) -> tuple:
         del flags[flags.index("--z-loss-coeff"):flags.index("--z-loss-coeff") + 2]
     if experts:
         flags += [*EXPERTS, "--moe-token-dispatcher-type", r.choice(["alltoall", "allgather"])]
+    if r.random() < 0.2 or seed == 2:  # latent attention (DeepSeek's; rotary positions), in the fast sample at TP 2
+        flags += LATENT
+        if "--num-query-groups" in flags:  # latent attention has none (checks.py refuses them)
+            del flags[flags.index("--num-query-groups"):flags.index("--num-query-groups") + 2]
     # What the layouts need, so that the draw runs at both rather than being refused (checks.py says why of each):
     if "--mtp-num-layers" in flags and any(pipeline):  # megatron-core's MTP stage
         flags[flags.index("--position-embedding-type") + 1] = "rope"
@@ -137,12 +149,12 @@ FOUND: dict = {}
 def seeds() -> list:
     marks = lambda s: [pytest.mark.xfail(reason=FOUND[s], strict=True)] if s in FOUND else []
     return [*[pytest.param(s, marks=marks(s)) for s in FAST_SEEDS],
-            *[pytest.param(s, marks=[pytest.mark.full, *marks(s)]) for s in FULL_SEEDS]]
+            *[pytest.param(s, marks=[pytest.mark.full, *marks(s)]) for s in FULL_SEEDS + EIGHT_SEEDS]]
 
 
 @pytest.mark.parametrize("seed", seeds())
 def test_drawn_run(seed, launch, tmp_path):
-    flags, a, b = draw(seed, ranks=2 if seed in FAST_SEEDS else 4)
+    flags, a, b = draw(seed, ranks=2 if seed in FAST_SEEDS else 8 if seed in EIGHT_SEEDS else 4)
     check = layouts.Check(flags, str(tmp_path), launch=launch)
     one = check.one()
     if one["refused"]:  # a model validation refuses is a refusal at every layout
@@ -162,7 +174,7 @@ def test_drawn_run(seed, launch, tmp_path):
 
 # The draws resumed with Megatron-LM's default dropout: in the first command tensor parallelism with SP (each rank's
 # own tensor-parallel generator) and the pipeline (each stage's own layers' masks); every other fast seed under --full.
-DROPOUT_SEEDS = [s for s in FAST_SEEDS if TWO_RANKS[s % len(TWO_RANKS)] in ("tp2_sp", "pp2")]
+DROPOUT_SEEDS = [s for s in FAST_SEEDS if FAST_LAYOUTS[s % len(FAST_LAYOUTS)] in ("tp2_sp", "pp2")]
 
 
 @pytest.mark.parametrize("seed", [pytest.param(s, marks=[] if s in DROPOUT_SEEDS else [pytest.mark.full])
@@ -190,14 +202,14 @@ def test_the_fast_sample_has_every_layout_and_setting():
     once (the full sample adds the four-rank layouts and more combinations), and each draw runs at both its layouts: a
     draw refused at validation would prove nothing of them."""
     draws = [draw(seed, 2) for seed in FAST_SEEDS]
-    assert {name for _, a, b in draws for name in (a, b)} == set(TWO_RANKS)
+    assert {name for _, a, b in draws for name in (a, b)} == set(FAST_LAYOUTS)
     for seed, (flags, a, b) in zip(FAST_SEEDS, draws):
         check = layouts.Check(flags, "unused")
         for name in (a, b):
             argv = layouts.at_layout(flags, layouts.LAYOUTS[name][1])
             assert argv is not None and layouts.refusal(check.argv(name, argv), 2) is None, (seed, name)
     given = [" ".join(flags) for flags, _, _ in draws]
-    for choice in [*[" ".join(setting) for _, setting in SETTINGS], *EXPERTS, "--swiglu", "--squared-relu",
+    for choice in [*[" ".join(setting) for _, setting in SETTINGS], *EXPERTS, "--multi-latent-attention", "--swiglu", "--squared-relu",
                    "--normalization RMSNorm", "--normalization LayerNorm", "rope", "learned_absolute", "alltoall",
                    "allgather", "--num-query-groups", "--ffn-hidden-size", "--num-layers 1", "--num-layers 4"]:
         assert any(choice in flags for flags in given), choice

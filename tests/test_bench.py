@@ -8,6 +8,7 @@ import bench
 SHAPE = (2, 64, 4, 32, 2, 100, 4)  # layers, hidden, heads, seq, batch, vocab (train.py pads it to 128), iterations
 
 
+@pytest.mark.full  # bench.py's own runs; the first command's are train.py's
 def test_small_runs_train_py_and_a_plain_loop_of_the_same_gpt(tmp_path):
     runs = bench.small_runs(SHAPE, str(tmp_path))
     seen = {name: bench._small_run(cmd) for name, cmd in runs.items()}

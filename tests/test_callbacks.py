@@ -98,6 +98,7 @@ def slow_rank_run(tmp_path_factory):
     return dict(dir=out, stdout=proc.stdout)
 
 
+@pytest.mark.full  # the slow rank's job (the fixture) is a fresh two-rank run
 def test_straggler_report_names_the_slow_rank(slow_rank_run):
     """A timing, with its margin: rank 1 sleeps 0.4 s an iteration (2 microbatches), 2 s over a 5-iteration report,
     about 8 times a step of this model; both ranks run the same work on the same machine, so for rank 0 to report
@@ -108,6 +109,7 @@ def test_straggler_report_names_the_slow_rank(slow_rank_run):
         assert (fastest, slowest) == ("0", "1") and float(slowest_ms) > float(fastest_ms)
 
 
+@pytest.mark.full  # the same job as the straggler report's
 def test_pytorch_profiler_traces_the_profiled_rank_and_steps(slow_rank_run):
     traces = glob.glob(str(slow_rank_run["dir"] / "tb" / "*.pt.trace.json"))
     assert [os.path.basename(t).split(".")[0] for t in traces] == ["rank1"]  # --profile-ranks 1: no trace for rank 0

@@ -372,6 +372,7 @@ def _wait_for(predicate, timeout=120):
     return False
 
 
+@pytest.mark.full  # a fresh job; the first command's SIGTERM is the whole job's
 def test_sigterm_on_one_rank_saves_and_stops_all_ranks(tmp_path):
     log = tmp_path / "log"
     args = [*TINY, "--mock-data", "--train-iters", "3000", "--log-interval", "1", "--eval-iters", "0",
@@ -392,6 +393,7 @@ def test_sigterm_on_one_rank_saves_and_stops_all_ranks(tmp_path):
     assert "rng_state/shard_0.0_1.1" in checkpoint_keys(tmp_path / "ck" / f"iter_{step:07d}")
 
 
+@pytest.mark.full  # a fresh job; the first command's kill -9 is mid-save's
 def test_nothing_outlives_a_killed_rank(tmp_path):
     """`kill -9` of one rank (an OOM kill, say), after its first save: within 10 seconds no process it started is
     left (the --async-save writer's Manager, which blocks SIGTERM and SIGINT, dies with it; DataLoader workers
@@ -504,6 +506,7 @@ def test_kill_9_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, mode,
     assert (ck / "latest_checkpointed_iteration.txt").read_text() == str(published + 2)
 
 
+@pytest.mark.full  # a fresh job; the first command's damage is kill -9 mid-save's
 def test_saving_an_iteration_again_never_leaves_it_missing(tmp_path, capsys):
     """--ckpt-step 2 below the tracker's 3, saving into the same directory: iteration 3, the one the tracker names, is
     saved again. Done, the new one has taken its place and nothing is left aside; killed with -9 in the middle of

@@ -329,3 +329,41 @@ def test_the_readmes_fork_recipes_are_the_pages():
     headings = [own(h.lower()) for h in re.findall(r"^## (.*)$", read("docs/fork.md"), re.M)]
     assert all(any(item in h for h in headings) for item in items), (items, headings)
     assert all(any(item in h for item in items) for h in headings), (items, headings)
+
+
+# --- (e) where each model setting is read ---------------------------------------------------------------------------
+
+# A model setting read as `cfg.model.NAME`, `state.cfg.model.NAME` or `m.NAME` (the modules' name for cfg.model).
+SETTING_READ = re.compile(r"(?:\bm|\.model)\.([a-z_][a-z0-9_]*)\b")
+READS_TABLE = "<!-- the table below is tests/test_docs.py's setting_reads() -->"
+
+
+def setting_reads() -> dict:
+    """{model setting: the top-level modules that read it}, for GPTModelProvider's fields and its mlp_fields()."""
+    import dataclasses
+
+    import config
+
+    names = {f.name for f in dataclasses.fields(config.GPTModelProvider)} | {"mlp_fields"}
+    reads: dict = {}
+    for path in sorted(glob.glob(os.path.join(ROOT, "*.py"))):
+        for name in set(SETTING_READ.findall(open(path).read())) & names:
+            reads.setdefault(name, []).append(os.path.basename(path)[:-3])
+    return reads
+
+
+def reads_table(reads: dict) -> str:
+    return "\n".join(["| setting | read by |", "| --- | --- |",
+                      *[f"| `{name}` | {', '.join(f'`{m}.py`' for m in modules)} |" for name, modules in
+                        sorted(reads.items(), key=lambda item: (-len(item[1]), item[0]))]])
+
+
+def test_the_model_page_lists_every_module_that_reads_each_model_setting():
+    """docs/model.md's table of where each model setting is read is the code's (print it again with
+    `cd tests && python -c "import test_docs as t; print(t.reads_table(t.setting_reads()))"`):
+    a fork that resembles a setting finds every module it must look at. Not covered: reads under another name than
+    cfg.model or m (a getattr, a copy of the config)."""
+    page = read("docs/model.md")
+    assert READS_TABLE in page
+    shown = page.split(READS_TABLE, 1)[1].strip().split("\n\n", 1)[0].strip()
+    assert shown == reads_table(setting_reads())

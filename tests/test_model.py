@@ -55,6 +55,7 @@ def test_one_query_against_cached_keys_is_the_last_row_of_causal_attention(singl
                                    rtol=1e-5, atol=1e-5)  # as in the test above: two fp32 kernels
 
 
+@pytest.mark.full  # two ranks; the first command's CP is test_engine's and the drawn runs' cp2
 def test_sdpa_attention_under_context_parallelism_is_one_process_attention():
     """Two CP ranks, each with its two chunks of the sequence (megatron-core's cut), give the one-process attention's
     output and Q/K/V gradients at their positions, with the causal mask from the chunks' offsets and with an

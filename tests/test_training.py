@@ -135,6 +135,7 @@ def test_tensor_parallel_with_the_default_dropout_stops_and_resumes_bitwise(tmp_
     assert [second[it] for it in (4, 5, 6)] == [first[it] for it in (4, 5, 6)]
 
 
+@pytest.mark.full  # a fresh job; the first command's one-line stop of every rank is the NaN gradient's
 def test_an_exception_mid_run_ends_the_rank_and_its_data_workers(tmp_path):
     """Rank 0 raises at iteration 4 with two DataLoader workers per rank: the job ends (torchrun stops rank 1) with
     the exception on stderr and a non-zero code, and no process of it is left (a rank that waited on its workers at

@@ -406,6 +406,11 @@ def save_checkpoint(state, model: list, optimizer, scheduler) -> str:
     With --async-save the tensors are handed to a background writer and this returns at once; the
     checkpoint is published later, by maybe_finalize_async_save, once every rank has finished writing.
     """
+    with device.adam_as_built(optimizer):  # the file's param groups as Megatron-LM's, whatever kernel steps here
+        return _save_checkpoint(state, model, optimizer, scheduler)
+
+
+def _save_checkpoint(state, model: list, optimizer, scheduler) -> str:
     cfg, ts = state.cfg, state.train_state
     ck = cfg.checkpoint
     rank = torch.distributed.get_rank()
@@ -1255,6 +1260,7 @@ def load_checkpoint(state, model: list, optimizer, scheduler, path: str, finetun
         error, loaded = e, False
     if any_rank(error is not None):
         raise error or CheckpointError(f"{path}: another rank could not load its part of the checkpoint (see its error)")
+    device.fused_cpu_adam(optimizer)  # the loaded groups' `fused` is the file's
     return loaded
 
 

@@ -702,7 +702,7 @@ def check_sharding(cfg: ConfigContainer) -> None:
                 (f"--context-parallel-size {m.context_parallel_size}", m.context_parallel_size > 1),
                 (f"--expert-model-parallel-size {m.expert_model_parallel_size}", m.expert_model_parallel_size > 1),
                 ("--fp16", m.fp16), ("--peft", cfg.peft.peft != "none"),
-                ("--log-l2-norm-grad", cfg.logger.log_l2_norm_grad), ("--overlap-grad-reduce", d.overlap_grad_reduce),
+                ("--overlap-grad-reduce", d.overlap_grad_reduce),
                 ("--overlap-param-gather", d.overlap_param_gather), ("--eval-tasks", cfg.downstream.eval_tasks is not None)]
     given = [flag for flag, on in unproven if on]
     require(not given, f"--use-megatron-fsdp with {given[0] if given else ''} is not proven equal to one process "
@@ -734,7 +734,7 @@ def check_torch_fsdp2(cfg: ConfigContainer) -> None:
     require(c.ckpt_format in ("torch_dist", "torch_dcp"), "--use-torch-fsdp2 requires --ckpt-format torch_dist or torch_dcp")
     unproven = [(f"--context-parallel-size {m.context_parallel_size}", m.context_parallel_size > 1),
                 ("--peft", cfg.peft.peft != "none"),
-                ("--log-l2-norm-grad", cfg.logger.log_l2_norm_grad), ("--eval-tasks", cfg.downstream.eval_tasks is not None),
+                ("--eval-tasks", cfg.downstream.eval_tasks is not None),
                 (f"--optimizer {o.optimizer}", o.optimizer not in ("adam", "sgd"))]
     given = [flag for flag, on in unproven if on]
     require(not given, f"--use-torch-fsdp2 with {given[0] if given else ''} is not proven equal to one process here "

@@ -410,7 +410,8 @@ def flag_of(section: str, f) -> str:
 
 def section_default(cls, section: str):
     """A section's defaults: its class's, with DEFAULTS applied."""
-    return cls(**{k.split(".")[1]: v for k, (v, _) in DEFAULTS.items() if k.split(".")[0] == section})
+    prefix = section + "."
+    return cls(**{k[len(prefix):]: v for k, (v, _) in DEFAULTS.items() if k.startswith(prefix)})
 
 
 def section(cls, name: str):
@@ -422,7 +423,7 @@ def default_of(sub, section: str, name: str):
     """A setting's default: DEFAULTS', else its class's (the section `sub` is an instance of)."""
     if f"{section}.{name}" in DEFAULTS:
         return DEFAULTS[f"{section}.{name}"][0]
-    f = next(f for f in dataclasses.fields(sub) if f.name == name)
+    f = sub.__dataclass_fields__[name]
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 

@@ -141,8 +141,12 @@ def numbers(tb: dict) -> list:
 
 def differences(run: dict, reference: dict, after: int) -> dict:
     """{tag: the largest relative difference of `run`'s value from `reference`'s at the iterations after `after`}
-    (an absolute one where the reference is 0; num-zeros, a count, as a count); a tag one side lacks is inf."""
+    (an absolute one where the reference is 0; num-zeros, a count, as a count); a tag one side lacks is inf. A
+    parameter's gradient norm (--log-l2-norm-grad) is relative to the whole model's, or its own where larger: one
+    whose gradient cancels (a k layernorm's bias, which softmax ignores: it shifts every key alike) holds only the
+    rounding of terms the size of the others'."""
     out = {}
+    whole = reference.get("l2_norm/grad/global", {})
     for tag in sorted(set(numbers(run)) | set(numbers(reference))):
         if tag not in run or tag not in reference:
             out[tag] = math.inf
@@ -151,8 +155,11 @@ def differences(run: dict, reference: dict, after: int) -> dict:
         if any(it not in run[tag] for it in its):
             out[tag] = math.inf
             continue
-        gap = lambda a, b: abs(a - b) if tag == "num-zeros" or b == 0 else abs(a - b) / abs(b)
-        out[tag] = max([gap(run[tag][it], reference[tag][it]) for it in its], default=0.0)
+        scale = lambda it: max(abs(reference[tag][it]), whole[it]) if tag.startswith("l2_norm/grad/") else \
+            abs(reference[tag][it])
+        gap = lambda it: abs(run[tag][it] - reference[tag][it]) / (1 if tag == "num-zeros" or scale(it) == 0 else
+                                                                    scale(it))
+        out[tag] = max([gap(it) for it in its], default=0.0)
     return out
 
 
@@ -179,26 +186,27 @@ def torchrun(argv: list, nproc: int, timeout: int = 600) -> subprocess.Completed
 
 
 class Check:
-    """The one process's run of `flags` and its continuations at layouts, in folder `out`: each run saves every
-    `step` iterations and stops at 3 x `step`; a layout continues the one process's checkpoint of `step`, and a second
-    layout (`then`) the first's of 2 x `step`. `launch(argv, nproc)` runs train.py and returns a CompletedProcess
+    """The one process's run of `flags` and its continuations at layouts, in folder `out`: each run stops at 3 x
+    `step`; a layout continues the one process's checkpoint of `step`, and a second layout (`then`) the first's of
+    2 x `step` (and saves none: nothing continues it). `launch(argv, nproc)` runs train.py and returns a CompletedProcess
     (`torchrun` above, or the test suite's warm ranks)."""
 
     def __init__(self, flags: list, out: str, step: int = 2, launch=torchrun):
         self.flags, self.out, self.step, self.launch = list(flags), out, step, launch
         self.runs = {}  # name: {"argv", "nproc", "tb"} or {"refused", "argv", "nproc"}
 
-    def argv(self, name: str, flags: list) -> list:
+    def argv(self, name: str, flags: list, save: bool = True) -> list:
         folder = os.path.join(self.out, name)
+        saving = ["--save", os.path.join(folder, "ckpt"), "--save-interval", str(self.step)] if save else []
         return [*flags, "--train-iters", str(3 * self.step), "--log-interval", "1", "--tensorboard-dir",
-                os.path.join(folder, "tb"), "--save", os.path.join(folder, "ckpt"), "--save-interval", str(self.step),
-                "--data-cache-path", os.path.join(self.out, "cache")]
+                os.path.join(folder, "tb"), *saving, "--data-cache-path", os.path.join(self.out, "cache")]
 
-    def run(self, name: str, nproc: int, flags: list, load: str = None, step: int = None) -> dict:
-        """Train `flags` on `nproc` ranks (continuing run `load`'s checkpoint of iteration `step`), once by name."""
+    def run(self, name: str, nproc: int, flags: list, load: str = None, step: int = None, save: bool = True) -> dict:
+        """Train `flags` on `nproc` ranks (continuing run `load`'s checkpoint of iteration `step`), once by name;
+        `save=False`: a run whose checkpoints nothing continues saves none."""
         if name in self.runs:
             return self.runs[name]
-        argv = self.argv(name, flags)
+        argv = self.argv(name, flags, save)
         if load is not None:
             argv += ["--load", os.path.join(self.out, load, "ckpt"), "--ckpt-step", str(step)]
         why = refusal(argv, nproc)
@@ -239,7 +247,8 @@ class Check:
         if then is None and kind:  # on one rank the same arithmetic as the plain optimizer (tests/test_engine.py)
             if self.run(source, 1, [*self.flags, *kind])["refused"]:
                 return self.runs[source]
-        run = self.run(name if then is None else f"{name}_then_{then}", nproc, flags, load=source, step=loaded)
+        run = self.run(name if then is None else f"{name}_then_{then}", nproc, flags, load=source, step=loaded,
+                       save=then is None)
         if run["refused"]:
             return run
         return dict(run, differences=differences(run["tb"], self.one()["tb"], loaded),

@@ -844,8 +844,7 @@ def report_l2_norm_grad(model) -> dict:
     model = model if isinstance(model, list) else [model]
     # Every tensor-parallel rank lists the same names in the same order (so the per-name sums line up);
     # a duplicate counts as zero except on tensor-parallel rank 0.
-    named = [(global_name(chunk, n), p) for chunk in model for n, p in unwrap_model(chunk).named_parameters()
-             if param_is_not_shared(p)]
+    named = [(global_name(chunk, n), p) for chunk in model for n, p in _named_parameters(chunk) if param_is_not_shared(p)]
     owned = _owned_grads(model)
     report, total = {}, torch.zeros((), device=device.current())
     for expert in (False, True):
@@ -853,10 +852,10 @@ def report_l2_norm_grad(model) -> dict:
         if expert and not getattr(getattr(unwrap_model(model[0]), "config", None), "num_moe_experts", None):
             break
         squares = torch.stack([
-            owned.get(p, _grad_of(p)).float().pow(2).sum()
+            _local(owned.get(p, _grad_of(p))).float().pow(2).sum()
             if _grad_of(p) is not None and _not_tp_duplicate(p)
-            else torch.zeros((), device=p.device) for _, p in part] or [torch.zeros((), device=device.current())])
-        if owned:  # each data-parallel rank holds its shard of every reduced gradient
+            else torch.zeros((), device=device.current()) for _, p in part] or [torch.zeros((), device=device.current())])
+        if owned or _fully_sharded(model):  # each data-parallel rank holds its shard of every reduced gradient
             squares = _sum_over(squares, parallel_state.get_expert_data_parallel_group() if expert else
                                 parallel_state.get_data_parallel_group(with_context_parallel=True))
         if not expert:
@@ -889,7 +888,8 @@ def global_name(chunk, name: str) -> str:
     match = re.match(r"decoder\.layers\.(\d+)\.", name)
     if match is None:
         return name
-    number = unwrap_model(chunk).decoder.layers[int(match[1])].layer_number
+    gpt = next(m for m in unwrap_model(chunk).modules() if hasattr(m, "decoder"))  # under Megatron FSDP's adapter too
+    number = gpt.decoder.layers[int(match[1])].layer_number
     return f"decoder.layers.{number - 1}.{name[match.end():]}"
 
 
@@ -899,7 +899,8 @@ def _owned_grads(model: list) -> dict:
     (param_and_grad_buffer.py:74, shard_buffer) and the rest of the buffer is its own unreduced gradient."""
     owned = {}
     for chunk in model:
-        if not getattr(getattr(chunk, "ddp_config", None), "use_distributed_optimizer", False):
+        if not getattr(getattr(chunk, "ddp_config", None), "use_distributed_optimizer", False) or \
+                not isinstance(chunk.buffers, list):  # Megatron FSDP (nn.Module's buffers()): DTensor gradients
             continue
         for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]:
             ranks, rank = buffer.data_parallel_group.size(), buffer.data_parallel_group.rank()
@@ -909,6 +910,29 @@ def _owned_grads(model: list) -> dict:
                 for p, (start, end) in bucket.param_to_index.items():
                     owned[p] = bucket.grad_data[max(start, lo):max(min(end, hi), max(start, lo))]
     return owned
+
+
+def _named_parameters(chunk) -> list:
+    """(name, parameter) of a model chunk, the name the model's own. Under Megatron FSDP the optimizer's parameters,
+    its DTensor shards whose gradients the step read: between steps optim_grads_params holds the whole weights in the
+    module instead (megatron_fsdp.py:1396, _replace_param_with_raw_if_needed), whose gradients read as zeros. Its
+    adapter names the model `module.`, and Float16Module another."""
+    inner = unwrap_model(chunk)
+    buffer = getattr(inner, "param_and_grad_buffer", None)
+    pairs = buffer.optimizer_named_parameters if buffer is not None else inner.named_parameters()
+    return [(re.sub(r"^(module\.)+", "", n), p) for n, p in pairs]
+
+
+def _fully_sharded(model: list) -> bool:
+    """Megatron FSDP or torch FSDP2: each data-parallel rank holds a shard of every reduced gradient, a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for chunk in model for _, p in _named_parameters(chunk))
+
+
+def _local(grad):
+    """A gradient's part on this rank: a DTensor's local shard (an FSDP's data-parallel shard), else the tensor."""
+    return grad.to_local() if hasattr(grad, "to_local") else grad
 
 
 def _grad_of(p):

@@ -684,12 +684,7 @@ def build_optimizer(cfg, model: list, timers=None):
         if isinstance(inner.optimizer, torch.optim.SGD) and inner.init_state_fn is None:
             # megatron-core 0.19.2 gives SGD none (optimizer/__init__.py:617-624): loading its state raised TypeError
             inner.init_state_fn = momentum_buffers
-    if not device.cuda() and cfg.optimizer.optimizer == "adam":
-        # Without apex or transformer-engine megatron-core builds torch's AdamW with its defaults
-        # (optimizer/__init__.py:557), a per-tensor loop on CPU; torch's fused CPU kernel is 3-5x faster
-        # (python bench.py hotpath) and computes the same update.
-        for group in optimizer.param_groups:
-            group["fused"] = True
+    device.fused_cpu_adam(optimizer)
     return optimizer
 
 

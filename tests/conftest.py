@@ -110,12 +110,6 @@ def pytest_collection_modifyitems(config, items):
     order_files(items)  # by the tests selected, as xdist counts them
 
 
-def two_ranks_at_most(names, ranks_of) -> list:
-    """pytest parameters of `names`, those run on more than two ranks (a product of layouts: 4 or 8 ranks on this
-    2-core machine) marked `full`: the fast command runs every layout at two ranks, the full proof their products."""
-    return [pytest.param(name, marks=pytest.mark.full) if ranks_of(name) > 2 else name for name in names]
-
-
 def config_error(argv, capsys, world_size=1, gpu=False, run=False) -> str:
     """Parse `argv` expecting a validation error: exit code 2 and a one-line message on stderr, returned. `run`: as
     train.py's command line parses it (the run must also fit this machine)."""

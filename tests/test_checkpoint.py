@@ -592,3 +592,27 @@ def test_snapshot_does_not_share_memory_with_the_live_state():
 def test_async_save_without_save_dir_is_refused(capsys):
     err = config_error(["--async-save", "--no-save"], capsys)
     assert "--async-save" in err and "drop one" in err, err
+
+
+def _groups_with(saved, key: str) -> list:
+    """Every dict in a checkpoint's common state that holds `key` (the optimizer's param groups)."""
+    if isinstance(saved, dict):
+        return ([saved] if key in saved else []) + [g for v in saved.values() for g in _groups_with(v, key)]
+    return [g for v in saved for g in _groups_with(v, key)] if isinstance(saved, (list, tuple)) else []
+
+
+def test_a_checkpoint_names_megatron_cores_adam_and_a_load_steps_with_this_machines(mock_run, tmp_path):
+    """On a CPU torch's fused Adam steps (device.fused_cpu_adam). A checkpoint's param groups say what megatron-core
+    builds, `fused` None, as Megatron-LM's do; a run loading one (ours, or Megatron-LM's) steps with the fused kernel
+    again: torch's load_state_dict takes the file's groups, and it took None."""
+    import train
+
+    ckpt = _copy_ckpt(mock_run, tmp_path)
+    groups = _groups_with(dist_checkpointing.load_common_state_dict(str(ckpt / "iter_0000030")), "fused")
+    assert groups and [g["fused"] for g in groups] == [None] * len(groups)
+    state, _, optimizer, _, _ = train.setup(_cfg(tmp_path, "--train-iters", "40", "--global-batch-size", "8",
+                                                 "--use-checkpoint-opt-param-scheduler", "--load", str(ckpt)))
+    try:
+        assert [g["fused"] for g in optimizer.param_groups] == [True] * len(optimizer.param_groups)
+    finally:
+        train._finish_train(state)

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from conftest import REORDERED, TINY, Launches, two_ranks_at_most
+from conftest import REORDERED, TINY, Launches
 
 # Four layers so two pipeline stages can each hold two virtual stages; no dropout, so layouts compare exactly. Every
 # number a run reports: the z-loss beside the lm loss, the params norm, the zeros in the gradient, the gradient's norm
@@ -146,10 +146,10 @@ def test_the_distributed_optimizer_on_one_rank_is_the_plain_optimizer(runs):
     assert_same(runs.dopt(), runs.plain(), range(1, 7))
 
 
-# The fast command: every layout on two ranks but CP=2 with RoPE; the full proof that and the 4- and 8-rank products.
-@pytest.mark.parametrize("name", two_ranks_at_most([name for name in LAYOUTS if name != "cp2_rope"],
-                                                   lambda name: LAYOUTS[name][0])
-                         + [pytest.param("cp2_rope", marks=pytest.mark.full)])
+# The full proof: every layout and the 4- and 8-rank products. The first command's layouts are its drawn runs'
+# (tests/test_layouts.py: every two-rank layout, each with a drawn model, continued from one process's checkpoint).
+@pytest.mark.full
+@pytest.mark.parametrize("name", list(LAYOUTS))
 def test_every_layout_continues_the_one_rank_checkpoint_with_its_losses_and_grad_norms(runs, name):
     """The same global batches and the same weights, resharded on load into data-parallel replicas,
     tensor-parallel shards, pipeline stages (1F1B, interleaved, uneven) or distributed-optimizer shards:

@@ -12,9 +12,9 @@ at TP=1 and TP=2. Bitwise resumes with Megatron-LM's default dropout and kill -9
 The models vary what a single model would pin: FSDP2's has the per-token loss and a position table of 65 rows (a
 first dimension DP 2 and 4 do not divide), the LLaMA-like one SwiGLU (resumed at another TP) and the per-token loss;
 bf16 runs with Megatron FSDP's fp32 and auto gradients and FSDP2's.
-Experts at EP=1, MTP and the z-loss under each FSDP are tests/test_layouts.py's drawn runs.
+Experts at EP=1, MTP, the z-loss and --log-l2-norm-grad under each FSDP are tests/test_layouts.py's drawn runs.
 Not covered, and refused in one line by checks.check_sharding and check_torch_fsdp2: pipeline and context parallelism,
-EP > 1, experts under FSDP2, fp16, LoRA, --log-l2-norm-grad, the overlaps, downstream tasks, --async-save of
+EP > 1, experts under FSDP2, fp16, LoRA, the overlaps, downstream tasks, --async-save of
 fsdp_dtensor and torch_dcp, and torch_dcp at TP > 1 (Megatron-LM's refusal)."""
 
 import pytest
@@ -98,10 +98,10 @@ def runs(tmp_path_factory, warm_torchrun):
     return runs
 
 
-# The fast command: ZeRO-3 (Megatron-LM's default strategy) and ZeRO-1 (whose gradients a no_sync hook doubled) at
-# DP=2, and torch FSDP2 at DP=2 (and its torch_dcp checkpoint); the full proof every strategy and FSDP2 at DP=2, DP=4
-# and TP=2 x DP=2.
-FAST = ("dp2_optim_grads_params", "dp2_optim", "fsdp2_dp2", "fsdp2_dcp_dp2")
+# The fast command: torch FSDP2's torch_dcp checkpoint, which no drawn run writes; ZeRO-1, ZeRO-3 and FSDP2 at DP=2
+# are the first command's drawn runs' layouts (tests/test_layouts.py: zero1, zero3, fsdp2, each with a drawn model).
+# The full proof: every strategy, and FSDP2 at DP=2, DP=4 and TP=2 x DP=2.
+FAST = ("fsdp2_dcp_dp2",)
 
 
 @pytest.mark.parametrize("name", [name if name in FAST else pytest.param(name, marks=pytest.mark.full) for name in LAYOUTS
@@ -406,7 +406,6 @@ def test_a_checkpoint_of_another_model_is_one_line_unless_the_load_is_partial(ru
                                           "formats in the foreground"),
     (["--pipeline-model-parallel-size", "2"], 4, "--use-megatron-fsdp with --pipeline-model-parallel-size 2 is not "
                                                  "proven equal to one process here yet"),
-    (["--log-l2-norm-grad"], 2, "--use-megatron-fsdp with --log-l2-norm-grad is not proven"),
     (["--data-parallel-sharding-strategy", "no_shard", "--swiglu"], 2,
      "--data-parallel-sharding-strategy no_shard with a gated MLP (--swiglu, --quick-geglu): megatron-core 0.19.2 "
      "cannot save it"),
@@ -499,7 +498,11 @@ def test_a_yaml_files_strict_load_wins_over_the_command_lines_default(tmp_path):
     assert cfg.checkpoint.strict_fsdp_dtensor_load is False
 
 
-def test_the_memory_estimate_is_what_each_strategy_holds_on_a_rank():
+# The first command: Megatron-LM's default strategy and FSDP2; the full proof the other three too.
+@pytest.mark.parametrize("strategies", [("optim_grads_params", "fsdp2"),
+                                        pytest.param(("no_shard", "optim", "optim_grads"), marks=pytest.mark.full)],
+                         ids=["default_fsdp2", "others"])
+def test_the_memory_estimate_is_what_each_strategy_holds_on_a_rank(strategies):
     """metrics.bytes_per_parameter (the theoretical memory report's and the fit check's count) against what Megatron
     FSDP has allocated on a rank at the end of a step at DP=2 (tests/scripts/fsdp_memory.py): fp32 with Adam, 20 bytes
     a parameter unsharded, 8 + 12/2 with the optimizer state sharded, 4 + 16/2 with the gradients too, and 20/2 with
@@ -511,14 +514,13 @@ def test_the_memory_estimate_is_what_each_strategy_holds_on_a_rank():
 
     from conftest import torchrun
 
-    proc = torchrun(["no_shard", "optim", "optim_grads", "optim_grads_params", "fsdp2"], nproc=2,
-                    script="tests/scripts/fsdp_memory.py")
+    proc = torchrun(list(strategies), nproc=2, script="tests/scripts/fsdp_memory.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["strategy"]: r for r in map(json.loads, [line for line in proc.stdout.splitlines() if line.startswith("{")])}
     # torch FSDP2: its weights, gradients and Adam's moments all sharded, 16/2; its shards are padded by torch to
     # whole rows only, which the bound below covers
-    assert {s: r["theory"] for s, r in rows.items()} == {"no_shard": 20, "optim": 14, "optim_grads": 12,
-                                                          "optim_grads_params": 14, "fsdp2": 8}
+    theory = {"no_shard": 20, "optim": 14, "optim_grads": 12, "optim_grads_params": 14, "fsdp2": 8}
+    assert {s: r["theory"] for s, r in rows.items()} == {s: theory[s] for s in strategies}
     for strategy, r in rows.items():
         # Megatron FSDP's buckets; FSDP2's uneven shards: at most one row more of each parameter on a rank, in its 4
         # tensors of 4 bytes (weight, gradient, two moments)

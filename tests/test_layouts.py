@@ -121,6 +121,12 @@ def draw(seed: int, ranks: int) -> tuple:
         flags = [f for i, f in enumerate(flags) if f != "--optimizer" and flags[i - 1] != "--optimizer"]
     if any("--use-torch-fsdp2" in layouts.LAYOUTS[n][1] for n in (a, b)):  # FSDP2 shards no tied weight
         flags += [] if "--untie-embeddings-and-output-weights" in flags else ["--untie-embeddings-and-output-weights"]
+    # Each parameter's gradient norm, compared as every number the run writes: drawn apart (the draws above stay as
+    # they were), in the fast sample wherever a layout is fully sharded; fp32 only (a small parameter's bf16 norm
+    # moves by more than bf16's bound on the whole model's).
+    fsdp = any("fsdp" in " ".join(layouts.LAYOUTS[n][1]) for n in (a, b))
+    if "--bf16" not in flags and (random.Random(-seed).random() < 0.5 or (seed in FAST_SEEDS and fsdp)):
+        flags += ["--log-l2-norm-grad"]
     return flags, a, b
 
 

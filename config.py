@@ -1509,7 +1509,8 @@ def to_yaml(cfg: ConfigContainer) -> str:
 
     d = cfg.to_dict()
     given = {"given": dict(sorted(cfg.given.items()))} if cfg.given else {}
-    return yaml.safe_dump({**{s: d[s] for s in SECTIONS}, "derived": sorted(cfg.filled_in), **given}, sort_keys=False)
+    return yaml.dump({**{s: d[s] for s in SECTIONS}, "derived": sorted(cfg.filled_in), **given}, sort_keys=False,
+                     Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper))  # libyaml's: the same text, 3x faster
 
 
 # --------------------------------------------------------------------------------------------------

@@ -36,9 +36,27 @@ def corpora(tmp_path_factory):
     return root
 
 
-def _preprocess(*args):
+def _preprocess_command(*args):
+    """`python data.py preprocess ARGS`, a process of its own (the command line as a user runs it)."""
     return subprocess.run([sys.executable, "data.py", "preprocess", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
+
+
+def _preprocess(*args):
+    """The same in this process (data.main, what `python data.py` calls): its exit code and what it printed, without
+    a process's import of torch and megatron-core."""
+    import contextlib
+    import io
+
+    import data
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = data.main(["preprocess", *args])
+        except SystemExit as e:
+            code = e.code
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def test_preprocess_jsonl_and_read_back_with_megatron_core(corpora, tmp_path):
@@ -88,7 +106,7 @@ def test_preprocess_bad_input_is_one_line(tmp_path, content, args, message, caps
         path.write_text(content)
     argv = ["preprocess", "--input", str(path), "--output-prefix", str(tmp_path / "out"), *args]
     if content is None:
-        proc = _preprocess(*argv[1:])
+        proc = _preprocess_command(*argv[1:])
         code, err = proc.returncode, proc.stderr
     else:
         code, err = data.main(argv), capsys.readouterr().err

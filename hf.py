@@ -35,6 +35,7 @@ are read: pickled `.bin` weights can run code when loaded.
 # ruff: noqa: E402  (the flags are parsed before the heavy imports, so most imports follow code)
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -92,12 +93,32 @@ from model import build_model, initialize_distributed
 # --------------------------------------------------------------------------------------------------
 
 
+def hf_activation(m):
+    """transformers' name of the model's MLP activation ("gelu", "gelu_new", "silu" gated), read from megatron-core's
+    own fields (config.GPTModelProvider.mlp_fields, the one place an activation is set); None for any other, which
+    no layout here holds (a fork's own activation is refused, never exported as GPT-2's)."""
+    import torch.nn.functional as F
+
+    fields = m.mlp_fields()
+    act, gated = fields["activation_func"], fields["gated_linear_unit"]
+    tanh = isinstance(act, functools.partial) and act.func is F.gelu and act.keywords == {"approximate": "tanh"}
+    return ("silu" if act is F.silu else None) if gated else "gelu" if act is F.gelu else "gelu_new" if tanh else None
+
+
+def activation_name(m) -> str:
+    """The MLP's activation in a refusal: its function's name, and whether it is gated."""
+    fields = m.mlp_fields()
+    act = fields["activation_func"]
+    name = getattr(getattr(act, "func", act), "__name__", repr(act))
+    return f"gated {name}" if fields["gated_linear_unit"] else name
+
+
 def layout_mismatches(m, layout: str) -> list:
     """What keeps the model `m` (a GPTModelProvider) out of `layout`: one phrase each, empty if it fits."""
     if layout == "gpt2":
         needs = [(m.position_embedding_type == "learned_absolute", f"learned_absolute positions (has {m.position_embedding_type})"),
                  (m.normalization == "LayerNorm", f"LayerNorm (has {m.normalization})"),
-                 (not m.swiglu, "GeLU (has SwiGLU)"),
+                 (hf_activation(m) in ("gelu", "gelu_new"), f"GeLU (has {activation_name(m)})"),
                  (m.add_bias_linear, "biases (has --disable-bias-linear)"),
                  (m.num_query_groups == m.num_attention_heads, f"one key/value head per head (has {m.num_query_groups} "
                                                                f"query groups for {m.num_attention_heads} heads)"),
@@ -107,7 +128,7 @@ def layout_mismatches(m, layout: str) -> list:
         needs = [(m.position_embedding_type == "rope", f"rope positions (has {m.position_embedding_type})"),
                  (m.rotary_percent == 1.0, f"rope on whole heads (has --rotary-percent {m.rotary_percent})"),
                  (m.normalization == "RMSNorm", f"RMSNorm (has {m.normalization})"),
-                 (m.swiglu, "SwiGLU (has GeLU)")]
+                 (hf_activation(m) == "silu", f"SwiGLU (has {activation_name(m)})")]
     if layout in ("gpt2", "llama"):
         needs += [(not m.num_moe_experts, f"no experts (has --num-experts {m.num_moe_experts})")]
     elif layout == "deepseek_v3":
@@ -133,7 +154,7 @@ def layout_mismatches(m, layout: str) -> list:
     # MTP layers are training's alone: the export leaves them out, saying so.)
     has = {"qwen3_moe": ("qk_layernorm",), "deepseek_v3": ("qk_layernorm", "multi_latent_attention", "mtp_num_layers")}
     needs += [(not getattr(m, flag, False), f"no --{flag.replace('_', '-')}") for flag in
-              ("add_qkv_bias", "qk_l2_norm", "squared_relu", "quick_geglu", "layernorm_zero_centered_gamma",
+              ("add_qkv_bias", "qk_l2_norm", "layernorm_zero_centered_gamma",
                "attention_output_gate", "rotary_interleaved", "window_size", "activation_func_clamp_value",
                "no_rope_freq", "multi_latent_attention", "mtp_num_layers", "qk_layernorm",
                "rotary_seq_len_interpolation_factor")
@@ -438,7 +459,7 @@ def hf_config(m, layout: str, vocab: int, eod: int, dtype: torch.dtype) -> dict:
     if layout == "gpt2":
         return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_positions=m.max_position_embeddings,
                     n_embd=m.hidden_size, n_layer=m.num_layers, n_head=m.num_attention_heads,
-                    n_inner=m.ffn_hidden_size, activation_function="gelu_new" if m.openai_gelu else "gelu",
+                    n_inner=m.ffn_hidden_size, activation_function=hf_activation(m),
                     layer_norm_epsilon=m.layernorm_epsilon, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
     common.update(hidden_size=m.hidden_size, num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
                   num_key_value_heads=m.num_query_groups, head_dim=m.kv_channels, hidden_act="silu",

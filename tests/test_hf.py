@@ -216,7 +216,7 @@ def test_a_model_no_layout_can_express_is_one_line_naming_the_differences():
     message = str(e.value)
     assert "\n" not in message
     assert "GPT-2 needs learned_absolute positions (has rope)" in message
-    assert "LLaMA needs RMSNorm (has LayerNorm), SwiGLU (has GeLU)" in message
+    assert "LLaMA needs RMSNorm (has LayerNorm), SwiGLU (has gelu)" in message
     assert hf.choose_layout(checks.parse_args(["--mock-data", *LLAMA_FLAGS], world_size=1, gpu=False).model) == "llama"
 
 
@@ -317,3 +317,21 @@ def test_a_config_without_its_optional_keys_is_read_with_transformers_defaults(k
     with torch.no_grad():
         expected = reread(tokens).logits
     assert (ours - expected).abs().max().item() <= HF_LOGITS
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_an_activation_of_ones_own_is_refused_by_the_export_never_exported_as_another(monkeypatch, gated):
+    """A fork's activation, set in its one place (config.GPTModelProvider.mlp_fields, megatron-core's activation_func
+    and gated_linear_unit): the export reads those fields, so GPT-2 (GeLU) and LLaMA (gated SiLU) both refuse it by
+    name in one line, where reading Megatron-LM's switches exported it as GPT-2's GeLU."""
+    import hf
+
+    def mlp_fields(self):
+        return dict(gated_linear_unit=gated, activation_func=torch.tanh)
+
+    monkeypatch.setattr(config.GPTModelProvider, "mlp_fields", mlp_fields)
+    m = checks.parse_args(["--mock-data"], world_size=1, gpu=False).model
+    with pytest.raises(config.ConfigError) as e:
+        hf.choose_layout(m)
+    has = "gated tanh" if gated else "tanh"
+    assert "\n" not in str(e.value) and f"GeLU (has {has})" in str(e.value) and f"SwiGLU (has {has})" in str(e.value)

@@ -606,7 +606,9 @@ def _groups_with(saved, key: str) -> list:
 def test_a_checkpoint_names_megatron_cores_adam_and_a_load_steps_with_this_machines(mock_run, tmp_path):
     """On a CPU torch's fused Adam steps (device.fused_cpu_adam). A checkpoint's param groups say what megatron-core
     builds, `fused` None, as Megatron-LM's do; a run loading one (ours, or Megatron-LM's) steps with the fused kernel
-    again: torch's load_state_dict takes the file's groups, and it took None."""
+    again: torch's load_state_dict takes the file's groups, and it took None. Adam only, and torch_dist only: `fused`
+    is a setting of torch's Adam alone, and every format saves the groups through the one save_checkpoint that
+    device.adam_as_built wraps (and loads them through the one load_checkpoint that sets it again)."""
     import train
 
     ckpt = _copy_ckpt(mock_run, tmp_path)

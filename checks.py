@@ -702,8 +702,7 @@ def check_sharding(cfg: ConfigContainer) -> None:
                 (f"--context-parallel-size {m.context_parallel_size}", m.context_parallel_size > 1),
                 (f"--expert-model-parallel-size {m.expert_model_parallel_size}", m.expert_model_parallel_size > 1),
                 ("--fp16", m.fp16), ("--peft", cfg.peft.peft != "none"),
-                ("--overlap-grad-reduce", d.overlap_grad_reduce),
-                ("--overlap-param-gather", d.overlap_param_gather), ("--eval-tasks", cfg.downstream.eval_tasks is not None)]
+                ("--eval-tasks", cfg.downstream.eval_tasks is not None)]
     given = [flag for flag, on in unproven if on]
     require(not given, f"--use-megatron-fsdp with {given[0] if given else ''} is not proven equal to one process "
                        f"here yet; it runs with data and tensor parallelism (docs/model.md)")

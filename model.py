@@ -727,11 +727,11 @@ def get_forward_backward_func(model: list, optimizer, timers=None):
     all-reduce); the fp16 loss scale; the timers. optimizer None: evaluation (no loss scaling, no timers)."""
     config = unwrap_model(model[0]).config
     config.no_sync_func = model[0].no_sync if len(model) == 1 else [m.no_sync for m in model]
-    if not isinstance(model[0], DistributedDataParallel):
-        # Megatron FSDP reduces in its backward hooks at the last microbatch under no_sync and again in
-        # finish_grad_sync: `optim`'s gradients come out wrong (megatron_fsdp.py:1300-1313). Megatron-LM sets
-        # no_sync_func only for it and DDP under --overlap-grad-reduce, which check_sharding refuses here, and never
-        # for torch FSDP2 (training.py:3532-3543).
+    if not isinstance(model[0], DistributedDataParallel) and not overlapped_megatron_fsdp(model[0]):
+        # Without --overlap-grad-reduce Megatron FSDP reduces in its backward hooks at the last microbatch under
+        # no_sync and again in finish_grad_sync: `optim`'s gradients come out wrong (megatron_fsdp.py:1300-1313).
+        # Megatron-LM sets no_sync_func only for it and DDP under --overlap-grad-reduce, and never for torch FSDP2
+        # (training.py:3532-3543).
         config.no_sync_func = None
     config.finalize_model_grads_func = finalize_model_grads
     mla_q_norm = config.multi_latent_attention and config.qk_layernorm and not config.sequence_parallel
@@ -740,6 +740,13 @@ def get_forward_backward_func(model: list, optimizer, timers=None):
     config.grad_scale_func = optimizer.scale_loss if optimizer is not None else None
     config.timers = timers
     return mcore_get_forward_backward_func()
+
+
+def overlapped_megatron_fsdp(chunk) -> bool:
+    """A Megatron FSDP chunk under --overlap-grad-reduce: its backward hooks reduce at the microbatch no_sync leaves."""
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    return isinstance(chunk, FullyShardedDataParallel) and chunk.ddp_config.overlap_grad_reduce
 
 
 def finalize_model_grads_of_mla(model: list, *args, **kwargs) -> None:

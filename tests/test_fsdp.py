@@ -11,10 +11,10 @@ one process's numbers; one process without FSDP reads its weights (generate.py, 
 at TP=1 and TP=2. Bitwise resumes with Megatron-LM's default dropout and kill -9 mid-save are test_restarts'.
 The models vary what a single model would pin: FSDP2's has the per-token loss and a position table of 65 rows (a
 first dimension DP 2 and 4 do not divide), the LLaMA-like one SwiGLU (resumed at another TP) and the per-token loss;
-bf16 runs with Megatron FSDP's fp32 and auto gradients and FSDP2's.
+bf16 runs with Megatron FSDP's fp32 and auto gradients and FSDP2's; each strategy with both overlaps.
 Experts at EP=1, MTP, the z-loss and --log-l2-norm-grad under each FSDP are tests/test_layouts.py's drawn runs.
 Not covered, and refused in one line by checks.check_sharding and check_torch_fsdp2: pipeline and context parallelism,
-EP > 1, experts under FSDP2, fp16, LoRA, the overlaps, downstream tasks, --async-save of
+EP > 1, experts under FSDP2, fp16, LoRA, downstream tasks, --async-save of
 fsdp_dtensor and torch_dcp, and torch_dcp at TP > 1 (Megatron-LM's refusal)."""
 
 import pytest
@@ -40,11 +40,15 @@ TP2 = ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "3
 UNTIED = ["--untie-embeddings-and-output-weights", "--calculate-per-token-loss", "--max-position-embeddings", "65"]
 FSDP2 = [*UNTIED, "--use-torch-fsdp2"]
 SGD = ["--optimizer", "sgd", "--lr", "0.1"]
+OVERLAPS = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
 LLAMA = [*LLAMA_FLAGS, "--calculate-per-token-loss"]
 # name: (ranks, flags)
 LAYOUTS = {**{f"dp2_{s}": (2, [*FSDP, s]) for s in STRATEGIES},
            **{f"dp4_{s}": (4, [*FSDP, s]) for s in STRATEGIES},
            **{f"tp2_dp2_{s}": (4, [*FSDP, s, *TP2]) for s in STRATEGIES},
+           # Megatron-LM's overlaps (a fully sharded strategy turns both on by itself: megatron_fsdp.py:328-333); the
+           # hooks of `no_shard` and `optim` reduce at the last microbatch only under no_sync (model.py)
+           **{f"overlap_dp2_{s}": (2, [*FSDP, s, *OVERLAPS]) for s in STRATEGIES},
            "fsdp2_dp2": (2, FSDP2), "fsdp2_dp4": (4, FSDP2), "fsdp2_tp2_dp2": (4, [*FSDP2, *TP2]),
            # FSDP2 saving in torch_dcp (its default is torch_dist, Megatron-LM's)
            "fsdp2_dcp_dp2": (2, [*FSDP2, "--ckpt-format", "torch_dcp"]),

@@ -127,6 +127,11 @@ def draw(seed: int, ranks: int) -> tuple:
     fsdp = any("fsdp" in " ".join(layouts.LAYOUTS[n][1]) for n in (a, b))
     if "--bf16" not in flags and (random.Random(-seed).random() < 0.5 or (seed in FAST_SEEDS and fsdp)):
         flags += ["--log-l2-norm-grad"]
+    # Megatron-LM's --overlap-grad-reduce: DDP's buckets reduce in the backward, Megatron FSDP's hooks at the last
+    # microbatch (its no_sync); drawn apart, in the fast sample wherever a layout is Megatron FSDP's.
+    megatron_fsdp = any("--use-megatron-fsdp" in layouts.LAYOUTS[n][1] for n in (a, b))
+    if random.Random(-seed - 1000).random() < 0.5 or (seed in FAST_SEEDS and megatron_fsdp):
+        flags += ["--overlap-grad-reduce"]
     return flags, a, b
 
 

@@ -99,7 +99,7 @@ import device
 import checkpoint
 import data
 from checkpoint import TrainState
-from model import initialize_distributed  # (the same process groups as training)
+from model import STOCK_CORE_ATTENTIONS, initialize_distributed  # (the same process groups as training)
 
 # --------------------------------------------------------------------------------------------------
 # The model of a checkpoint, for inference
@@ -232,14 +232,16 @@ def flash_decoding_applies(model) -> bool:
     """Whether megatron-core's flash decoding computes this model's attention as its plain cached decoding does:
     not with RoPE off in some layers (megatron-core refuses that, transformer_config.py:2814), nor a sliding window,
     an output gate or a softmax scale of one's own, which its decode step does not apply (an off-by-one or learnable
-    softmax it does apply, from 0.19: attention.py:790-808). And
+    softmax it does apply, from 0.19: attention.py:790-808), nor a core attention of one's own. And
     whether its kernel takes the weights' precision: flash-attn's own takes fp16 and bf16 only, so with flash-attn
     installed an fp32 model (what load_model builds) decodes the plain way; device.py's takes any."""
     c = model.config
+    # its kernel stands in for the core attention: a fork's own (model.core_attention) decodes the plain way, which runs it
+    stock = all(type(m.core_attention) in STOCK_CORE_ATTENTIONS for m in model.modules() if hasattr(m, "core_attention"))
     kernel_takes_it = mcore_attention.flash_attn_with_kvcache is device.flash_attn_with_kvcache or \
         c.params_dtype in (torch.float16, torch.bfloat16)
     return c.no_rope_freq is None and c.window_size is None and \
-        not c.attention_output_gate and c.softmax_scale is None and not c.multi_latent_attention and kernel_takes_it
+        not c.attention_output_gate and c.softmax_scale is None and not c.multi_latent_attention and kernel_takes_it and stock
 
 
 @contextlib.contextmanager

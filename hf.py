@@ -86,7 +86,7 @@ import checkpoint
 import data
 import device
 from checkpoint import TrainState
-from model import build_model, initialize_distributed
+from model import STOCK_CORE_ATTENTIONS, build_model, core_attention, initialize_distributed
 
 # --------------------------------------------------------------------------------------------------
 # Which layout a model has
@@ -129,6 +129,9 @@ def layout_mismatches(m, layout: str) -> list:
                  (m.rotary_percent == 1.0, f"rope on whole heads (has --rotary-percent {m.rotary_percent})"),
                  (m.normalization == "RMSNorm", f"RMSNorm (has {m.normalization})"),
                  (hf_activation(m) == "silu", f"SwiGLU (has {activation_name(m)})")]
+    # transformers computes scaled dot-product attention: a fork's own core attention would be exported as it
+    needs += [(core_attention(m) in STOCK_CORE_ATTENTIONS,
+               f"scaled dot-product attention (has model.core_attention's {core_attention(m).__name__})")]
     if layout in ("gpt2", "llama"):
         needs += [(not m.num_moe_experts, f"no experts (has --num-experts {m.num_moe_experts})")]
     elif layout == "deepseek_v3":

@@ -48,6 +48,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, g
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func as mcore_get_forward_backward_func
 from megatron.core.transformer import MegatronModule, TransformerConfig
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.module import Float16Module
 from megatron.core.tensor_parallel import RowParallelLinear
@@ -162,6 +163,10 @@ class SDPAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
+# The core attentions the project ships: what transformer-engine layers, flash decoding and `hf.py export` stand in for.
+STOCK_CORE_ATTENTIONS = (SDPAttention, DotProductAttention)
+
+
 def context_parallel_chunk_order(cp_size: int) -> list:
     """Which of the sequence's 2 x CP chunks each CP rank holds, rank by rank: r and 2 x CP - 1 - r (megatron-core's
     load-balanced layout, `get_batch_on_this_cp_rank`: causal attention's work is then even over the ranks)."""
@@ -198,6 +203,14 @@ def transformer_config(cfg) -> TransformerConfig:
     return config
 
 
+def core_attention(m):
+    """The local layers' core attention for the model settings `m`, chosen here only (a fork's own goes here: docs/fork.md): SDPAttention, or
+    megatron-core's DotProductAttention where --attention-backend local asks for it. What does not run it refuses a
+    class not in STOCK_CORE_ATTENTIONS in one line (transformer-engine layers, `hf.py export`); flash decoding, which
+    bypasses it, is left for the plain cached decoding, which runs it (generate.flash_decoding_applies)."""
+    return DotProductAttention if backend(m.attention_backend) is AttnBackend.local else SDPAttention
+
+
 def layer_spec(cfg, num_experts: Optional[int] = None):
     """One transformer layer, its MLP an MoE layer of `num_experts` experts when given. transformer-engine layers when
     asked for (the default on a GPU with TE installed), else megatron-core's local layers, with SDPAttention as the
@@ -206,6 +219,11 @@ def layer_spec(cfg, num_experts: Optional[int] = None):
     m = cfg.model
     if m.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        own = core_attention(m)  # TE's layers run TE's core attention: a fork's own would be skipped
+        if own not in STOCK_CORE_ATTENTIONS:
+            raise ConfigError(f"the core attention {own.__name__} (model.core_attention) is a local layer's; "
+                              f"transformer-engine layers run their own: add --transformer-impl local")
 
         return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=m.moe_grouped_gemm,
                                                           qk_layernorm=m.qk_layernorm, qk_l2_norm=m.qk_l2_norm,
@@ -221,8 +239,7 @@ def layer_spec(cfg, num_experts: Optional[int] = None):
         attention.q_layernorm = attention.kv_layernorm = Norm
     elif m.qk_layernorm and not m.qk_l2_norm:
         attention.q_layernorm = attention.k_layernorm = Norm
-    if backend(cfg.model.attention_backend) is not AttnBackend.local:
-        attention.core_attention = SDPAttention
+    attention.core_attention = core_attention(m)
     if num_experts:  # the MLP is a builder, partial(MoELayer, submodules=MoESubmodules(experts=partial(...), ...))
         moe = layer.mlp.keywords["submodules"]
         mlp = dataclasses.replace(moe.experts.keywords["submodules"], linear_fc2=ExpertRowParallelLinear)

@@ -1,9 +1,10 @@
 """The seams a fork changes in one place (docs/fork.md): a learning-rate schedule (schedules.py), a new scalar
-(metrics.step_report), another core attention (model.layer_spec), an optimizer of one's own (model.OWN_OPTIMIZERS;
+(metrics.step_report), another core attention (model.core_attention) and what refuses it, an MLP activation (config.GPTModelProvider.mlp_fields), an optimizer of one's own (model.OWN_OPTIMIZERS;
 its save and resume and what it refuses: test_optimizer.py), a flag and a default, a data source (a DatasetProvider)
 and a layer (a module in megatron-core's ModuleSpec), the last two run from the page's own blocks. The loss term on
 the logits: test_z_loss.py."""
 
+import copy
 import os
 import re
 
@@ -12,6 +13,7 @@ import pytest
 import config
 import checks
 import schedules
+from config import ConfigError
 from conftest import PRINTED, TINY, log_lines, train_here
 
 
@@ -100,7 +102,7 @@ def test_a_new_scalar_is_one_line_of_the_step_report(tmp_path, capsys, monkeypat
     assert tb["seq-len"] == {1: 64.0, 2: 64.0, 3: 64.0, 4: 64.0} and tb["seq-len vs samples"] == {4: 64.0, 8: 64.0, 12: 64.0, 16: 64.0}
 
 
-def test_another_core_attention_is_a_class_and_one_line_of_layer_spec(single_rank_groups, monkeypatch):
+def test_another_core_attention_is_one_class_and_one_line_that_every_path_runs_or_refuses(single_rank_groups, monkeypatch):
     """The fork guide's third task: a core attention of one's own (here SDPAttention with a temperature on its
     scores) set where model.layer_spec sets SDPAttention is what every layer runs, and its output shows."""
     import torch
@@ -126,10 +128,21 @@ def test_another_core_attention_is_a_class_and_one_line_of_layer_spec(single_ran
             return gpt(tokens, positions, None)
 
     plain = logits()
-    monkeypatch.setattr(model, "SDPAttention", HotAttention)  # the one line in layer_spec, as a fork edits it
+    monkeypatch.setattr(model, "SDPAttention", HotAttention)  # the one line in model.core_attention, as a fork edits it
     hot = logits()
     assert HotAttention.calls == 2  # each of the 2 layers
     assert not torch.allclose(plain, hot)
+    # What would not run it says so in one line: transformer-engine's layers (a GPU's; its spec is asked for here as a
+    # GPU run would) and the Hugging Face export (transformers' own attention). Decoding: test_generate.py.
+    import hf
+
+    te = copy.deepcopy(cfg)
+    te.model.transformer_impl = "transformer_engine"
+    with pytest.raises(ConfigError, match=r"^the core attention HotAttention \(model.core_attention\) is a local "
+                                          r"layer's; transformer-engine layers run their own: add --transformer-impl local$"):
+        model.layer_spec(te)
+    with pytest.raises(ConfigError, match="needs scaled dot-product attention \\(has model.core_attention's HotAttention\\)"):
+        hf.choose_layout(cfg.model)
 
 
 def test_an_optimizer_of_ones_own_is_sign_sgd_with_a_momentum_buffer():
@@ -290,6 +303,65 @@ def test_a_data_source_of_ones_own_splits_samples_over_data_parallel_ranks_and_r
     assert [line[3] for line in resumed] == [line[3] for line in straight[3:]]
 
 
+@pytest.mark.parametrize("gated", [True, pytest.param(False, marks=pytest.mark.full)], ids=["gated", "plain"])
+def test_an_activation_of_ones_own_trains_at_tp2_as_at_tp1(tmp_path, gated):
+    """docs/fork.md's Mish, both blocks as the page has them, put in a copy of config.py (gated: its GLU, the
+    branch's gated_linear_unit=True): one process saves at iteration 3; TP=2 loads it resharded and gives the
+    one-process lm loss and grad norm at iterations 4-6 (REORDERED: the same fp32 sums split over 2 ranks); fc1 is
+    saved twice as wide when gated; the first loss is not GeLU's (the stock code's run); the export refuses it.
+    Not covered: the other layouts (layouts.py runs them, as the page says), and an activation megatron-core's
+    fused kernels take (TE layers, a GPU's)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import REORDERED, ROOT, tensorboard_scalars, torchrun
+
+    for name in os.listdir(ROOT):
+        if name.endswith(".py"):
+            shutil.copy(os.path.join(ROOT, name), tmp_path / name)
+    the_flag, the_branch = _fork_page_blocks("An MLP activation of your own")
+    assert the_flag.startswith("# config.py, class GPTModelProvider") and the_branch.startswith("# config.py, GPTModelProvider.mlp_fields")
+    if gated:
+        assert the_branch.count("gated_linear_unit=False") == 1
+        the_branch = the_branch.replace("gated_linear_unit=False", "gated_linear_unit=True")
+    source = (tmp_path / "config.py").read_text()
+    flag_anchor = "    swiglu: bool = arg("
+    branch_anchor = "        return dict(gated_linear_unit=self.swiglu or self.quick_geglu,\n"
+    assert source.count(flag_anchor) == 1 and source.count(branch_anchor) == 1
+    source = source.replace(flag_anchor, the_flag.split("\n", 1)[1] + flag_anchor)
+    source = source.replace(branch_anchor, the_branch.split("\n", 1)[1] + branch_anchor)
+    (tmp_path / "config.py").write_text(source)
+    base = [*TINY, "--mock-data", "--global-batch-size", "4", "--train-iters", "6", "--log-interval", "1",
+            "--eval-iters", "0", "--num-workers", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--data-cache-path", str(tmp_path / "cache")]  # no dropout: a TP rank draws its own (as the matrix)
+    flags = [*base, "--mish"]
+    one = subprocess.run([sys.executable, str(tmp_path / "train.py"), *flags, "--save", str(tmp_path / "ckpt"),
+                          "--tensorboard-dir", str(tmp_path / "tb_one"), "--save-interval", "3"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(tmp_path / "ckpt" / "iter_0000003")).read_metadata().state_dict_metadata
+    assert tuple(saved["decoder.layers.mlp.linear_fc1.weight"].size) == (2, 256 * (2 if gated else 1), 64)
+    reference = tensorboard_scalars(tmp_path / "tb_one")
+    train_here([*base, "--train-iters", "1", "--tensorboard-dir", str(tmp_path / "tb_gelu")])
+    assert tensorboard_scalars(tmp_path / "tb_gelu")["lm loss"][1] != reference["lm loss"][1]
+    proc = torchrun([*flags, "--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64",
+                     "--load", str(tmp_path / "ckpt"), "--ckpt-step", "3", "--tensorboard-dir", str(tmp_path / "tb_tp2")],
+                    script=str(tmp_path / "train.py"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert [line[0] for line in log_lines(proc.stdout)] == [4, 5, 6]
+    ours = tensorboard_scalars(tmp_path / "tb_tp2")
+    for tag in ("lm loss", "grad-norm"):
+        for it in (4, 5, 6):
+            assert ours[tag][it] == pytest.approx(reference[tag][it], rel=REORDERED), (tag, it)
+    export = subprocess.run([sys.executable, str(tmp_path / "hf.py"), "export", "--load", str(tmp_path / "ckpt"),
+                             "--out", str(tmp_path / "hf")], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert export.returncode != 0
+    assert f"(has {'gated ' if gated else ''}mish)" in export.stderr.strip().splitlines()[-1], export.stderr[-2000:]
+
+
 def _fork_page_blocks(section: str) -> list:
     """The python blocks of docs/fork.md's section `section`, in order."""
     from conftest import ROOT
@@ -321,7 +393,7 @@ def test_a_layer_of_ones_own_trains_at_tp2_as_at_tp1_and_saves_split(tmp_path, n
             shutil.copy(os.path.join(ROOT, name), tmp_path / name)
     the_class, the_line = _fork_page_blocks("A layer of your own")
     source = (tmp_path / "model.py").read_text()
-    anchor = "        attention.core_attention = SDPAttention\n"
+    anchor = "    attention.core_attention = core_attention(m)\n"
     assert source.count(anchor) == 1 and the_class.startswith("# model.py\n") and the_line.startswith("# layer_spec")
     source = source.replace(anchor, anchor + the_line.split("\n", 1)[1])
     source = source.replace("\ndef layer_spec(", "\n" + the_class.split("\n", 1)[1] + "\n\ndef layer_spec(")

@@ -274,6 +274,29 @@ def test_flash_decoding_is_left_off_where_it_would_change_the_attention(flags, m
         torch.testing.assert_close(cached_steps(model, True, steps=4), plain)
 
 
+def test_a_core_attention_of_ones_own_decodes_the_plain_cached_way(monkeypatch):
+    """A fork's core attention (model.core_attention's, docs/fork.md) runs in the prefill and in every cached step:
+    flash decoding, whose kernel stands in for it, is left off when asked for, and the logits show the change."""
+    import generate
+    import model as model_lib
+
+    class HotAttention(model_lib.SDPAttention):
+        calls = 0
+
+        def forward(self, query, key, value, *args, **kwargs):
+            HotAttention.calls += 1
+            return super().forward(query * 2.0, key, value, *args, **kwargs)
+
+    stock = cached_steps(random_model(LLAMA_FLAGS), False, steps=4)
+    monkeypatch.setattr(model_lib, "SDPAttention", HotAttention)  # the fork's one line in model.core_attention
+    hot = random_model(LLAMA_FLAGS)
+    assert not generate.flash_decoding_applies(hot)
+    plain = cached_steps(hot, False, steps=4)
+    assert torch.equal(cached_steps(hot, True, steps=4, engaged=False), plain)  # asked for, and left off
+    assert HotAttention.calls == 2 * 5 * hot.config.num_layers  # both decodings: the prefill and 4 steps, each layer
+    assert not torch.allclose(plain, stock)
+
+
 def test_flash_attns_own_kernel_is_left_to_the_precisions_it_takes(monkeypatch):
     """With flash-attn installed, megatron-core calls its flash_attn_with_kvcache, which takes fp16 and bf16 only:
     an fp32 model (generate.load_model's) then decodes the plain way; a bf16 one with flash decoding."""

@@ -538,9 +538,10 @@ def multi_token_prediction_metrics(cfg, num_microbatches: int) -> dict:
 
 def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_rate, loss_scale,
                  report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros_in_grad,
-                 config, global_state, history_wct, model) -> bool:
-    """Bridge's signature for log_step: the scalars as separate arguments. Returns report_memory_flag. The report
-    gets what train.py's gives it: the log interval's seconds per iteration so far, and the MoE losses."""
+                 config, global_state, history_wct, model, l2_norm_grad=None) -> bool:
+    """Bridge's signature for log_step: the scalars as separate arguments (and report_l2_norm_grad's, taken before
+    the step). Returns report_memory_flag. The report gets what train.py's gives it: the log interval's seconds per
+    iteration so far, and the MoE losses."""
     ts, interval = global_state.train_state, config.logger.log_interval
     seconds = global_state.timers("interval-time").elapsed(reset=False) / iterations_since_last_log(
         ts.step, global_state.start_step, interval)
@@ -548,11 +549,12 @@ def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_r
                          loss_scale, grad_norm, num_zeros_in_grad, params_norm, seconds,
                          moe_losses=moe_auxiliary_losses(config, global_state.num_microbatches),
                          mtp_metrics=multi_token_prediction_metrics(config, global_state.num_microbatches))
-    return log_step(report, total_loss_dict, report_memory_flag, skipped_iter, global_state, history_wct, model)
+    return log_step(report, total_loss_dict, report_memory_flag, skipped_iter, global_state, history_wct, model,
+                    l2_norm_grad)
 
 
 def log_step(report: list, total_loss_dict: dict, report_memory_flag: bool, skipped_iter: int, global_state,
-             history_wct: list, model) -> bool:
+             history_wct: list, model, l2_norm_grad=None) -> bool:
     """Accumulate the report's losses; every --tensorboard-log-interval write the report (and the extra reports
     that are asked for) to TensorBoard and the trackers; every --log-interval print Megatron's log line on the last
     rank. Returns report_memory_flag (True until the first memory report has been printed).
@@ -563,7 +565,7 @@ def log_step(report: list, total_loss_dict: dict, report_memory_flag: bool, skip
     ts, lg = global_state.train_state, config.logger
     accumulate_losses(report, total_loss_dict, skipped_iter)
     if writers_configured(lg) and ts.step % lg.tensorboard_log_interval == 0:
-        write_report(report, extra_reports(global_state, history_wct, model), global_state)
+        write_report(report, extra_reports(global_state, history_wct, model, l2_norm_grad), global_state)
     if ts.step % lg.log_interval == 0:
         report_memory_flag = print_log_line(report, total_loss_dict, report_memory_flag, global_state)
     return report_memory_flag
@@ -588,16 +590,16 @@ def accumulate_losses(report: list, total_loss_dict: dict, skipped_iter: int) ->
     total_loss_dict[NAN] = total_loss_dict.get(NAN, 0) + int(got_nan)
 
 
-def extra_reports(global_state, history_wct: list, model) -> dict:
+def extra_reports(global_state, history_wct: list, model, l2_norm_grad=None) -> dict:
     """What the --log-*-to-tensorboard flags add, written without a "vs samples" twin. Collectives run on every
-    rank (only the last one holds a writer)."""
+    rank (only the last one holds a writer). `l2_norm_grad`: report_l2_norm_grad's, taken before the step."""
     config, ts = global_state.cfg, global_state.train_state
     lg, iteration = config.logger, ts.step
     extra = {}
     if lg.log_memory_to_tensorboard:
         extra.update(report_memory())
     if lg.log_l2_norm_grad:
-        extra.update(report_l2_norm_grad(model))
+        extra.update(l2_norm_grad or {})
     if lg.log_runtime_to_tensorboard:
         extra.update(report_runtime(ts, global_state.start_time, config.model.seq_length,
                                     config.train.train_iters, start_step=global_state.start_step))
@@ -833,9 +835,28 @@ def calc_dtensor_params_l2_norm(params) -> float:
     return total.sqrt().item()
 
 
-def report_l2_norm_grad(model) -> dict:
-    """`l2_norm/grad/global` and `l2_norm/grad/NAME` per parameter, after the data-parallel reduction
-    (and after unscaling), each the one process's: tensor-parallel shards summed, duplicates counted once, a
+def clip_coefficient(grad_norm: float, clip_grad: float) -> float:
+    """The factor megatron-core's clipping scales every gradient by (clip_grads.py, clip_grad_by_total_norm_fp32):
+    --clip-grad / (grad norm + 1e-6) where that is below 1, else 1 (0: no clipping). A norm of report_l2_norm_grad
+    times it is the gradient's norm after clipping, the one the optimizer stepped with."""
+    coefficient = clip_grad / (grad_norm + 1.0e-6) if clip_grad > 0 else 1.0
+    return min(coefficient, 1.0)
+
+
+def l2_norm_grad_due(cfg, iteration: int) -> bool:
+    """Whether iteration `iteration`'s step takes the per-parameter gradient norms: with --log-l2-norm-grad, where
+    TensorBoard or a tracker writes that iteration (log_step)."""
+    lg = cfg.logger
+    return lg.log_l2_norm_grad and writers_configured(lg) and iteration % lg.tensorboard_log_interval == 0
+
+
+def report_l2_norm_grad(model, loss_scale: float = 1.0) -> dict:
+    """`l2_norm/grad/global` and `l2_norm/grad/NAME` per parameter, after the data-parallel reduction and before
+    the optimizer step (train.train_step calls it there), so before clipping at every dtype: `l2_norm/grad/global`
+    is the log line's grad norm. Unscaled: divided by `loss_scale`, the one the backward used (fp16's; 1
+    otherwise). After the step they would be neither: megatron-core clips and unscales in place only where the
+    optimizer's gradient is the model's fp32 main_grad (fp32, bf16), not fp16's gradients of fp16. The clipped
+    values are these times clip_coefficient. Each is the one process's: tensor-parallel shards summed, duplicates counted once, a
     distributed optimizer's shards of the reduced gradient summed over the data-parallel ranks, and every parameter
     under its global name (layers by their number in the whole model, not in their pipeline stage or virtual stage;
     MoE experts by their global index: `local_experts.<i>` of expert-parallel rank r is expert r x local experts +
@@ -879,7 +900,7 @@ def report_l2_norm_grad(model) -> dict:
         torch.distributed.all_gather_object(stages, report, group=pp_group)
         report = {k: v for stage in stages for k, v in stage.items()}
     report["l2_norm/grad/global"] = total.sqrt().item()
-    return report
+    return {k: v / loss_scale for k, v in report.items()}
 
 
 def global_name(chunk, name: str) -> str:

@@ -64,10 +64,10 @@ def test_a_new_scalar_is_one_line_of_the_step_report(tmp_path, capsys, monkeypat
         log_step = metrics.log_step
 
         def via_training_log(report, total_loss_dict, report_memory_flag, skipped_iter, global_state, history_wct,
-                             model):
+                             model, l2_norm_grad=None):
             if metrics.log_step is log_step:  # training_log's own call
                 return log_step(report, total_loss_dict, report_memory_flag, skipped_iter, global_state, history_wct,
-                                model)
+                                model, l2_norm_grad)
             monkeypatch.setattr(metrics, "log_step", log_step)
             value = {s.tag: s.value for s in report}
             try:
@@ -75,7 +75,7 @@ def test_a_new_scalar_is_one_line_of_the_step_report(tmp_path, capsys, monkeypat
                     {s.label: s.value for s in report if s.is_loss}, total_loss_dict, value["learning-rate"],
                     value["decoupled-learning-rate"], value["loss-scale"], report_memory_flag, skipped_iter,
                     value["grad-norm"], value["params-norm"], value["num-zeros"], global_state.cfg, global_state,
-                    history_wct, model)
+                    history_wct, model, l2_norm_grad)
             finally:
                 monkeypatch.setattr(metrics, "log_step", via_training_log)
 

@@ -10,7 +10,7 @@ import torch
 import config
 import checks
 import metrics
-from conftest import torchrun
+from conftest import REORDERED, torchrun
 
 
 
@@ -128,6 +128,31 @@ def test_norms_on_one_rank(single_rank_groups):
     assert metrics.param_is_not_shared(params[0])
     params[0].shared = True
     assert not metrics.param_is_not_shared(params[0])
+
+
+@pytest.mark.parametrize("dtype", [[], ["--bf16"], ["--fp16", "--initial-loss-scale", "1024"]],
+                         ids=["fp32", "bf16", "fp16"])
+def test_the_gradient_norms_a_fork_reads_are_before_clipping_and_unscaled(dtype, tmp_path):
+    """--log-l2-norm-grad's norms at each dtype, clipped hard (--clip-grad 0.01, so every step clips): taken before
+    the step, `l2_norm/grad/global` is the log line's grad norm (the norm megatron-core clips by), and times
+    metrics.clip_coefficient it is the clip, the norm the optimizer stepped with. Taken after the step they were
+    the clipped norm at fp32 and bf16 and the loss-scaled unclipped one at fp16. fp16 starts at a loss scale of
+    1024, which these gradients do not overflow (the default 2^32 skips the first steps, which have no grad norm)."""
+    from conftest import TINY, train_here
+    from layouts import tensorboard_scalars
+
+    train_here([*TINY, "--mock-data", "--train-iters", "3", "--global-batch-size", "4", "--eval-iters", "0",
+                "--num-workers", "0", "--clip-grad", "0.01", "--log-l2-norm-grad", "--tensorboard-dir",
+                str(tmp_path / "tb"), "--data-cache-path", str(tmp_path / "cache"), *dtype])
+    tb = tensorboard_scalars(tmp_path / "tb")
+    assert sorted(tb["grad-norm"]) == [1, 2, 3] and min(tb["grad-norm"].values()) > 0.1  # every step clipped
+    for it, grad_norm in tb["grad-norm"].items():
+        # The same fp32 squares of the same gradients, summed per parameter then over them here and in buckets by
+        # megatron-core (log2(n) x 2^-24 for n ~ 10^5 terms, ~3e-7); fp16's divided by a power of 2, exactly
+        assert tb["l2_norm/grad/global"][it] == pytest.approx(grad_norm, rel=REORDERED)
+        clipped = tb["l2_norm/grad/global"][it] * metrics.clip_coefficient(grad_norm, 0.01)
+        assert clipped == pytest.approx(0.01, rel=1e-5)  # 0.01 x norm / (norm + 1e-6): 1e-6 / norm ~ 1e-6 off
+    assert metrics.clip_coefficient(0.5, 1.0) == 1.0 and metrics.clip_coefficient(2.0, 0.0) == 1.0
 
 
 def test_dtensor_norm(single_rank_groups):

@@ -631,6 +631,21 @@ def build_num_microbatches_calculator(cfg: ConfigContainer):
     return StepBatchsizeNumMicroBatchesCalculator(t.micro_batch_size, dp, False, rank, schedule)  # thresholds: samples
 
 
+def samples_of_iteration(cfg: ConfigContainer, iteration: int) -> range:
+    """The global sample indices iteration `iteration` (from 1) reads: it starts where the iterations before it
+    ended, and takes the global batch megatron-core's calculator gives for the samples consumed so far (less than
+    --global-batch-size during --rampup-batch-size), so iteration N is not N x the global batch under ramp-up. An
+    fp16 overflow skips the update, not the batch: the iteration still consumes its samples (consumed_train_samples
+    counts them), and the scheduler, which counts the updates' samples only, is behind by the skipped ones
+    (skipped_train_samples). Data-parallel rank r reads its share of each microbatch's rows (megatron-core's
+    sampler)."""
+    calculator, consumed = build_num_microbatches_calculator(cfg), 0
+    for _ in range(iteration):
+        calculator.update(consumed, consistency_check=False)
+        start, consumed = consumed, consumed + calculator.get_current_global_batch_size()
+    return range(start, consumed)
+
+
 def rampup_step_schedule(start: int, increment: int, samples: int, global_batch_size: int) -> str:
     """Megatron-LM's --rampup-batch-size START INCR SAMPLES as a step schedule ("THRESHOLD:BS ...", in samples).
 

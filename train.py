@@ -60,7 +60,7 @@ import torch
 
 from model import (build_model, build_optimizer, build_rerun_state_machine, check_emerging_optimizer_installed,
                    check_optimizer_state, destroy_distributed, get_forward_backward_func, initialize_distributed,
-                   set_random_seed, who_updates_what, wrap_model,
+                   gather_context_parallel_chunks, set_random_seed, who_updates_what, wrap_model,
                    zero_grad)  # first: device.py, which model.py imports, quiets megatron-core's import warnings
 from megatron.core import config as mcore_config
 from megatron.core import parallel_state
@@ -1065,6 +1065,24 @@ def masked_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor, *, z
                                           "z loss": torch.cat([z.detach().view(1), count])})
     loss = torch.sum(output_tensor.float().reshape(-1) * mask)
     return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), count])}
+
+
+def global_token_losses(per_microbatch: list) -> torch.Tensor:
+    """A global batch's per-token losses as one process has them, `[global batch, seq]`, from this rank's: its
+    microbatches' `[micro batch, seq / CP]` in the order they ran (a loss function's output_tensor, on the last
+    pipeline stage, where every rank calls it: it gathers over the CP and DP groups). CP: rank r holds chunks r and
+    2 x CP - 1 - r of each sequence (megatron-core's get_batch_on_this_cp_rank), put back in order. DP: of each
+    microbatch's micro batch x DP rows, rank r read rows r x micro batch onwards (megatron-core's
+    MegatronPretrainingSampler), so the ranks' rows interleave per microbatch. TP: every rank has them whole
+    (vocab-parallel cross-entropy)."""
+    local = torch.stack([t.detach().reshape(t.shape[0], -1) for t in per_microbatch])  # [M, mbs, s / CP]
+    cp_group = parallel_state.get_context_parallel_group()
+    if cp_group.size() > 1:
+        local = gather_context_parallel_chunks(local.permute(2, 0, 1).contiguous(), cp_group).permute(1, 2, 0)
+    dp_group = parallel_state.get_data_parallel_group()
+    rows = [torch.empty_like(local) for _ in range(dp_group.size())]
+    torch.distributed.all_gather(rows, local.contiguous(), group=dp_group)
+    return torch.stack(rows, dim=1).reshape(-1, local.shape[-1])  # [M, DP, mbs, s]: the samples' order
 
 
 def forward_step(state: GlobalState, data_iterator, model, return_schedule_plan: bool = False):

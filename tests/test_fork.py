@@ -362,6 +362,66 @@ def test_an_activation_of_ones_own_trains_at_tp2_as_at_tp1(tmp_path, gated):
     assert f"(has {'gated ' if gated else ''}mish)" in export.stderr.strip().splitlines()[-1], export.stderr[-2000:]
 
 
+COLLECT_TOKEN_LOSSES = {  # a fork's collection of its per-token losses: anchor in train.py -> the lines before it
+    "def forward_step(state: GlobalState,": "SEEN = []  # the per-token losses of this step's microbatches\n\n\n",
+    "    return output, functools.partial(masked_token_loss,":
+        "    SEEN.append(output)  # [micro batch, seq / CP] (the last stage's; one stage here)\n",
+    "    return TrainStepResult(loss_dict, skipped_iter, False, False, 0,":
+        "    rows = global_token_losses(SEEN)\n"
+        "    SEEN.clear()\n"
+        "    if torch.distributed.get_rank() == 0:\n"
+        "        torch.save(rows, os.path.join(os.environ['TOKEN_LOSSES'], f'{global_state.train_state.step + 1}.pt'))\n",
+}
+
+
+@pytest.mark.parametrize("name, ranks, layout", [
+    ("dp2", 2, []),
+    pytest.param("cp2", 2, ["--context-parallel-size", "2"], marks=pytest.mark.full),
+    pytest.param("dp2_cp2", 4, ["--context-parallel-size", "2"], marks=pytest.mark.full),
+])
+def test_a_global_batchs_per_token_losses_are_the_one_process_tensor(tmp_path, name, ranks, layout):
+    """train.global_token_losses, called where a fork reads its losses (a copy of train.py collects each
+    microbatch's output in forward_step and gathers them at the end of train_step): at DP, CP and both, rank 0 holds
+    the one process's [global batch, seq] tensor at each of 3 iterations, row for row and position for position.
+    Within REORDERED: the same fp32 forward, CP's attention over gathered keys and DP's reduced gradients summing
+    the same terms in another order. Not covered: TP (every TP rank holds the whole tensor from megatron-core's
+    vocab-parallel cross-entropy, and a TP run starts from other weights) and PP (the last stage alone has them)."""
+    import shutil
+    import subprocess
+    import sys
+
+    import torch
+
+    from conftest import REORDERED, ROOT, torchrun
+
+    for file in os.listdir(ROOT):
+        if file.endswith(".py"):
+            shutil.copy(os.path.join(ROOT, file), tmp_path / file)
+    source = (tmp_path / "train.py").read_text()
+    for anchor, lines in COLLECT_TOKEN_LOSSES.items():
+        assert source.count(anchor) == 1, anchor
+        source = source.replace(anchor, lines + anchor)
+    (tmp_path / "train.py").write_text(source)
+    flags = [*TINY, "--mock-data", "--global-batch-size", "8", "--train-iters", "3", "--eval-iters", "0",
+             "--num-workers", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
+             "--data-cache-path", str(tmp_path / "cache")]  # no dropout: each rank draws its own masks
+    (tmp_path / "one").mkdir()
+    (tmp_path / name).mkdir()
+    one = subprocess.run([sys.executable, str(tmp_path / "train.py"), *flags], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", TOKEN_LOSSES=str(tmp_path / "one")))
+    assert one.returncode == 0, one.stderr[-3000:]
+    os.environ["TOKEN_LOSSES"] = str(tmp_path / name)  # (torchrun's ranks inherit it)
+    try:
+        proc = torchrun([*flags, *layout], nproc=ranks, script=str(tmp_path / "train.py"), cwd=tmp_path)
+    finally:
+        del os.environ["TOKEN_LOSSES"]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    for it in (1, 2, 3):
+        reference, ours = (torch.load(tmp_path / d / f"{it}.pt") for d in ("one", name))
+        assert reference.shape == ours.shape == (8, 64)
+        torch.testing.assert_close(ours, reference, rtol=REORDERED, atol=0)
+
+
 def _fork_page_blocks(section: str) -> list:
     """The python blocks of docs/fork.md's section `section`, in order."""
     from conftest import ROOT

@@ -426,6 +426,8 @@ class GlobalState:
         self.num_microbatches_calculator = build_num_microbatches_calculator(cfg)  # follows --rampup-batch-size
         self.downstream_tasks = None  # --eval-tasks: lm-eval's tasks, built at setup (downstream.py)
         self.downstream_scored_at: Optional[int] = None  # the step they were last scored at: not twice at the end
+        # --log-l2-norm-grad's norms of the last step, taken by train_step before the optimizer step (which clips)
+        self.l2_norm_grad: Optional[dict] = None
 
     @property
     def num_microbatches(self) -> int:
@@ -530,7 +532,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_data_iterator, v
                 moe_losses=metrics.moe_auxiliary_losses(cfg, global_state.num_microbatches),
                 mtp_metrics=metrics.multi_token_prediction_metrics(cfg, global_state.num_microbatches))
             report_memory_flag = metrics.log_step(report, total_loss_dict, report_memory_flag, step.skipped_iter,
-                                                  global_state, history_wct, model, l2_norm_grad=step.l2_norm_grad)
+                                                  global_state, history_wct, model, l2_norm_grad=global_state.l2_norm_grad)
         evaluate_at_intervals(global_state, forward_step_func, valid_data_iterator, model, process_non_loss_data_func,
                               non_loss_data_func)
         flops_since_last_log = post_training_step_callbacks(model, flops_since_last_log, global_state.straggler_timer,
@@ -800,7 +802,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
     if cfg.train.check_for_nan_in_loss_and_grad and nonfinite_on_any_rank(global_state, loss_dict):
         return TrainStepResult({}, 1, False, True, 1, None, None)  # no update: nothing poisoned to save
     # --log-l2-norm-grad's norms before the step clips (and, where it is the same tensor, unscales) the gradients
-    l2_norm_grad = metrics.report_l2_norm_grad(model, float(optimizer.get_loss_scale())) if \
+    global_state.l2_norm_grad = metrics.report_l2_norm_grad(model, float(optimizer.get_loss_scale())) if \
         metrics.l2_norm_grad_due(cfg, global_state.train_state.step + 1) else None
     nvtx_range_push("optimizer")
     timers("optimizer", log_level=1).start(barrier=False)
@@ -817,7 +819,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, gl
     skipped_iter = 0 if update_successful else 1
     if update_successful:
         scheduler.step(increment=global_state.current_global_batch_size)
-    return TrainStepResult(loss_dict, skipped_iter, False, False, 0, grad_norm, num_zeros_in_grad, l2_norm_grad)
+    return TrainStepResult(loss_dict, skipped_iter, False, False, 0, grad_norm, num_zeros_in_grad)
 
 
 def nonfinite_on_any_rank(global_state: GlobalState, loss_dict: dict) -> bool:
@@ -840,7 +842,7 @@ def nonfinite_on_any_rank(global_state: GlobalState, loss_dict: dict) -> bool:
 
 
 class TrainStepResult(NamedTuple):
-    """What train_step returns: Bridge's 7-tuple, with names, and the per-parameter gradient norms."""
+    """What train_step returns: Bridge's 7-tuple, with names."""
 
     loss_dict: dict  # reduced losses, on the last pipeline stage ({} elsewhere or when no update was made)
     skipped_iter: int  # 1 when the optimizer skipped the update (fp16 overflow, a failed step on any rank)
@@ -849,7 +851,6 @@ class TrainStepResult(NamedTuple):
     exit_code: int
     grad_norm: Optional[float]
     num_zeros_in_grad: Optional[int]
-    l2_norm_grad: Optional[dict] = None  # --log-l2-norm-grad's, before the step (metrics.report_l2_norm_grad)
 
 
 def reduce_losses(losses_per_microbatch: list) -> dict:

@@ -699,13 +699,12 @@ def check_sharding(cfg: ConfigContainer) -> None:
             "--data-parallel-sharding-strategy no_shard with a gated MLP (--swiglu, --quick-geglu): megatron-core 0.19.2 "
             "cannot save it (megatron/core/transformer/fsdp_dtensor_checkpoint.py:283); use optim or a sharding beyond")
     unproven = [(f"--pipeline-model-parallel-size {m.pipeline_model_parallel_size}", m.pipeline_model_parallel_size > 1),
-                (f"--context-parallel-size {m.context_parallel_size}", m.context_parallel_size > 1),
                 (f"--expert-model-parallel-size {m.expert_model_parallel_size}", m.expert_model_parallel_size > 1),
                 ("--fp16", m.fp16), ("--peft", cfg.peft.peft != "none"),
                 ("--eval-tasks", cfg.downstream.eval_tasks is not None)]
     given = [flag for flag, on in unproven if on]
     require(not given, f"--use-megatron-fsdp with {given[0] if given else ''} is not proven equal to one process "
-                       f"here yet; it runs with data and tensor parallelism (docs/model.md)")
+                       f"here yet; it runs with data, tensor and context parallelism (docs/model.md)")
 
 
 def check_torch_fsdp2(cfg: ConfigContainer) -> None:
@@ -731,13 +730,12 @@ def check_torch_fsdp2(cfg: ConfigContainer) -> None:
                                    "does not load into FSDP2's shards (an invalid access pattern); use --use-megatron-fsdp")
     c = cfg.checkpoint
     require(c.ckpt_format in ("torch_dist", "torch_dcp"), "--use-torch-fsdp2 requires --ckpt-format torch_dist or torch_dcp")
-    unproven = [(f"--context-parallel-size {m.context_parallel_size}", m.context_parallel_size > 1),
-                ("--peft", cfg.peft.peft != "none"),
+    unproven = [("--peft", cfg.peft.peft != "none"),
                 ("--eval-tasks", cfg.downstream.eval_tasks is not None),
                 (f"--optimizer {o.optimizer}", o.optimizer not in ("adam", "sgd"))]
     given = [flag for flag, on in unproven if on]
     require(not given, f"--use-torch-fsdp2 with {given[0] if given else ''} is not proven equal to one process here "
-                       f"yet; it runs with data and tensor parallelism (docs/model.md)")
+                       f"yet; it runs with data, tensor and context parallelism (docs/model.md)")
 
 
 def fsdp2_uneven_layer_rows(cfg: ConfigContainer):

@@ -13,7 +13,8 @@ The models vary what a single model would pin: FSDP2's has the per-token loss an
 first dimension DP 2 and 4 do not divide), the LLaMA-like one SwiGLU (resumed at another TP) and the per-token loss;
 bf16 runs with Megatron FSDP's fp32 and auto gradients and FSDP2's; each strategy with both overlaps.
 Experts at EP=1, MTP, the z-loss and --log-l2-norm-grad under each FSDP are tests/test_layouts.py's drawn runs.
-Not covered, and refused in one line by checks.check_sharding and check_torch_fsdp2: pipeline and context parallelism,
+Context parallelism (CP=2, alone and beside DP=2) under each FSDP.
+Not covered, and refused in one line by checks.check_sharding and check_torch_fsdp2: pipeline parallelism,
 EP > 1, experts under FSDP2, fp16, LoRA, downstream tasks, --async-save of
 fsdp_dtensor and torch_dcp, and torch_dcp at TP > 1 (Megatron-LM's refusal)."""
 
@@ -40,6 +41,7 @@ TP2 = ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "3
 UNTIED = ["--untie-embeddings-and-output-weights", "--calculate-per-token-loss", "--max-position-embeddings", "65"]
 FSDP2 = [*UNTIED, "--use-torch-fsdp2"]
 SGD = ["--optimizer", "sgd", "--lr", "0.1"]
+CP2 = ["--context-parallel-size", "2"]
 OVERLAPS = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
 LLAMA = [*LLAMA_FLAGS, "--calculate-per-token-loss"]
 # name: (ranks, flags)
@@ -64,7 +66,12 @@ LAYOUTS = {**{f"dp2_{s}": (2, [*FSDP, s]) for s in STRATEGIES},
            "bf16_fp32_grads_dp2": (2, [*FSDP, "optim_grads_params", "--bf16", "--megatron-fsdp-main-grads-dtype",
                                        "fp32"]),
            "bf16_dp2": (2, [*FSDP, "optim_grads_params", "--bf16"]),
-           "fsdp2_bf16_dp2": (2, [*FSDP2, "--bf16"])}
+           "fsdp2_bf16_dp2": (2, [*FSDP2, "--bf16"]),
+           # context parallelism: each rank half of every sequence, the weights sharded over the data- and
+           # context-parallel ranks together (megatron-core's dp_cp group), alone and beside DP=2
+           "cp2_optim_grads_params": (2, [*FSDP, "optim_grads_params", *CP2]),
+           "cp2_dp2_optim_grads_params": (4, [*FSDP, "optim_grads_params", *CP2]),
+           "fsdp2_cp2": (2, [*FSDP2, *CP2])}
 BF16 = [name for name in LAYOUTS if "bf16" in name]
 
 
@@ -102,10 +109,11 @@ def runs(tmp_path_factory, warm_torchrun):
     return runs
 
 
-# The fast command: torch FSDP2's torch_dcp checkpoint, which no drawn run writes; ZeRO-1, ZeRO-3 and FSDP2 at DP=2
+# The fast command: torch FSDP2's torch_dcp checkpoint and Megatron FSDP with context parallelism, which no drawn run
+# writes or runs; ZeRO-1, ZeRO-3 and FSDP2 at DP=2
 # are the first command's drawn runs' layouts (tests/test_layouts.py: zero1, zero3, fsdp2, each with a drawn model).
 # The full proof: every strategy, and FSDP2 at DP=2, DP=4 and TP=2 x DP=2.
-FAST = ("fsdp2_dcp_dp2",)
+FAST = ("fsdp2_dcp_dp2", "cp2_optim_grads_params")
 
 
 @pytest.mark.parametrize("name", [name if name in FAST else pytest.param(name, marks=pytest.mark.full) for name in LAYOUTS
@@ -178,7 +186,10 @@ ELSEWHERE = {"dp2_ogp_to_dp1": ("dp2_optim_grads_params", 1, [*FSDP, "optim_grad
              "tp2_dp2_ogp_to_dp2": ("tp2_dp2_optim_grads_params", 2, [*FSDP, "optim_grads_params"]),
              # SwiGLU at another TP: fc1's moments are [w0; w1; v0; v1] at TP=1 and [w0; v0], [w1; v1] at TP=2
              "llama_dp2_to_tp2": ("llama_dp2", 2, [*FSDP, "optim_grads_params", *LLAMA, *TP2]),
-             "llama_tp2_dp2_to_dp2": ("llama_tp2_dp2", 2, [*FSDP, "optim_grads_params", *LLAMA])}
+             "llama_tp2_dp2_to_dp2": ("llama_tp2_dp2", 2, [*FSDP, "optim_grads_params", *LLAMA]),
+             # context parallelism's shards (over the data- and context-parallel ranks) read without it
+             "cp2_ogp_to_dp2": ("cp2_optim_grads_params", 2, [*FSDP, "optim_grads_params"]),
+             "fsdp2_cp2_to_dp1": ("fsdp2_cp2", 1, FSDP2)}
 
 
 # The fast command: Megatron FSDP's ZeRO-3 from DP=2 to one process, FSDP2's uneven shards to one process, SwiGLU from

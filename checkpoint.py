@@ -981,6 +981,12 @@ def _fill_empty_shards(optimizer) -> None:
                                      "exp_avg_sq": torch.zeros_like(p)}
 
 
+def grad_scalers(optimizer) -> list:
+    """The fp16 loss scalers of the optimizer's parts (none at fp32 and bf16)."""
+    scalers = (getattr(inner, "grad_scaler", None) for inner in getattr(optimizer, "chained_optimizers", [optimizer]))
+    return [s for s in scalers if s is not None]
+
+
 def dcp_rng_key() -> str:
     """Megatron-LM's key for this rank's RNG states in fsdp_dtensor (checkpointing.py get_rng_state): one list per
     (pipeline, tensor) rank; data-parallel replicas hold the same states, and DCP keeps one copy of each key."""
@@ -1003,6 +1009,11 @@ def dcp_state_dict(cfg, model: list, optimizer, scheduler, common: dict, loading
                         "chained_optim_avoid_prefix": True}
             # loading: megatron-core makes the state to read into with a step of zero gradients (restored by the load)
             raw["optimizer"] = optimizer.sharded_state_dict(raw, is_loading=loading, metadata=metadata)
+            scalers = grad_scalers(optimizer)
+            if scalers:
+                # fp16's loss scale, which megatron-core's fsdp_dtensor state leaves out (distrib_optimizer.py:1518-1521
+                # and :916-925): a resume started from --initial-loss-scale (megatron-core defect, README: defects)
+                raw["optimizer"]["grad_scaler"] = {str(i): s.state_dict() for i, s in enumerate(scalers)}
         else:
             # Megatron-LM calls optimizer.state_dict(is_loading=True) (checkpointing.py:2339), which a ChainedOptimizer
             # does not take (TypeError): the state to read into is made here as that call makes it (init_state_fn:
@@ -1083,6 +1094,11 @@ def _load_dcp(cfg, directory: str, model: list, optimizer, scheduler, common: di
         raise CheckpointError(f"{directory}: saved without optimizer state (--no-save-optim); add --no-load-optim")
     _check_distcp_files(directory)
     read, raw = dcp_state_dict(cfg, model, optimizer if load_optim else None, scheduler, {}, loading=True, rng=load_rng)
+    if "grad_scaler" in (read.get("optimizer") or {}) and not any(k.startswith("optimizer.grad_scaler.") for k in held):
+        # saved by Megatron-LM or at another precision: the loss scale starts afresh, as megatron-core's DDP starts it
+        print_rank_0(f" {directory}: holds no fp16 loss scale; it starts from --initial-loss-scale")
+        for state in (read, raw):
+            state["optimizer"].pop("grad_scaler", None)
     strict = cfg.checkpoint.strict_fsdp_dtensor_load
     lacking = [key for key in _flat_keys(read) if key not in held]
     some = f"{lacking[0]}{f' and {len(lacking) - 1} more' if len(lacking) > 1 else ''}" if lacking else ""
@@ -1110,8 +1126,12 @@ def _load_dcp(cfg, directory: str, model: list, optimizer, scheduler, common: di
     else:
         model[0].load_state_dict(raw["model"])
     if load_optim:
+        scaler_states = read["optimizer"].get("grad_scaler") if _megatron_fsdp(model) else None
+        raw["optimizer"].pop("grad_scaler", None)
         with torch.no_grad():
             optimizer.load_state_dict(raw["optimizer"])
+        for i, scaler in enumerate(grad_scalers(optimizer) if scaler_states is not None else []):
+            scaler.load_state_dict(scaler_states[str(i)])
     return {**common, **{k: v for k, v in read.items() if k in ("opt_param_scheduler",)},
             **({"rng_state": read["rng_state"][dcp_rng_key()]} if load_rng else {})}
 

@@ -700,7 +700,7 @@ def check_sharding(cfg: ConfigContainer) -> None:
             "cannot save it (megatron/core/transformer/fsdp_dtensor_checkpoint.py:283); use optim or a sharding beyond")
     unproven = [(f"--pipeline-model-parallel-size {m.pipeline_model_parallel_size}", m.pipeline_model_parallel_size > 1),
                 (f"--expert-model-parallel-size {m.expert_model_parallel_size}", m.expert_model_parallel_size > 1),
-                ("--fp16", m.fp16), ("--peft", cfg.peft.peft != "none"),
+                ("--peft", cfg.peft.peft != "none"),
                 ("--eval-tasks", cfg.downstream.eval_tasks is not None)]
     given = [flag for flag, on in unproven if on]
     require(not given, f"--use-megatron-fsdp with {given[0] if given else ''} is not proven equal to one process "

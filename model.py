@@ -469,8 +469,26 @@ def megatron_fsdp(module, ddp_config):
     --data-parallel-random-init)."""
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
-    return FullyShardedDataParallel(config=unwrap_model(module).config, ddp_config=copy.deepcopy(ddp_config),
-                                    module=module)
+    chunk = FullyShardedDataParallel(config=unwrap_model(module).config, ddp_config=copy.deepcopy(ddp_config),
+                                     module=module)
+    if chunk.config.fp16:
+        for name in ("finish_grad_sync", "scale_gradients"):
+            setattr(chunk, name, empty_shard_grads_kept(chunk, getattr(chunk, name)))
+    return chunk
+
+
+def empty_shard_grads_kept(chunk, sets_grads):
+    """`sets_grads` (Megatron FSDP's finish_grad_sync or scale_gradients), then an empty gradient, for the loss scaler,
+    on each optimizer parameter whose shard on this rank is empty. Megatron FSDP attaches None there
+    (megatron_fsdp/param_and_grad_buffer.py:3393-3394), and under --fp16 the distributed optimizer unscales every
+    parameter's `.grad.data` (optimizer/distrib_optimizer.py:2602-2606): an AttributeError at the first step
+    (megatron-core defect, README: defects)."""
+    def wrapped(*args, **kwargs):
+        sets_grads(*args, **kwargs)
+        for _, param in chunk.param_and_grad_buffer.optimizer_named_parameters:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+    return wrapped
 
 
 def torch_fsdp2(module):

@@ -11,11 +11,12 @@ one process's numbers; one process without FSDP reads its weights (generate.py, 
 at TP=1 and TP=2. Bitwise resumes with Megatron-LM's default dropout and kill -9 mid-save are test_restarts'.
 The models vary what a single model would pin: FSDP2's has the per-token loss and a position table of 65 rows (a
 first dimension DP 2 and 4 do not divide), the LLaMA-like one SwiGLU (resumed at another TP) and the per-token loss;
-bf16 runs with Megatron FSDP's fp32 and auto gradients and FSDP2's; each strategy with both overlaps.
+bf16 runs with Megatron FSDP's fp32 and auto gradients and FSDP2's, fp16 with Megatron FSDP's loss scale; each strategy
+with both overlaps.
 Experts at EP=1, MTP, the z-loss and --log-l2-norm-grad under each FSDP are tests/test_layouts.py's drawn runs.
 Context parallelism (CP=2, alone and beside DP=2) under each FSDP.
 Not covered, and refused in one line by checks.check_sharding and check_torch_fsdp2: pipeline parallelism,
-EP > 1, experts under FSDP2, fp16, LoRA, downstream tasks, --async-save of
+EP > 1, experts under FSDP2, fp16 under FSDP2 (Megatron-LM's refusal), LoRA, downstream tasks, --async-save of
 fsdp_dtensor and torch_dcp, and torch_dcp at TP > 1 (Megatron-LM's refusal)."""
 
 import pytest
@@ -42,6 +43,7 @@ UNTIED = ["--untie-embeddings-and-output-weights", "--calculate-per-token-loss",
 FSDP2 = [*UNTIED, "--use-torch-fsdp2"]
 SGD = ["--optimizer", "sgd", "--lr", "0.1"]
 CP2 = ["--context-parallel-size", "2"]
+FP16 = ["--fp16", "--initial-loss-scale", "4096", "--loss-scale-window", "3"]
 OVERLAPS = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
 LLAMA = [*LLAMA_FLAGS, "--calculate-per-token-loss"]
 # name: (ranks, flags)
@@ -67,12 +69,16 @@ LAYOUTS = {**{f"dp2_{s}": (2, [*FSDP, s]) for s in STRATEGIES},
                                        "fp32"]),
            "bf16_dp2": (2, [*FSDP, "optim_grads_params", "--bf16"]),
            "fsdp2_bf16_dp2": (2, [*FSDP2, "--bf16"]),
+           # fp16 with its loss scale, started low enough that the tiny model's steps are taken (from Megatron-LM's
+           # 2^32 each of 6 iterations overflows and is skipped), doubled every 3 steps: the resume from 4 must read
+           # both the scale and how far it is into its window
+           "fp16_dp2": (2, [*FSDP, "optim_grads_params", *FP16]),
            # context parallelism: each rank half of every sequence, the weights sharded over the data- and
            # context-parallel ranks together (megatron-core's dp_cp group), alone and beside DP=2
            "cp2_optim_grads_params": (2, [*FSDP, "optim_grads_params", *CP2]),
            "cp2_dp2_optim_grads_params": (4, [*FSDP, "optim_grads_params", *CP2]),
            "fsdp2_cp2": (2, [*FSDP2, *CP2])}
-BF16 = [name for name in LAYOUTS if "bf16" in name]
+HALF = [name for name in LAYOUTS if "bf16" in name or "fp16" in name]
 
 
 def reference(runs, name):
@@ -87,9 +93,9 @@ def reference_of(name):
     sgd = SGD if name.startswith("sgd") else []
     untied = UNTIED if "fsdp2" in name else []
     llama = LLAMA if name.startswith("llama") else []
-    bf16 = ["--bf16"] if "bf16" in name else []
-    return ("one" + "_sgd" * bool(sgd) + "_untied" * bool(untied) + "_llama" * bool(llama) + "_bf16" * bool(bf16),
-            [*sgd, *untied, *llama, *bf16])
+    half = ["--bf16"] if "bf16" in name else FP16 if "fp16" in name else []
+    return ("one" + "_sgd" * bool(sgd) + "_untied" * bool(untied) + "_llama" * bool(llama) + "_bf16" * ("bf16" in name)
+            + "_fp16" * ("fp16" in name), [*sgd, *untied, *llama, *half])
 
 
 def layout(runs, name):
@@ -117,7 +123,7 @@ FAST = ("fsdp2_dcp_dp2", "cp2_optim_grads_params")
 
 
 @pytest.mark.parametrize("name", [name if name in FAST else pytest.param(name, marks=pytest.mark.full) for name in LAYOUTS
-                                  if name not in BF16])
+                                  if name not in HALF])
 def test_every_sharding_strategy_gives_the_one_process_numbers(runs, name):
     """The same weights drawn, the same global batches: each strategy's losses, grad norms, params norms and
     validation losses are the one process's, within the sums' rounding (REORDERED)."""
@@ -130,7 +136,7 @@ def test_every_sharding_strategy_gives_the_one_process_numbers(runs, name):
 
 # The fast command: bf16 with fp32 gradients, the setting Megatron-LM's bf16 golden tests pass.
 @pytest.mark.parametrize("name", [name if name == "bf16_fp32_grads_dp2" else pytest.param(name, marks=pytest.mark.full)
-                                  for name in BF16])
+                                  for name in HALF])
 def test_bf16_gives_the_one_bf16_process_numbers(runs, name):
     """bf16 weights and fp32 main weights, as one bf16 process (whose DDP accumulates the gradients in fp32). The two
     sides' fp32 sums are grouped otherwise (REORDERED), so each step's fp32 main weights part in their last bits and
@@ -142,8 +148,9 @@ def test_bf16_gives_the_one_bf16_process_numbers(runs, name):
     run trains; how far it drifts from DDP over a run is measured in docs/model.md, not bounded here."""
     run, one = layout(runs, name), reference(runs, name)
     assert run["iterations"] == one["iterations"] == list(range(1, 7))
-    its = range(1, 7) if "fp32_grads" in name else [1]
-    conftest_assert_same(run, one, its, ["lm loss", "grad-norm"], rel=2 ** -8)
+    its = range(1, 7) if "fp32_grads" in name or "fp16" in name else [1]
+    # fp16 likewise (its loss scale a power of two, exact to apply and undo): one step of its 10 bits, 2^-11 relative
+    conftest_assert_same(run, one, its, ["lm loss", "grad-norm"], rel=2 ** -11 if "fp16" in name else 2 ** -8)
     assert run["lm loss"][6] < run["lm loss"][1] - 0.1  # from ln 640 = 6.46 at lr 3e-3: ~0.1-0.2 a step past warm-up
 
 

@@ -1334,12 +1334,12 @@ class DefaultCheckpointManager:
 
     def load(self, ctx: CheckpointLoadContext) -> tuple:
         """Resume this run's own checkpoint if --load holds one; otherwise start from --pretrained-checkpoint's
-        weights if given (a PEFT run has loaded those into the bare model already). Returns (iteration, FLOPs so
+        weights if given (unless setup read them into the bare model: bare_model_weights). Returns (iteration, FLOPs so
         far): (0, 0) when nothing was resumed."""
         ck, state = self.checkpoint_config, ctx.state
         args = (state, ctx.model, ctx.optimizer, ctx.opt_param_scheduler)
         resumed = bool(ck.load) and load_checkpoint(*args, ck.load, ck.finetune)
-        if not resumed and ck.pretrained_checkpoint and state.cfg.peft.peft == "none":
+        if not resumed and ck.pretrained_checkpoint and bare_model_weights(state.cfg) is None:
             load_checkpoint(*args, ck.pretrained_checkpoint, finetune=True)
         ts = state.train_state
         return ts.step, ts.floating_point_operations_so_far
@@ -1440,7 +1440,7 @@ SHAPE = {
     "padded_vocab_size": lambda cfg: getattr(cfg, "padded_vocab_size", None) or None,  # 0: not known (generate.py)
     "normalization": lambda cfg: cfg.model.normalization,
     "position_embedding_type": lambda cfg: cfg.model.position_embedding_type,
-    "swiglu": lambda cfg: cfg.model.swiglu,
+    "gated_linear_unit": lambda cfg: cfg.model.mlp_fields()["gated_linear_unit"],  # fc1 twice as tall
     "qk_layernorm": lambda cfg: cfg.model.qk_layernorm,
     "untie_embeddings_and_output_weights": lambda cfg: cfg.model.untie_embeddings_and_output_weights,
     "num_experts": lambda cfg: cfg.model.num_moe_experts or 0,  # 0: a dense model (Megatron-LM's None)
@@ -1459,13 +1459,17 @@ def saved_shape(settings: dict, name: str):
     if name in ("num_experts", "moe_shared_expert_intermediate_size"):  # None there: none (Bridge: num_moe_experts)
         key = "num_moe_experts" if name == "num_experts" and name not in settings else name
         return (settings.get(key) or 0) if key in settings else None
+    if name == "gated_linear_unit" and name not in settings:  # Megatron-LM's `args` name its switches (Bridge: the field)
+        switches = [settings[k] for k in ("swiglu", "quick_geglu") if k in settings]
+        return any(switches) if switches else None
     if name == "padded_vocab_size":  # 0: not recorded (a merged or imported checkpoint names no tokenizer padding)
         return settings.get(name) or None
     return settings.get(name)
 
 
 def _shape_flag(name: str) -> str:
-    return "the padded vocabulary" if name == "padded_vocab_size" else "--" + name.replace("_", "-")
+    words = {"padded_vocab_size": "the padded vocabulary", "gated_linear_unit": "a gated MLP (--swiglu, --quick-geglu)"}
+    return words.get(name, "--" + name.replace("_", "-"))
 
 
 def saved_settings(directory: str, common: dict) -> tuple:
@@ -1561,23 +1565,45 @@ def check_optimizer_kind(cfg, directory: str, settings: dict, saved_format: str)
                               f"its weights with a fresh optimizer")
 
 
+def format_on_disk(directory: str) -> tuple:
+    """(the format a checkpoint directory was saved in, torch.distributed.checkpoint's common state or None)."""
+    if os.path.isfile(os.path.join(directory, "metadata.json")):  # megatron-core's dist_checkpointing
+        return "torch_dist", None
+    if _is_torch_dist(directory) and os.path.isfile(os.path.join(directory, ".metadata")):
+        common = _dcp_common(directory)  # no metadata.json, no mp_rank_*: torch.distributed.checkpoint's own
+        return dcp_format(directory, common), common
+    return "torch", None
+
+
+def bare_model_weights(cfg) -> Optional[str]:
+    """The checkpoint whose weights go into the model before DDP or FSDP wraps it, or None. A PEFT run's base weights
+    (the adapters, the wrapper and the optimizer then see only the adapters). An FSDP run's --pretrained-checkpoint
+    in a format its own load does not read (a DDP run's torch_dist under Megatron FSDP, hf.py import's): read as one
+    process reads it, then sharded by the wrap. Not when --load resumes the run."""
+    ck = cfg.checkpoint
+    if cfg.peft.peft != "none":
+        return ck.pretrained_checkpoint
+    fsdp = cfg.ddp.use_megatron_fsdp or cfg.dist.use_torch_fsdp2
+    if not (fsdp and ck.pretrained_checkpoint) or (ck.load and resolve_load_dir(ck.load, ck.ckpt_step)):
+        return None
+    directory = resolve_load_dir(ck.pretrained_checkpoint)
+    return ck.pretrained_checkpoint if directory and format_on_disk(directory)[0] != ck.ckpt_format else None
+
+
 def saved_format_of(cfg, directory: str, model, finetune: bool) -> tuple:
     """(the checkpoint's format, torch.distributed.checkpoint's common state or None), once it is one this run reads;
     else one line that says how to read it."""
     ck = cfg.checkpoint
-    saved_format = "torch_dist" if os.path.isfile(os.path.join(directory, "metadata.json")) else "torch"
-    dcp_common = None
-    if saved_format == "torch" and _is_torch_dist(directory) and os.path.isfile(os.path.join(directory, ".metadata")):
-        dcp_common = _dcp_common(directory)  # no metadata.json, no mp_rank_*: torch.distributed.checkpoint's own
-        saved_format = dcp_format(directory, dcp_common)
+    saved_format, dcp_common = format_on_disk(directory)
     sharded_model = fsdp_kind(model)
     if saved_format in DCP_FORMATS and not sharded_model and not finetune:
         raise CheckpointError(f"{directory}: saved in {saved_format} format, which resumes under "
                               f"{DCP_FLAG[saved_format]}; add it, or read only its weights with --pretrained-checkpoint")
-    if saved_format != ck.ckpt_format and (sharded_model or saved_format not in DCP_FORMATS):
+    bare_fsdp = finetune and not sharded_model and (cfg.ddp.use_megatron_fsdp or cfg.dist.use_torch_fsdp2)
+    if saved_format != ck.ckpt_format and (sharded_model or saved_format not in DCP_FORMATS) and not bare_fsdp:
         fix = (f"pass --ckpt-format {saved_format}" if not sharded_model and saved_format not in DCP_FORMATS else
-               f"{sharded_model} reads {ck.ckpt_format}: read only its weights into a run without it "
-               f"(--pretrained-checkpoint), and save them there" if saved_format not in DCP_FORMATS else
+               f"{sharded_model} reads {ck.ckpt_format}: start from its weights with --pretrained-checkpoint"
+               if saved_format not in DCP_FORMATS else
                f"it resumes under {DCP_FLAG[saved_format]}")
         raise CheckpointError(f"{directory}: saved in {saved_format} format but this run uses --ckpt-format "
                               f"{ck.ckpt_format}; {fix}")

@@ -255,10 +255,11 @@ def setup(cfg: ConfigContainer):
                   f"{parallel_state.get_pipeline_model_parallel_rank()}): "
                   f"{sum(p.numel() for chunk in model for p in chunk.parameters())}", flush=True)
         ck = cfg.checkpoint
+        # In this order: weights the wrapped model does not read into the bare model (PEFT's base weights, an FSDP
+        # run's start from torch_dist), then the adapters (all else frozen), then DDP or FSDP and the optimizer.
+        if bare := checkpoint.bare_model_weights(cfg):
+            checkpoint.load_checkpoint(state, model, None, None, bare, finetune=True)
         if cfg.peft.peft != "none":
-            # In this order: the base weights into the bare model, then the adapters (all else frozen), then DDP
-            # and the optimizer, which see the adapters only.
-            checkpoint.load_checkpoint(state, model, None, None, ck.pretrained_checkpoint, finetune=True)
             peft.apply_peft(cfg, model)
             trainable, total = peft.parameter_counts(model)
             cfg.trainable_fraction = trainable / total

@@ -224,6 +224,11 @@ def _drop_from_index(directory, prefix: str) -> None:
     # every setting that changes a tensor's shape, from one list (checkpoint.SHAPE)
     ("none", ["--num-query-groups", "2"], r"saved by another model shape: --num-query-groups 4 \(this run: 2\);"),
     ("none", ["--kv-channels", "8"], r"saved by another model shape: --kv-channels 16 \(this run: 8\);"),
+    # resumed under Megatron FSDP (its weights start one with --pretrained-checkpoint: tests/test_fsdp.py)
+    ("none", ["--use-megatron-fsdp"], r"saved in torch_dist format but this run uses --ckpt-format fsdp_dtensor; "
+                                      r"--use-megatron-fsdp reads fsdp_dtensor: start from its weights with "
+                                      r"--pretrained-checkpoint$"),
+    ("none", ["--quick-geglu"], r"saved by another model shape: a gated MLP \(--swiglu, --quick-geglu\) False \(this run: True\)"),
     ("none", ["--normalization", "RMSNorm"], r"--normalization LayerNorm \(this run: RMSNorm\)"),
     ("none", ["--position-embedding-type", "rope"], r"--position-embedding-type learned_absolute \(this run: rope\)"),
     ("none", ["--make-vocab-size-divisible-by", "256"],

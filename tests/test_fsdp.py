@@ -8,7 +8,7 @@ Each run starts from the seed (every data-parallel replica draws the same weight
 DTensor norm on the FSDP main weights) and the validation loss at every iteration, from TensorBoard. Each layout's
 checkpoint of 4 then resumes bitwise; one saved at DP=2 resumes at DP=1 and DP=4 (and with another strategy) with the
 one process's numbers; one process without FSDP reads its weights (generate.py, hf.py export, --pretrained-checkpoint),
-at TP=1 and TP=2. Bitwise resumes with Megatron-LM's default dropout and kill -9 mid-save are test_restarts'.
+at TP=1 and TP=2; a run without FSDP's torch_dist checkpoint starts each FSDP (--pretrained-checkpoint). Bitwise resumes with Megatron-LM's default dropout and kill -9 mid-save are test_restarts'.
 The models vary what a single model would pin: FSDP2's has the per-token loss and a position table of 65 rows (a
 first dimension DP 2 and 4 do not divide), the LLaMA-like one SwiGLU (resumed at another TP) and the per-token loss;
 bf16 runs with Megatron FSDP's fp32 and auto gradients and FSDP2's, fp16 with Megatron FSDP's loss scale; each strategy
@@ -238,6 +238,26 @@ def test_a_run_without_fsdp_reads_the_weights_with_the_one_process_numbers(runs,
                            f"{runs.ckpt(source)}/iter_{SAVED:07d}", "--train-iters", "3") for source in (name, one))
     assert read["iterations"] == from_one["iterations"] == [1, 2, 3]
     conftest_assert_same(read, from_one, [1, 2, 3], METRICS[:3])
+
+
+# name: (ranks, flags), each started from its one-process run's torch_dist checkpoint of 4 (reference_of). hf.py
+# import writes the same format (tests/test_hf.py reads it back).
+STARTS = {"megatron_fsdp_from_torch_dist": (2, [*FSDP, "optim_grads_params"]),
+          "fsdp2_from_torch_dist": (2, FSDP2), "fsdp2_dcp_from_torch_dist": (2, [*FSDP2, "--ckpt-format", "torch_dcp"])}
+
+
+@pytest.mark.parametrize("name", [name if name == "megatron_fsdp_from_torch_dist" else
+                                  pytest.param(name, marks=pytest.mark.full) for name in STARTS])
+def test_a_torch_dist_checkpoint_starts_an_fsdp_run_with_the_one_process_numbers(runs, name):
+    """--pretrained-checkpoint of a run without FSDP (torch_dist, iteration 4) starts each FSDP: the weights read
+    into the bare model as one process reads them, then sharded by the wrap (checkpoint.bare_model_weights). Its first
+    3 iterations are those of one process started from the same weights (REORDERED)."""
+    nproc, flags = STARTS[name]
+    (source, one_flags), _ = reference_of(name), reference(runs, name)
+    start = ["--pretrained-checkpoint", f"{runs.ckpt(source)}/iter_{SAVED:07d}", "--train-iters", "3"]
+    fsdp, one = runs(name, nproc, *flags, *start), runs(f"{source}_read_tp1", 1, *one_flags, *start)
+    assert fsdp["iterations"] == one["iterations"] == [1, 2, 3]
+    conftest_assert_same(fsdp, one, [1, 2, 3], METRICS[:3])
 
 
 @pytest.mark.parametrize("name", ["dp2_optim_grads_params", "fsdp2_dcp_dp2", "llama_dp2"])

@@ -700,8 +700,7 @@ def check_sharding(cfg: ConfigContainer) -> None:
             "cannot save it (megatron/core/transformer/fsdp_dtensor_checkpoint.py:283); use optim or a sharding beyond")
     unproven = [(f"--pipeline-model-parallel-size {m.pipeline_model_parallel_size}", m.pipeline_model_parallel_size > 1),
                 (f"--expert-model-parallel-size {m.expert_model_parallel_size}", m.expert_model_parallel_size > 1),
-                ("--peft", cfg.peft.peft != "none"),
-                ("--eval-tasks", cfg.downstream.eval_tasks is not None)]
+                ("--peft", cfg.peft.peft != "none")]
     given = [flag for flag, on in unproven if on]
     require(not given, f"--use-megatron-fsdp with {given[0] if given else ''} is not proven equal to one process "
                        f"here yet; it runs with data, tensor and context parallelism (docs/model.md)")
@@ -731,7 +730,6 @@ def check_torch_fsdp2(cfg: ConfigContainer) -> None:
     c = cfg.checkpoint
     require(c.ckpt_format in ("torch_dist", "torch_dcp"), "--use-torch-fsdp2 requires --ckpt-format torch_dist or torch_dcp")
     unproven = [("--peft", cfg.peft.peft != "none"),
-                ("--eval-tasks", cfg.downstream.eval_tasks is not None),
                 (f"--optimizer {o.optimizer}", o.optimizer not in ("adam", "sgd"))]
     given = [flag for flag, on in unproven if on]
     require(not given, f"--use-torch-fsdp2 with {given[0] if given else ''} is not proven equal to one process here "

@@ -30,8 +30,8 @@ OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFL
 LOGLIKELIHOOD = 3e-3
 
 
-def samples(folder, task) -> list:
-    with open(folder / "iter_0000004" / f"{task}.jsonl") as fh:
+def samples(folder, task, iteration: int = 4) -> list:
+    with open(folder / f"iter_{iteration:07d}" / f"{task}.jsonl") as fh:
         return [json.loads(line) for line in fh]
 
 
@@ -206,6 +206,23 @@ def test_expert_parallel_ranks_score_the_one_process_accuracies(tmp_path, warm_t
     assert printed_scores(proc.stdout, "iteration 4") == printed_scores(one, "iteration 4")
     for task in TASKS:
         same_examples(samples(tmp_path / "ep2", task), samples(tmp_path / "one", task))
+
+
+@pytest.mark.parametrize("fsdp", ["--use-megatron-fsdp", pytest.param("--use-torch-fsdp2", marks=pytest.mark.full)])
+def test_each_fsdp_scores_the_one_process_accuracies(scored_run, warm_torchrun, fsdp, tmp_path):
+    """The one process's checkpoint of iteration 4 starts each FSDP on two ranks with nothing to train
+    (--pretrained-checkpoint: read into the bare model, then sharded; each forward gathers the shards): the scoring at
+    its iteration 0 prints the one process's figures, and each example's log-likelihoods are the one process's.
+    FSDP2 needs the untied output layer (Megatron-LM's rule), so its one process is another run."""
+    untied = ["--untie-embeddings-and-output-weights"] if fsdp == "--use-torch-fsdp2" else []
+    one = scored_run if not untied else dict(dir=tmp_path, stdout=train_here(
+        [*FLAGS, *untied, "--save", str(tmp_path / "ck"), "--eval-tasks-samples-dir", str(tmp_path / "samples")]))
+    proc = warm_torchrun([*FLAGS, *untied, fsdp, "--pretrained-checkpoint", str(one["dir"] / "ck"), "--train-iters", "0",
+                          "--eval-tasks-samples-dir", str(tmp_path / "fsdp")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert printed_scores(proc.stdout, "iteration 0") == printed_scores(one["stdout"], "iteration 4")
+    for task in TASKS:
+        same_examples(samples(tmp_path / "fsdp", task, 0), samples(one["dir"] / "samples", task))
 
 
 def refusal(argv, capsys) -> list:

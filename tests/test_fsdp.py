@@ -16,7 +16,7 @@ with both overlaps.
 Experts at EP=1, MTP, the z-loss and --log-l2-norm-grad under each FSDP are tests/test_layouts.py's drawn runs.
 Context parallelism (CP=2, alone and beside DP=2) under each FSDP.
 Not covered, and refused in one line by checks.check_sharding and check_torch_fsdp2: pipeline parallelism,
-EP > 1, experts under FSDP2, fp16 under FSDP2 (Megatron-LM's refusal), LoRA, downstream tasks, --async-save of
+EP > 1, experts under FSDP2, fp16 under FSDP2 (Megatron-LM's refusal), LoRA, --async-save of
 fsdp_dtensor and torch_dcp, and torch_dcp at TP > 1 (Megatron-LM's refusal)."""
 
 import pytest

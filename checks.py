@@ -698,8 +698,12 @@ def check_sharding(cfg: ConfigContainer) -> None:
     require(d.data_parallel_sharding_strategy != "no_shard" or not m.mlp_fields()["gated_linear_unit"],
             "--data-parallel-sharding-strategy no_shard with a gated MLP (--swiglu, --quick-geglu): megatron-core 0.19.2 "
             "cannot save it (megatron/core/transformer/fsdp_dtensor_checkpoint.py:283); use optim or a sharding beyond")
-    unproven = [(f"--pipeline-model-parallel-size {m.pipeline_model_parallel_size}", m.pipeline_model_parallel_size > 1),
-                (f"--expert-model-parallel-size {m.expert_model_parallel_size}", m.expert_model_parallel_size > 1),
+    # Megatron-LM lets it through and fails the same, at the wrap: the mesh is the world as DP x CP x EP x TP
+    require(m.pipeline_model_parallel_size == 1,
+            f"--use-megatron-fsdp with --pipeline-model-parallel-size {m.pipeline_model_parallel_size}: megatron-core "
+            f"0.19.2's Megatron FSDP lays the whole world out as DP x CP x EP x TP, without pipeline stages "
+            f"(megatron/core/distributed/fsdp/mcore_fsdp_adapter.py:561 fails at the wrap); drop one")
+    unproven = [(f"--expert-model-parallel-size {m.expert_model_parallel_size}", m.expert_model_parallel_size > 1),
                 ("--peft", cfg.peft.peft != "none")]
     given = [flag for flag, on in unproven if on]
     require(not given, f"--use-megatron-fsdp with {given[0] if given else ''} is not proven equal to one process "

@@ -703,11 +703,11 @@ def check_sharding(cfg: ConfigContainer) -> None:
             f"--use-megatron-fsdp with --pipeline-model-parallel-size {m.pipeline_model_parallel_size}: megatron-core "
             f"0.19.2's Megatron FSDP lays the whole world out as DP x CP x EP x TP, without pipeline stages "
             f"(megatron/core/distributed/fsdp/mcore_fsdp_adapter.py:561 fails at the wrap); drop one")
-    unproven = [(f"--expert-model-parallel-size {m.expert_model_parallel_size}", m.expert_model_parallel_size > 1),
-                ("--peft", cfg.peft.peft != "none")]
-    given = [flag for flag, on in unproven if on]
-    require(not given, f"--use-megatron-fsdp with {given[0] if given else ''} is not proven equal to one process "
-                       f"here yet; it runs with data, tensor and context parallelism (docs/model.md)")
+    require(cfg.peft.peft == "none", f"--use-megatron-fsdp with --peft {cfg.peft.peft}: PEFT saves the adapters alone, "
+                                     f"in torch_dist, and Megatron FSDP saves fsdp_dtensor only; use --use-torch-fsdp2")
+    require(m.expert_model_parallel_size == 1, f"--use-megatron-fsdp with --expert-model-parallel-size "
+                                               f"{m.expert_model_parallel_size} is not proven equal to one process here "
+                                               f"yet; it runs with data, tensor and context parallelism (docs/model.md)")
 
 
 def check_torch_fsdp2(cfg: ConfigContainer) -> None:
@@ -733,8 +733,7 @@ def check_torch_fsdp2(cfg: ConfigContainer) -> None:
                                    "does not load into FSDP2's shards (an invalid access pattern); use --use-megatron-fsdp")
     c = cfg.checkpoint
     require(c.ckpt_format in ("torch_dist", "torch_dcp"), "--use-torch-fsdp2 requires --ckpt-format torch_dist or torch_dcp")
-    unproven = [("--peft", cfg.peft.peft != "none"),
-                (f"--optimizer {o.optimizer}", o.optimizer not in ("adam", "sgd"))]
+    unproven = [(f"--optimizer {o.optimizer}", o.optimizer not in ("adam", "sgd"))]
     given = [flag for flag, on in unproven if on]
     require(not given, f"--use-torch-fsdp2 with {given[0] if given else ''} is not proven equal to one process here "
                        f"yet; it runs with data, tensor and context parallelism (docs/model.md)")

@@ -983,8 +983,8 @@ def bytes_per_parameter(config, expert: bool = False) -> tuple:
     weight = 2 if (m.bf16 or m.fp16) else 4
     if config.ddp.use_megatron_fsdp:
         return megatron_fsdp_bytes_per_parameter(config, weight), weight
-    if config.dist.use_torch_fsdp2:
-        return torch_fsdp2_bytes_per_parameter(config, weight), weight
+    if config.dist.use_torch_fsdp2:  # fully_shard shards the frozen weights (PEFT's) too
+        return torch_fsdp2_bytes_per_parameter(config, weight), weight / (config.data_parallel_size * m.context_parallel_size)
     gradient = 2 if weight == 2 and config.ddp.grad_reduce_in_fp32 is False else 4
     sharded = (4 if weight == 2 else 0) + (8 if o.optimizer == "adam" else 4)
     if not o.use_distributed_optimizer:

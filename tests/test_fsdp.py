@@ -15,8 +15,10 @@ bf16 runs with Megatron FSDP's fp32 and auto gradients and FSDP2's, fp16 with Me
 with both overlaps.
 Experts at EP=1, MTP, the z-loss and --log-l2-norm-grad under each FSDP are tests/test_layouts.py's drawn runs.
 Context parallelism (CP=2, alone and beside DP=2) under each FSDP.
+LoRA under FSDP2 is tests/test_peft.py's, downstream tasks under each FSDP tests/test_downstream.py's.
 Not covered, and refused in one line by checks.check_sharding and check_torch_fsdp2: pipeline parallelism (megatron-core's
-Megatron FSDP cannot lay it out), EP > 1, experts under FSDP2, fp16 under FSDP2 (Megatron-LM's refusal), LoRA, --async-save of
+Megatron FSDP cannot lay it out), EP > 1, experts under FSDP2, fp16 under FSDP2 (Megatron-LM's refusal), LoRA under
+Megatron FSDP, --async-save of
 fsdp_dtensor and torch_dcp, and torch_dcp at TP > 1 (Megatron-LM's refusal)."""
 
 import pytest
@@ -454,6 +456,9 @@ def test_a_checkpoint_of_another_model_is_one_line_unless_the_load_is_partial(ru
     (["--data-parallel-sharding-strategy", "no_shard", "--swiglu"], 2,
      "--data-parallel-sharding-strategy no_shard with a gated MLP (--swiglu, --quick-geglu): megatron-core 0.19.2 "
      "cannot save it"),
+    (["--peft", "lora", "--pretrained-checkpoint", "base"], 2, "--use-megatron-fsdp with --peft lora: PEFT saves the "
+                                                               "adapters alone, in torch_dist, and Megatron FSDP saves "
+                                                               "fsdp_dtensor only; use --use-torch-fsdp2"),
     (["--num-experts", "4", "--expert-model-parallel-size", "2"], 4,
      "--use-megatron-fsdp with --expert-model-parallel-size 2 is not proven"),
     # Megatron-LM asks for the format by name (arguments.py:1146); unset, it is derived here

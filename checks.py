@@ -733,7 +733,7 @@ def check_torch_fsdp2(cfg: ConfigContainer) -> None:
                                    "does not load into FSDP2's shards (an invalid access pattern); use --use-megatron-fsdp")
     c = cfg.checkpoint
     require(c.ckpt_format in ("torch_dist", "torch_dcp"), "--use-torch-fsdp2 requires --ckpt-format torch_dist or torch_dcp")
-    unproven = [(f"--optimizer {o.optimizer}", o.optimizer not in ("adam", "sgd"))]
+    unproven = [(f"--optimizer {o.optimizer}", o.optimizer not in ("adam", "sgd", "muon", "lion"))]
     given = [flag for flag, on in unproven if on]
     require(not given, f"--use-torch-fsdp2 with {given[0] if given else ''} is not proven equal to one process here "
                        f"yet; it runs with data, tensor and context parallelism (docs/model.md)")

@@ -309,6 +309,8 @@ def megatron_lm_args(cfg, ts) -> argparse.Namespace:
                 # Megatron-LM's --no-position-embedding switch (True unless given; inert under RoPE), which its loader
                 # compares with its own command line's (checkpointing.py:171, core_v0.19)
                 add_position_embedding=m.add_position_embedding,
+                # whether the MLP is gated, megatron-core's field: a fork's own activation sets it as --swiglu does
+                gated_linear_unit=m.mlp_fields()["gated_linear_unit"],
                 use_dist_ckpt=cfg.checkpoint.ckpt_format == "torch_dist",
                 # an emerging optimizer's --use-distributed-optimizer, as Megatron-LM's validation turns it into
                 # megatron-core's layer-wise optimizer (arguments.py:1679-1681, core_v0.19)
@@ -1459,7 +1461,7 @@ def saved_shape(settings: dict, name: str):
     if name in ("num_experts", "moe_shared_expert_intermediate_size"):  # None there: none (Bridge: num_moe_experts)
         key = "num_moe_experts" if name == "num_experts" and name not in settings else name
         return (settings.get(key) or 0) if key in settings else None
-    if name == "gated_linear_unit" and name not in settings:  # Megatron-LM's `args` name its switches (Bridge: the field)
+    if name == "gated_linear_unit" and name not in settings:  # Megatron-LM's `args` name its switches (ours, Bridge's: the field)
         switches = [settings[k] for k in ("swiglu", "quick_geglu") if k in settings]
         return any(switches) if switches else None
     if name == "padded_vocab_size":  # 0: not recorded (a merged or imported checkpoint names no tokenizer padding)

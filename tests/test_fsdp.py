@@ -458,6 +458,8 @@ def test_fsdp2_steps_muon_and_lion_as_one_process_and_resumes_them_bitwise(tmp_p
     fsdp2 = {l[0]: l[3] for l in log_lines(proc.stdout)}
     assert sorted(fsdp2) == sorted(one) == list(range(1, 7))
     for it, loss in fsdp2.items():
+        # REORDERED: the same fp32 updates, the data-parallel sums (and Muon's Newton-Schulz products over DTensor
+        # shards) grouped otherwise. Pinned: fp32 and dropout 0 (bf16 is the layouts'; a rank draws its own dropout)
         assert loss == pytest.approx(one[it], rel=REORDERED), it
     resumed = warm_torchrun([*flags, "--use-torch-fsdp2", "--load", str(tmp_path / "ck"), "--ckpt-step", "3"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]

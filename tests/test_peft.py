@@ -193,7 +193,7 @@ def test_lora_under_fsdp2_gives_the_one_process_losses_and_resumes_bitwise(tmp_p
     """LoRA under torch FSDP2 at DP=2: the base weights read into the bare model, the adapters added, then fully_shard
     over both (the frozen weights sharded too). Its losses are the one process's (REORDERED); its adapters-only
     checkpoint of 3 resumes to the bit. Not covered: Megatron FSDP, refused (its fsdp_dtensor save is not filtered to
-    the adapters)."""
+    the adapters); bf16 and dropout (pinned fp32 and 0, as test_fsdp's layouts: a rank draws its own dropout)."""
     from conftest import train_here
 
     train_here([*UNTIED, "--train-iters", "6", "--save", str(tmp_path / "base")])
